@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv, installs tessera_rt[dev], and runs the whole suite: single-process tests,
+# the CUDA sources compiled by NVRTC/ptxas, the Numba simulator, and every multi-rank test
+# under mpiexec at 1, 2, 3 and 4 ranks.  Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "$0")/_venv.sh"
+ensure_venv dev
+# torch is optional: the CPU wheel lets a few tests compare against torch (they skip without it)
+if [ "${TESSERA_SKIP_TORCH:-0}" != 1 ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0 2>/dev/null \
+    || echo "note: torch==2.13.0 is not installable here; the optional torch comparisons will skip"
+fi
+cd "$ROOT"
+export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# the outer timeout is the last backstop; each test and each mpiexec launch has its own
+exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,15 @@
+"""tessera_rt: the Tessera programming model as an eager runtime.
+
+Tile kernels on CuPy/Numba (NumPy on the CPU), device meshes, sharded tensors and
+collectives as first-class operations, launched with ``tessera-run`` / ``mpirun``.
+
+    import tessera_rt as ts
+    from tessera_rt import dist, runtime as rt
+"""
+from . import backend, dtypes, runtime
+from . import dist
+from .backend import get_backend
+from .dtypes import resolve_dtype
+
+__version__ = "0.1.0"
+__all__ = ["backend", "dtypes", "runtime", "dist", "get_backend", "resolve_dtype", "__version__"]

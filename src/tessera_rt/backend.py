@@ -1,0 +1,332 @@
+"""The backend: an array module, streams and events, a buffer pool and a kernel table.
+
+Picked once per process: CuPy on a usable GPU, NumPy otherwise; ``TESSERA_DEVICE=cpu|cuda``
+overrides.  CuPy is imported only when the cuda backend is chosen, so a CPU install never
+needs it.  Everything above this module asks ``get_backend()`` instead of branching on
+"is this a GPU".
+
+A CPU stream is a real object with the GPU stream's API.  Work on it runs in submission
+order: host work runs at once, and non-blocking MPI requests issued on it stay pending
+until something waits on the stream or on an event recorded after them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = [
+    "Backend", "BackendUnavailable", "get_backend", "reset_backend",
+    "CpuStream", "CpuEvent", "HostBufferPool", "register_kernel",
+]
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested device cannot be used; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- CPU streams
+
+class CpuEvent:
+    """A point in a CPU stream: done when every request issued before it has finished."""
+
+    __slots__ = ("_pending", "time")
+
+    def __init__(self, pending: tuple = ()):
+        self._pending = pending
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        for work in self._pending:
+            work.wait_done()
+        self._pending = ()
+
+    def query(self) -> bool:
+        return all(work.test() for work in self._pending)
+
+    def elapsed_ms(self, end: "CpuEvent") -> float:
+        end.synchronize()
+        return (end.time - self.time) * 1e3
+
+
+class CpuStream:
+    """In-order CPU work queue with the CUDA stream API (record, wait_event, synchronize)."""
+
+    def __init__(self, name: str = "compute"):
+        self.name = name
+        self._pending: list = []
+
+    def __repr__(self) -> str:
+        return f"CpuStream({self.name!r}, pending={len(self._pending)})"
+
+    @property
+    def ptr(self) -> int:
+        return 0
+
+    def enqueue(self, work) -> None:
+        """Track a request issued on this stream (anything with test() and wait_done())."""
+        if self._pending:
+            self._pending = [w for w in self._pending if not w.test()]
+        self._pending.append(work)
+
+    def record(self) -> CpuEvent:
+        event = CpuEvent(tuple(self._pending))
+        return event
+
+    def wait_event(self, event: CpuEvent) -> None:
+        # A CPU stream orders work by finishing what the event covers.
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait_done()
+
+    def query(self) -> bool:
+        return all(w.test() for w in self._pending)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class CudaEvent:
+    __slots__ = ("_event",)
+
+    def __init__(self, event):
+        self._event = event
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def query(self) -> bool:
+        return self._event.done
+
+    def elapsed_ms(self, end: "CudaEvent") -> float:
+        import cupy
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(self._event, end._event)
+
+
+class CudaStream:
+    """A non-blocking CuPy stream; ``with stream:`` makes it CuPy's current stream."""
+
+    def __init__(self, name: str = "compute"):
+        import cupy
+        self.name = name
+        self._cupy = cupy
+        self.raw = cupy.cuda.Stream(non_blocking=True)
+
+    def __repr__(self) -> str:
+        return f"CudaStream({self.name!r}, ptr={self.raw.ptr:#x})"
+
+    @property
+    def ptr(self) -> int:
+        return self.raw.ptr
+
+    def enqueue(self, work) -> None:
+        return None  # the CUDA stream itself keeps order
+
+    def record(self) -> CudaEvent:
+        event = self._cupy.cuda.Event(block=False, disable_timing=False)
+        event.record(self.raw)
+        return CudaEvent(event)
+
+    def wait_event(self, event: CudaEvent) -> None:
+        self.raw.wait_event(event._event)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return self.raw.done
+
+    def __enter__(self):
+        self.raw.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.raw.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------- buffer pool
+
+class HostBufferPool:
+    """Reuses host blocks once every view of them is gone (seed 004's persistent buffers).
+
+    A fresh multi-MiB NumPy array is page-faulted in on first touch, which costs more than
+    moving it over shared memory.  The pool keeps released blocks mapped.  A block is free
+    when the pool holds the only reference to it: every array handed out is a view whose
+    ``.base`` is the block, so a live view (or an in-flight request holding one) keeps it busy.
+    """
+
+    MIN_BYTES = 1 << 16          # below this NumPy's own small-block cache is as good
+    MAX_PER_CLASS = 8
+
+    def __init__(self, max_cached_bytes: int = 2 << 30):
+        self.max_cached_bytes = max_cached_bytes
+        self.cached_bytes = 0
+        self._blocks: dict[int, list[np.ndarray]] = defaultdict(list)
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        # Four classes per power of two: at most 25% slack.
+        step = max(4096, 1 << max(0, nbytes.bit_length() - 3))
+        return -(-nbytes // step) * step
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return np.empty(shape, dtype)
+        size = self._size_class(nbytes)
+        blocks = self._blocks[size]
+        for block in blocks:
+            # refs: the list, the loop variable, getrefcount's argument
+            if sys.getrefcount(block) == 3:
+                return block[:nbytes].view(dtype).reshape(shape)
+        block = np.empty(size, np.uint8)
+        if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
+            blocks.append(block)
+            self.cached_bytes += size
+        return block[:nbytes].view(dtype).reshape(shape)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.cached_bytes = 0
+
+
+# --------------------------------------------------------------------------- kernel table
+
+# op name -> {backend name -> implementation}; filled by tessera_rt.kernels at import.
+_KERNELS: dict[str, dict[str, Callable]] = defaultdict(dict)
+
+
+def register_kernel(op: str, device: str, fn: Callable | None = None):
+    """Register ``fn`` as ``op``'s implementation on ``device`` ("cpu" or "cuda").
+
+    Usable as a decorator: ``@register_kernel("softmax", "cpu")``.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"register_kernel: device must be 'cpu' or 'cuda', got {device!r}")
+
+    def put(f: Callable) -> Callable:
+        _KERNELS[op][device] = f
+        return f
+
+    return put(fn) if fn is not None else put
+
+
+# --------------------------------------------------------------------------- backend
+
+class Backend:
+    """An array module plus its streams, buffer pool and kernel table."""
+
+    def __init__(self, name: str, xp: Any, device_id: int | None = None):
+        self.name = name
+        self.xp = xp
+        self.device_id = device_id
+        self.is_gpu = name == "cuda"
+        self._stream_cls = CudaStream if self.is_gpu else CpuStream
+        self._pool = None if self.is_gpu else HostBufferPool()
+
+    def __repr__(self) -> str:
+        where = f", device={self.device_id}" if self.is_gpu else ""
+        return f"Backend({self.name!r}{where})"
+
+    # devices -------------------------------------------------------------
+    def use_device(self, device_id: int) -> None:
+        """Make ``device_id`` current (GPU only; a no-op on CPU)."""
+        if self.is_gpu:
+            self.xp.cuda.Device(device_id).use()
+            self.device_id = device_id
+
+    def device_count(self) -> int:
+        return self.xp.cuda.runtime.getDeviceCount() if self.is_gpu else 0
+
+    # streams -------------------------------------------------------------
+    def new_stream(self, name: str):
+        return self._stream_cls(name)
+
+    def synchronize(self) -> None:
+        if self.is_gpu:
+            self.xp.cuda.Device().synchronize()
+
+    # arrays --------------------------------------------------------------
+    def empty(self, shape, dtype):
+        """A pooled, uninitialized array (CuPy's memory pool on GPU, HostBufferPool on CPU)."""
+        if self._pool is None:
+            return self.xp.empty(shape, dtype)
+        return self._pool.empty(shape, dtype)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return a.get() if self.is_gpu and hasattr(a, "get") else np.asarray(a)
+
+    def is_array(self, a) -> bool:
+        return isinstance(a, self.xp.ndarray)
+
+    # kernels -------------------------------------------------------------
+    def kernel(self, op: str) -> Callable:
+        """The implementation of ``op`` on this backend; the CPU reference if there is no GPU one."""
+        impls = _KERNELS.get(op)
+        if not impls:
+            raise KeyError(f"no kernel registered for op {op!r}; known ops: {sorted(_KERNELS)}")
+        fn = impls.get(self.name) or impls.get("cpu")
+        if fn is None:
+            raise KeyError(f"op {op!r} has no {self.name} kernel and no CPU reference")
+        return fn
+
+
+_BACKEND: Backend | None = None
+
+
+def _make_cuda_backend(explicit: bool) -> Backend | None:
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, CUDARuntimeError, missing driver
+        if explicit:
+            raise BackendUnavailable(
+                f"TESSERA_DEVICE=cuda but no usable GPU ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'cupy not importable'}); "
+                "install tessera_rt[cuda12] or [cuda13] on a GPU machine, or set TESSERA_DEVICE=cpu"
+            ) from None
+        return None
+    if count < 1:
+        if explicit:
+            raise BackendUnavailable("TESSERA_DEVICE=cuda but CUDA reports 0 devices; set TESSERA_DEVICE=cpu")
+        return None
+    return Backend("cuda", cupy, device_id=cupy.cuda.Device().id)
+
+
+def get_backend() -> Backend:
+    """The process's backend, chosen on first call."""
+    global _BACKEND
+    if _BACKEND is not None:
+        return _BACKEND
+    choice = os.environ.get("TESSERA_DEVICE", "").strip().lower()
+    if choice not in ("", "auto", "cpu", "cuda", "gpu"):
+        raise BackendUnavailable(f"TESSERA_DEVICE={choice!r}: use 'cpu' or 'cuda' (or leave it unset)")
+    backend = None
+    if choice in ("cuda", "gpu"):
+        backend = _make_cuda_backend(explicit=True)
+    elif choice in ("", "auto"):
+        backend = _make_cuda_backend(explicit=False)
+    _BACKEND = backend or Backend("cpu", np)
+    return _BACKEND
+
+
+def reset_backend() -> None:
+    """Forget the chosen backend (tests only: the next get_backend() chooses again)."""
+    global _BACKEND
+    _BACKEND = None

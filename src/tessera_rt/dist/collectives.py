@@ -1,0 +1,420 @@
+"""Collectives on arrays over a mesh-axis group (seed 002 §2.7, 003 §4.6, 004).
+
+    y = dist.all_reduce(x, axis="dp", op="sum")               # blocking, new (pooled) array
+    work = dist.all_gather(x, axis="tp", dim=-1, async_op=True)
+    ...                                                         # overlap compute here
+    y = work.wait()                                             # compute stream waits for it
+
+Each call checks its input on this rank before any communication, runs on its role's
+stream (``tp_collective`` for most, ``a2a`` for all_to_all; ``role=`` overrides), and is
+ordered against the ``compute`` stream with events.  ``dim`` picks the tensor dim that is
+split or gathered; ``sizes``/``split_sizes`` allow uneven parts, zero included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .. import runtime as rt
+from ..dtypes import dtype_name
+from .comm import REDUCE_OPS
+from .mesh import AxisGroup, current_mesh
+from .process_group import world
+
+__all__ = [
+    "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
+    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group",
+]
+
+
+# --------------------------------------------------------------------------- bookkeeping
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw/algbw factor: what each rank must move for ``op`` over ``n`` ranks."""
+    if n <= 1:
+        return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n}.get(op, 1.0)
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued: op, group, local shapes, and the bytes this rank sends."""
+    op: str
+    axis: str
+    group_size: int
+    shape: tuple
+    dtype: str
+    bytes_sent: int
+
+    def __str__(self) -> str:
+        return (f"{self.op}({self.axis}, n={self.group_size}) {self.dtype}{list(self.shape)} "
+                f"sends {self.bytes_sent} B")
+
+
+_TRACERS: list = []
+
+
+class trace_collectives:
+    """Record every collective this rank issues inside the block.
+
+        with dist.trace_collectives() as log:
+            y = x @ w
+        assert log.count("all_gather") == 0
+    """
+
+    def __init__(self):
+        self.records: list[CollectiveRecord] = []
+
+    def __enter__(self) -> "trace_collectives":
+        _TRACERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TRACERS.remove(self)
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for r in self.records if op is None or r.op == op)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+
+def _trace(op: str, g: AxisGroup, x, data_bytes: int) -> None:
+    sent = int(round(data_bytes * bus_factor(op, g.size)))
+    rec = CollectiveRecord(op, g.name, g.size, tuple(x.shape), dtype_name(x.dtype), sent)
+    for t in _TRACERS:
+        t.records.append(rec)
+
+
+class Work:
+    """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
+    the result."""
+
+    __slots__ = ("_event", "_result", "_then", "_done")
+
+    def __init__(self, event, result, then=None):
+        self._event = event
+        self._result = result
+        self._then = then
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            rt.stream("compute").wait_event(self._event)
+            if self._then is not None:
+                self._result = self._then()
+                self._then = None
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or self._event.query()
+
+
+# --------------------------------------------------------------------------- plumbing
+
+_WORLD_GROUP: list[AxisGroup] = []
+
+
+def world_group() -> AxisGroup:
+    """The group of every rank in the job (used when no mesh and no axis are given)."""
+    if not _WORLD_GROUP:
+        w = world()
+        _WORLD_GROUP.append(AxisGroup(("world",), tuple(range(w.size)), w.rank, w.communicator()))
+    return _WORLD_GROUP[0]
+
+
+def _group(mesh, axis, op: str) -> AxisGroup:
+    if mesh is None:
+        mesh = current_mesh()
+        if mesh is None:
+            if axis is None or axis == "world":
+                return world_group()
+            raise ValueError(f"rank {world().rank}: {op}(axis={axis!r}) on an array needs a mesh: "
+                             "pass mesh=, use `with mesh:`, or call dist.set_mesh(mesh)")
+    if axis is None:
+        axis = mesh.axes[0] if mesh.ndim == 1 else mesh.axes
+    elif isinstance(axis, list):
+        axis = tuple(axis)
+    if not mesh.is_member:
+        mesh._require_member(op)
+    return mesh.group(axis)
+
+
+def _where(op: str, g: AxisGroup, x) -> str:
+    return (f"rank {world().rank}: {op} over mesh axis {g.name!r} (group of {g.size}) "
+            f"on {dtype_name(x.dtype)}{list(x.shape)}")
+
+
+def _check_array(op: str, g: AxisGroup, x):
+    backend = world().backend
+    if not backend.is_array(x):
+        raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {backend.xp.__name__} array "
+                        f"on the {backend.name} backend, got {type(x).__name__}")
+    return x if x.flags.c_contiguous else backend.xp.ascontiguousarray(x)
+
+
+def _norm_dim(op: str, g: AxisGroup, x, dim: int) -> int:
+    if not -x.ndim <= dim < max(x.ndim, 1):
+        raise ValueError(f"{_where(op, g, x)}: dim={dim} is out of range for {x.ndim} dims")
+    return dim % x.ndim
+
+
+def _check_sizes(op, g, x, sizes, length, name) -> list[int]:
+    if sizes is None:
+        if length % g.size:
+            raise ValueError(
+                f"{_where(op, g, x)}: dim of length {length} does not split evenly over {g.size} ranks; "
+                f"pass {name}= with {g.size} part sizes adding up to {length} (uneven and zero parts are fine)")
+        return [length // g.size] * g.size
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != g.size or any(s < 0 for s in sizes) or sum(sizes) != length:
+        raise ValueError(f"{_where(op, g, x)}: {name}={sizes} must be {g.size} sizes >= 0 adding up to {length}")
+    return sizes
+
+
+def _out(op, g, x, out, shape, dtype):
+    if out is None:
+        return world().backend.empty(shape, dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{_where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
+                         f"got {dtype_name(out.dtype)}{list(out.shape)}")
+    return out
+
+
+def _front(x, dim: int):
+    """x with ``dim`` moved first, contiguous (a pooled copy when dim != 0)."""
+    if dim == 0:
+        return x
+    moved = world().backend.xp.moveaxis(x, dim, 0)
+    buf = world().backend.empty(moved.shape, x.dtype)
+    buf[...] = moved
+    return buf
+
+
+def _issue(g: AxisGroup, role: str, async_op: bool, run, result, then=None):
+    """Run ``run(stream, blocking)`` on the role's stream, ordered against compute."""
+    comm_on_gpu = world().backend.is_gpu
+    if not async_op and not comm_on_gpu:
+        run(None, True)                 # CPU, blocking: straight to MPI, nothing to order
+        return then() if then is not None else result
+    stream, compute = rt.stream(role), rt.stream("compute")
+    if comm_on_gpu and stream is not compute:
+        stream.wait_event(compute.record())          # inputs made on compute are ready
+    req = run(stream, not async_op)
+    if req is not None:
+        stream.enqueue(req)
+    event = stream.record()
+    if not async_op:
+        compute.wait_event(event)
+        return then() if then is not None else result
+    work = Work(event, result, then)
+    if not rt.overlaps(role):
+        work.wait()                                  # this role may not overlap compute
+    return work
+
+
+# --------------------------------------------------------------------------- collectives
+
+def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
+               role: str = "tp_collective"):
+    """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
+    ``out=x`` reduces in place."""
+    g = _group(mesh, axis, "all_reduce")
+    x = _check_array("all_reduce", g, x)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{_where('all_reduce', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
+    if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
+        raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
+    out = _out("all_reduce", g, x, out, x.shape, x.dtype)
+    if _TRACERS:
+        _trace("all_reduce", g, x, x.nbytes)
+    comm = g.comm
+    return _issue(g, role, async_op,
+                  lambda s, b: comm.all_reduce(x, out, op, blocking=b, stream=s), out)
+
+
+def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
+                   mesh=None, out=None, async_op: bool = False, role: str = "tp_collective"):
+    """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
+    ``sizes`` says otherwise)."""
+    g = _group(mesh, axis, "reduce_scatter")
+    x = _check_array("reduce_scatter", g, x)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{_where('reduce_scatter', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
+    dim = _norm_dim("reduce_scatter", g, x, dim)
+    sizes = _check_sizes("reduce_scatter", g, x, sizes, x.shape[dim], "sizes")
+    inner = math.prod(x.shape[:dim] + x.shape[dim + 1:])
+    mine = sizes[g.index]
+    shape = x.shape[:dim] + (mine,) + x.shape[dim + 1:]
+    src = _front(x, dim)
+    counts = [s * inner for s in sizes]
+    if _TRACERS:
+        _trace("reduce_scatter", g, x, x.nbytes)
+    comm = g.comm
+    if dim == 0:
+        out = _out("reduce_scatter", g, x, out, shape, x.dtype)
+        return _issue(g, role, async_op,
+                      lambda s, b: comm.reduce_scatter(src, out, counts, op, blocking=b, stream=s), out)
+    recv = world().backend.empty((mine,) + src.shape[1:], x.dtype)
+    out = _out("reduce_scatter", g, x, out, shape, x.dtype)
+
+    def then():
+        out[...] = world().backend.xp.moveaxis(recv, 0, dim)
+        return out
+    return _issue(g, role, async_op,
+                  lambda s, b: comm.reduce_scatter(src, recv, counts, op, blocking=b, stream=s), out, then)
+
+
+def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
+               async_op: bool = False, role: str = "tp_collective"):
+    """Concatenate every rank's ``x`` along ``dim`` in group order.  Ranks may hold different
+    lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
+    g = _group(mesh, axis, "all_gather")
+    x = _check_array("all_gather", g, x)
+    dim = _norm_dim("all_gather", g, x, dim)
+    if sizes is None:
+        sizes = [x.shape[dim]] * g.size
+    else:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
+            raise ValueError(f"{_where('all_gather', g, x)}: sizes={sizes} must list {g.size} lengths "
+                             f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
+    rest = x.shape[:dim] + x.shape[dim + 1:]
+    inner = math.prod(rest)
+    shape = x.shape[:dim] + (sum(sizes),) + x.shape[dim + 1:]
+    src = _front(x, dim)
+    counts = [s * inner for s in sizes]
+    if _TRACERS:
+        _trace("all_gather", g, x, math.prod(shape) * x.dtype.itemsize)
+    comm = g.comm
+    if dim == 0:
+        out = _out("all_gather", g, x, out, shape, x.dtype)
+        return _issue(g, role, async_op,
+                      lambda s, b: comm.all_gather(src, out, counts, blocking=b, stream=s), out)
+    recv = world().backend.empty((sum(sizes),) + src.shape[1:], x.dtype)
+    out = _out("all_gather", g, x, out, shape, x.dtype)
+
+    def then():
+        out[...] = world().backend.xp.moveaxis(recv, 0, dim)
+        return out
+    return _issue(g, role, async_op,
+                  lambda s, b: comm.all_gather(src, recv, counts, blocking=b, stream=s), out, then)
+
+
+def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
+               split_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None,
+               mesh=None, async_op: bool = False, role: str = "a2a"):
+    """Split ``x`` along ``split_dim`` into one part per rank, send part i to rank i, and
+    concatenate what arrives along ``concat_dim`` (default: ``split_dim``).
+
+    ``split_sizes`` gives uneven parts (zeros allowed).  ``recv_sizes[j]`` is the length
+    along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
+    exchanged first (one small extra all_to_all).
+    """
+    g = _group(mesh, axis, "all_to_all")
+    x = _check_array("all_to_all", g, x)
+    split_dim = _norm_dim("all_to_all", g, x, split_dim)
+    concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
+    n, xp = g.size, world().backend.xp
+    even = split_sizes is None
+    split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
+    if recv_sizes is None:
+        if even and concat_dim == split_dim:
+            recv_sizes = split_sizes
+        elif even:
+            recv_sizes = [x.shape[concat_dim]] * n
+        else:
+            mine = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
+            recv_sizes = g.comm.mpi.alltoall(mine)
+    else:
+        recv_sizes = [int(s) for s in recv_sizes]
+        if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
+            raise ValueError(f"{_where('all_to_all', g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
+    src = _front(x, split_dim)
+    rest = list(src.shape[1:])                       # dims after moving split_dim first
+    # where concat_dim sits among the dims that follow split_dim in ``src``
+    cpos = None if concat_dim == split_dim else concat_dim - (concat_dim > split_dim)
+    inner = math.prod(rest)
+    send_counts = [s * inner for s in split_sizes]
+    my_len = split_sizes[g.index]
+    if cpos is None:
+        part_shapes = [[r] + rest for r in recv_sizes]
+    else:
+        part_shapes = [[my_len] + rest[:cpos] + [r] + rest[cpos + 1:] for r in recv_sizes]
+    recv_counts = [math.prod(p) for p in part_shapes]
+    recv = world().backend.empty((sum(recv_counts),), x.dtype)
+    if _TRACERS:
+        _trace("all_to_all", g, x, x.nbytes)
+
+    def then():
+        if cpos is None:
+            full = recv.reshape([sum(recv_sizes)] + rest)
+            return xp.ascontiguousarray(xp.moveaxis(full, 0, split_dim)) if split_dim else full
+        parts, off = [], 0
+        for shp, c in zip(part_shapes, recv_counts):
+            parts.append(xp.moveaxis(recv[off:off + c].reshape(shp), 0, split_dim))
+            off += c
+        return xp.concatenate(parts, axis=concat_dim)
+
+    comm = g.comm
+    return _issue(g, role, async_op,
+                  lambda s, b: comm.all_to_all(src, recv, send_counts, recv_counts, blocking=b, stream=s),
+                  None, then)
+
+
+def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
+    """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
+    ``root`` is a position in the group, not a world rank."""
+    g = _group(mesh, axis, "broadcast")
+    if not world().backend.is_array(x) or not x.flags.c_contiguous:
+        raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
+                        f"{world().backend.xp.__name__} array, got {type(x).__name__}")
+    if not 0 <= root < g.size:
+        raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
+    if _TRACERS:
+        _trace("broadcast", g, x, x.nbytes if g.index == root else 0)
+    comm = g.comm
+    return _issue(g, role, async_op, lambda s, b: comm.broadcast(x, root, blocking=b, stream=s), x)
+
+
+def _peer(op, g, x, peer, name):
+    if not 0 <= peer < g.size or peer == g.index:
+        raise ValueError(f"{_where(op, g, x)}: {name}={peer} must be another position in the group "
+                         f"(0..{g.size - 1}, this rank is {g.index})")
+
+
+def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
+         role: str = "tp_collective"):
+    """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
+    g = _group(mesh, axis, "send")
+    x = _check_array("send", g, x)
+    _peer("send", g, x, dst, "dst")
+    if _TRACERS:
+        _trace("send", g, x, x.nbytes)
+    comm = g.comm
+    return _issue(g, role, async_op, lambda s, b: comm.send(x, dst, tag, blocking=b, stream=s), None)
+
+
+def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
+         role: str = "tp_collective"):
+    """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
+    g = _group(mesh, axis, "recv")
+    if not world().backend.is_array(x) or not x.flags.c_contiguous:
+        raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
+                        f"{world().backend.xp.__name__} array, got {type(x).__name__}")
+    _peer("recv", g, x, src, "src")
+    if _TRACERS:
+        _trace("recv", g, x, 0)
+    comm = g.comm
+    return _issue(g, role, async_op, lambda s, b: comm.recv(x, src, tag, blocking=b, stream=s), x)
+
+
+def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_collective"):
+    """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
+    g = _group(mesh, axis, "barrier")
+    comm = g.comm
+    return _issue(g, role, async_op, lambda s, b: comm.barrier(blocking=b, stream=s), None)

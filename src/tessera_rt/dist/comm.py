@@ -1,0 +1,385 @@
+"""Communicators: one per mesh-axis group, on flat contiguous buffers.
+
+Three kinds serve one interface:
+
+* ``MpiCommunicator``   NumPy buffers over an MPI communicator (the CPU path);
+* ``NcclCommunicator``  CuPy buffers over NCCL, issued on a CUDA stream;
+* ``HostStagedCommunicator`` CuPy buffers moved through host memory and MPI, for groups
+  NCCL cannot serve (several ranks sharing one GPU, or no NCCL library).
+
+Every method takes flat buffers and element counts; shapes, dims and layouts are the
+business of the layer above (``collectives``).  Non-blocking calls return a request with
+``test()`` and ``wait_done()`` (CPU) or ``None`` (GPU, where the stream orders the work).
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ..dtypes import dtype_name
+
+__all__ = [
+    "Communicator", "MpiCommunicator", "NcclCommunicator", "HostStagedCommunicator",
+    "REDUCE_OPS", "make_communicator",
+]
+
+REDUCE_OPS = ("sum", "max", "min", "avg")
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+# dtypes MPI reduces natively; others (bf16, fp8) are reduced in float32 and rounded once
+_MPI_REDUCIBLE = frozenset(np.dtype(t) for t in (
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+))
+
+
+def _displs(counts) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+class _MpiRequest:
+    """MPI request(s) plus a step to run once they finish (e.g. the avg division)."""
+
+    __slots__ = ("_reqs", "_then")
+
+    def __init__(self, reqs, then=None):
+        self._reqs = reqs
+        self._then = then
+
+    def test(self) -> bool:
+        if self._reqs is None:
+            return True
+        if MPI.Request.Testall(self._reqs):
+            self._finish()
+            return True
+        return False
+
+    def wait_done(self) -> None:
+        if self._reqs is not None:
+            MPI.Request.Waitall(self._reqs)
+            self._finish()
+
+    def _finish(self) -> None:
+        self._reqs = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+class Communicator:
+    """Interface shared by the three kinds.  ``rank``/``size`` are within the group."""
+
+    kind = "abstract"
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        self.mpi = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class MpiCommunicator(Communicator):
+    """NumPy buffers over MPI.  Blocking calls use MPI's blocking collectives (lowest latency)."""
+
+    kind = "mpi"
+
+    def __init__(self, mpi_comm: MPI.Comm, empty=np.empty):
+        super().__init__(mpi_comm)
+        self._empty = empty   # the backend's pooled allocator, for float32 staging buffers
+
+    # reductions ----------------------------------------------------------
+    def _staged_reduce(self, send, recv, run, op, blocking):
+        """Reduce dtypes MPI lacks (bf16, fp8) in float32, rounding once at the end."""
+        send32 = self._empty(send.shape, np.float32)
+        send32[...] = send
+        recv32 = self._empty(recv.shape, np.float32)
+        divide = self.size if op == "avg" else 1
+
+        def then():
+            if divide != 1:
+                recv32[...] /= divide
+            recv[...] = recv32
+
+        req = run(send32, recv32, blocking)
+        if blocking:
+            then()
+            return None
+        return _MpiRequest([req], then)
+
+    def _reduce(self, send, recv, op, blocking, blocking_fn, nonblocking_fn, extra=()):
+        if send.dtype not in _MPI_REDUCIBLE:
+            def run(s, r, blocking):
+                if blocking:
+                    blocking_fn(s, r, *extra, _MPI_OPS[op])
+                    return None
+                return nonblocking_fn(s, r, *extra, _MPI_OPS[op])
+            return self._staged_reduce(send, recv, run, op, blocking)
+        sendbuf = MPI.IN_PLACE if send is recv else send
+        then = None
+        if op == "avg":
+            size = self.size
+
+            def then():
+                recv[...] /= size
+        if blocking:
+            blocking_fn(sendbuf, recv, *extra, _MPI_OPS[op])
+            if then is not None:
+                then()
+            return None
+        return _MpiRequest([nonblocking_fn(sendbuf, recv, *extra, _MPI_OPS[op])], then)
+
+    def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        return self._reduce(send, recv, op, blocking, self.mpi.Allreduce, self.mpi.Iallreduce)
+
+    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
+        return self._reduce(send, recv, op, blocking, self.mpi.Reduce_scatter,
+                            self.mpi.Ireduce_scatter, extra=(list(counts),))
+
+    # data movement: dtype-agnostic, as bytes -------------------------------
+    def all_gather(self, send, recv, counts, blocking=True, stream=None):
+        item = send.dtype.itemsize
+        bcounts = [c * item for c in counts]
+        rspec = [recv.view(np.uint8), (bcounts, _displs(bcounts)), MPI.BYTE]
+        sspec = [send.view(np.uint8), MPI.BYTE]
+        if blocking:
+            self.mpi.Allgatherv(sspec, rspec)
+            return None
+        return _MpiRequest([self.mpi.Iallgatherv(sspec, rspec)])
+
+    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
+        item = send.dtype.itemsize
+        sc = [c * item for c in send_counts]
+        rc = [c * item for c in recv_counts]
+        sspec = [send.view(np.uint8), (sc, _displs(sc)), MPI.BYTE]
+        rspec = [recv.view(np.uint8), (rc, _displs(rc)), MPI.BYTE]
+        if blocking:
+            self.mpi.Alltoallv(sspec, rspec)
+            return None
+        return _MpiRequest([self.mpi.Ialltoallv(sspec, rspec)])
+
+    def broadcast(self, buf, root, blocking=True, stream=None):
+        spec = [buf.view(np.uint8), MPI.BYTE]
+        if blocking:
+            self.mpi.Bcast(spec, root=root)
+            return None
+        return _MpiRequest([self.mpi.Ibcast(spec, root=root)])
+
+    def send(self, buf, peer, tag=0, blocking=True, stream=None):
+        spec = [buf.view(np.uint8), MPI.BYTE]
+        if blocking:
+            self.mpi.Send(spec, dest=peer, tag=tag)
+            return None
+        return _MpiRequest([self.mpi.Isend(spec, dest=peer, tag=tag)])
+
+    def recv(self, buf, peer, tag=0, blocking=True, stream=None):
+        spec = [buf.view(np.uint8), MPI.BYTE]
+        if blocking:
+            self.mpi.Recv(spec, source=peer, tag=tag)
+            return None
+        return _MpiRequest([self.mpi.Irecv(spec, source=peer, tag=tag)])
+
+    def barrier(self, blocking=True, stream=None):
+        if blocking:
+            self.mpi.Barrier()
+            return None
+        return _MpiRequest([self.mpi.Ibarrier()])
+
+
+class HostStagedCommunicator(Communicator):
+    """Device buffers moved through host memory and MPI, for groups NCCL cannot serve.
+
+    Each call copies device->host on the given stream, runs the MPI call, and copies back;
+    the MPI part completes before the call returns, so the non-blocking form gives no
+    overlap on this path (it is a fallback for correctness, not speed).
+    """
+
+    kind = "host"
+
+    def __init__(self, mpi_comm: MPI.Comm, to_host, to_device):
+        super().__init__(mpi_comm)
+        self._mpi = MpiCommunicator(mpi_comm)
+        self._to_host = to_host          # (device_array, stream) -> numpy array
+        self._to_device = to_device      # (numpy array, device_array, stream) -> None
+
+    def _staged(self, method, send, recv, *args, stream=None):
+        hsend = self._to_host(send, stream)
+        hrecv = hsend if recv is send else np.empty(recv.shape, recv.dtype)
+        getattr(self._mpi, method)(hsend, hrecv, *args, blocking=True)
+        self._to_device(hrecv, recv, stream)
+        return None
+
+    def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        return self._staged("all_reduce", send, recv, op, stream=stream)
+
+    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
+        return self._staged("reduce_scatter", send, recv, counts, op, stream=stream)
+
+    def all_gather(self, send, recv, counts, blocking=True, stream=None):
+        return self._staged("all_gather", send, recv, counts, stream=stream)
+
+    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
+        return self._staged("all_to_all", send, recv, send_counts, recv_counts, stream=stream)
+
+    def broadcast(self, buf, root, blocking=True, stream=None):
+        hbuf = self._to_host(buf, stream)
+        self._mpi.broadcast(hbuf, root)
+        self._to_device(hbuf, buf, stream)
+
+    def send(self, buf, peer, tag=0, blocking=True, stream=None):
+        self._mpi.send(self._to_host(buf, stream), peer, tag)
+
+    def recv(self, buf, peer, tag=0, blocking=True, stream=None):
+        hbuf = np.empty(buf.shape, buf.dtype)
+        self._mpi.recv(hbuf, peer, tag)
+        self._to_device(hbuf, buf, stream)
+
+    def barrier(self, blocking=True, stream=None):
+        if stream is not None:
+            stream.synchronize()
+        self._mpi.barrier()
+
+
+# NCCL's ncclDataType_t / ncclRedOp_t values (stable across NCCL 2.x releases)
+_NCCL_DTYPES = {
+    np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int32): 2, np.dtype(np.uint32): 3,
+    np.dtype(np.int64): 4, np.dtype(np.uint64): 5, np.dtype(np.float16): 6,
+    np.dtype(np.float32): 7, np.dtype(np.float64): 8,
+}
+try:
+    import ml_dtypes
+    _NCCL_DTYPES[np.dtype(ml_dtypes.bfloat16)] = 9
+except ImportError:  # pragma: no cover - ml-dtypes is a base dependency
+    pass
+_NCCL_UINT8 = 1
+_NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "avg": 4}
+
+
+class NcclCommunicator(Communicator):
+    """CuPy buffers over NCCL; every call is enqueued on ``stream`` and returns at once."""
+
+    kind = "nccl"
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        super().__init__(mpi_comm)
+        from cupy.cuda import nccl
+        self._nccl = nccl
+        # rank 0 of the group makes the id; MPI carries it to the others
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = mpi_comm.bcast(uid, root=0)
+        self.raw = nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    @staticmethod
+    def _reduce_type(a) -> int:
+        try:
+            return _NCCL_DTYPES[a.dtype]
+        except KeyError:
+            raise TypeError(
+                f"NCCL cannot reduce {dtype_name(a.dtype)}; cast to float32 or bf16 before the reduction"
+            ) from None
+
+    def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        self.raw.allReduce(send.data.ptr, recv.data.ptr, send.size, self._reduce_type(send),
+                           _NCCL_OPS[op], stream.ptr)
+
+    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
+        dtype, nop = self._reduce_type(send), _NCCL_OPS[op]
+        if len(set(counts)) == 1:
+            self.raw.reduceScatter(send.data.ptr, recv.data.ptr, counts[0], dtype, nop, stream.ptr)
+            return
+        # uneven parts: one reduce per root, grouped so NCCL schedules them together
+        item = send.dtype.itemsize
+        self._nccl.groupStart()
+        for root, (count, off) in enumerate(zip(counts, _displs(counts))):
+            dst = recv.data.ptr if root == self.rank else send.data.ptr + off * item
+            self.raw.reduce(send.data.ptr + off * item, dst, count, dtype, nop, root, stream.ptr)
+        self._nccl.groupEnd()
+
+    def all_gather(self, send, recv, counts, blocking=True, stream=None):
+        item = send.dtype.itemsize
+        if len(set(counts)) == 1:
+            self.raw.allGather(send.data.ptr, recv.data.ptr, counts[0] * item, _NCCL_UINT8, stream.ptr)
+            return
+        self._nccl.groupStart()
+        for root, (count, off) in enumerate(zip(counts, _displs(counts))):
+            dst = recv.data.ptr + off * item
+            src = send.data.ptr if root == self.rank else dst
+            self.raw.broadcast(src, dst, count * item, _NCCL_UINT8, root, stream.ptr)
+        self._nccl.groupEnd()
+
+    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
+        item = send.dtype.itemsize
+        self._nccl.groupStart()
+        for peer, (sc, so, rc, ro) in enumerate(zip(send_counts, _displs(send_counts),
+                                                    recv_counts, _displs(recv_counts))):
+            if sc:
+                self.raw.send(send.data.ptr + so * item, sc * item, _NCCL_UINT8, peer, stream.ptr)
+            if rc:
+                self.raw.recv(recv.data.ptr + ro * item, rc * item, _NCCL_UINT8, peer, stream.ptr)
+        self._nccl.groupEnd()
+
+    def broadcast(self, buf, root, blocking=True, stream=None):
+        self.raw.broadcast(buf.data.ptr, buf.data.ptr, buf.nbytes, _NCCL_UINT8, root, stream.ptr)
+
+    def send(self, buf, peer, tag=0, blocking=True, stream=None):
+        self.raw.send(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
+
+    def recv(self, buf, peer, tag=0, blocking=True, stream=None):
+        self.raw.recv(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
+
+    def barrier(self, blocking=True, stream=None):
+        # NCCL has no barrier; the MPI group orders the hosts once the stream is drained
+        if stream is not None:
+            stream.synchronize()
+        self.mpi.Barrier()
+
+    def abort(self) -> None:
+        self.raw.abort()
+
+
+def _gpu_shared(mpi_comm: MPI.Comm, device_id: int) -> bool:
+    """True when two ranks of this group drive the same GPU (NCCL rejects that)."""
+    seats = mpi_comm.allgather((MPI.Get_processor_name(), device_id))
+    return len(set(seats)) != len(seats)
+
+
+def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communicator:
+    """The communicator kind for ``backend`` on this group (collective over ``mpi_comm``).
+
+    ``prefer`` (or ``TESSERA_COMM``) forces "mpi", "nccl" or "host" where that kind can serve.
+    """
+    if not backend.is_gpu:
+        if prefer in ("nccl", "host"):
+            raise ValueError(f"TESSERA_COMM={prefer} needs the cuda backend; this process runs on cpu")
+        return MpiCommunicator(mpi_comm, empty=backend.empty)
+    shared = _gpu_shared(mpi_comm, backend.device_id)
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+        have_nccl = nccl.available if hasattr(nccl, "available") else True
+    except ImportError:
+        have_nccl = False
+    # every rank must pick the same kind: decide from values all ranks share
+    use_nccl = prefer not in ("host", "mpi") and have_nccl and not shared
+    use_nccl = mpi_comm.allreduce(int(use_nccl), op=MPI.MIN) == 1
+    if prefer == "nccl" and not use_nccl:
+        raise ValueError("TESSERA_COMM=nccl but NCCL cannot serve this group "
+                         f"({'ranks share a GPU' if shared else 'cupy.cuda.nccl is not available'})")
+    if use_nccl:
+        return NcclCommunicator(mpi_comm)
+
+    def to_host(a, stream):
+        h = a.get(stream=stream.raw if stream is not None else None)
+        if stream is not None:
+            stream.synchronize()   # the copy may be asynchronous; MPI reads it next
+        return h
+
+    def to_device(h, a, stream):
+        a.set(h, stream=stream.raw if stream is not None else None)
+        if stream is not None:
+            stream.synchronize()
+
+    return HostStagedCommunicator(mpi_comm, to_host, to_device)

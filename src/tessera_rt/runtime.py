@@ -1,0 +1,109 @@
+"""Streams per role and the overlap policy (seed 000 §3.3, §4.4).
+
+Four roles by default: ``compute`` (kernels), ``tp_collective`` (tensor-parallel
+collectives), ``a2a`` (MoE all-to-all) and ``io`` (checkpoints, prefetch).  The stream map
+assigns each role a slot; roles that share a slot share one stream.  ``enable_overlap``
+names the role pairs that may run at the same time; a collective role not paired with
+``compute`` is serialized with it (compute waits for each of its collectives at once).
+
+    rt.set_stream_map({"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3})
+    rt.enable_overlap([("a2a", "compute"), ("tp_collective", "compute")])
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .backend import get_backend
+
+__all__ = [
+    "ROLES", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
+    "disable_overlap", "overlaps", "synchronize", "reset",
+]
+
+ROLES = ("compute", "tp_collective", "a2a", "io")
+_DEFAULT_MAP = {"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3}
+
+_stream_map: dict[str, int] = dict(_DEFAULT_MAP)
+_slots: dict[int, object] = {}            # slot -> Stream, created on first use
+_role_streams: dict[str, object] = {}     # role -> Stream, the hot-path cache
+# None means "every role overlaps with every other" (the default).
+_overlap: set[frozenset] | None = None
+
+
+def set_stream_map(mapping: dict[str, int]) -> None:
+    """Assign roles to stream slots; roles not named keep their slot; new role names are added."""
+    for role, slot in mapping.items():
+        if not isinstance(role, str) or not isinstance(slot, int) or slot < 0:
+            raise ValueError(
+                f"set_stream_map: expected {{role: slot>=0}}, got {role!r}: {slot!r}; "
+                f"roles are {sorted(_stream_map)} (new names are allowed)"
+            )
+    synchronize()
+    _stream_map.update(mapping)
+    _role_streams.clear()
+
+
+def stream_map() -> dict[str, int]:
+    return dict(_stream_map)
+
+
+def stream(role: str = "compute"):
+    """The stream that serves ``role``."""
+    s = _role_streams.get(role)
+    if s is not None:
+        return s
+    try:
+        slot = _stream_map[role]
+    except KeyError:
+        raise ValueError(f"unknown stream role {role!r}; roles are {sorted(_stream_map)}") from None
+    s = _slots.get(slot)
+    if s is None:
+        s = _slots[slot] = get_backend().new_stream(role)
+    _role_streams[role] = s
+    return s
+
+
+def streams() -> dict[str, object]:
+    return {role: stream(role) for role in _stream_map}
+
+
+def enable_overlap(pairs: Iterable[tuple[str, str]]) -> None:
+    """Allow exactly these role pairs to run concurrently; other pairs are serialized."""
+    global _overlap
+    chosen = set()
+    for pair in pairs:
+        a, b = pair
+        for role in (a, b):
+            if role not in _stream_map:
+                raise ValueError(f"enable_overlap: unknown role {role!r} in {pair!r}; roles are {sorted(_stream_map)}")
+        chosen.add(frozenset((a, b)))
+    _overlap = chosen
+
+
+def disable_overlap() -> None:
+    """Serialize every role with compute (useful when debugging an ordering problem)."""
+    global _overlap
+    _overlap = set()
+
+
+def overlaps(role: str, other: str = "compute") -> bool:
+    if role == other:
+        return False
+    return _overlap is None or frozenset((role, other)) in _overlap
+
+
+def synchronize() -> None:
+    """Wait for all work on every role's stream."""
+    for s in list(_slots.values()):
+        s.synchronize()
+
+
+def reset() -> None:
+    """Back to the default map and overlap policy, dropping all streams (tests only)."""
+    global _overlap
+    synchronize()
+    _stream_map.clear()
+    _stream_map.update(_DEFAULT_MAP)
+    _slots.clear()
+    _role_streams.clear()
+    _overlap = None

@@ -1,0 +1,103 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tessera_rt import backend as B
+from tessera_rt import runtime as rt
+from tessera_rt.dtypes import dtype_name, resolve_dtype
+
+
+def test_cpu_backend_by_default_here():
+    b = B.get_backend()
+    assert b.name == "cpu" and b.xp is np and not b.is_gpu
+
+
+def test_asking_for_cuda_without_gpu_is_one_clear_line():
+    code = "import tessera_rt as ts; ts.get_backend()"
+    env = dict(os.environ, TESSERA_DEVICE="cuda")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("tessera_rt.backend.BackendUnavailable: TESSERA_DEVICE=cuda but")
+    assert "TESSERA_DEVICE=cpu" in last
+    assert "cupy/" not in p.stderr          # no traceback from inside cupy
+
+
+def test_unknown_device_name():
+    os.environ["TESSERA_DEVICE"] = "tpu"
+    try:
+        B.reset_backend()
+        with pytest.raises(B.BackendUnavailable, match="use 'cpu' or 'cuda'"):
+            B.get_backend()
+    finally:
+        os.environ.pop("TESSERA_DEVICE")
+        B.reset_backend()
+
+
+def test_pool_reuses_a_block_only_when_every_view_is_gone():
+    pool = B.HostBufferPool()
+    a = pool.empty((1 << 18,), np.float32)           # 1 MiB
+    a_ptr = a.ctypes.data
+    b = pool.empty((1 << 18,), np.float32)
+    assert b.ctypes.data != a_ptr                     # a is alive: a new block
+    view = a[10:20]
+    del a
+    c = pool.empty((1 << 18,), np.float32)
+    assert c.ctypes.data != a_ptr                     # a view still holds a's block
+    del view, c
+    d = pool.empty((512, 512), np.float32)            # same size class, other shape
+    assert d.ctypes.data == a_ptr and d.shape == (512, 512)
+    small = pool.empty((4,), np.float64)              # small arrays bypass the pool
+    assert small.base is None
+
+
+def test_pool_size_classes_bound_the_slack():
+    for n in [65536, 100_000, 1 << 20, 3_000_001, 64 << 20]:
+        c = B.HostBufferPool._size_class(n)
+        assert n <= c <= 1.25 * n + 4096
+
+
+def test_cpu_stream_event_api():
+    s = rt.stream("compute")
+    e0 = s.record()
+    e1 = s.record()
+    assert e0.query() and e1.query()
+    assert e0.elapsed_ms(e1) >= 0
+    rt.stream("a2a").wait_event(e1)
+    s.synchronize()
+
+
+def test_stream_map_shares_slots_and_overlap_policy():
+    try:
+        rt.set_stream_map({"tp_collective": 0})
+        assert rt.stream("tp_collective") is rt.stream("compute")
+        assert rt.stream("a2a") is not rt.stream("compute")
+        rt.enable_overlap([("a2a", "compute")])
+        assert rt.overlaps("a2a") and not rt.overlaps("tp_collective")
+        with pytest.raises(ValueError, match="unknown role 'nvlink'"):
+            rt.enable_overlap([("nvlink", "compute")])
+        with pytest.raises(ValueError, match="unknown stream role"):
+            rt.stream("nope")
+    finally:
+        rt.reset()
+    assert rt.overlaps("tp_collective")
+
+
+def test_kernel_table_falls_back_to_cpu_reference():
+    B.register_kernel("_test_double", "cpu", lambda x: 2 * x)
+    assert B.get_backend().kernel("_test_double")(3) == 6
+    with pytest.raises(KeyError, match="no kernel registered"):
+        B.get_backend().kernel("_no_such_op")
+    with pytest.raises(ValueError):
+        B.register_kernel("x", "tpu", abs)
+
+
+def test_dtype_map():
+    assert dtype_name(resolve_dtype("bf16")) == "bf16"
+    assert resolve_dtype("f32") == np.float32
+    assert dtype_name(resolve_dtype("fp8_e4m3")) == "fp8_e4m3"
+    with pytest.raises(TypeError, match="unknown dtype 'float12'"):
+        resolve_dtype("float12")

@@ -1,0 +1,57 @@
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mpi_env
+from tessera_rt import launcher
+
+TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
+
+
+def test_dry_run_uses_the_venv_mpiexec_and_mpi4py(capsys):
+    assert launcher.main(["-n", "3", "--dry-run", "prog.py", "--flag"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[0] == launcher.find_mpiexec() and cmd[1:3] == ["-n", "3"]
+    assert cmd[-4:] == ["-m", "mpi4py", "prog.py", "--flag"]
+
+
+def test_no_mpi_installed_is_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "find_mpiexec", lambda: None)
+    assert launcher.main(["-n", "2", "prog.py"]) == 127
+    err = capsys.readouterr().err
+    assert "no MPI launcher" in err and "pip install 'tessera_rt[mpich]'" in err
+
+
+def test_one_rank_raising_before_a_collective_ends_the_job_in_seconds(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init()
+        if w.rank == 2:
+            raise RuntimeError("rank 2 fails before the all_reduce")
+        dist.all_reduce(np.ones(4))     # the other ranks wait here for rank 2
+        print("unreachable", flush=True)
+    """))
+    start = time.monotonic()
+    p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "4", str(script)], env=mpi_env(4),
+                       capture_output=True, text=True)
+    elapsed = time.monotonic() - start
+    assert p.returncode not in (0, 124), p.stdout + p.stderr
+    assert elapsed < 20, f"took {elapsed:.1f} s to end the job"
+    assert "rank 2 fails before the all_reduce" in p.stderr      # the traceback is shown
+    assert "unreachable" not in p.stdout
+
+
+def test_a_clean_program_exits_zero(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("from tessera_rt import dist\nimport numpy as np, sys\n"
+                      "w = dist.init(); y = dist.all_reduce(np.ones(1))\n"
+                      "sys.exit(0 if y[0] == w.size else 3)\n")
+    p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2),
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
