@@ -11,6 +11,7 @@ until something waits on the stream or on an event recorded after them.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -181,9 +182,11 @@ class HostBufferPool:
         return -(-nbytes // step) * step
 
     def empty(self, shape, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if shape.__class__ is int:
+            shape = (shape,)
+        if dtype.__class__ is not np.dtype and not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype)
         size = self._size_class(nbytes)
@@ -236,6 +239,8 @@ class Backend:
         self.is_gpu = name == "cuda"
         self._stream_cls = CudaStream if self.is_gpu else CpuStream
         self._pool = None if self.is_gpu else HostBufferPool()
+        # bound once: empty() is on every collective's hot path
+        self.empty = xp.empty if self._pool is None else self._pool.empty
 
     def __repr__(self) -> str:
         where = f", device={self.device_id}" if self.is_gpu else ""
@@ -260,12 +265,8 @@ class Backend:
             self.xp.cuda.Device().synchronize()
 
     # arrays --------------------------------------------------------------
-    def empty(self, shape, dtype):
-        """A pooled, uninitialized array (CuPy's memory pool on GPU, HostBufferPool on CPU)."""
-        if self._pool is None:
-            return self.xp.empty(shape, dtype)
-        return self._pool.empty(shape, dtype)
-
+    # ``empty(shape, dtype)``: a pooled, uninitialized array (CuPy's memory pool on GPU,
+    # HostBufferPool on CPU); bound in __init__.
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 

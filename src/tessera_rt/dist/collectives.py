@@ -128,7 +128,11 @@ def world_group() -> AxisGroup:
 
 
 def _group(mesh, axis, op: str) -> AxisGroup:
-    if mesh is None:
+    if mesh is not None:
+        g = mesh._groups.get(axis)      # the hot path: a group already made
+        if g is not None:
+            return g
+    else:
         mesh = current_mesh()
         if mesh is None:
             if axis is None or axis == "world":
@@ -149,9 +153,19 @@ def _where(op: str, g: AxisGroup, x) -> str:
             f"on {dtype_name(x.dtype)}{list(x.shape)}")
 
 
+_BACKEND: list = []
+
+
+def _backend():
+    """The backend, looked up once (it is fixed for the life of the process)."""
+    if not _BACKEND:
+        _BACKEND.append(world().backend)
+    return _BACKEND[0]
+
+
 def _check_array(op: str, g: AxisGroup, x):
-    backend = world().backend
-    if not backend.is_array(x):
+    backend = _backend()
+    if not isinstance(x, backend.xp.ndarray):
         raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {backend.xp.__name__} array "
                         f"on the {backend.name} backend, got {type(x).__name__}")
     return x if x.flags.c_contiguous else backend.xp.ascontiguousarray(x)
@@ -178,7 +192,7 @@ def _check_sizes(op, g, x, sizes, length, name) -> list[int]:
 
 def _out(op, g, x, out, shape, dtype):
     if out is None:
-        return world().backend.empty(shape, dtype)
+        return _backend().empty(shape, dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
         raise ValueError(f"{_where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
                          f"got {dtype_name(out.dtype)}{list(out.shape)}")
@@ -189,22 +203,22 @@ def _front(x, dim: int):
     """x with ``dim`` moved first, contiguous (a pooled copy when dim != 0)."""
     if dim == 0:
         return x
-    moved = world().backend.xp.moveaxis(x, dim, 0)
-    buf = world().backend.empty(moved.shape, x.dtype)
+    moved = _backend().xp.moveaxis(x, dim, 0)
+    buf = _backend().empty(moved.shape, x.dtype)
     buf[...] = moved
     return buf
 
 
-def _issue(g: AxisGroup, role: str, async_op: bool, run, result, then=None):
-    """Run ``run(stream, blocking)`` on the role's stream, ordered against compute."""
-    comm_on_gpu = world().backend.is_gpu
-    if not async_op and not comm_on_gpu:
-        run(None, True)                 # CPU, blocking: straight to MPI, nothing to order
+def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
+    """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
+    on_gpu = _backend().is_gpu
+    if not async_op and not on_gpu:
+        method(*args)                   # CPU, blocking: straight to MPI, nothing to order
         return then() if then is not None else result
     stream, compute = rt.stream(role), rt.stream("compute")
-    if comm_on_gpu and stream is not compute:
+    if on_gpu and stream is not compute:
         stream.wait_event(compute.record())          # inputs made on compute are ready
-    req = run(stream, not async_op)
+    req = method(*args, blocking=not async_op, stream=stream)
     if req is not None:
         stream.enqueue(req)
     event = stream.record()
@@ -233,8 +247,7 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     if _TRACERS:
         _trace("all_reduce", g, x, x.nbytes)
     comm = g.comm
-    return _issue(g, role, async_op,
-                  lambda s, b: comm.all_reduce(x, out, op, blocking=b, stream=s), out)
+    return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
@@ -257,16 +270,14 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
     comm = g.comm
     if dim == 0:
         out = _out("reduce_scatter", g, x, out, shape, x.dtype)
-        return _issue(g, role, async_op,
-                      lambda s, b: comm.reduce_scatter(src, out, counts, op, blocking=b, stream=s), out)
-    recv = world().backend.empty((mine,) + src.shape[1:], x.dtype)
+        return _issue(role, async_op, comm.reduce_scatter, (src, out, counts, op,), out)
+    recv = _backend().empty((mine,) + src.shape[1:], x.dtype)
     out = _out("reduce_scatter", g, x, out, shape, x.dtype)
 
     def then():
-        out[...] = world().backend.xp.moveaxis(recv, 0, dim)
+        out[...] = _backend().xp.moveaxis(recv, 0, dim)
         return out
-    return _issue(g, role, async_op,
-                  lambda s, b: comm.reduce_scatter(src, recv, counts, op, blocking=b, stream=s), out, then)
+    return _issue(role, async_op, comm.reduce_scatter, (src, recv, counts, op,), out, then)
 
 
 def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
@@ -293,16 +304,14 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
     comm = g.comm
     if dim == 0:
         out = _out("all_gather", g, x, out, shape, x.dtype)
-        return _issue(g, role, async_op,
-                      lambda s, b: comm.all_gather(src, out, counts, blocking=b, stream=s), out)
-    recv = world().backend.empty((sum(sizes),) + src.shape[1:], x.dtype)
+        return _issue(role, async_op, comm.all_gather, (src, out, counts,), out)
+    recv = _backend().empty((sum(sizes),) + src.shape[1:], x.dtype)
     out = _out("all_gather", g, x, out, shape, x.dtype)
 
     def then():
-        out[...] = world().backend.xp.moveaxis(recv, 0, dim)
+        out[...] = _backend().xp.moveaxis(recv, 0, dim)
         return out
-    return _issue(g, role, async_op,
-                  lambda s, b: comm.all_gather(src, recv, counts, blocking=b, stream=s), out, then)
+    return _issue(role, async_op, comm.all_gather, (src, recv, counts,), out, then)
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
@@ -319,7 +328,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     x = _check_array("all_to_all", g, x)
     split_dim = _norm_dim("all_to_all", g, x, split_dim)
     concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
-    n, xp = g.size, world().backend.xp
+    n, xp = g.size, _backend().xp
     even = split_sizes is None
     split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
     if recv_sizes is None:
@@ -346,7 +355,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     else:
         part_shapes = [[my_len] + rest[:cpos] + [r] + rest[cpos + 1:] for r in recv_sizes]
     recv_counts = [math.prod(p) for p in part_shapes]
-    recv = world().backend.empty((sum(recv_counts),), x.dtype)
+    recv = _backend().empty((sum(recv_counts),), x.dtype)
     if _TRACERS:
         _trace("all_to_all", g, x, x.nbytes)
 
@@ -361,24 +370,22 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         return xp.concatenate(parts, axis=concat_dim)
 
     comm = g.comm
-    return _issue(g, role, async_op,
-                  lambda s, b: comm.all_to_all(src, recv, send_counts, recv_counts, blocking=b, stream=s),
-                  None, then)
+    return _issue(role, async_op, comm.all_to_all, (src, recv, send_counts, recv_counts,), None, then)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
     ``root`` is a position in the group, not a world rank."""
     g = _group(mesh, axis, "broadcast")
-    if not world().backend.is_array(x) or not x.flags.c_contiguous:
+    if not _backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
-                        f"{world().backend.xp.__name__} array, got {type(x).__name__}")
+                        f"{_backend().xp.__name__} array, got {type(x).__name__}")
     if not 0 <= root < g.size:
         raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     if _TRACERS:
         _trace("broadcast", g, x, x.nbytes if g.index == root else 0)
     comm = g.comm
-    return _issue(g, role, async_op, lambda s, b: comm.broadcast(x, root, blocking=b, stream=s), x)
+    return _issue(role, async_op, comm.broadcast, (x, root,), x)
 
 
 def _peer(op, g, x, peer, name):
@@ -396,25 +403,25 @@ def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
     if _TRACERS:
         _trace("send", g, x, x.nbytes)
     comm = g.comm
-    return _issue(g, role, async_op, lambda s, b: comm.send(x, dst, tag, blocking=b, stream=s), None)
+    return _issue(role, async_op, comm.send, (x, dst, tag,), None)
 
 
 def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
     g = _group(mesh, axis, "recv")
-    if not world().backend.is_array(x) or not x.flags.c_contiguous:
+    if not _backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
-                        f"{world().backend.xp.__name__} array, got {type(x).__name__}")
+                        f"{_backend().xp.__name__} array, got {type(x).__name__}")
     _peer("recv", g, x, src, "src")
     if _TRACERS:
         _trace("recv", g, x, 0)
     comm = g.comm
-    return _issue(g, role, async_op, lambda s, b: comm.recv(x, src, tag, blocking=b, stream=s), x)
+    return _issue(role, async_op, comm.recv, (x, src, tag,), x)
 
 
 def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
     g = _group(mesh, axis, "barrier")
     comm = g.comm
-    return _issue(g, role, async_op, lambda s, b: comm.barrier(blocking=b, stream=s), None)
+    return _issue(role, async_op, comm.barrier, (), None)

@@ -134,6 +134,9 @@ class MpiCommunicator(Communicator):
         return _MpiRequest([nonblocking_fn(sendbuf, recv, *extra, _MPI_OPS[op])], then)
 
     def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        if blocking and op != "avg" and send.dtype in _MPI_REDUCIBLE:   # the latency-critical case
+            self.mpi.Allreduce(MPI.IN_PLACE if send is recv else send, recv, _MPI_OPS[op])
+            return None
         return self._reduce(send, recv, op, blocking, self.mpi.Allreduce, self.mpi.Iallreduce)
 
     def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
