@@ -1,21 +1,35 @@
 """Array collectives at any world size, each against the same computation done on one
-process with NumPy on the full data every rank can build for itself."""
+process with NumPy on the full data every rank can build for itself.
+
+Backend-agnostic: under TESSERA_DEVICE=cuda the same tests run on CuPy arrays (NCCL at one
+rank per GPU, the host-staged path when ranks share a GPU); see tests/test_gpu_suites.py.
+"""
 import ml_dtypes
 import numpy as np
 import pytest
 
+import tessera_rt as ts
 from tessera_rt import dist
 from tessera_rt import runtime as rt
+
+BACKEND = ts.get_backend()
+xp = BACKEND.xp
+host = BACKEND.to_host
 
 DTYPES = [np.float32, np.float64, np.int32, np.float16, ml_dtypes.bfloat16]
 
 
-def rank_data(rank, shape, dtype, salt=0):
+def host_data(rank, shape, dtype, salt=0):
     """Deterministic per-rank data that every rank can recompute for any other rank."""
     rng = np.random.default_rng(1000 * salt + rank)
     if np.dtype(dtype).kind in "iu":
         return rng.integers(-50, 50, size=shape).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+def rank_data(rank, shape, dtype, salt=0):
+    """host_data on the backend's device."""
+    return xp.asarray(host_data(rank, shape, dtype, salt))
 
 
 def tol(dtype):
@@ -35,22 +49,22 @@ def test_all_reduce(line, world, dtype, op):
         pytest.raises(TypeError, dist.all_reduce, rank_data(0, (3,), dtype), "x", "avg", mesh=line)
         return
     x = rank_data(world.rank, (5, 7), dtype)
-    everyone = np.stack([rank_data(r, (5, 7), dtype).astype(np.float64) for r in range(world.size)])
+    everyone = np.stack([host_data(r, (5, 7), dtype).astype(np.float64) for r in range(world.size)])
     expect = {"sum": everyone.sum(0), "max": everyone.max(0), "min": everyone.min(0),
               "avg": everyone.mean(0)}[op]
     y = dist.all_reduce(x, axis="x", op=op, mesh=line)
     assert y.dtype == np.dtype(dtype) and y.shape == x.shape
-    np.testing.assert_allclose(y.astype(np.float64), expect, rtol=tol(dtype), atol=tol(dtype) * world.size)
+    np.testing.assert_allclose(host(y).astype(np.float64), expect, rtol=tol(dtype), atol=tol(dtype) * world.size)
 
 
 def test_all_reduce_in_place_and_async(line, world):
     x = rank_data(world.rank, (64,), np.float32)
-    expect = sum(rank_data(r, (64,), np.float32) for r in range(world.size))
+    expect = sum(host_data(r, (64,), np.float32) for r in range(world.size))
     work = dist.all_reduce(x, "x", mesh=line, out=x, async_op=True)
     assert isinstance(work, dist.Work)
     y = work.wait()
     assert y is x and work.is_completed()
-    np.testing.assert_allclose(x, expect, rtol=1e-5)
+    np.testing.assert_allclose(host(x), expect, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -64,22 +78,22 @@ def test_reduce_scatter(line, world, dim, uneven):
     else:
         sizes = None
     x = rank_data(world.rank, shape, np.float32)
-    total = sum(rank_data(r, shape, np.float32).astype(np.float64) for r in range(n))
+    total = sum(host_data(r, shape, np.float32).astype(np.float64) for r in range(n))
     parts = np.split(total, np.cumsum(sizes)[:-1] if uneven else n, axis=dim)
     y = dist.reduce_scatter(x, "x", dim=dim, sizes=sizes, mesh=line)
-    np.testing.assert_allclose(y, parts[world.rank], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(host(y), parts[world.rank], rtol=1e-5, atol=1e-5)
     w = dist.reduce_scatter(x, "x", dim=dim, sizes=sizes, mesh=line, async_op=True).wait()
-    np.testing.assert_array_equal(w, y)
+    np.testing.assert_array_equal(host(w), host(y))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int64])
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_all_gather_even(line, world, dtype, dim):
     x = rank_data(world.rank, (2, 3, 4), dtype)
-    expect = np.concatenate([rank_data(r, (2, 3, 4), dtype) for r in range(world.size)], axis=dim)
+    expect = np.concatenate([host_data(r, (2, 3, 4), dtype) for r in range(world.size)], axis=dim)
     y = dist.all_gather(x, "x", dim=dim, mesh=line)
-    np.testing.assert_array_equal(y, expect)
-    np.testing.assert_array_equal(dist.all_gather(x, "x", dim=dim, mesh=line, async_op=True).wait(), expect)
+    np.testing.assert_array_equal(host(y), expect)
+    np.testing.assert_array_equal(host(dist.all_gather(x, "x", dim=dim, mesh=line, async_op=True).wait()), expect)
 
 
 @pytest.mark.parametrize("dim", [0, -1])
@@ -88,17 +102,17 @@ def test_all_gather_uneven_with_empty_parts(line, world, dim):
     def part(r):
         shape = [4, 4]
         shape[dim] = sizes[r]
-        return rank_data(r, shape, np.float32)
-    y = dist.all_gather(part(world.rank), "x", dim=dim, sizes=sizes, mesh=line)
-    np.testing.assert_array_equal(y, np.concatenate([part(r) for r in range(world.size)], axis=dim))
+        return host_data(r, shape, np.float32)
+    y = dist.all_gather(xp.asarray(part(world.rank)), "x", dim=dim, sizes=sizes, mesh=line)
+    np.testing.assert_array_equal(host(y), np.concatenate([part(r) for r in range(world.size)], axis=dim))
 
 
 def test_all_to_all_even(line, world):
     n = world.size
     x = rank_data(world.rank, (3 * n, 2), np.float32)
     y = dist.all_to_all(x, "x", mesh=line)
-    expect = np.concatenate([np.split(rank_data(r, (3 * n, 2), np.float32), n)[world.rank] for r in range(n)])
-    np.testing.assert_array_equal(y, expect)
+    expect = np.concatenate([np.split(host_data(r, (3 * n, 2), np.float32), n)[world.rank] for r in range(n)])
+    np.testing.assert_array_equal(host(y), expect)
 
 
 def test_all_to_all_uneven_zero_parts(line, world):
@@ -108,26 +122,26 @@ def test_all_to_all_uneven_zero_parts(line, world):
         return [(r + d) % 3 for d in range(n)]
 
     def data(r):
-        return rank_data(r, (sum(splits(r)), 5), np.float64)
+        return host_data(r, (sum(splits(r)), 5), np.float64)
 
     expect = np.concatenate([np.split(data(r), np.cumsum(splits(r))[:-1])[world.rank] for r in range(n)])
-    y = dist.all_to_all(data(world.rank), "x", split_sizes=splits(world.rank), mesh=line)   # sizes exchanged
-    np.testing.assert_array_equal(y, expect)
+    y = dist.all_to_all(xp.asarray(data(world.rank)), "x", split_sizes=splits(world.rank), mesh=line)   # sizes exchanged
+    np.testing.assert_array_equal(host(y), expect)
     recv_sizes = [splits(r)[world.rank] for r in range(n)]
-    y2 = dist.all_to_all(data(world.rank), "x", split_sizes=splits(world.rank), recv_sizes=recv_sizes,
+    y2 = dist.all_to_all(xp.asarray(data(world.rank)), "x", split_sizes=splits(world.rank), recv_sizes=recv_sizes,
                          mesh=line, async_op=True).wait()
-    np.testing.assert_array_equal(y2, expect)
+    np.testing.assert_array_equal(host(y2), expect)
 
 
 def test_all_to_all_changes_the_sharded_dim(line, world):
     """Split along dim 1, concatenate along dim 0: a row-sharded matrix becomes column-sharded."""
     n = world.size
     rows, cols = [r % 2 + 1 for r in range(n)], [(r + 1) % 3 for r in range(n)]
-    full = rank_data(7, (sum(rows), sum(cols)), np.float32)
+    full = host_data(7, (sum(rows), sum(cols)), np.float32)
     r0, c0 = np.cumsum([0] + rows), np.cumsum([0] + cols)
     mine = full[r0[world.rank]:r0[world.rank + 1]]
-    y = dist.all_to_all(mine, "x", split_dim=1, concat_dim=0, split_sizes=cols, recv_sizes=rows, mesh=line)
-    np.testing.assert_array_equal(y, full[:, c0[world.rank]:c0[world.rank + 1]])
+    y = dist.all_to_all(xp.asarray(mine), "x", split_dim=1, concat_dim=0, split_sizes=cols, recv_sizes=rows, mesh=line)
+    np.testing.assert_array_equal(host(y), full[:, c0[world.rank]:c0[world.rank + 1]])
 
 
 @pytest.mark.parametrize("root", [0, -1])
@@ -136,28 +150,28 @@ def test_broadcast(line, world, root):
     x = rank_data(world.rank, (10,), ml_dtypes.bfloat16)
     y = dist.broadcast(x, "x", root=root, mesh=line)
     assert y is x
-    np.testing.assert_array_equal(x, rank_data(root, (10,), ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(host(x), host_data(root, (10,), ml_dtypes.bfloat16))
 
 
 def test_send_recv_ring(line, world):
     n = world.size
     if n == 1:
         with pytest.raises(ValueError, match="another position"):
-            dist.send(np.zeros(2), 0, axis="x", mesh=line)
+            dist.send(xp.zeros(2), 0, axis="x", mesh=line)
         return
     right, left = (world.rank + 1) % n, (world.rank - 1) % n
     x = rank_data(world.rank, (6,), np.float32)
-    buf = np.empty(6, np.float32)
+    buf = xp.empty(6, np.float32)
     rwork = dist.recv(buf, left, axis="x", mesh=line, async_op=True)
     swork = dist.send(x, right, axis="x", mesh=line, async_op=True)
     rwork.wait(), swork.wait()
-    np.testing.assert_array_equal(buf, rank_data(left, (6,), np.float32))
+    np.testing.assert_array_equal(host(buf), host_data(left, (6,), np.float32))
 
 
 def test_barrier_and_world_group(world):
     dist.barrier()
-    y = dist.all_reduce(np.array([world.rank], np.int64))    # no mesh: the whole world
-    assert int(y[0]) == world.size * (world.size - 1) // 2
+    y = dist.all_reduce(xp.asarray([world.rank], np.int64))    # no mesh: the whole world
+    assert int(host(y)[0]) == world.size * (world.size - 1) // 2
 
 
 def test_2d_mesh_axis_groups(world):
@@ -169,28 +183,28 @@ def test_2d_mesh_axis_groups(world):
     assert mesh.group_ranks("tp") == tuple(mesh.device_grid[:, c["dp"]])
     assert mesh.group_ranks(("tp", "dp")) == tuple(mesh.device_grid.reshape(-1))
     assert mesh.group_ranks(("dp", "tp")) == tuple(mesh.device_grid.T.reshape(-1))
-    x = np.array([world.rank], np.int64)
+    x = xp.asarray([world.rank], np.int64)
     with mesh:
-        assert int(dist.all_reduce(x, "dp")[0]) == sum(mesh.group_ranks("dp"))
-        assert int(dist.all_reduce(x, "tp")[0]) == sum(mesh.group_ranks("tp"))
-        assert int(dist.all_reduce(x, ("tp", "dp"))[0]) == 6
+        assert int(host(dist.all_reduce(x, "dp"))[0]) == sum(mesh.group_ranks("dp"))
+        assert int(host(dist.all_reduce(x, "tp"))[0]) == sum(mesh.group_ranks("tp"))
+        assert int(host(dist.all_reduce(x, ("tp", "dp")))[0]) == 6
         g = dist.all_gather(x, ("dp", "tp"))
-    assert list(g) == list(mesh.group_ranks(("dp", "tp")))
+    assert list(host(g)) == list(mesh.group_ranks(("dp", "tp")))
 
 
 def test_overlap_policy_serializes(line, world):
     """With no overlap allowed for tp_collective, an async collective is complete on return."""
     rt.enable_overlap([("a2a", "compute")])
-    work = dist.all_reduce(np.ones(4, np.float32), "x", mesh=line, async_op=True)
+    work = dist.all_reduce(xp.ones(4, np.float32), "x", mesh=line, async_op=True)
     assert work.is_completed()
-    np.testing.assert_array_equal(work.wait(), np.full(4, world.size, np.float32))
+    np.testing.assert_array_equal(host(work.wait()), np.full(4, world.size, np.float32))
 
 
 def test_trace_counts_and_bytes(line, world):
     n = world.size
     with dist.trace_collectives() as log:
-        dist.all_reduce(np.ones(8, np.float32), "x", mesh=line)
-        dist.all_gather(np.ones(2, np.float32), "x", mesh=line)
+        dist.all_reduce(xp.ones(8, np.float32), "x", mesh=line)
+        dist.all_gather(xp.ones(2, np.float32), "x", mesh=line)
     assert log.count() == 2 and log.count("all_reduce") == 1
     ar, ag = log.records
     assert ar.bytes_sent == round(32 * 2 * (n - 1) / n)
@@ -199,12 +213,12 @@ def test_trace_counts_and_bytes(line, world):
 
 
 def test_errors_name_rank_axis_and_shapes(line, world):
-    x = np.ones((3, 5), np.float32)
+    x = xp.ones((3, 5), np.float32)
     with pytest.raises(ValueError, match=r"unknown mesh axis 'tp'"):
         dist.all_reduce(x, "tp", mesh=line)
     with pytest.raises(ValueError, match="op='prod'"):
         dist.all_reduce(x, "x", "prod", mesh=line)
-    with pytest.raises(TypeError, match="takes a numpy array"):
+    with pytest.raises(TypeError, match=f"takes a {xp.__name__} array"):
         dist.all_reduce([1.0, 2.0], "x", mesh=line)
     if world.size > 1:
         with pytest.raises(ValueError, match=rf"rank {world.rank}: reduce_scatter over mesh axis 'x'.*"
@@ -215,4 +229,4 @@ def test_errors_name_rank_axis_and_shapes(line, world):
     with pytest.raises(ValueError, match="needs a mesh"):
         dist.all_reduce(x, "dp")
     # every rank raised before communicating, so a collective still lines up afterwards
-    assert float(dist.all_reduce(np.ones(1), "x", mesh=line)[0]) == world.size
+    assert float(host(dist.all_reduce(xp.ones(1), "x", mesh=line))[0]) == world.size

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import tessera_rt as ts
 from tessera_rt import dist
 from tessera_rt.dist.comm import HostStagedCommunicator, MpiCommunicator
 
@@ -31,20 +32,20 @@ def test_sub_mesh_leaves_other_ranks_out(world):
     m = dist.Mesh(axes=["pair"], shape=(2,), devices=[world.size - 1, 0])
     if world.rank in (0, world.size - 1):
         assert m.is_member and m.coordinate("pair") == (0 if world.rank == world.size - 1 else 1)
-        y = dist.all_gather(np.array([world.rank]), "pair", mesh=m)
-        assert list(y) == [world.size - 1, 0]
+        y = dist.all_gather(ts.get_backend().xp.asarray([world.rank]), "pair", mesh=m)
+        assert list(ts.get_backend().to_host(y)) == [world.size - 1, 0]
     else:
         assert not m.is_member and m.coords is None
         with pytest.raises(ValueError, match=f"rank {world.rank} is not in Mesh"):
-            dist.all_reduce(np.ones(1), "pair", mesh=m)
+            dist.all_reduce(ts.get_backend().xp.ones(1), "pair", mesh=m)
 
 
 def test_four_axis_mesh_of_the_seeds(world):
     m = dist.Mesh(axes=["tp", "ep", "pp", "dp"], shape={"tp": world.size, "ep": 1, "pp": 1, "dp": 1})
     assert m.size("tp") == world.size and m.size(("ep", "pp")) == 1
-    x = np.array([1.0])
-    assert float(dist.all_reduce(x, "tp", mesh=m)[0]) == world.size
-    assert float(dist.all_reduce(x, "ep", mesh=m)[0]) == 1.0
+    x, host = ts.get_backend().xp.ones(1), ts.get_backend().to_host
+    assert float(host(dist.all_reduce(x, "tp", mesh=m))[0]) == world.size
+    assert float(host(dist.all_reduce(x, "ep", mesh=m))[0]) == 1.0
 
 
 def _copy_to_host(a, stream):
