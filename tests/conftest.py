@@ -11,8 +11,9 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 LAUNCH_TIMEOUT_S = 240
 
-# tests/mpi/ runs under mpiexec, launched by tests/test_mpi_suites.py at 1-4 ranks.
-collect_ignore = ["mpi"]
+# tests/mpi/ runs under mpiexec, launched by tests/test_mpi_suites.py at 1-4 ranks;
+# tests/cudasim/ runs in a process with NUMBA_ENABLE_CUDASIM=1 (tests/test_cudasim_suite.py).
+collect_ignore = ["mpi", "cudasim"]
 
 
 def gpu_available() -> bool:

@@ -90,6 +90,9 @@ class CpuStream:
     def query(self) -> bool:
         return all(w.test() for w in self._pending)
 
+    def make_current(self) -> None:
+        return None    # host work always runs in the caller's order
+
     def __enter__(self):
         return self
 
@@ -147,6 +150,10 @@ class CudaStream:
 
     def query(self) -> bool:
         return self.raw.done
+
+    def make_current(self) -> None:
+        """Make this CuPy's current stream, so plain CuPy calls are enqueued on it."""
+        self.raw.use()
 
     def __enter__(self):
         self.raw.__enter__()

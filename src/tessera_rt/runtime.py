@@ -5,6 +5,8 @@ collectives), ``a2a`` (MoE all-to-all) and ``io`` (checkpoints, prefetch).  The 
 assigns each role a slot; roles that share a slot share one stream.  ``enable_overlap``
 names the role pairs that may run at the same time; a collective role not paired with
 ``compute`` is serialized with it (compute waits for each of its collectives at once).
+On GPU the compute stream is made CuPy's current stream when it is created (``dist.init``
+does so), so ordinary CuPy calls run on it.
 
     rt.set_stream_map({"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3})
     rt.enable_overlap([("a2a", "compute"), ("tp_collective", "compute")])
@@ -59,6 +61,10 @@ def stream(role: str = "compute"):
     s = _slots.get(slot)
     if s is None:
         s = _slots[slot] = get_backend().new_stream(role)
+        if slot == _stream_map["compute"]:
+            # plain CuPy calls go to the current stream: make it the compute stream, so
+            # collectives ordered against "compute" are ordered against the user's work
+            s.make_current()
     _role_streams[role] = s
     return s
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
+from .. import runtime
 from ..backend import Backend, get_backend
 from .comm import Communicator, make_communicator
 
@@ -79,6 +80,7 @@ def init(*, comm: str | None = None) -> World:
     backend = get_backend()
     if backend.is_gpu:
         backend.use_device(local_rank % backend.device_count())
+        runtime.stream("compute")         # created on this GPU and made CuPy's current stream
     host = MPI.Get_processor_name()
     seats = tuple(Seat(*s) for s in world_comm.allgather((rank, host, local_rank, backend.device_id)))
     _WORLD = World(rank, size, local_rank, local_size, host, backend, world_comm, seats, prefer)
