@@ -9,7 +9,7 @@ nccl-tests: the input of all_reduce, reduce_scatter and broadcast, the output of
 the per-rank buffer of all_to_all.  The peer is the raw mpi4py call (NCCL on GPU) on the
 same buffers, with its output allocated once; tessera_rt allocates its output each call
 (from its pool), as a user's out-of-place call does.  ratio = peer time / tessera_rt time
-(>= 1 means tessera_rt is as fast).
+(>= 1 means tessera_rt is as fast); +us = tessera_rt time - peer time, the per-call cost.
 """
 from __future__ import annotations
 
@@ -135,13 +135,14 @@ def main() -> None:
         print(f"# tessera_rt {ts.__version__} collectives on {backend.name}, {w.size} ranks, "
               f"communicator {group.comm.kind}; peer: {'NCCL (cupy)' if peer.gpu else 'mpi4py'}; "
               f"float32; median of {args.reps}")
-        head = ["op", "size", "time us", "algbw GB/s", "busbw GB/s", "peer us", "peer busbw", "ratio"]
+        head = ["op", "size", "time us", "algbw GB/s", "busbw GB/s", "peer us", "peer busbw", "ratio",
+                "+us"]
         if args.markdown:
             print("| " + " | ".join(head) + " |")
             print("|" + "---|" * len(head))
         else:
             print(f"{'op':>15} {'size':>10} {'time us':>10} {'algbw':>9} {'busbw':>9} "
-                  f"{'peer us':>10} {'peer bus':>9} {'ratio':>6}")
+                  f"{'peer us':>10} {'peer bus':>9} {'ratio':>6} {'+us':>7}")
     for op in args.ops.split(","):
         factor = dist.bus_factor(op, w.size)
         for nbytes in sizes:
@@ -159,12 +160,12 @@ def main() -> None:
             alg, palg = size / t / 1e9, size / tp / 1e9
             if w.rank == 0:
                 row = [op, human(size), f"{t * 1e6:.2f}", f"{alg:.3f}", f"{alg * factor:.3f}",
-                       f"{tp * 1e6:.2f}", f"{palg * factor:.3f}", f"{tp / t:.2f}"]
+                       f"{tp * 1e6:.2f}", f"{palg * factor:.3f}", f"{tp / t:.2f}", f"{(t - tp) * 1e6:+.2f}"]
                 if args.markdown:
                     print("| " + " | ".join(row) + " |", flush=True)
                 else:
                     print(f"{row[0]:>15} {row[1]:>10} {row[2]:>10} {row[3]:>9} {row[4]:>9} "
-                          f"{row[5]:>10} {row[6]:>9} {row[7]:>6}", flush=True)
+                          f"{row[5]:>10} {row[6]:>9} {row[7]:>6} {row[8]:>7}", flush=True)
 
 
 if __name__ == "__main__":

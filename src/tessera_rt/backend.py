@@ -181,6 +181,7 @@ class HostBufferPool:
         self.max_cached_bytes = max_cached_bytes
         self.cached_bytes = 0
         self._blocks: dict[int, list[np.ndarray]] = defaultdict(list)
+        self._dtypes: dict = {}
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
@@ -191,11 +192,22 @@ class HostBufferPool:
     def empty(self, shape, dtype) -> np.ndarray:
         if shape.__class__ is int:
             shape = (shape,)
-        if dtype.__class__ is not np.dtype and not isinstance(dtype, np.dtype):
-            dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        spec = self._dtypes.get(dtype)
+        if spec is None:   # np.dtype(...) and isinstance checks are slow on a hot path: memoize
+            spec = self._dtypes[dtype] = (np.dtype(dtype), np.dtype(dtype).itemsize)
+        nbytes = math.prod(shape) * spec[1]
         if nbytes < self.MIN_BYTES:
-            return np.empty(shape, dtype)
+            return np.empty(shape, spec[0])
+        return self._take(nbytes, shape, spec[0])
+
+    def empty_like(self, x: np.ndarray) -> np.ndarray:
+        """An uninitialized array of x's shape and dtype (C order)."""
+        nbytes = x.nbytes
+        if nbytes < self.MIN_BYTES:
+            return np.empty(x.shape, x.dtype)
+        return self._take(nbytes, x.shape, x.dtype)
+
+    def _take(self, nbytes: int, shape, dtype) -> np.ndarray:
         size = self._size_class(nbytes)
         blocks = self._blocks[size]
         for block in blocks:
@@ -246,8 +258,9 @@ class Backend:
         self.is_gpu = name == "cuda"
         self._stream_cls = CudaStream if self.is_gpu else CpuStream
         self._pool = None if self.is_gpu else HostBufferPool()
-        # bound once: empty() is on every collective's hot path
+        # bound once: these are on every collective's hot path
         self.empty = xp.empty if self._pool is None else self._pool.empty
+        self.empty_like = xp.empty_like if self._pool is None else self._pool.empty_like
 
     def __repr__(self) -> str:
         where = f", device={self.device_id}" if self.is_gpu else ""
@@ -272,8 +285,8 @@ class Backend:
             self.xp.cuda.Device().synchronize()
 
     # arrays --------------------------------------------------------------
-    # ``empty(shape, dtype)``: a pooled, uninitialized array (CuPy's memory pool on GPU,
-    # HostBufferPool on CPU); bound in __init__.
+    # ``empty(shape, dtype)`` and ``empty_like(x)``: pooled, uninitialized arrays (CuPy's
+    # memory pool on GPU, HostBufferPool on CPU); bound in __init__.
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 

@@ -243,11 +243,23 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
         raise ValueError(f"{_where('all_reduce', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
-    out = _out("all_reduce", g, x, out, x.shape, x.dtype)
+    out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
     if _TRACERS:
         _trace("all_reduce", g, x, x.nbytes)
     comm = g.comm
     return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
+
+
+def _with_dim(shape: tuple, dim: int, length: int) -> tuple:
+    return shape[:dim] + (length,) + shape[dim + 1:]
+
+
+def _finish_moved(buf, dim: int, out):
+    """A step to run after the collective: ``buf`` (dim first) moved back into ``out``."""
+    def then():
+        out[...] = _backend().xp.moveaxis(buf, 0, dim)
+        return out
+    return then
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
@@ -259,25 +271,25 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
     if op not in REDUCE_OPS:
         raise ValueError(f"{_where('reduce_scatter', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
     dim = _norm_dim("reduce_scatter", g, x, dim)
-    sizes = _check_sizes("reduce_scatter", g, x, sizes, x.shape[dim], "sizes")
-    inner = math.prod(x.shape[:dim] + x.shape[dim + 1:])
-    mine = sizes[g.index]
-    shape = x.shape[:dim] + (mine,) + x.shape[dim + 1:]
-    src = _front(x, dim)
-    counts = [s * inner for s in sizes]
+    if sizes is None:
+        length = x.shape[dim]
+        if length % g.size:
+            _check_sizes("reduce_scatter", g, x, None, length, "sizes")     # raises, saying what to do
+        mine, counts = length // g.size, None
+    else:
+        sizes = _check_sizes("reduce_scatter", g, x, sizes, x.shape[dim], "sizes")
+        inner = math.prod(_with_dim(x.shape, dim, 1))
+        mine, counts = sizes[g.index], [s * inner for s in sizes]
+    shape = _with_dim(x.shape, dim, mine)
+    out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
     if _TRACERS:
         _trace("reduce_scatter", g, x, x.nbytes)
-    comm = g.comm
     if dim == 0:
-        out = _out("reduce_scatter", g, x, out, shape, x.dtype)
-        return _issue(role, async_op, comm.reduce_scatter, (src, out, counts, op,), out)
-    recv = _backend().empty((mine,) + src.shape[1:], x.dtype)
-    out = _out("reduce_scatter", g, x, out, shape, x.dtype)
-
-    def then():
-        out[...] = _backend().xp.moveaxis(recv, 0, dim)
-        return out
-    return _issue(role, async_op, comm.reduce_scatter, (src, recv, counts, op,), out, then)
+        return _issue(role, async_op, g.comm.reduce_scatter, (x, out, counts, op), out)
+    src = _front(x, dim)
+    recv = _backend().empty(_with_dim(src.shape, 0, mine), x.dtype)
+    return _issue(role, async_op, g.comm.reduce_scatter, (src, recv, counts, op), out,
+                  _finish_moved(recv, dim, out))
 
 
 def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
@@ -288,30 +300,23 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
     x = _check_array("all_gather", g, x)
     dim = _norm_dim("all_gather", g, x, dim)
     if sizes is None:
-        sizes = [x.shape[dim]] * g.size
+        total, counts = x.shape[dim] * g.size, None
     else:
         sizes = [int(s) for s in sizes]
         if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
             raise ValueError(f"{_where('all_gather', g, x)}: sizes={sizes} must list {g.size} lengths "
                              f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
-    rest = x.shape[:dim] + x.shape[dim + 1:]
-    inner = math.prod(rest)
-    shape = x.shape[:dim] + (sum(sizes),) + x.shape[dim + 1:]
-    src = _front(x, dim)
-    counts = [s * inner for s in sizes]
+        inner = math.prod(_with_dim(x.shape, dim, 1))
+        total, counts = sum(sizes), [s * inner for s in sizes]
+    shape = _with_dim(x.shape, dim, total)
+    out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
     if _TRACERS:
-        _trace("all_gather", g, x, math.prod(shape) * x.dtype.itemsize)
-    comm = g.comm
+        _trace("all_gather", g, x, out.nbytes)
     if dim == 0:
-        out = _out("all_gather", g, x, out, shape, x.dtype)
-        return _issue(role, async_op, comm.all_gather, (src, out, counts,), out)
-    recv = _backend().empty((sum(sizes),) + src.shape[1:], x.dtype)
-    out = _out("all_gather", g, x, out, shape, x.dtype)
-
-    def then():
-        out[...] = _backend().xp.moveaxis(recv, 0, dim)
-        return out
-    return _issue(role, async_op, comm.all_gather, (src, recv, counts,), out, then)
+        return _issue(role, async_op, g.comm.all_gather, (x, out, counts), out)
+    src = _front(x, dim)
+    recv = _backend().empty(_with_dim(src.shape, 0, total), x.dtype)
+    return _issue(role, async_op, g.comm.all_gather, (src, recv, counts), out, _finish_moved(recv, dim, out))
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
@@ -329,12 +334,23 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     split_dim = _norm_dim("all_to_all", g, x, split_dim)
     concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
     n, xp = g.size, _backend().xp
-    even = split_sizes is None
+    if _TRACERS:
+        _trace("all_to_all", g, x, x.nbytes)
+    if split_sizes is None and recv_sizes is None and concat_dim == split_dim:
+        # equal parts, same dim: the result has x's shape; the fixed-size collective serves
+        if x.shape[split_dim] % n:
+            _check_sizes("all_to_all", g, x, None, x.shape[split_dim], "split_sizes")   # raises
+        if split_dim == 0:
+            recv = _backend().empty_like(x)
+            return _issue(role, async_op, g.comm.all_to_all, (x, recv, None, None), recv)
+        src = _front(x, split_dim)
+        recv, out = _backend().empty_like(src), _backend().empty_like(x)
+        return _issue(role, async_op, g.comm.all_to_all, (src, recv, None, None), out,
+                      _finish_moved(recv, split_dim, out))
+    even = split_sizes is None and recv_sizes is None
     split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
     if recv_sizes is None:
-        if even and concat_dim == split_dim:
-            recv_sizes = split_sizes
-        elif even:
+        if even:
             recv_sizes = [x.shape[concat_dim]] * n
         else:
             mine = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
@@ -348,7 +364,6 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     # where concat_dim sits among the dims that follow split_dim in ``src``
     cpos = None if concat_dim == split_dim else concat_dim - (concat_dim > split_dim)
     inner = math.prod(rest)
-    send_counts = [s * inner for s in split_sizes]
     my_len = split_sizes[g.index]
     if cpos is None:
         part_shapes = [[r] + rest for r in recv_sizes]
@@ -356,8 +371,8 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         part_shapes = [[my_len] + rest[:cpos] + [r] + rest[cpos + 1:] for r in recv_sizes]
     recv_counts = [math.prod(p) for p in part_shapes]
     recv = _backend().empty((sum(recv_counts),), x.dtype)
-    if _TRACERS:
-        _trace("all_to_all", g, x, x.nbytes)
+    # equal parts both ways (a shard-dim change on an even layout): the fixed-size collective
+    counts = (None, None) if even else ([s * inner for s in split_sizes], recv_counts)
 
     def then():
         if cpos is None:
@@ -369,8 +384,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
             off += c
         return xp.concatenate(parts, axis=concat_dim)
 
-    comm = g.comm
-    return _issue(role, async_op, comm.all_to_all, (src, recv, send_counts, recv_counts,), None, then)
+    return _issue(role, async_op, g.comm.all_to_all, (src, recv, *counts), None, then)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):

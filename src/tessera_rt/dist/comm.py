@@ -30,6 +30,8 @@ _MPI_REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.complex64, np.complex128,
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
 ))
+# dtypes mpi4py can describe to MPI (others move as bytes)
+_MPI_NATIVE = _MPI_REDUCIBLE | {np.dtype(np.bool_)}
 
 
 def _displs(counts) -> list[int]:
@@ -83,8 +85,24 @@ class Communicator:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
 
+def _buf(a):
+    """The mpi4py buffer for ``a``: typed where MPI knows the dtype, raw bytes otherwise
+    (bf16 and fp8 have no MPI type; moving them as bytes is exact)."""
+    return a if a.dtype in _MPI_NATIVE else a.reshape(-1).view(np.uint8)
+
+
+def _vbuf(a, counts):
+    """A vector-collective buffer spec: counts in ``a``'s MPI units, with displacements."""
+    if a.dtype not in _MPI_NATIVE:
+        item = a.dtype.itemsize
+        counts = [c * item for c in counts]
+    return [_buf(a), (counts, _displs(counts))]
+
+
 class MpiCommunicator(Communicator):
-    """NumPy buffers over MPI.  Blocking calls use MPI's blocking collectives (lowest latency)."""
+    """NumPy buffers over MPI.  Blocking calls use MPI's blocking collectives (lowest
+    latency); equal parts use the fixed-size collectives (Allgather, Alltoall,
+    Reduce_scatter_block), which MPI implements faster than their -v forms."""
 
     kind = "mpi"
 
@@ -92,105 +110,86 @@ class MpiCommunicator(Communicator):
         super().__init__(mpi_comm)
         self._empty = empty   # the backend's pooled allocator, for float32 staging buffers
 
-    # reductions ----------------------------------------------------------
-    def _staged_reduce(self, send, recv, run, op, blocking):
-        """Reduce dtypes MPI lacks (bf16, fp8) in float32, rounding once at the end."""
-        send32 = self._empty(send.shape, np.float32)
-        send32[...] = send
-        recv32 = self._empty(recv.shape, np.float32)
-        divide = self.size if op == "avg" else 1
-
-        def then():
-            if divide != 1:
-                recv32[...] /= divide
-            recv[...] = recv32
-
-        req = run(send32, recv32, blocking)
+    @staticmethod
+    def _call(blocking, blocking_fn, nonblocking_fn, args, then=None):
         if blocking:
-            then()
-            return None
-        return _MpiRequest([req], then)
-
-    def _reduce(self, send, recv, op, blocking, blocking_fn, nonblocking_fn, extra=()):
-        if send.dtype not in _MPI_REDUCIBLE:
-            def run(s, r, blocking):
-                if blocking:
-                    blocking_fn(s, r, *extra, _MPI_OPS[op])
-                    return None
-                return nonblocking_fn(s, r, *extra, _MPI_OPS[op])
-            return self._staged_reduce(send, recv, run, op, blocking)
-        sendbuf = MPI.IN_PLACE if send is recv else send
-        then = None
-        if op == "avg":
-            size = self.size
-
-            def then():
-                recv[...] /= size
-        if blocking:
-            blocking_fn(sendbuf, recv, *extra, _MPI_OPS[op])
+            blocking_fn(*args)
             if then is not None:
                 then()
             return None
-        return _MpiRequest([nonblocking_fn(sendbuf, recv, *extra, _MPI_OPS[op])], then)
+        return _MpiRequest([nonblocking_fn(*args)], then)
+
+    # reductions ----------------------------------------------------------
+    def _reduce(self, send, recv, op, blocking, fns, extra=()):
+        """Run a reduction; dtypes MPI cannot reduce (bf16, fp8) go through float32 buffers
+        and are rounded once at the end; avg is a sum divided on completion."""
+        staged = send.dtype not in _MPI_REDUCIBLE
+        if staged:
+            s32 = self._empty(send.shape, np.float32)
+            s32[...] = send
+            r32 = self._empty(recv.shape, np.float32)
+        else:
+            s32, r32 = (MPI.IN_PLACE if send is recv else send), recv
+        then = None
+        if staged or op == "avg":
+            size = self.size
+
+            def then():
+                if op == "avg":
+                    r32[...] /= size
+                if staged:
+                    recv[...] = r32
+        return self._call(blocking, *fns, (s32, r32, *extra, _MPI_OPS[op]), then)
 
     def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
         if blocking and op != "avg" and send.dtype in _MPI_REDUCIBLE:   # the latency-critical case
             self.mpi.Allreduce(MPI.IN_PLACE if send is recv else send, recv, _MPI_OPS[op])
             return None
-        return self._reduce(send, recv, op, blocking, self.mpi.Allreduce, self.mpi.Iallreduce)
+        return self._reduce(send, recv, op, blocking, (self.mpi.Allreduce, self.mpi.Iallreduce))
 
-    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
-        return self._reduce(send, recv, op, blocking, self.mpi.Reduce_scatter,
-                            self.mpi.Ireduce_scatter, extra=(list(counts),))
+    def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
+        if counts is None:
+            if blocking and op != "avg" and send.dtype in _MPI_REDUCIBLE:
+                self.mpi.Reduce_scatter_block(send, recv, _MPI_OPS[op])
+                return None
+            return self._reduce(send, recv, op, blocking,
+                                (self.mpi.Reduce_scatter_block, self.mpi.Ireduce_scatter_block))
+        return self._reduce(send, recv, op, blocking, (self.mpi.Reduce_scatter, self.mpi.Ireduce_scatter),
+                            extra=(list(counts),))
 
-    # data movement: dtype-agnostic, as bytes -------------------------------
-    def all_gather(self, send, recv, counts, blocking=True, stream=None):
-        item = send.dtype.itemsize
-        bcounts = [c * item for c in counts]
-        rspec = [recv.view(np.uint8), (bcounts, _displs(bcounts)), MPI.BYTE]
-        sspec = [send.view(np.uint8), MPI.BYTE]
-        if blocking:
-            self.mpi.Allgatherv(sspec, rspec)
-            return None
-        return _MpiRequest([self.mpi.Iallgatherv(sspec, rspec)])
+    # data movement: any dtype ----------------------------------------------
+    def all_gather(self, send, recv, counts=None, blocking=True, stream=None):
+        if counts is None:
+            if blocking and send.dtype in _MPI_NATIVE:
+                self.mpi.Allgather(send, recv)
+                return None
+            return self._call(blocking, self.mpi.Allgather, self.mpi.Iallgather, (_buf(send), _buf(recv)))
+        return self._call(blocking, self.mpi.Allgatherv, self.mpi.Iallgatherv,
+                          (_buf(send), _vbuf(recv, counts)))
 
-    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
-        item = send.dtype.itemsize
-        sc = [c * item for c in send_counts]
-        rc = [c * item for c in recv_counts]
-        sspec = [send.view(np.uint8), (sc, _displs(sc)), MPI.BYTE]
-        rspec = [recv.view(np.uint8), (rc, _displs(rc)), MPI.BYTE]
-        if blocking:
-            self.mpi.Alltoallv(sspec, rspec)
-            return None
-        return _MpiRequest([self.mpi.Ialltoallv(sspec, rspec)])
+    def all_to_all(self, send, recv, send_counts=None, recv_counts=None, blocking=True, stream=None):
+        if send_counts is None and recv_counts is None:
+            if blocking and send.dtype in _MPI_NATIVE:
+                self.mpi.Alltoall(send, recv)
+                return None
+            return self._call(blocking, self.mpi.Alltoall, self.mpi.Ialltoall, (_buf(send), _buf(recv)))
+        return self._call(blocking, self.mpi.Alltoallv, self.mpi.Ialltoallv,
+                          (_vbuf(send, send_counts), _vbuf(recv, recv_counts)))
 
     def broadcast(self, buf, root, blocking=True, stream=None):
-        spec = [buf.view(np.uint8), MPI.BYTE]
         if blocking:
-            self.mpi.Bcast(spec, root=root)
+            self.mpi.Bcast(_buf(buf), root)
             return None
-        return _MpiRequest([self.mpi.Ibcast(spec, root=root)])
+        return _MpiRequest([self.mpi.Ibcast(_buf(buf), root)])
 
     def send(self, buf, peer, tag=0, blocking=True, stream=None):
-        spec = [buf.view(np.uint8), MPI.BYTE]
-        if blocking:
-            self.mpi.Send(spec, dest=peer, tag=tag)
-            return None
-        return _MpiRequest([self.mpi.Isend(spec, dest=peer, tag=tag)])
+        return self._call(blocking, self.mpi.Send, self.mpi.Isend, (_buf(buf), peer, tag))
 
     def recv(self, buf, peer, tag=0, blocking=True, stream=None):
-        spec = [buf.view(np.uint8), MPI.BYTE]
-        if blocking:
-            self.mpi.Recv(spec, source=peer, tag=tag)
-            return None
-        return _MpiRequest([self.mpi.Irecv(spec, source=peer, tag=tag)])
+        return self._call(blocking, self.mpi.Recv, self.mpi.Irecv, (_buf(buf), peer, tag))
 
     def barrier(self, blocking=True, stream=None):
-        if blocking:
-            self.mpi.Barrier()
-            return None
-        return _MpiRequest([self.mpi.Ibarrier()])
+        return self._call(blocking, self.mpi.Barrier, self.mpi.Ibarrier, ())
 
 
 class HostStagedCommunicator(Communicator):
@@ -219,13 +218,13 @@ class HostStagedCommunicator(Communicator):
     def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
         return self._staged("all_reduce", send, recv, op, stream=stream)
 
-    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
+    def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
         return self._staged("reduce_scatter", send, recv, counts, op, stream=stream)
 
-    def all_gather(self, send, recv, counts, blocking=True, stream=None):
+    def all_gather(self, send, recv, counts=None, blocking=True, stream=None):
         return self._staged("all_gather", send, recv, counts, stream=stream)
 
-    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
+    def all_to_all(self, send, recv, send_counts=None, recv_counts=None, blocking=True, stream=None):
         return self._staged("all_to_all", send, recv, send_counts, recv_counts, stream=stream)
 
     def broadcast(self, buf, root, blocking=True, stream=None):
@@ -289,10 +288,10 @@ class NcclCommunicator(Communicator):
         self.raw.allReduce(send.data.ptr, recv.data.ptr, send.size, self._reduce_type(send),
                            _NCCL_OPS[op], stream.ptr)
 
-    def reduce_scatter(self, send, recv, counts, op="sum", blocking=True, stream=None):
+    def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
         dtype, nop = self._reduce_type(send), _NCCL_OPS[op]
-        if len(set(counts)) == 1:
-            self.raw.reduceScatter(send.data.ptr, recv.data.ptr, counts[0], dtype, nop, stream.ptr)
+        if counts is None:
+            self.raw.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, dtype, nop, stream.ptr)
             return
         # uneven parts: one reduce per root, grouped so NCCL schedules them together
         item = send.dtype.itemsize
@@ -302,10 +301,10 @@ class NcclCommunicator(Communicator):
             self.raw.reduce(send.data.ptr + off * item, dst, count, dtype, nop, root, stream.ptr)
         self._nccl.groupEnd()
 
-    def all_gather(self, send, recv, counts, blocking=True, stream=None):
+    def all_gather(self, send, recv, counts=None, blocking=True, stream=None):
         item = send.dtype.itemsize
-        if len(set(counts)) == 1:
-            self.raw.allGather(send.data.ptr, recv.data.ptr, counts[0] * item, _NCCL_UINT8, stream.ptr)
+        if counts is None:
+            self.raw.allGather(send.data.ptr, recv.data.ptr, send.nbytes, _NCCL_UINT8, stream.ptr)
             return
         self._nccl.groupStart()
         for root, (count, off) in enumerate(zip(counts, _displs(counts))):
@@ -314,8 +313,10 @@ class NcclCommunicator(Communicator):
             self.raw.broadcast(src, dst, count * item, _NCCL_UINT8, root, stream.ptr)
         self._nccl.groupEnd()
 
-    def all_to_all(self, send, recv, send_counts, recv_counts, blocking=True, stream=None):
+    def all_to_all(self, send, recv, send_counts=None, recv_counts=None, blocking=True, stream=None):
         item = send.dtype.itemsize
+        if send_counts is None:
+            send_counts = recv_counts = [send.size // self.size] * self.size
         self._nccl.groupStart()
         for peer, (sc, so, rc, ro) in enumerate(zip(send_counts, _displs(send_counts),
                                                     recv_counts, _displs(recv_counts))):
