@@ -1,0 +1,30 @@
+"""tessera_rt.kernels: tile ops with a NumPy reference each, and GPU implementations.
+
+Each op module registers its NumPy reference as the "cpu" kernel (``register_kernel``);
+the ``*_cuda`` modules register GPU launchers that import CuPy only when called.  The
+backend picks the implementation: ``get_backend().kernel("matmul")``.  Everything in
+``__all__`` is re-exported into the public ``op`` namespace.
+"""
+from . import numerics
+from .numerics import NumericPolicy, numeric
+from .gemm import gemm, matmul
+from .norms import layernorm, layernorm_safe, rmsnorm, rmsnorm_safe, softmax
+from .fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
+from .mlp import bias_act, bias_gelu, bias_silu, gelu, silu, swiglu
+from .attention import flash_attention, flash_attention_backward
+from .spectral import conv2d_direct, conv2d_fft, fft2d, ifft2d
+from . import gemm_cuda, attention_cuda, rows_cuda  # GPU launchers: register, import CuPy only on call
+from . import tile
+from .tile_kernels import saxpy
+from .compile import inspect_ir
+from .autotuner import autotune
+
+__all__ = [
+    "NumericPolicy", "numeric",
+    "matmul", "gemm", "softmax", "layernorm", "layernorm_safe", "rmsnorm", "rmsnorm_safe",
+    "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
+    "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu",
+    "flash_attention", "flash_attention_backward",
+    "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",
+    "saxpy", "tile", "inspect_ir", "autotune",
+]

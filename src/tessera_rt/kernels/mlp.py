@@ -1,0 +1,117 @@
+"""Fused bias + activation and the SwiGLU double matmul (seed 004's fused matmul).
+
+``bias_act`` is the epilogue a GEMM would fuse: add a per-column bias, apply gelu/silu,
+cast once.  ``swiglu`` computes ``silu(x @ w1) * (x @ w3)``: both products read ``x``
+once (here by multiplying against ``[w1 | w3]`` in one GEMM, on the GPU by a kernel that
+keeps the x tile in shared memory for both), then the gate multiplies in f32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..backend import register_kernel
+from ._common import array_module, check_float, check_policy, check_stream, finish, widen
+from .gemm import matmul_shapes
+from .norms import NORM_DTYPES
+from .numerics import NumericPolicy, accum_dtype, result_dtype
+
+__all__ = ["ACTIVATIONS", "erf", "gelu", "silu", "bias_act", "bias_gelu", "bias_silu", "swiglu"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "identity")
+
+
+def erf(x: Any):
+    """erf to |err| < 1.5e-7 (Abramowitz & Stegun 7.1.26); NumPy has no erf and f32 needs no more."""
+    xp = array_module(x)
+    t = 1.0 / (1.0 + 0.3275911 * xp.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return xp.sign(x) * (1.0 - poly * xp.exp(-x * x))
+
+
+def gelu(x: Any, approximate: bool = False):
+    """x·Φ(x); ``approximate`` uses the tanh form GPT-2 trained with (cheaper on GPUs)."""
+    xp = array_module(x)
+    if approximate:
+        return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def silu(x: Any):
+    """x·sigmoid(x), written so exp never overflows for large |x|."""
+    xp = array_module(x)
+    z = xp.exp(-xp.abs(x))
+    return x * xp.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+
+
+def _activate(op: str, y: Any, act: str):
+    if act == "gelu":
+        return gelu(y)
+    if act == "gelu_tanh":
+        return gelu(y, approximate=True)
+    if act == "silu":
+        return silu(y)
+    if act == "relu":
+        return array_module(y).maximum(y, 0)
+    if act == "identity":
+        return y
+    raise ValueError(f"{op}: act={act!r} is not supported; use one of {ACTIVATIONS}")
+
+
+def bias_act(x: Any, bias: Any | None = None, *, act: str = "gelu", out: Any | None = None,
+             stream: Any | None = None, policy: NumericPolicy | None = None):
+    """``act(x + bias)`` with ``bias`` over the last dim, computed in f32 and cast once."""
+    op = "bias_act"
+    check_float(op, "x", x, NORM_DTYPES)
+    check_policy(op, policy)
+    check_stream(op, stream)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{op}: act={act!r} is not supported; use one of {ACTIVATIONS}")
+    acc = accum_dtype(x.dtype, policy)
+    y = widen(x, acc)
+    if bias is not None:
+        check_float(op, "bias", bias, NORM_DTYPES)
+        if tuple(bias.shape) != (x.shape[-1],):
+            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({x.shape[-1]},) "
+                             f"to match the last dim of x {tuple(x.shape)}")
+        y = y + widen(bias, acc)
+    return finish(op, _activate(op, y, act), out, result_dtype(x.dtype, policy))
+
+
+def bias_gelu(x: Any, bias: Any | None = None, *, approximate: bool = False, out: Any | None = None,
+              stream: Any | None = None, policy: NumericPolicy | None = None):
+    return bias_act(x, bias, act="gelu_tanh" if approximate else "gelu", out=out, stream=stream,
+                    policy=policy)
+
+
+def bias_silu(x: Any, bias: Any | None = None, *, out: Any | None = None, stream: Any | None = None,
+              policy: NumericPolicy | None = None):
+    return bias_act(x, bias, act="silu", out=out, stream=stream, policy=policy)
+
+
+def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | None = None,
+           policy: NumericPolicy | None = None):
+    """``silu(x @ w1) * (x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)``; one pass over ``x``."""
+    op = "swiglu"
+    for name, t in (("x", x), ("w1", w1), ("w3", w3)):
+        check_float(op, name, t, NORM_DTYPES)
+    check_policy(op, policy)
+    check_stream(op, stream)
+    if w1.ndim != 2 or tuple(w1.shape) != tuple(w3.shape):
+        raise ValueError(f"{op}: w1 {tuple(w1.shape)} and w3 {tuple(w3.shape)} must be the same "
+                         "2-D (D, F) shape")
+    matmul_shapes(op, x, w1)
+    if not (x.dtype == w1.dtype == w3.dtype):
+        raise TypeError(f"{op}: x, w1, w3 must share a dtype, got {x.dtype}, {w1.dtype}, {w3.dtype}")
+    xp = array_module(x, w1, w3)
+    acc = accum_dtype(x.dtype, policy)
+    f = w1.shape[1]
+    both = xp.matmul(widen(x, acc), xp.concatenate([widen(w1, acc), widen(w3, acc)], axis=1))
+    return finish(op, silu(both[..., :f]) * both[..., f:], out, result_dtype(x.dtype, policy))
+
+
+for _name, _fn in (("bias_act", bias_act), ("bias_gelu", bias_gelu), ("bias_silu", bias_silu),
+                   ("swiglu", swiglu)):
+    register_kernel(_name, "cpu", _fn)

@@ -1,0 +1,203 @@
+"""A small Tessera-style tile API on numba.cuda (seed 002 §2.1-2.6), so users write tile kernels the seeds' way.
+
+    from tessera_rt.kernels import tile
+
+    @tile.kernel
+    def saxpy(x, y, alpha):
+        i = tile.linear_id()
+        if i < x.size:
+            y[i] = alpha * x[i] + y[i]
+
+    saxpy.launch(n, x, y, alpha)          # grid from n and the group size
+
+``linear_id()`` is the global lane index, ``group_id()``/``lane_id()``/``group_size()`` the
+tile group (CUDA block) coordinates, ``shared_alloc(shape, dtype)`` the group's shared
+buffer (``tshared.alloc``; shape and dtype must be constants), ``barrier()`` is
+``tbarrier()``, ``load``/``store`` are ``tile.load``/``tile.store``.  On a GPU (and for
+``compile_ptx``) each call is inlined into the kernel; under Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, chosen when this module is imported) they are plain Python
+over the simulator's per-kernel state, so tile kernels run on a CPU-only machine.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import numba
+from numba import cuda
+
+__all__ = ["SIMULATOR", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
+           "barrier", "tbarrier", "load", "store", "kernel", "TileKernel"]
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+
+
+def linear_id():
+    """Global index of this lane: group_id() * group_size() + lane_id()."""
+    return _sim().grid(1)
+
+
+def group_id():
+    """Index of this tile group (CUDA block) in the launch."""
+    return _sim().blockIdx.x
+
+
+def lane_id():
+    """Index of this lane within its tile group (CUDA thread index)."""
+    return _sim().threadIdx.x
+
+
+def group_size():
+    return _sim().blockDim.x
+
+
+def num_groups():
+    return _sim().gridDim.x
+
+
+def barrier():
+    """tbarrier(): every lane of the group waits here; shared-memory writes become visible."""
+    _sim().syncthreads()
+
+
+tbarrier = barrier
+
+
+def shared_alloc(shape, dtype):
+    """The group's shared buffer of constant ``shape`` and Numba ``dtype`` (seed: ``tshared.alloc``)."""
+    ctx = _sim()
+    # The simulator keys shared arrays by the line that allocates them; key by our caller's.
+    caller = sys._getframe(1)
+    key = ("tessera_rt.tile", caller.f_code.co_filename, caller.f_lineno)
+    allocs = ctx.shared._allocations
+    if key not in allocs:
+        import numpy as np
+        from numba.core import types as ntypes
+        dt = numba.np.numpy_support.as_dtype(dtype) if isinstance(dtype, ntypes.Type) else np.dtype(dtype)
+        allocs[key] = np.empty(shape, dt)
+    return allocs[key]
+
+
+def load(array, index):
+    """tile.load(X, index=i): one element of a global array."""
+    return array[index]
+
+
+def store(array, index, value):
+    """tile.store(Y, index=i, value=v)."""
+    array[index] = value
+
+
+def _sim():
+    from numba.cuda.simulator.kernel import _get_kernel_context
+    ctx = _get_kernel_context()
+    if ctx is None:
+        raise RuntimeError("tile API functions can only be called inside a tile kernel launch")
+    return ctx
+
+
+if not SIMULATOR:
+    # On the CUDA target each API function is an inlined overload of the CUDA intrinsic.
+    from numba.cuda import types as nt
+    from numba.cuda.core.errors import TypingError
+    from numba.cuda.extending import overload
+
+    def _inline(fn: Callable) -> Callable:
+        return overload(fn, target="cuda", inline="always", prefer_literal=True)
+
+    @_inline(linear_id)
+    def _linear_id():
+        return lambda: cuda.grid(1)
+
+    @_inline(group_id)
+    def _group_id():
+        return lambda: cuda.blockIdx.x
+
+    @_inline(lane_id)
+    def _lane_id():
+        return lambda: cuda.threadIdx.x
+
+    @_inline(group_size)
+    def _group_size():
+        return lambda: cuda.blockDim.x
+
+    @_inline(num_groups)
+    def _num_groups():
+        return lambda: cuda.gridDim.x
+
+    barrier = tbarrier = cuda.syncthreads        # an intrinsic: usable under any name
+
+    @_inline(shared_alloc)
+    def _shared_alloc(shape, dtype):
+        if isinstance(shape, nt.IntegerLiteral):
+            n = shape.literal_value
+        elif isinstance(shape, nt.BaseTuple) and all(isinstance(t, nt.IntegerLiteral) for t in shape):
+            n = tuple(t.literal_value for t in shape)
+        else:
+            raise TypingError(f"tile.shared_alloc: shape must be a constant int or tuple of ints, got {shape}")
+        if not isinstance(dtype, (nt.NumberClass, nt.DType)):
+            raise TypingError(f"tile.shared_alloc: dtype must be a Numba type such as numba.float32, got {dtype}")
+        dt = dtype.dtype
+
+        def impl(shape, dtype):
+            return cuda.shared.array(n, dt)
+        return impl
+
+    @_inline(load)
+    def _load(array, index):
+        return lambda array, index: array[index]
+
+    @_inline(store)
+    def _store(array, index, value):
+        def impl(array, index, value):
+            array[index] = value
+        return impl
+
+
+class TileKernel:
+    """A tile kernel: ``kernel[grid, block](...)`` as in Numba, plus ``launch(n, ...)`` and ``inspect_ir``."""
+
+    def __init__(self, fn: Callable, group_size: int = 128, **jit_options: Any):
+        self.py_func = fn
+        self.group_size = group_size
+        self._jit = cuda.jit(**jit_options)(fn)
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __getitem__(self, config):
+        return self._jit[config]
+
+    def launch(self, n: int, *args: Any, group_size: int | None = None, stream: Any = None):
+        """Run with enough groups of ``group_size`` lanes to give every one of ``n`` items a lane."""
+        gs = group_size or self.group_size
+        groups = max(1, (int(n) + gs - 1) // gs)
+        if stream is not None and not SIMULATOR:
+            return self._jit[groups, gs, _numba_stream(stream)](*args)
+        return self._jit[groups, gs](*args)
+
+    def inspect_ir(self, level: str = "tile", signature: str | None = None, arch: str = "sm_90") -> str:
+        """The Python tile source ("tile"/"source") or its PTX ("target"/"ptx"; needs ``signature``)."""
+        import inspect
+        if level in ("tile", "source"):
+            return inspect.getsource(self.py_func)
+        if level in ("target", "ptx"):
+            if signature is None:
+                raise ValueError("inspect_ir('ptx') needs a signature, e.g. 'void(float32[:], float32[:], float32)'")
+            from .compile import numba_ptx
+            return numba_ptx(self.py_func, signature, arch)
+        raise ValueError(f"inspect_ir: level={level!r}; use 'tile'/'source' or 'target'/'ptx'")
+
+
+def _numba_stream(stream: Any):
+    """A Numba stream for a runtime CudaStream / CuPy stream (by pointer), or Numba's own."""
+    raw = getattr(stream, "raw", stream)
+    if hasattr(raw, "ptr"):
+        return cuda.external_stream(raw.ptr)
+    return stream
+
+
+def kernel(fn: Callable | None = None, *, group_size: int = 128, **jit_options: Any):
+    """Decorator making a Python function a :class:`TileKernel` (``@tile.kernel`` or ``@tile.kernel(group_size=256)``)."""
+    if fn is None:
+        return lambda f: TileKernel(f, group_size, **jit_options)
+    return TileKernel(fn, group_size, **jit_options)

@@ -1,0 +1,78 @@
+"""The seeds' tile kernels (tile API on numba.cuda) run in the CUDA simulator against NumPy."""
+import numpy as np
+import pytest
+
+from tessera_rt.kernels import tile
+from tessera_rt.kernels.tile_kernels import (make_tiled_matmul, saxpy_reference, saxpy_tile,
+                                             staged_axpy_tile, tiled_matmul_tile)
+
+
+def test_running_in_simulator():
+    assert tile.SIMULATOR
+
+
+@pytest.mark.parametrize("n", [1, 33, 128, 200])
+def test_saxpy(n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    got = saxpy_tile(x, y, 1.5)
+    np.testing.assert_allclose(got, saxpy_reference(x, y, 1.5), rtol=1e-6)
+    assert not np.shares_memory(got, y)
+    out = y.copy()
+    assert saxpy_tile(x, out, -2.0, out=out) is out         # the seed's `mut y`: in place
+    np.testing.assert_allclose(out, -2.0 * x + y, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n,groups", [(100, 1), (100, 2), (64, 4), (31, 1)])
+def test_staged_axpy_double_buffers(n, groups):
+    # with few groups each one walks several tiles, toggling its two shared buffers
+    x = np.arange(n, dtype=np.float32)
+    y = np.full(n, 3.0, np.float32)
+    np.testing.assert_array_equal(staged_axpy_tile(x, y, 2.0, groups=groups), 2.0 * x + 3.0)
+
+
+@pytest.mark.parametrize("shape,ts", [((20, 13, 9), 8), ((32, 32, 32), 16), ((5, 17, 3), 4), ((8, 8, 8), 8)])
+def test_tiled_matmul(shape, ts):
+    m, k, n = shape
+    rng = np.random.default_rng(m * k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    got = tiled_matmul_tile(a, b, ts=ts)
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_allocations_do_not_alias():
+    # two shared_alloc calls in one kernel must be two buffers (the simulator keys by line)
+    a = np.eye(8, dtype=np.float32) * 2
+    b = np.arange(64, dtype=np.float32).reshape(8, 8)
+    np.testing.assert_allclose(tiled_matmul_tile(a, b, ts=8), 2 * b)
+
+
+def test_errors_before_launch():
+    with pytest.raises(ValueError, match="same length"):
+        saxpy_tile(np.ones(3, np.float32), np.ones(4, np.float32), 1.0)
+    with pytest.raises(TypeError, match="float64"):
+        saxpy_tile(np.ones(3), np.ones(3), 1.0)
+    with pytest.raises(ValueError, match="ts <= 32"):
+        tiled_matmul_tile(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32), ts=64)
+    with pytest.raises(ValueError, match="2-D"):
+        tiled_matmul_tile(np.ones((4, 4), np.float32), np.ones((5, 4), np.float32))
+    with pytest.raises(RuntimeError, match="inside a tile kernel"):
+        tile.linear_id()
+
+
+def test_user_kernel_with_tile_api():
+    @tile.kernel(group_size=16)
+    def reverse_in_groups(x):
+        s = tile.shared_alloc(16, np.float32)
+        lane = tile.lane_id()
+        i = tile.linear_id()
+        s[lane] = x[i]
+        tile.barrier()
+        x[i] = s[tile.group_size() - 1 - lane]
+
+    x = np.arange(32, dtype=np.float32)
+    reverse_in_groups.launch(32, x)
+    np.testing.assert_array_equal(x, np.concatenate([np.arange(15, -1, -1), np.arange(31, 15, -1)]))
+    assert make_tiled_matmul(8) is make_tiled_matmul(8)

@@ -1,0 +1,157 @@
+"""GPU kernels against the NumPy references (run on the lent GPU machine; skipped without a GPU)."""
+import numpy as np
+import pytest
+
+import tessera_rt.kernels as K
+from tessera_rt.kernels.numerics import tolerance
+
+
+def _cupy():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy
+    except Exception:
+        return None
+
+
+cp = _cupy()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]
+
+
+def rnd(shape, dtype=np.float16, seed=0, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 32), (64, 64, 32), (128, 64, 32), (64, 128, 32), (64, 64, 64)])
+@pytest.mark.parametrize("shape", [(256, 256, 256), (100, 77, 130), (1, 8, 16), (3, 65, 33, 47)])
+def test_tile_gemm_matches_reference(tile, shape):
+    from tessera_rt.kernels.gemm_cuda import tile_gemm
+    *batch, m, k, n = shape
+    a, b = rnd(tuple(batch) + (m, k), seed=1), rnd((k, n), seed=2)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    for out_dtype in (np.float16, np.float32):
+        got = tile_gemm(cp.asarray(a), cp.asarray(b), tile, out_dtype=out_dtype).get()
+        rtol, atol = tolerance(out_dtype if out_dtype == np.float16 else np.float16)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(k))
+
+
+def test_matmul_cuda_default_is_cublas_and_tile_is_opt_in():
+    from tessera_rt.backend import get_backend
+    a, b = rnd((64, 96)), rnd((96, 32))
+    fn = get_backend().kernel("matmul")
+    for kw in ({}, {"tile_shape": (64, 64, 32)}):
+        got = fn(cp.asarray(a), cp.asarray(b), **kw).get()
+        np.testing.assert_allclose(got.astype(np.float64), a.astype(np.float64) @ b, rtol=1e-2, atol=5e-2)
+
+
+def test_swiglu_dual_gemm():
+    from tessera_rt.kernels.gemm_cuda import swiglu_cuda
+    x, w1, w3 = rnd((2, 50, 64)), rnd((64, 96), seed=3, scale=0.2), rnd((64, 96), seed=4, scale=0.2)
+    got = swiglu_cuda(cp.asarray(x), cp.asarray(w1), cp.asarray(w3)).get()
+    want = K.swiglu(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+ATTN = [(2, 4, 4, 128, 128, 64, False), (1, 8, 2, 100, 130, 64, True), (1, 4, 1, 64, 256, 128, True),
+        (2, 2, 2, 77, 77, 128, False), (1, 2, 2, 200, 50, 64, True)]
+
+
+@pytest.mark.parametrize("case", ATTN)
+def test_flash_forward(case):
+    from tessera_rt.kernels.attention_cuda import flash_attention_cuda
+    b, h, hkv, sq, sk, d, causal = case
+    q, k, v = rnd((b, h, sq, d), seed=1), rnd((b, hkv, sk, d), seed=2), rnd((b, hkv, sk, d), seed=3)
+    o, lse = flash_attention_cuda(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal, return_lse=True)
+    wo, wl = K.flash_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                               causal=causal, return_lse=True)
+    np.testing.assert_allclose(o.get().astype(np.float64), wo, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(lse.get(), wl, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ATTN)
+def test_flash_backward(case):
+    from tessera_rt.kernels.attention_cuda import flash_attention_backward_cuda, flash_attention_cuda
+    b, h, hkv, sq, sk, d, causal = case
+    q, k, v = rnd((b, h, sq, d), seed=1), rnd((b, hkv, sk, d), seed=2), rnd((b, hkv, sk, d), seed=3)
+    do = rnd((b, h, sq, d), seed=4)
+    g = [cp.asarray(t) for t in (q, k, v)]
+    o, lse = flash_attention_cuda(*g, causal=causal, return_lse=True)
+    got = flash_attention_backward_cuda(*g, o, cp.asarray(do), lse, causal=causal)
+    q64, k64, v64, do64 = (t.astype(np.float64) for t in (q, k, v, do))
+    o64, l64 = K.flash_attention(q64, k64, v64, causal=causal, return_lse=True)
+    want = K.flash_attention_backward(q64, k64, v64, o64, do64, l64, causal=causal)
+    for gg, ww in zip(got, want):
+        np.testing.assert_allclose(gg.get().astype(np.float64), ww, rtol=3e-2, atol=3e-2)
+    again = flash_attention_backward_cuda(*g, o, cp.asarray(do), lse, causal=causal)
+    for x, y in zip(got, again):                      # no atomics: bitwise deterministic
+        assert cp.array_equal(x, y)
+
+
+def test_flash_rejects_bad_head_dim_before_launch():
+    from tessera_rt.kernels.attention import check_attention
+    q = cp.zeros((1, 2, 8, 96), np.float16)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        check_attention("flash_attention", q, q, q, gpu=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n", [7, 256, 1000, 4096])
+def test_row_kernels(dtype, n):
+    from tessera_rt.kernels import rows_cuda as R
+    x, w, bb = rnd((33, n), dtype, scale=3), rnd((n,), dtype, seed=5), rnd((n,), dtype, seed=6)
+    gx, gw, gb = cp.asarray(x), cp.asarray(w), cp.asarray(bb)
+    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), bb.astype(np.float64)
+    rtol, atol = tolerance(dtype)
+    pairs = [(R.softmax_cuda(gx), K.softmax(x64)), (R.layernorm_cuda(gx, gw, gb), K.layernorm(x64, w64, b64)),
+             (R.rmsnorm_cuda(gx, gw), K.rmsnorm(x64, w64)),
+             (R.bias_act_cuda(gx, gb, act="gelu"), K.bias_gelu(x64, b64)),
+             (R.bias_act_cuda(gx, gb, act="silu"), K.bias_silu(x64, b64))]
+    for got, want in pairs:
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=rtol * 4, atol=atol * 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", ["per_tensor", "per_channel"])
+def test_fp8_quantize_matches_cpu(fmt, scale):
+    from tessera_rt.dtypes import resolve_dtype
+    from tessera_rt.kernels.rows_cuda import quantize_fp8_cuda
+    x = rnd((64, 48), np.float32, scale=10)
+    q, s = quantize_fp8_cuda(cp.asarray(x), fmt, scale=scale)
+    qc, sc = K.quantize_fp8(x, fmt, scale=scale)
+    np.testing.assert_allclose(s.get(), sc, rtol=1e-6)
+    assert np.array_equal(q.get(), qc.view(np.uint8))
+    xs = np.full(100_000, 1.0 + 1 / 32, np.float32)
+    qs, _ = quantize_fp8_cuda(cp.asarray(xs), fmt, scale=np.float32(1.0), stochastic_round=True, seed=3)
+    vals = qs.get().view(resolve_dtype(fmt)).astype(np.float32)
+    np.testing.assert_allclose(vals.mean(), 1 + 1 / 32, rtol=3e-3)
+
+
+def test_tile_saxpy_on_gpu():
+    from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
+    x, y = cp.arange(10_000, dtype=cp.float32), cp.ones(10_000, cp.float32)
+    cp.testing.assert_allclose(saxpy_tile(x, y, 2.0), 2 * x + 1)
+    cp.testing.assert_allclose(staged_axpy_tile(x, y, 2.0, groups=7), 2 * x + 1)
+    a, b = cp.asarray(rnd((100, 70), np.float32)), cp.asarray(rnd((70, 50), np.float32, seed=2))
+    cp.testing.assert_allclose(tiled_matmul_tile(a, b), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_autotuned_matmul(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    from tessera_rt.kernels.gemm_cuda import tuned_matmul
+    a, b = cp.asarray(rnd((512, 512))), cp.asarray(rnd((512, 512), seed=2))
+    got = tuned_matmul(a, b)
+    cp.testing.assert_allclose(got, a @ b, rtol=1e-2, atol=1e-1)
+    assert (tmp_path / "autotune.json").exists()
+
+
+def test_kernels_run_on_runtime_stream():
+    from tessera_rt import runtime as rt
+    from tessera_rt.kernels.gemm_cuda import tile_gemm
+    s = rt.stream("compute")
+    a = cp.asarray(rnd((128, 128)))
+    c = tile_gemm(a, a, (64, 64, 32), stream=s)
+    s.synchronize()
+    cp.testing.assert_allclose(c, a @ a, rtol=1e-2, atol=1e-1)
