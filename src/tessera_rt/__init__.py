@@ -4,12 +4,13 @@ Tile kernels on CuPy/Numba (NumPy on the CPU), device meshes, sharded tensors an
 collectives as first-class operations, launched with ``tessera-run`` / ``mpirun``.
 
     import tessera_rt as ts
-    from tessera_rt import dist, runtime as rt
+    from tessera_rt import dist, op, runtime as rt
 """
 from . import backend, dtypes, runtime
-from . import dist
+from . import dist, kernels, op
 from .backend import get_backend
 from .dtypes import resolve_dtype
 
 __version__ = "0.1.0"
-__all__ = ["backend", "dtypes", "runtime", "dist", "get_backend", "resolve_dtype", "__version__"]
+__all__ = ["backend", "dtypes", "runtime", "dist", "kernels", "op", "get_backend", "resolve_dtype",
+           "__version__"]

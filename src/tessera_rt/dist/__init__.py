@@ -1,20 +1,34 @@
-"""tessera_rt.dist: the process group, meshes, communicators and collectives.
+"""tessera_rt.dist: the process group, meshes, communicators, collectives and DTensors.
 
     from tessera_rt import dist
     dist.init()                                   # idempotent; world size 1 without mpirun
     mesh = dist.Mesh(axes=["tp", "dp"], shape={"tp": 2, "dp": 2})
-    y = dist.all_reduce(x, axis="dp", op="sum", mesh=mesh)
+    y = dist.all_reduce(x, axis="dp", op="sum", mesh=mesh)          # on an array
+    X = dist.distribute(a, layout=dist.ShardSpec(partition=("col",), mesh_axes=("tp",)), mesh=mesh)
+    Y = X @ W                                                        # a DTensor op: eager collectives
+
+The collectives here take arrays or DTensors: arrays go straight to ``collectives``; a
+DTensor becomes a layout change run by the redistribution planner.
 """
-from .collectives import (
-    CollectiveRecord, Work, all_gather, all_reduce, all_to_all, barrier, broadcast, bus_factor, recv,
-    reduce_scatter, send, trace_collectives, world_group,
+from .collectives import CollectiveRecord, Work, barrier, bus_factor, trace_collectives, world_group
+from .dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
+from .dtensor_collectives import all_gather, all_reduce, all_to_all, broadcast, recv, reduce_scatter, send
+from .layout import (
+    Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
 )
 from .mesh import AxisGroup, Mesh, current_mesh, mesh, set_mesh
 from .process_group import World, abort, get_rank, get_world_size, init, is_initialized, world
+from .redistribute import Plan, Step, plan_redistribute
+from .rules import RuleError, register_rule
+from .shard import local_shape, local_slices, split_offsets, split_sizes
 
 __all__ = [
     "init", "world", "World", "is_initialized", "get_rank", "get_world_size", "abort",
     "Mesh", "mesh", "AxisGroup", "current_mesh", "set_mesh",
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
     "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group",
+    "Layout", "LayoutError", "ShardSpec", "ReplicateSpec", "PartialSpec", "Placement", "Replicate", "Shard",
+    "Partial", "as_layout", "local_shape", "local_slices", "split_sizes", "split_offsets",
+    "Plan", "Step", "plan_redistribute", "DTensor", "tensor", "zeros", "ones", "full", "distribute",
+    "from_local", "rand", "randn", "RuleError", "register_rule",
 ]

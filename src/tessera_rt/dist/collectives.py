@@ -199,16 +199,6 @@ def _out(op, g, x, out, shape, dtype):
     return out
 
 
-def _front(x, dim: int):
-    """x with ``dim`` moved first, contiguous (a pooled copy when dim != 0)."""
-    if dim == 0:
-        return x
-    moved = _backend().xp.moveaxis(x, dim, 0)
-    buf = _backend().empty(moved.shape, x.dtype)
-    buf[...] = moved
-    return buf
-
-
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
     on_gpu = _backend().is_gpu
@@ -254,12 +244,52 @@ def _with_dim(shape: tuple, dim: int, length: int) -> tuple:
     return shape[:dim] + (length,) + shape[dim + 1:]
 
 
-def _finish_moved(buf, dim: int, out):
-    """A step to run after the collective: ``buf`` (dim first) moved back into ``out``."""
-    def then():
-        out[...] = _backend().xp.moveaxis(buf, 0, dim)
+# Parts along a dim other than 0 are not contiguous.  _pack lays them out one after another
+# (one copy) so MPI/NCCL move flat runs; _unpack is its inverse (one copy).  Equal parts
+# take one vectorized copy; dims before ``dim`` of size 1 need no copy at all.
+
+def _pack(x, dim: int, sizes, even: bool):
+    """x's parts along ``dim`` (lengths ``sizes``), each contiguous, in one flat buffer."""
+    if dim == 0 or math.prod(x.shape[:dim]) == 1:
+        return x.reshape(-1)
+    b = _backend()
+    buf = b.empty((x.size,), x.dtype)
+    if even:
+        n, part = len(sizes), sizes[0]
+        split = x.shape[:dim] + (n, part) + x.shape[dim + 1:]
+        buf.reshape((n,) + _with_dim(x.shape, dim, part))[...] = b.xp.moveaxis(x.reshape(split), dim, 0)
+        return buf
+    pos = off = 0
+    for p in sizes:
+        piece = _with_dim(x.shape, dim, p)
+        cnt = math.prod(piece)
+        buf[pos:pos + cnt].reshape(piece)[...] = x[(slice(None),) * dim + (slice(off, off + p),)]
+        pos, off = pos + cnt, off + p
+    return buf
+
+
+def _unpack(flat, shape: tuple, dim: int, sizes, even: bool, out):
+    """Inverse of _pack: the parts in ``flat`` concatenated along ``dim`` into ``out`` (of ``shape``)."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        out.reshape(-1)[...] = flat
         return out
-    return then
+    xp = _backend().xp
+    if even:
+        n, part = len(sizes), sizes[0]
+        out.reshape(shape[:dim] + (n, part) + shape[dim + 1:])[...] = xp.moveaxis(
+            flat.reshape((n,) + _with_dim(shape, dim, part)), 0, dim)
+        return out
+    pos = off = 0
+    for p in sizes:
+        piece = _with_dim(shape, dim, p)
+        cnt = math.prod(piece)
+        out[(slice(None),) * dim + (slice(off, off + p),)] = flat[pos:pos + cnt].reshape(piece)
+        pos, off = pos + cnt, off + p
+    return out
+
+
+def _even(sizes) -> bool:
+    return min(sizes) == max(sizes)
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
@@ -270,26 +300,22 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
     x = _check_array("reduce_scatter", g, x)
     if op not in REDUCE_OPS:
         raise ValueError(f"{_where('reduce_scatter', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
-    dim = _norm_dim("reduce_scatter", g, x, dim)
-    if sizes is None:
-        length = x.shape[dim]
-        if length % g.size:
-            _check_sizes("reduce_scatter", g, x, None, length, "sizes")     # raises, saying what to do
-        mine, counts = length // g.size, None
+    if not 0 <= dim < x.ndim:
+        dim = _norm_dim("reduce_scatter", g, x, dim)
+    if sizes is None and not x.shape[dim] % g.size:          # the common case, kept cheap
+        even, mine, counts = True, x.shape[dim] // g.size, None
     else:
         sizes = _check_sizes("reduce_scatter", g, x, sizes, x.shape[dim], "sizes")
+        even, mine = _even(sizes), sizes[g.index]
         inner = math.prod(_with_dim(x.shape, dim, 1))
-        mine, counts = sizes[g.index], [s * inner for s in sizes]
+        counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
     shape = _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
     if _TRACERS:
         _trace("reduce_scatter", g, x, x.nbytes)
-    if dim == 0:
-        return _issue(role, async_op, g.comm.reduce_scatter, (x, out, counts, op), out)
-    src = _front(x, dim)
-    recv = _backend().empty(_with_dim(src.shape, 0, mine), x.dtype)
-    return _issue(role, async_op, g.comm.reduce_scatter, (src, recv, counts, op), out,
-                  _finish_moved(recv, dim, out))
+    # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
+    send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
+    return _issue(role, async_op, g.comm.reduce_scatter, (send, out.reshape(-1) if dim else out, counts, op), out)
 
 
 def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
@@ -298,25 +324,29 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
     lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
     g = _group(mesh, axis, "all_gather")
     x = _check_array("all_gather", g, x)
-    dim = _norm_dim("all_gather", g, x, dim)
-    if sizes is None:
-        total, counts = x.shape[dim] * g.size, None
+    if not 0 <= dim < x.ndim:
+        dim = _norm_dim("all_gather", g, x, dim)
+    if sizes is None:                                          # the common case, kept cheap
+        even, total, counts = True, x.shape[dim] * g.size, None
     else:
         sizes = [int(s) for s in sizes]
         if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
             raise ValueError(f"{_where('all_gather', g, x)}: sizes={sizes} must list {g.size} lengths "
                              f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
+        even, total = _even(sizes), sum(sizes)
         inner = math.prod(_with_dim(x.shape, dim, 1))
-        total, counts = sum(sizes), [s * inner for s in sizes]
+        counts = None if even else [s * inner for s in sizes]
     shape = _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
     if _TRACERS:
         _trace("all_gather", g, x, out.nbytes)
-    if dim == 0:
-        return _issue(role, async_op, g.comm.all_gather, (x, out, counts), out)
-    src = _front(x, dim)
-    recv = _backend().empty(_with_dim(src.shape, 0, total), x.dtype)
-    return _issue(role, async_op, g.comm.all_gather, (src, recv, counts), out, _finish_moved(recv, dim, out))
+    if dim == 0 or math.prod(x.shape[:dim]) == 1:
+        return _issue(role, async_op, g.comm.all_gather, (x, out.reshape(-1) if dim else out, counts), out)
+    recv = _backend().empty((out.size,), x.dtype)
+
+    def then():
+        return _unpack(recv, shape, dim, [x.shape[dim]] * g.size if even else sizes, even, out)
+    return _issue(role, async_op, g.comm.all_gather, (x.reshape(-1), recv, counts), out, then)
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
@@ -331,27 +361,26 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     """
     g = _group(mesh, axis, "all_to_all")
     x = _check_array("all_to_all", g, x)
-    split_dim = _norm_dim("all_to_all", g, x, split_dim)
+    if not 0 <= split_dim < x.ndim:
+        split_dim = _norm_dim("all_to_all", g, x, split_dim)
     concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
-    n, xp = g.size, _backend().xp
+    n = g.size
     if _TRACERS:
         _trace("all_to_all", g, x, x.nbytes)
-    if split_sizes is None and recv_sizes is None and concat_dim == split_dim:
-        # equal parts, same dim: the result has x's shape; the fixed-size collective serves
-        if x.shape[split_dim] % n:
-            _check_sizes("all_to_all", g, x, None, x.shape[split_dim], "split_sizes")   # raises
-        if split_dim == 0:
-            recv = _backend().empty_like(x)
-            return _issue(role, async_op, g.comm.all_to_all, (x, recv, None, None), recv)
-        src = _front(x, split_dim)
-        recv, out = _backend().empty_like(src), _backend().empty_like(x)
-        return _issue(role, async_op, g.comm.all_to_all, (src, recv, None, None), out,
-                      _finish_moved(recv, split_dim, out))
-    even = split_sizes is None and recv_sizes is None
+    if split_sizes is None and recv_sizes is None and concat_dim == split_dim and not x.shape[split_dim] % n:
+        # equal parts along one dim (the common case, kept cheap): the result has x's shape
+        send = _pack(x, split_dim, [x.shape[split_dim] // n] * n, True)
+        out = _backend().empty_like(x)
+        if split_dim == 0 or math.prod(x.shape[:split_dim]) == 1:
+            return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), None, None), out)
+        recv = _backend().empty((x.size,), x.dtype)
+        return _issue(role, async_op, g.comm.all_to_all, (send, recv, None, None), out,
+                      lambda: _unpack(recv, x.shape, split_dim, [x.shape[split_dim] // n] * n, True, out))
+    exchange = split_sizes is not None and recv_sizes is None
     split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
     if recv_sizes is None:
-        if even:
-            recv_sizes = [x.shape[concat_dim]] * n
+        if not exchange:
+            recv_sizes = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
         else:
             mine = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
             recv_sizes = g.comm.mpi.alltoall(mine)
@@ -359,32 +388,23 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         recv_sizes = [int(s) for s in recv_sizes]
         if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
             raise ValueError(f"{_where('all_to_all', g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
-    src = _front(x, split_dim)
-    rest = list(src.shape[1:])                       # dims after moving split_dim first
-    # where concat_dim sits among the dims that follow split_dim in ``src``
-    cpos = None if concat_dim == split_dim else concat_dim - (concat_dim > split_dim)
-    inner = math.prod(rest)
-    my_len = split_sizes[g.index]
-    if cpos is None:
-        part_shapes = [[r] + rest for r in recv_sizes]
-    else:
-        part_shapes = [[my_len] + rest[:cpos] + [r] + rest[cpos + 1:] for r in recv_sizes]
-    recv_counts = [math.prod(p) for p in part_shapes]
-    recv = _backend().empty((sum(recv_counts),), x.dtype)
-    # equal parts both ways (a shard-dim change on an even layout): the fixed-size collective
-    counts = (None, None) if even else ([s * inner for s in split_sizes], recv_counts)
+    # every piece that arrives has x's shape with this rank's split length and the sender's
+    # length along concat_dim
+    base = _with_dim(x.shape, split_dim, split_sizes[g.index])
+    shape = _with_dim(base, concat_dim, sum(recv_sizes))
+    send_counts = [math.prod(_with_dim(x.shape, split_dim, s)) for s in split_sizes]
+    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv_sizes]
+    fixed = _even(send_counts) and send_counts == recv_counts
+    counts = (None, None) if fixed else (send_counts, recv_counts)
+    send = _pack(x, split_dim, split_sizes, _even(split_sizes))
+    out = _backend().empty(shape, x.dtype)
+    if concat_dim == 0 or math.prod(shape[:concat_dim]) == 1:
+        return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), *counts), out)
+    recv = _backend().empty((out.size,), x.dtype)
 
     def then():
-        if cpos is None:
-            full = recv.reshape([sum(recv_sizes)] + rest)
-            return xp.ascontiguousarray(xp.moveaxis(full, 0, split_dim)) if split_dim else full
-        parts, off = [], 0
-        for shp, c in zip(part_shapes, recv_counts):
-            parts.append(xp.moveaxis(recv[off:off + c].reshape(shp), 0, split_dim))
-            off += c
-        return xp.concatenate(parts, axis=concat_dim)
-
-    return _issue(role, async_op, g.comm.all_to_all, (src, recv, *counts), None, then)
+        return _unpack(recv, shape, concat_dim, recv_sizes, _even(recv_sizes), out)
+    return _issue(role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):

@@ -33,10 +33,10 @@ class AxisGroup:
     ranks: tuple[int, ...]
     index: int                 # this rank's position in ``ranks``
     comm: Communicator
+    size: int = 0              # len(ranks), stored: it is read on every collective
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
+    def __post_init__(self):
+        object.__setattr__(self, "size", len(self.ranks))
 
     @property
     def name(self) -> str:
@@ -114,6 +114,7 @@ class Mesh:
         self.sizes: tuple[int, ...] = sizes
         self.devices: tuple[int, ...] = tuple(ranks)
         self._grid = np.array(ranks, dtype=np.int64).reshape(sizes)
+        self._hash = hash((self.axes, self.sizes, self.devices))   # meshes key plan caches
         self._check_same_on_all_ranks(w)
         pos = np.argwhere(self._grid == w.rank)
         self._coords = tuple(int(c) for c in pos[0]) if len(pos) else None
@@ -143,7 +144,7 @@ class Mesh:
             other.axes, other.sizes, other.devices)
 
     def __hash__(self) -> int:
-        return hash((self.axes, self.sizes, self.devices))
+        return self._hash
 
     # geometry -------------------------------------------------------------
     @property

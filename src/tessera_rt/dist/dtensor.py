@@ -1,0 +1,369 @@
+"""DTensor: a global tensor stored as one local piece per rank of a mesh (seed 002 §2.2).
+
+    X = dist.distribute(global_array, layout=Col, mesh=mesh)   # same array on every rank
+    X = dist.from_local(local, layout=Col, mesh=mesh)          # checks the pieces fit
+    X = dist.tensor(shape=(8, 6), layout=Col, mesh=mesh, dtype="bf16")   # zeros
+    X = dist.randn((8, 6), layout=Col, mesh=mesh, seed=0)      # same values on any layout
+    X.to_local(); X.full_tensor(); X.redistribute(Rep); X.explain_redistribute(Rep)
+    Y = X @ W;  Z = X + Y;  X.sum(axis=0);  X.T
+
+Every op goes through ``dispatch`` (rule lookup, input redistribution, local kernel).
+A DTensor is immutable in the sense that ops return new DTensors; ``to_local()`` hands out
+the local array itself.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+
+from ..backend import get_backend
+from ..dtypes import dtype_name, resolve_dtype
+from . import collectives as C
+from .layout import Layout, as_layout
+from .mesh import Mesh, current_mesh
+from .process_group import world
+from .redistribute import Plan, plan_redistribute
+from .shard import local_offsets, local_shape, local_shape_at
+
+__all__ = [
+    "DTensor", "TensorMeta", "meta_of", "tensor", "zeros", "ones", "full", "distribute", "from_local",
+    "rand", "randn",
+]
+
+_MAX_DIMS = 16
+
+
+class TensorMeta:
+    """Interned (layout, global shape, dtype, mesh): compared and hashed by identity, so a
+    dispatcher cache key is a tuple of a few of these."""
+
+    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "__weakref__")
+
+    def __init__(self, layout: Layout, shape: tuple, dtype: np.dtype, mesh: Mesh):
+        self.layout, self.shape, self.dtype, self.mesh, self.ndim = layout, shape, dtype, mesh, len(shape)
+
+    def __repr__(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)} {self.layout!r}"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+_METAS: dict[tuple, TensorMeta] = {}
+
+
+def meta_of(layout: Layout, shape: tuple, dtype, mesh: Mesh) -> TensorMeta:
+    key = (layout, shape, dtype, mesh)
+    m = _METAS.get(key)
+    if m is None:
+        m = _METAS[key] = TensorMeta(layout, tuple(shape), np.dtype(dtype), mesh)
+    return m
+
+
+class DTensor:
+    """A distributed tensor: ``layout`` over ``mesh``, global ``shape``, this rank's piece."""
+
+    __slots__ = ("_local", "_meta")
+    __array_ufunc__ = None            # ndarray (op) DTensor -> DTensor's reflected operator
+    __hash__ = None                   # == is elementwise
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("make a DTensor with dist.distribute, dist.from_local, dist.tensor, dist.zeros, "
+                        "dist.rand or dist.randn")
+
+    @staticmethod
+    def _wrap(local, meta: TensorMeta) -> "DTensor":
+        t = _new(DTensor)
+        t._local = local
+        t._meta = meta
+        return t
+
+    # properties --------------------------------------------------------------
+    layout = property(lambda self: self._meta.layout, doc="the resolved Layout")
+    shape = property(lambda self: self._meta.shape, doc="the global shape")
+    dtype = property(lambda self: self._meta.dtype)
+    mesh = property(lambda self: self._meta.mesh)
+    ndim = property(lambda self: self._meta.ndim)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._meta.shape, dtype=np.int64))
+
+    @property
+    def placements(self):
+        return self._meta.layout.placements(self._meta.mesh)
+
+    def __len__(self) -> int:
+        if not self._meta.shape:
+            raise TypeError("len() of a 0-dim DTensor")
+        return self._meta.shape[0]
+
+    def __repr__(self) -> str:
+        m = self._meta
+        return (f"DTensor({dtype_name(m.dtype)}{list(m.shape)}, layout={m.layout!r}, mesh={m.mesh!r}, "
+                f"local={list(self._local.shape)})")
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("a DTensor is not an array: call X.full_tensor() for the whole tensor on every "
+                        "rank, or X.to_local() for this rank's piece")
+
+    def __bool__(self) -> bool:
+        raise TypeError("the truth value of a DTensor is ambiguous; compare X.full_tensor() instead")
+
+    # access --------------------------------------------------------------------
+    def to_local(self):
+        """This rank's piece (the array itself, not a copy)."""
+        return self._local
+
+    def full_tensor(self):
+        """The whole tensor on every rank (the collectives its layout needs)."""
+        m = self._meta
+        return self.redistribute(Layout(((),) * m.ndim))._local
+
+    def redistribute(self, layout) -> "DTensor":
+        """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
+        plan = self.explain_redistribute(layout)
+        if not plan.steps:
+            return self
+        out = plan.run(self._local)
+        return DTensor._wrap(out, meta_of(plan.dst, self._meta.shape, out.dtype, self._meta.mesh))
+
+    def explain_redistribute(self, layout) -> Plan:
+        """The plan ``redistribute(layout)`` would run: its steps and what each rank sends."""
+        m = self._meta
+        dst = as_layout(layout, m.shape, m.mesh)
+        return plan_redistribute(m.shape, m.layout, dst, m.mesh, m.dtype)
+
+    # ops (all through the dispatcher) ----------------------------------------------
+    def __add__(self, o): return _d.binary("add", self, o)
+    def __radd__(self, o): return _d.binary("add", o, self)
+    def __sub__(self, o): return _d.binary("sub", self, o)
+    def __rsub__(self, o): return _d.binary("sub", o, self)
+    def __mul__(self, o): return _d.binary("mul", self, o)
+    def __rmul__(self, o): return _d.binary("mul", o, self)
+    def __truediv__(self, o): return _d.binary("div", self, o)
+    def __rtruediv__(self, o): return _d.binary("div", o, self)
+    def __pow__(self, o): return _d.binary("pow", self, o)
+    def __rpow__(self, o): return _d.binary("pow", o, self)
+    def __matmul__(self, o): return _d.matmul(self, o)
+    def __rmatmul__(self, o): return _d.matmul(o, self)
+    def __neg__(self): return _d.unary("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return _d.unary("abs", self)
+    def __lt__(self, o): return _d.binary("lt", self, o)
+    def __le__(self, o): return _d.binary("le", self, o)
+    def __gt__(self, o): return _d.binary("gt", self, o)
+    def __ge__(self, o): return _d.binary("ge", self, o)
+    def __eq__(self, o): return _d.binary("eq", self, o)     # type: ignore[override]
+    def __ne__(self, o): return _d.binary("ne", self, o)     # type: ignore[override]
+
+    def sum(self, axis=None, keepdims: bool = False): return _d.reduce("sum", self, axis, keepdims)
+    def mean(self, axis=None, keepdims: bool = False): return _d.reduce("mean", self, axis, keepdims)
+    def max(self, axis=None, keepdims: bool = False): return _d.reduce("max", self, axis, keepdims)
+    def min(self, axis=None, keepdims: bool = False): return _d.reduce("min", self, axis, keepdims)
+
+    def transpose(self, *axes): return _d.transpose(self, axes[0] if len(axes) == 1 and not isinstance(
+        axes[0], int) else (axes or None))
+
+    @property
+    def T(self): return _d.transpose(self, None)           # noqa: N802
+
+    def reshape(self, *shape): return _d.reshape(self, shape[0] if len(shape) == 1 and not isinstance(
+        shape[0], int) else shape)
+
+    def astype(self, dtype): return _d.unary("astype", self, resolve_dtype(dtype))
+
+    def __getitem__(self, index):
+        raise TypeError("DTensor indexing is not supported yet; index X.full_tensor() or X.to_local(), "
+                        "or redistribute and slice the local piece")
+
+
+_new = object.__new__
+
+
+# --------------------------------------------------------------------------- constructors
+
+def _mesh(mesh, what: str) -> Mesh:
+    m = mesh if mesh is not None else current_mesh()
+    if m is None:
+        raise ValueError(f"rank {world().rank}: {what} needs a mesh: pass mesh=, use `with mesh:`, "
+                         "or call dist.set_mesh(mesh)")
+    if not isinstance(m, Mesh):
+        raise TypeError(f"rank {world().rank}: {what}: mesh= must be a dist.Mesh, got {type(m).__name__}")
+    m._require_member(what)
+    return m
+
+
+def _shape(shape, what: str) -> tuple[int, ...]:
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    for s in shape:
+        if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"rank {world().rank}: {what}: shape {shape} must be ints >= 0")
+    return tuple(int(s) for s in shape)
+
+
+def _partialize(local, layout: Layout, mesh: Mesh):
+    """A replicated value as this rank's share of a pending reduction: for sum, rank 0 of
+    each sum axis keeps it and the others hold zeros; max/min/avg keep it everywhere."""
+    for a, op in layout.partial:
+        if op == "sum" and mesh.coordinate(a) != 0:
+            return get_backend().xp.zeros_like(local)
+    return local
+
+
+def full(shape, fill_value, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+    mesh = _mesh(mesh, "dist.full")
+    shape = _shape(shape, "dist.full")
+    lay = as_layout(layout, shape, mesh)
+    dt = resolve_dtype(dtype)
+    local = get_backend().xp.full(local_shape(shape, lay, mesh), fill_value, dtype=dt)
+    return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, dt, mesh))
+
+
+def tensor(shape, layout=None, mesh=None, dtype="float32") -> DTensor:
+    """A DTensor of zeros (the seeds' ``dist.tensor``)."""
+    return full(shape, 0, layout=layout, mesh=mesh, dtype=dtype)
+
+
+def zeros(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+    return full(shape, 0, layout=layout, mesh=mesh, dtype=dtype)
+
+
+def ones(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+    return full(shape, 1, layout=layout, mesh=mesh, dtype=dtype)
+
+
+def distribute(global_array, layout=None, mesh=None) -> DTensor:
+    """Cut the same global array (on every rank) into this rank's piece; no communication."""
+    mesh = _mesh(mesh, "dist.distribute")
+    xp = get_backend().xp
+    g = xp.asarray(global_array)
+    shape = tuple(int(s) for s in g.shape)
+    lay = as_layout(layout, shape, mesh)
+    offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
+    local = xp.ascontiguousarray(g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))])
+    if local is g:
+        local = g.copy()
+    return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, g.dtype, mesh))
+
+
+def from_local(local, layout=None, mesh=None, shape=None, *, validate: bool = True) -> DTensor:
+    """Wrap this rank's piece.  With ``validate`` (default) the ranks exchange their local
+    shapes (one small all_gather) and every rank raises the same ValueError if the pieces do
+    not make up the global ``shape`` (inferred when left out) under ``layout``."""
+    mesh = _mesh(mesh, "dist.from_local")
+    backend = get_backend()
+    if not backend.is_array(local):
+        local = backend.xp.asarray(local)
+    lshape = tuple(int(s) for s in local.shape)
+    if shape is not None:
+        shape = _shape(shape, "dist.from_local")
+    if validate:
+        shape = _check_pieces(lshape, local.dtype, layout, mesh, shape)
+    elif shape is None:
+        raise ValueError(f"rank {world().rank}: dist.from_local(validate=False) needs shape=")
+    lay = as_layout(layout, shape, mesh)
+    if not validate and lshape != local_shape(shape, lay, mesh):
+        raise ValueError(f"rank {world().rank}: dist.from_local: local shape {lshape} is not this rank's "
+                         f"piece {local_shape(shape, lay, mesh)} of {shape} under {lay!r}")
+    return DTensor._wrap(local, meta_of(lay, shape, local.dtype, mesh))
+
+
+def _check_pieces(lshape, dtype, layout, mesh: Mesh, shape):
+    if len(lshape) > _MAX_DIMS:
+        raise ValueError(f"rank {world().rank}: dist.from_local supports up to {_MAX_DIMS} dims")
+    info = np.full(2 + _MAX_DIMS, -1, np.int64)
+    info[0], info[1] = len(lshape), np.dtype(dtype).num
+    info[2:2 + len(lshape)] = lshape
+    every = C.all_gather(info, mesh.axes, mesh=mesh).reshape(-1, 2 + _MAX_DIMS)
+    positions = list(np.ndindex(*mesh.sizes))
+    ranks = [int(mesh.device_grid[p]) for p in positions]
+    shapes = [tuple(int(s) for s in row[2:2 + int(row[0])]) for row in every]
+    where = f"rank {world().rank}: dist.from_local(layout={layout!r}, mesh={mesh!r}, shape={shape})"
+    if len({int(row[0]) for row in every}) > 1 or len({int(row[1]) for row in every}) > 1:
+        mine = np.dtype(dtype)
+        desc = ", ".join(f"rank {r}: {len(s)} dims{'' if int(row[1]) == mine.num else ', another dtype'}"
+                         for r, s, row in zip(ranks, shapes, every))
+        raise ValueError(f"{where}: the ranks' local pieces differ in ndim or dtype ({desc}; this rank has "
+                         f"{dtype_name(mine)}); every rank must pass a piece with the same number of dims "
+                         "and the same dtype")
+    ndim = len(shapes[0])
+    if shape is None:
+        probe = as_layout(layout, (0,) * ndim, mesh)
+        shape = []
+        for d, axes in enumerate(probe.dims):
+            if not axes:
+                shape.append(shapes[0][d])
+                continue
+            idx = [mesh.axis_index(a) for a in axes]
+            seen = {}
+            for p, s in zip(positions, shapes):
+                seen.setdefault(tuple(p[i] for i in idx), s[d])
+            shape.append(sum(seen.values()))
+        shape = tuple(shape)
+    if len(shape) != ndim:
+        raise ValueError(f"{where}: the local pieces have {ndim} dims but shape has {len(shape)}")
+    lay = as_layout(layout, shape, mesh)
+    bad = [(r, s, local_shape_at(shape, lay, mesh, p)) for r, s, p in zip(ranks, shapes, positions)
+           if s != local_shape_at(shape, lay, mesh, p)]
+    if bad:
+        desc = "; ".join(f"rank {r} has {s}, expected {e}" for r, s, e in bad[:8])
+        raise ValueError(f"{where}: the local pieces do not make up global shape {shape} under {lay!r} "
+                         f"(uneven split: the first L % n ranks of an axis get one extra): {desc}. "
+                         "Pass each rank its piece, or give the right shape=")
+    return shape
+
+
+# --------------------------------------------------------------------------- random
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniform(xp, flat, seed: int, stream: int):
+    key = _mix(np.uint64((seed * 2 + stream) & 0xFFFFFFFFFFFFFFFF) + _GOLDEN)
+    bits = _mix(flat * _GOLDEN + key)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _random(kind: str, shape, layout, mesh, seed: int, dtype) -> DTensor:
+    mesh = _mesh(mesh, f"dist.{kind}")
+    shape = _shape(shape, f"dist.{kind}")
+    lay = as_layout(layout, shape, mesh)
+    dt = resolve_dtype(dtype)
+    xp = get_backend().xp
+    offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
+    flat = xp.zeros(sizes, dtype=np.uint64)
+    stride = 1
+    for d in range(len(shape) - 1, -1, -1):
+        idx = xp.arange(offs[d], offs[d] + sizes[d], dtype=np.uint64) * np.uint64(stride)
+        flat += idx.reshape((-1,) + (1,) * (len(shape) - 1 - d))
+        stride *= shape[d]
+    with np.errstate(over="ignore"):
+        if kind == "rand":
+            vals = _uniform(xp, flat, seed, 0)
+        else:
+            u1, u2 = _uniform(xp, flat, seed, 0), _uniform(xp, flat, seed, 1)
+            vals = xp.sqrt(-2.0 * xp.log1p(-u1)) * xp.cos(2.0 * np.pi * u2)
+    local = xp.ascontiguousarray(vals.astype(dt))
+    return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, dt, mesh))
+
+
+def rand(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DTensor:
+    """Uniform [0, 1) values that depend only on (seed, global index): the same global
+    tensor whatever the mesh and layout; each rank computes only its piece."""
+    return _random("rand", shape, layout, mesh, seed, dtype)
+
+
+def randn(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DTensor:
+    """Standard normal values, the same global tensor whatever the mesh and layout."""
+    return _random("randn", shape, layout, mesh, seed, dtype)
+
+
+from . import dispatch as _d  # noqa: E402  (the dispatcher needs DTensor defined first)

@@ -1,0 +1,325 @@
+"""Redistribution plans: from one layout to another, one mesh axis per step.
+
+Each step is exactly one collective (all_gather, reduce_scatter, all_reduce, all_to_all)
+or one local action (slice, or turning a replicated value into a pending reduction).
+The planner works on the per-dim axis tuples of a Layout:
+
+1. pending reductions that end replicated (or as another op) are all_reduced first, while
+   the tensor is still small;
+2. free local slices are taken as early as possible (they shrink later steps);
+3. shard axes leave their dims from the minor end: straight into the dim they are going
+   to with one all_to_all when that dim is ready for them, otherwise by all_gather;
+4. axes are appended to dims: by slice when replicated, by reduce_scatter when pending;
+5. replicated axes that end pending become so locally (sum: rank 0 of the axis keeps the
+   value, the others hold zeros).
+
+A step over a mesh axis of size 1 moves nothing and is a local "relabel".  Bytes per step
+are counted as ``trace_collectives`` counts them (the nccl-tests bus factor times the data).
+
+Plans are pure functions of (global shape, layouts, mesh, itemsize) and this rank's mesh
+position, so they are cached; ``Plan.run`` only issues the collectives.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from itertools import product
+from typing import Callable
+
+from . import collectives as C
+from .layout import Layout
+from .shard import dim_extent, local_shape_at, split_sizes
+
+__all__ = ["Step", "Plan", "plan_redistribute"]
+
+_COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def _identity(x):
+    return x
+
+
+class Step:
+    """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``."""
+
+    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run")
+
+    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run):
+        self.kind, self.axis, self.src, self.dst, self.detail = kind, axis, src, dst, detail
+        self.bytes_sent, self.bytes_by_position, self._run = bytes_sent, bytes_by_position, run
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in _COLLECTIVE_KINDS
+
+    def __repr__(self) -> str:
+        return (f"{self.kind}({self.axis}) {self.src!r} -> {self.dst!r} [{self.detail}] "
+                f"sends {self.bytes_sent} B")
+
+
+class Plan:
+    """The steps from ``src`` to ``dst`` for a tensor of global ``shape`` on ``mesh``."""
+
+    __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name")
+
+    def __init__(self, shape, src, dst, mesh, steps, dtype_name):
+        self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
+        self.steps: tuple[Step, ...] = tuple(steps)
+        self.dtype_name = dtype_name
+
+    def run(self, x):
+        for s in self.steps:
+            x = s._run(x)
+        return x
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        return tuple(s.kind for s in self.steps if s.is_collective)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sends over the whole plan."""
+        return sum(s.bytes_sent for s in self.steps)
+
+    @property
+    def max_bytes_sent(self) -> int:
+        """The most any one rank sends over the whole plan."""
+        if not self.steps:
+            return 0
+        return max(sum(col) for col in zip(*(s.bytes_by_position for s in self.steps)))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __repr__(self) -> str:
+        head = (f"redistribute {self.dtype_name}{list(self.shape)} on {self.mesh!r}: "
+                f"{self.src!r} -> {self.dst!r}")
+        if not self.steps:
+            return head + "\n  (nothing to do)"
+        lines = [head]
+        for i, s in enumerate(self.steps, 1):
+            lines.append(f"  {i}. {s.kind:<14} over {s.axis:<6} {s.src!r} -> {s.dst!r}  [{s.detail}]  "
+                         f"sends {s.bytes_sent} B (max over ranks {max(s.bytes_by_position)} B)")
+        n = len(self.collectives)
+        lines.append(f"  total: {n} collective{'s' * (n != 1)}, {self.bytes_sent} B sent by this rank, "
+                     f"at most {self.max_bytes_sent} B by any rank")
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+
+# --------------------------------------------------------------------------- step bodies
+# Each body is one array collective along the layout's dim; the collectives pack and unpack
+# non-leading dims with one copy each and use the fixed-size MPI/NCCL calls for equal parts.
+
+def _even_or_none(sizes: tuple):
+    return None if min(sizes) == max(sizes) else list(sizes)
+
+
+def _gather_fn(a: str, d: int, sizes: tuple, mesh) -> Callable:
+    sizes_arg = _even_or_none(sizes)
+    return lambda x: C.all_gather(x, a, dim=d, sizes=sizes_arg, mesh=mesh)
+
+
+def _reduce_scatter_fn(a: str, op: str, d: int, sizes: tuple, mesh, me: int) -> Callable:
+    sizes_arg = _even_or_none(sizes)
+    return lambda x: C.reduce_scatter(x, a, op, dim=d, sizes=sizes_arg, mesh=mesh)
+
+
+def _all_to_all_fn(a: str, d: int, e: int, split: tuple, recv: tuple, mesh, me: int) -> Callable:
+    # split dim e into this axis's parts; what arrives is concatenated along dim d
+    split_arg, recv_arg = list(split), list(recv)
+    return lambda x: C.all_to_all(x, a, split_dim=e, concat_dim=d, split_sizes=split_arg,
+                                  recv_sizes=recv_arg, mesh=mesh)
+
+
+# --------------------------------------------------------------------------- planning
+
+class _State:
+    def __init__(self, lay: Layout):
+        self.dims = [list(a) for a in lay.dims]
+        self.partial = dict(lay.partial)
+
+    def layout(self) -> Layout:
+        return Layout(tuple(tuple(a) for a in self.dims), tuple(sorted(self.partial.items())))
+
+    def is_free(self, a: str) -> bool:
+        return a not in self.partial and all(a not in axes for axes in self.dims)
+
+
+class _Planner:
+    def __init__(self, shape, src: Layout, dst: Layout, mesh, itemsize: int):
+        self.shape, self.src, self.dst, self.mesh, self.itemsize = shape, src, dst, mesh, itemsize
+        self.cur = _State(src)
+        self.coords = mesh.coords
+        self.positions = list(product(*(range(n) for n in mesh.sizes)))
+        self.tgt_pos = {a: (d, i) for d, axes in enumerate(dst.dims) for i, a in enumerate(axes)}
+        self.steps: list[Step] = []
+
+    # geometry of the current state ------------------------------------------------
+    def extent(self, d: int, axes, coords: dict | None = None) -> int:
+        """Length along dim d of this rank's piece when d is sharded over ``axes``."""
+        coords = coords or self.coords
+        sizes = tuple(self.mesh.size(a) for a in axes)
+        return dim_extent(self.shape[d], sizes, tuple(coords[a] for a in axes))[1]
+
+    def _bytes(self, kind: str, axis: str, before: Layout, after: Layout) -> tuple[int, ...]:
+        if kind not in _COLLECTIVE_KINDS:
+            return (0,) * len(self.positions)
+        n = self.mesh.size(axis)
+        f = C.bus_factor(kind, n)
+        lay = after if kind == "all_gather" else before
+        out = []
+        for pos in self.positions:
+            numel = 1
+            for s in local_shape_at(self.shape, lay, self.mesh, pos):
+                numel *= s
+            out.append(int(round(numel * self.itemsize * f)))
+        return tuple(out)
+
+    def _do(self, kind: str, axis: str, detail: str, run: Callable, mutate: Callable) -> None:
+        if kind in _COLLECTIVE_KINDS and self.mesh.size(axis) == 1:
+            # an axis of size 1: every placement holds the same data, so only the label changes
+            kind, detail, run = "relabel", f"{kind} over an axis of size 1: nothing moves", _identity
+        before = self.cur.layout()
+        mutate()
+        after = self.cur.layout()
+        by_pos = self._bytes(kind, axis, before, after)
+        mine = by_pos[self.positions.index(tuple(self.coords[a] for a in self.mesh.axes))]
+        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run))
+
+    # the five kinds of step ------------------------------------------------------
+    def all_reduce(self, a: str) -> None:
+        op, mesh = self.cur.partial[a], self.mesh
+        self._do("all_reduce", a, f"op={op}",
+                 lambda x: C.all_reduce(x, a, op, mesh=mesh), lambda: self.cur.partial.pop(a))
+
+    def all_gather(self, d: int) -> None:
+        a, mesh = self.cur.dims[d][-1], self.mesh
+        sizes = split_sizes(self.extent(d, self.cur.dims[d][:-1]), mesh.size(a))
+        self._do("all_gather", a, f"dim {d}, sizes {list(sizes)}", _gather_fn(a, d, sizes, mesh),
+                 lambda: self.cur.dims[d].pop())
+
+    def slice(self, d: int, a: str) -> None:
+        n = self.mesh.size(a)
+        off, size = dim_extent(self.extent(d, self.cur.dims[d]), (n,), (self.coords[a],))
+        index = (slice(None),) * d + (slice(off, off + size),)
+
+        def run(x):
+            return x[index].copy()
+        self._do("slice", a, f"dim {d}, [{off}:{off + size}]", run, lambda: self.cur.dims[d].append(a))
+
+    def reduce_scatter(self, d: int, a: str) -> None:
+        op, mesh = self.cur.partial[a], self.mesh
+        sizes = split_sizes(self.extent(d, self.cur.dims[d]), mesh.size(a))
+
+        def mutate():
+            self.cur.partial.pop(a)
+            self.cur.dims[d].append(a)
+        self._do("reduce_scatter", a, f"op={op}, dim {d}, sizes {list(sizes)}",
+                 _reduce_scatter_fn(a, op, d, sizes, mesh, self.coords[a]), mutate)
+
+    def all_to_all(self, d: int, e: int) -> None:
+        a, mesh = self.cur.dims[d][-1], self.mesh
+        n = mesh.size(a)
+        split = split_sizes(self.extent(e, self.cur.dims[e]), n)
+        recv = split_sizes(self.extent(d, self.cur.dims[d][:-1]), n)
+
+        def mutate():
+            self.cur.dims[d].pop()
+            self.cur.dims[e].append(a)
+        self._do("all_to_all", a, f"dim {d} -> {e}", _all_to_all_fn(a, d, e, split, recv, mesh, self.coords[a]),
+                 mutate)
+
+    def partialize(self, a: str, op: str) -> None:
+        xp_zero = op == "sum" and self.coords[a] != 0
+
+        def run(x):
+            if not xp_zero:
+                return x
+            from ..backend import get_backend
+            return get_backend().xp.zeros_like(x)
+        self._do("partialize", a, f"op={op}" + (", zeros here" if xp_zero else ""), run,
+                 lambda: self.cur.partial.__setitem__(a, op))
+
+    # the plan --------------------------------------------------------------------
+    def prefix_len(self, d: int) -> int:
+        cur, tgt = self.cur.dims[d], self.dst.dims[d]
+        n = 0
+        while n < len(cur) and n < len(tgt) and cur[n] == tgt[n]:
+            n += 1
+        return n
+
+    def add_ready(self, d: int, upto: int | None = None) -> None:
+        """Append free (slice) or pending (reduce_scatter) axes to dim d while it is a prefix
+        of its target, up to position ``upto``."""
+        tgt = self.dst.dims[d]
+        upto = len(tgt) if upto is None else upto
+        while len(self.cur.dims[d]) < upto and self.prefix_len(d) == len(self.cur.dims[d]):
+            a = tgt[len(self.cur.dims[d])]
+            if a in self.cur.partial:
+                self.reduce_scatter(d, a)
+            elif self.cur.is_free(a):
+                self.slice(d, a)
+            else:
+                break
+
+    def can_reach(self, e: int, i: int) -> bool:
+        cur, tgt = self.cur.dims[e], self.dst.dims[e]
+        if len(cur) > i or cur != list(tgt[:len(cur)]):
+            return False
+        return all(a in self.cur.partial or self.cur.is_free(a) for a in tgt[len(cur):i])
+
+    def plan(self) -> list[Step]:
+        cur, dst, ndim = self.cur, self.dst, len(self.shape)
+        want_partial = dict(dst.partial)
+        for a in [a for a in self.mesh.axes if a in cur.partial]:
+            if a not in self.tgt_pos and want_partial.get(a) != cur.partial[a]:
+                self.all_reduce(a)
+        for d in range(ndim):
+            self.add_ready(d)
+        while True:
+            pending = [d for d in range(ndim) if len(cur.dims[d]) > self.prefix_len(d)]
+            if not pending:
+                break
+            progressed = False
+            for d in pending:
+                if len(cur.dims[d]) <= self.prefix_len(d):
+                    continue
+                a = cur.dims[d][-1]
+                e, i = self.tgt_pos.get(a, (d, -1))
+                if e != d:
+                    if self.can_reach(e, i):
+                        self.add_ready(e, i)
+                        self.all_to_all(d, e)
+                        progressed = True
+                    continue          # its dim is not ready yet: let others move first
+                self.all_gather(d)
+                progressed = True
+            if not progressed:
+                self.all_gather(pending[0])
+            for d in range(ndim):
+                self.add_ready(d)
+        for a, op in dst.partial:
+            if cur.partial.get(a) != op:
+                assert a not in cur.partial, (a, cur.partial)
+                self.partialize(a, op)
+        assert cur.layout() == dst, (cur.layout(), dst)
+        return self.steps
+
+
+@lru_cache(maxsize=4096)
+def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dtype_name: str) -> Plan:
+    steps = _Planner(shape, src, dst, mesh, itemsize).plan() if src != dst else []
+    return Plan(shape, src, dst, mesh, steps, dtype_name)
+
+
+def plan_redistribute(shape, src: Layout, dst: Layout, mesh, dtype) -> Plan:
+    """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``."""
+    from ..dtypes import dtype_name
+    import numpy as np
+    dt = np.dtype(dtype)
+    return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt))
+

@@ -1,0 +1,182 @@
+"""tessera_rt.op: the public op namespace (seed 000 §4.1).
+
+Every op takes DTensors or plain arrays.  With a DTensor argument it runs through the
+DTensor dispatcher (sharding rule, the collectives the layouts need, the local kernel);
+with arrays only it calls the kernel table (``matmul``, ``softmax``, ``layernorm``,
+``rmsnorm``) or the array module directly.
+
+    from tessera_rt import op
+    Y = op.matmul(X, W, tile_shape=(128, 128, 64))
+    P = op.softmax(S, axis=-1)
+    policy = op.numeric(dtype="fp8_e4m3", accum="f32")
+
+Names in ``tessera_rt.kernels.__all__`` that this module does not define (flash_attention,
+swiglu, quantize_fp8, ...) are re-exported at the bottom and work on arrays.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import kernels as _kernels
+from .backend import get_backend
+from .dist import dispatch as _d
+from .dist.dtensor import DTensor
+from .dist.rules import _unary_table
+from .kernels.numerics import NumericPolicy, numeric
+
+__all__ = [
+    "numeric", "NumericPolicy", "matmul", "softmax", "layernorm", "rmsnorm",
+    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "less", "less_equal", "greater",
+    "greater_equal", "equal", "not_equal",
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "square", "relu", "sigmoid", "silu",
+    "astype", "sum", "mean", "max", "min", "transpose", "reshape",
+]
+
+
+def _is_dt(*xs) -> bool:
+    return any(type(x) is DTensor for x in xs)
+
+
+def _no_extras(op: str, **kw) -> None:
+    given = [k for k, v in kw.items() if v is not None]
+    if given:
+        raise TypeError(f"op.{op} on a DTensor does not take {given}: the result is a new DTensor and "
+                        "runs on the compute stream")
+
+
+# --------------------------------------------------------------------------- kernels
+
+def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: NumericPolicy | None = None):
+    """``a @ b`` (batched, broadcasting); ``tile_shape=(BM, BN, BK)`` goes to the kernel."""
+    if _is_dt(a, b):
+        _no_extras("matmul", out=out, stream=stream)
+        return _d.matmul(a, b, tile_shape, policy)
+    return get_backend().kernel("matmul")(a, b, tile_shape=tile_shape, out=out, stream=stream, policy=policy)
+
+
+def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPolicy | None = None):
+    """Softmax along ``axis``; a DTensor sharded along it is redistributed first."""
+    if _is_dt(x):
+        _no_extras("softmax", out=out, stream=stream)
+        return _d.softmax(x, axis, policy)
+    return get_backend().kernel("softmax")(x, axis=axis, out=out, stream=stream, policy=policy)
+
+
+def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, out=None, stream=None,
+              policy: NumericPolicy | None = None):
+    """LayerNorm over the last dim (which a DTensor must not be sharded on: it is moved first)."""
+    if _is_dt(x, weight, bias):
+        _no_extras("layernorm", out=out, stream=stream)
+        return _d.layernorm(x, weight, bias, eps, policy)
+    return get_backend().kernel("layernorm")(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
+
+
+def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out=None, stream=None,
+            policy: NumericPolicy | None = None):
+    """RMSNorm over the last dim."""
+    if _is_dt(x, weight):
+        _no_extras("rmsnorm", out=out, stream=stream)
+        return _d.rmsnorm(x, weight, eps, policy)
+    return get_backend().kernel("rmsnorm")(x, weight, eps=eps, out=out, stream=stream, policy=policy)
+
+
+# --------------------------------------------------------------------------- elementwise
+
+def _binary(name: str, xp_name: str):
+    def fn(a: Any, b: Any):
+        if _is_dt(a, b):
+            return _d.binary(name, a, b)
+        return getattr(get_backend().xp, xp_name)(a, b)
+    fn.__name__ = fn.__qualname__ = xp_name if name in ("maximum", "minimum") else name
+    fn.__doc__ = f"Elementwise {xp_name} with NumPy broadcasting (DTensors, arrays or scalars)."
+    return fn
+
+
+add = _binary("add", "add")
+sub = _binary("sub", "subtract")
+mul = _binary("mul", "multiply")
+div = _binary("div", "true_divide")
+pow = _binary("pow", "power")                 # noqa: A001
+maximum = _binary("maximum", "maximum")
+minimum = _binary("minimum", "minimum")
+less = _binary("lt", "less")
+less_equal = _binary("le", "less_equal")
+greater = _binary("gt", "greater")
+greater_equal = _binary("ge", "greater_equal")
+equal = _binary("eq", "equal")
+not_equal = _binary("ne", "not_equal")
+
+
+def _unary(name: str):
+    def fn(x: Any):
+        if _is_dt(x):
+            return _d.unary(name, x)
+        return _unary_table(get_backend().xp)[name](x)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"Elementwise {name} (DTensor or array)."
+    return fn
+
+
+neg = _unary("neg")
+abs = _unary("abs")                           # noqa: A001
+exp = _unary("exp")
+log = _unary("log")
+sqrt = _unary("sqrt")
+rsqrt = _unary("rsqrt")
+tanh = _unary("tanh")
+sin = _unary("sin")
+cos = _unary("cos")
+square = _unary("square")
+relu = _unary("relu")
+sigmoid = _unary("sigmoid")
+silu = _unary("silu")
+
+
+def astype(x: Any, dtype):
+    from .dtypes import resolve_dtype
+    if _is_dt(x):
+        return x.astype(dtype)
+    return x.astype(resolve_dtype(dtype))
+
+
+# --------------------------------------------------------------------------- reductions, shape
+
+def _reduction(name: str):
+    def fn(x: Any, axis=None, keepdims: bool = False):
+        if _is_dt(x):
+            return _d.reduce(name, x, axis, keepdims)
+        return getattr(get_backend().xp, name)(x, axis=axis, keepdims=keepdims)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = (f"{name} over ``axis`` (None: all dims).  On a DTensor sharded along a reduced dim "
+                  "the result is a pending reduction (no collective until it is needed).")
+    return fn
+
+
+sum = _reduction("sum")                       # noqa: A001
+mean = _reduction("mean")
+max = _reduction("max")                       # noqa: A001
+min = _reduction("min")                       # noqa: A001
+
+
+def transpose(x: Any, axes=None):
+    """Permute dims (reverse them when ``axes`` is None); a DTensor's layout is permuted too."""
+    if _is_dt(x):
+        return _d.transpose(x, axes)
+    return get_backend().xp.transpose(x, axes)
+
+
+def reshape(x: Any, shape):
+    """Reshape; a DTensor keeps a dim's sharding where every rank's piece stays contiguous and
+    gathers it first otherwise."""
+    if _is_dt(x):
+        return _d.reshape(x, shape)
+    return get_backend().xp.reshape(x, shape)
+
+
+# --------------------------------------------------------------------------- kernels re-exported
+
+for _name in _kernels.__all__:
+    if _name not in globals():
+        globals()[_name] = getattr(_kernels, _name)
+        __all__.append(_name)
+del _name
