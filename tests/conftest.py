@@ -1,4 +1,5 @@
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,9 +44,12 @@ def mpi_env(nranks: int, device: str = "cpu") -> dict:
 
 def run_mpi_suite(suite: str, nranks: int, device: str = "cpu") -> None:
     """Run tests/mpi/<suite> under mpiexec; fail with the job's output if it fails or hangs."""
+    pytest_cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-x", "--tb=short", "-p", "no:cacheprovider",
+                             "--rootdir", str(ROOT / "tests" / "mpi"), str(ROOT / "tests" / "mpi" / suite)])
+    # only rank 0 prints progress (MPICH sets PMI_RANK, Open MPI OMPI_COMM_WORLD_RANK)
+    quiet = 'if [ "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}" != 0 ]; then exec >/dev/null; fi; exec '
     cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), MPIEXEC, "-n", str(nranks),
-           sys.executable, "-m", "pytest", "-q", "-x", "--tb=short", "-p", "no:cacheprovider",
-           "--rootdir", str(ROOT / "tests" / "mpi"), str(ROOT / "tests" / "mpi" / suite)]
+           "sh", "-c", quiet + pytest_cmd]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(nranks, device), capture_output=True, text=True)
     assert proc.returncode == 0, (
         f"{suite} at {nranks} ranks on {device} exited {proc.returncode}"

@@ -1,9 +1,10 @@
 """Runs under mpiexec: every rank runs the same tests; the first failure aborts the job.
 
 A failing rank calls MPI.COMM_WORLD.Abort(1), so the other ranks cannot wait forever in
-a collective that will never complete.  Only rank 0 reports; the others run quietly.
+a collective that will never complete.  The launcher (tests/conftest.py) sends the
+stdout of ranks other than 0 to /dev/null; a failing rank writes its failure to stderr.
 """
-import os
+import sys
 
 import pytest
 from mpi4py import MPI
@@ -13,21 +14,11 @@ import tessera_rt as ts
 RANK = MPI.COMM_WORLD.Get_rank()
 
 
-def pytest_configure(config):
-    if RANK != 0:
-        config.option.verbose = -2
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            config.pluginmanager.unregister(reporter)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and MPI.COMM_WORLD.Get_size() > 1:
-        import sys
-        import traceback
         sys.stderr.write(f"\n[rank {RANK}] FAILED {item.nodeid} ({report.when}):\n{report.longreprtext}\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
