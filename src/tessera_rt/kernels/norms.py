@@ -46,17 +46,21 @@ def softmax(x: Any, *, axis: int = -1, out: Any | None = None, stream: Any | Non
     return finish(op, e, out, result_dtype(x.dtype, policy))
 
 
-def layernorm(x: Any, weight: Any | None = None, bias: Any | None = None, *, eps: float = 1e-5,
-              out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim, f32 statistics."""
-    op = "layernorm"
+def _check_norm_args(op: str, x: Any, eps: float, policy, stream, **row_params) -> None:
     check_float(op, "x", x, NORM_DTYPES)
-    _check_row_param(op, "weight", weight, x)
-    _check_row_param(op, "bias", bias, x)
+    for name, param in row_params.items():
+        _check_row_param(op, name, param, x)
     check_policy(op, policy)
     check_stream(op, stream)
     if not eps >= 0:
         raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+
+
+def layernorm(x: Any, weight: Any | None = None, bias: Any | None = None, *, eps: float = 1e-5,
+              out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim, f32 statistics."""
+    op = "layernorm"
+    _check_norm_args(op, x, eps, policy, stream, weight=weight, bias=bias)
     acc = accum_dtype(x.dtype, policy)
     xp = array_module(x)
     xf = widen(x, acc)
@@ -75,12 +79,7 @@ def rmsnorm(x: Any, weight: Any | None = None, *, eps: float = 1e-6, out: Any | 
             stream: Any | None = None, policy: NumericPolicy | None = None):
     """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, f32 statistics."""
     op = "rmsnorm"
-    check_float(op, "x", x, NORM_DTYPES)
-    _check_row_param(op, "weight", weight, x)
-    check_policy(op, policy)
-    check_stream(op, stream)
-    if not eps >= 0:
-        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+    _check_norm_args(op, x, eps, policy, stream, weight=weight)
     acc = accum_dtype(x.dtype, policy)
     xp = array_module(x)
     xf = widen(x, acc)
