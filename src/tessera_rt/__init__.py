@@ -4,13 +4,19 @@ Tile kernels on CuPy/Numba (NumPy on the CPU), device meshes, sharded tensors an
 collectives as first-class operations, launched with ``tessera-run`` / ``mpirun``.
 
     import tessera_rt as ts
-    from tessera_rt import dist, op, runtime as rt
+    from tessera_rt import dist, op, graph, runtime as rt
+    grads = ts.grad(loss_fn)(W)
 """
 from . import backend, dtypes, runtime
 from . import dist, kernels, op
+from . import autodiff, graph, nn, optim, profiler
+from .autodiff import checkpoint, detach, grad, no_grad, value_and_grad, vjp
 from .backend import get_backend
 from .dtypes import resolve_dtype
 
 __version__ = "0.1.0"
-__all__ = ["backend", "dtypes", "runtime", "dist", "kernels", "op", "get_backend", "resolve_dtype",
-           "__version__"]
+__all__ = [
+    "backend", "dtypes", "runtime", "dist", "kernels", "op", "autodiff", "graph", "nn", "optim", "profiler",
+    "grad", "value_and_grad", "vjp", "no_grad", "detach", "checkpoint", "get_backend", "resolve_dtype",
+    "__version__",
+]

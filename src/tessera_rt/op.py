@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels as _kernels
+from .autodiff.tape import differentiable
 from .backend import get_backend
 from .dist import dispatch as _d
 from .dist.dtensor import DTensor
@@ -29,7 +30,7 @@ __all__ = [
     "add", "sub", "mul", "div", "pow", "maximum", "minimum", "less", "less_equal", "greater",
     "greater_equal", "equal", "not_equal",
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "square", "relu", "sigmoid", "silu",
-    "astype", "sum", "mean", "max", "min", "transpose", "reshape",
+    "astype", "sum", "mean", "max", "min", "transpose", "reshape", "getitem", "flash_attention", "swiglu",
 ]
 
 
@@ -46,6 +47,7 @@ def _no_extras(op: str, **kw) -> None:
 
 # --------------------------------------------------------------------------- kernels
 
+@differentiable("matmul", ("a", "b"))
 def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: NumericPolicy | None = None):
     """``a @ b`` (batched, broadcasting); ``tile_shape=(BM, BN, BK)`` goes to the kernel."""
     if _is_dt(a, b):
@@ -54,6 +56,7 @@ def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: Nu
     return get_backend().kernel("matmul")(a, b, tile_shape=tile_shape, out=out, stream=stream, policy=policy)
 
 
+@differentiable("softmax", ("x",))
 def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPolicy | None = None):
     """Softmax along ``axis``; a DTensor sharded along it is redistributed first."""
     if _is_dt(x):
@@ -62,6 +65,7 @@ def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPol
     return get_backend().kernel("softmax")(x, axis=axis, out=out, stream=stream, policy=policy)
 
 
+@differentiable("layernorm", ("x", "weight", "bias"))
 def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, out=None, stream=None,
               policy: NumericPolicy | None = None):
     """LayerNorm over the last dim (which a DTensor must not be sharded on: it is moved first)."""
@@ -71,6 +75,7 @@ def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5
     return get_backend().kernel("layernorm")(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
 
 
+@differentiable("rmsnorm", ("x", "weight"))
 def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out=None, stream=None,
             policy: NumericPolicy | None = None):
     """RMSNorm over the last dim."""
@@ -89,7 +94,7 @@ def _binary(name: str, xp_name: str):
         return getattr(get_backend().xp, xp_name)(a, b)
     fn.__name__ = fn.__qualname__ = xp_name if name in ("maximum", "minimum") else name
     fn.__doc__ = f"Elementwise {xp_name} with NumPy broadcasting (DTensors, arrays or scalars)."
-    return fn
+    return differentiable(name)(fn)
 
 
 add = _binary("add", "add")
@@ -114,7 +119,7 @@ def _unary(name: str):
         return _unary_table(get_backend().xp)[name](x)
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = f"Elementwise {name} (DTensor or array)."
-    return fn
+    return differentiable(name)(fn)
 
 
 neg = _unary("neg")
@@ -132,6 +137,7 @@ sigmoid = _unary("sigmoid")
 silu = _unary("silu")
 
 
+@differentiable("astype")
 def astype(x: Any, dtype):
     from .dtypes import resolve_dtype
     if _is_dt(x):
@@ -149,7 +155,7 @@ def _reduction(name: str):
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (f"{name} over ``axis`` (None: all dims).  On a DTensor sharded along a reduced dim "
                   "the result is a pending reduction (no collective until it is needed).")
-    return fn
+    return differentiable(name)(fn)
 
 
 sum = _reduction("sum")                       # noqa: A001
@@ -158,6 +164,7 @@ max = _reduction("max")                       # noqa: A001
 min = _reduction("min")                       # noqa: A001
 
 
+@differentiable("transpose")
 def transpose(x: Any, axes=None):
     """Permute dims (reverse them when ``axes`` is None); a DTensor's layout is permuted too."""
     if _is_dt(x):
@@ -165,6 +172,7 @@ def transpose(x: Any, axes=None):
     return get_backend().xp.transpose(x, axes)
 
 
+@differentiable("reshape")
 def reshape(x: Any, shape):
     """Reshape; a DTensor keeps a dim's sharding where every rank's piece stays contiguous and
     gathers it first otherwise."""
@@ -173,10 +181,45 @@ def reshape(x: Any, shape):
     return get_backend().xp.reshape(x, shape)
 
 
+@differentiable("getitem")
+def getitem(x: Any, index):
+    """``x[index]`` on an array (traced values support ``x[...]`` through this)."""
+    return x[index]                   # DTensor indexing raises with what to do instead
+
+
+@differentiable("flash_attention", ("q", "k", "v"))
+def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
+                    return_lse: bool = False, block_kv: int | None = None, out=None, stream=None,
+                    policy: NumericPolicy | None = None):
+    """``softmax(q kᵀ·scale) v`` for ``(B, H, S, D)`` inputs.  DTensors may be sharded over batch
+    and heads (heads over tp: each rank attends with its own heads, no communication)."""
+    if _is_dt(q, k, v):
+        _no_extras("flash_attention", out=out, stream=stream, block_kv=block_kv)
+        if return_lse:
+            raise TypeError("op.flash_attention on DTensors does not return lse; call it on the local pieces "
+                            "for that")
+        return _d.dispatch("flash_attention", (bool(causal), scale, policy), (q, k, v))
+    return get_backend().kernel("flash_attention")(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                                                   block_kv=block_kv, out=out, stream=stream, policy=policy)
+
+
+@differentiable("swiglu", ("x", "w1", "w3"))
+def swiglu(x: Any, w1: Any, w3: Any, *, out=None, stream=None, policy: NumericPolicy | None = None):
+    """``silu(x @ w1) * (x @ w3)``; on DTensors the two matmuls and the gate run through the
+    dispatcher (column-sharded w1/w3 give a column-sharded result without communication)."""
+    if _is_dt(x, w1, w3):
+        _no_extras("swiglu", out=out, stream=stream)
+        return _d.binary("mul", _d.unary("silu", _d.matmul(x, w1, None, policy)), _d.matmul(x, w3, None, policy))
+    return get_backend().kernel("swiglu")(x, w1, w3, out=out, stream=stream, policy=policy)
+
+
 # --------------------------------------------------------------------------- kernels re-exported
 
+_NOT_OPS = ("NumericPolicy", "numeric", "tile", "inspect_ir", "autotune")
 for _name in _kernels.__all__:
     if _name not in globals():
-        globals()[_name] = getattr(_kernels, _name)
+        _fn = getattr(_kernels, _name)
+        # every kernel entry point is hooked: traced inputs get the op's VJP rule (or a clear error)
+        globals()[_name] = _fn if _name in _NOT_OPS else differentiable(_name)(_fn)
         __all__.append(_name)
-del _name
+del _name, _fn

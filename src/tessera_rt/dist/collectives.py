@@ -53,7 +53,10 @@ class CollectiveRecord:
                 f"sends {self.bytes_sent} B")
 
 
-_TRACERS: list = []
+# Everything that watches collectives (trace_collectives, the flight recorder and desync
+# check, the profiler, deterministic reductions) is one entry here, so a collective with
+# nothing watching pays one list check.
+_HOOKS: list = []
 
 
 class trace_collectives:
@@ -68,11 +71,17 @@ class trace_collectives:
         self.records: list[CollectiveRecord] = []
 
     def __enter__(self) -> "trace_collectives":
-        _TRACERS.append(self)
+        _HOOKS.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _TRACERS.remove(self)
+        _HOOKS.remove(self)
+
+    def before(self, call) -> None:
+        if call.op == "barrier":
+            return
+        sent = int(round(call.nbytes * bus_factor(call.op, call.group_size)))
+        self.records.append(CollectiveRecord(call.op, call.axis, call.group_size, call.shape, call.dtype, sent))
 
     def count(self, op: str | None = None) -> int:
         return sum(1 for r in self.records if op is None or r.op == op)
@@ -82,36 +91,44 @@ class trace_collectives:
         return sum(r.bytes_sent for r in self.records)
 
 
-def _trace(op: str, g: AxisGroup, x, data_bytes: int) -> None:
-    sent = int(round(data_bytes * bus_factor(op, g.size)))
-    rec = CollectiveRecord(op, g.name, g.size, tuple(x.shape), dtype_name(x.dtype), sent)
-    for t in _TRACERS:
-        t.records.append(rec)
-
-
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
     the result."""
 
-    __slots__ = ("_event", "_result", "_then", "_done")
+    __slots__ = ("_event", "_result", "_then", "_done", "_call")
 
     def __init__(self, event, result, then=None):
         self._event = event
         self._result = result
         self._then = then
         self._done = False
+        self._call = None          # set while hooks watch this collective
 
     def wait(self):
         if not self._done:
+            call = self._call
+            if call is not None:
+                for h in _HOOKS:
+                    if hasattr(h, "wait"):
+                        h.wait(call)
             rt.stream("compute").wait_event(self._event)
             if self._then is not None:
                 self._result = self._then()
                 self._then = None
             self._done = True
+            if call is not None:
+                self._call = None
+                _after(call)
         return self._result
 
     def is_completed(self) -> bool:
         return self._done or self._event.query()
+
+
+def _done_work(result) -> Work:
+    w = Work(None, result)
+    w._done = True
+    return w
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -127,7 +144,7 @@ def world_group() -> AxisGroup:
     return _WORLD_GROUP[0]
 
 
-def _group(mesh, axis, op: str) -> AxisGroup:
+def _group(mesh, axis, op: str, x=None) -> AxisGroup:
     if mesh is not None:
         g = mesh._groups.get(axis)      # the hot path: a group already made
         if g is not None:
@@ -145,6 +162,11 @@ def _group(mesh, axis, op: str) -> AxisGroup:
         axis = tuple(axis)
     if not mesh.is_member:
         mesh._require_member(op)
+    if _HOOKS and x is not None and axis not in mesh._groups:
+        # making a group is collective over its members: check before, or a rank that
+        # issues another collective would leave its peers waiting here, unchecked
+        from .debug import precheck
+        precheck(op, mesh, axis, x)
     return mesh.group(axis)
 
 
@@ -221,22 +243,61 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     return work
 
 
+def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None):
+    """_issue with the hooks around it.  ``info`` = (op, group, x, data bytes, mesh as given,
+    shape that must match within the group, arguments that must match mesh-wide)."""
+    op, g, x, nbytes, mesh, gshape, extra = info
+    if mesh is None and not (_WORLD_GROUP and g is _WORLD_GROUP[0]):
+        mesh = current_mesh()
+    call = _Call(op, g, x, nbytes, mesh, gshape, extra, role, async_op)
+    try:
+        for h in tuple(_HOOKS):
+            h.before(call)                            # may raise (a desync): after() still runs
+        if det is not None and _DET:
+            from .determinism import FIXED_ORDER
+            r = FIXED_ORDER[op](*det, role=role)     # fixed-order reduction (blocking)
+            if async_op:
+                r = _done_work(r)
+        else:
+            r = _issue(role, async_op, method, args, result, then)
+    except BaseException:
+        _after(call)
+        raise
+    if type(r) is Work and not r._done:
+        r._call = call                                 # the hooks' after() runs in wait()
+    else:
+        _after(call)
+    return r
+
+
+def _after(call) -> None:
+    for h in reversed(_HOOKS):
+        if hasattr(h, "after"):
+            h.after(call)
+
+
+# While dist.deterministic() is on, _DET holds its "compensated" flag and sum/avg
+# reductions take determinism's fixed-order paths instead of MPI's/NCCL's own order.
+_DET: list = []
+
+
 # --------------------------------------------------------------------------- collectives
 
 def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
                role: str = "tp_collective"):
     """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
     ``out=x`` reduces in place."""
-    g = _group(mesh, axis, "all_reduce")
+    g = _group(mesh, axis, "all_reduce", x)
     x = _check_array("all_reduce", g, x)
     if op not in REDUCE_OPS:
         raise ValueError(f"{_where('all_reduce', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
     out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
-    if _TRACERS:
-        _trace("all_reduce", g, x, x.nbytes)
     comm = g.comm
+    if _HOOKS:
+        return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, op), role, async_op, comm.all_reduce,
+                       (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None)
     return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
 
 
@@ -296,7 +357,7 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
                    mesh=None, out=None, async_op: bool = False, role: str = "tp_collective"):
     """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
     ``sizes`` says otherwise)."""
-    g = _group(mesh, axis, "reduce_scatter")
+    g = _group(mesh, axis, "reduce_scatter", x)
     x = _check_array("reduce_scatter", g, x)
     if op not in REDUCE_OPS:
         raise ValueError(f"{_where('reduce_scatter', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
@@ -311,10 +372,13 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
     shape = _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
-    if _TRACERS:
-        _trace("reduce_scatter", g, x, x.nbytes)
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
+    if _HOOKS:
+        flat = out.reshape(-1) if dim else out
+        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, x.shape, (op, dim)), role, async_op,
+                       g.comm.reduce_scatter, (send, flat, counts, op), out,
+                       det=(g, send, flat, counts, op, out) if op in ("sum", "avg") else None)
     return _issue(role, async_op, g.comm.reduce_scatter, (send, out.reshape(-1) if dim else out, counts, op), out)
 
 
@@ -322,7 +386,7 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
                async_op: bool = False, role: str = "tp_collective"):
     """Concatenate every rank's ``x`` along ``dim`` in group order.  Ranks may hold different
     lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
-    g = _group(mesh, axis, "all_gather")
+    g = _group(mesh, axis, "all_gather", x)
     x = _check_array("all_gather", g, x)
     if not 0 <= dim < x.ndim:
         dim = _norm_dim("all_gather", g, x, dim)
@@ -338,14 +402,18 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
         counts = None if even else [s * inner for s in sizes]
     shape = _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
-    if _TRACERS:
-        _trace("all_gather", g, x, out.nbytes)
+    info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
+            dim) if _HOOKS else None
     if dim == 0 or math.prod(x.shape[:dim]) == 1:
+        if info:
+            return _hooked(info, role, async_op, g.comm.all_gather, (x, out.reshape(-1) if dim else out, counts), out)
         return _issue(role, async_op, g.comm.all_gather, (x, out.reshape(-1) if dim else out, counts), out)
     recv = _backend().empty((out.size,), x.dtype)
 
     def then():
         return _unpack(recv, shape, dim, [x.shape[dim]] * g.size if even else sizes, even, out)
+    if info:
+        return _hooked(info, role, async_op, g.comm.all_gather, (x.reshape(-1), recv, counts), out, then)
     return _issue(role, async_op, g.comm.all_gather, (x.reshape(-1), recv, counts), out, then)
 
 
@@ -359,21 +427,27 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
     exchanged first (one small extra all_to_all).
     """
-    g = _group(mesh, axis, "all_to_all")
+    g = _group(mesh, axis, "all_to_all", x)
     x = _check_array("all_to_all", g, x)
     if not 0 <= split_dim < x.ndim:
         split_dim = _norm_dim("all_to_all", g, x, split_dim)
     concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
     n = g.size
-    if _TRACERS:
-        _trace("all_to_all", g, x, x.nbytes)
+    info = ("all_to_all", g, x, x.nbytes, mesh, tuple(-1 if i in (split_dim, concat_dim) else s
+                                                      for i, s in enumerate(x.shape)),
+            (split_dim, concat_dim)) if _HOOKS else None
     if split_sizes is None and recv_sizes is None and concat_dim == split_dim and not x.shape[split_dim] % n:
         # equal parts along one dim (the common case, kept cheap): the result has x's shape
         send = _pack(x, split_dim, [x.shape[split_dim] // n] * n, True)
         out = _backend().empty_like(x)
         if split_dim == 0 or math.prod(x.shape[:split_dim]) == 1:
+            if info:
+                return _hooked(info, role, async_op, g.comm.all_to_all, (send, out.reshape(-1), None, None), out)
             return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), None, None), out)
         recv = _backend().empty((x.size,), x.dtype)
+        if info:
+            return _hooked(info, role, async_op, g.comm.all_to_all, (send, recv, None, None), out,
+                           lambda: _unpack(recv, x.shape, split_dim, [x.shape[split_dim] // n] * n, True, out))
         return _issue(role, async_op, g.comm.all_to_all, (send, recv, None, None), out,
                       lambda: _unpack(recv, x.shape, split_dim, [x.shape[split_dim] // n] * n, True, out))
     exchange = split_sizes is not None and recv_sizes is None
@@ -399,26 +473,31 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     send = _pack(x, split_dim, split_sizes, _even(split_sizes))
     out = _backend().empty(shape, x.dtype)
     if concat_dim == 0 or math.prod(shape[:concat_dim]) == 1:
+        if info:
+            return _hooked(info, role, async_op, g.comm.all_to_all, (send, out.reshape(-1), *counts), out)
         return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), *counts), out)
     recv = _backend().empty((out.size,), x.dtype)
 
     def then():
         return _unpack(recv, shape, concat_dim, recv_sizes, _even(recv_sizes), out)
+    if info:
+        return _hooked(info, role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
     return _issue(role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
     ``root`` is a position in the group, not a world rank."""
-    g = _group(mesh, axis, "broadcast")
+    g = _group(mesh, axis, "broadcast", x)
     if not _backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
                         f"{_backend().xp.__name__} array, got {type(x).__name__}")
     if not 0 <= root < g.size:
         raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
-    if _TRACERS:
-        _trace("broadcast", g, x, x.nbytes if g.index == root else 0)
     comm = g.comm
+    if _HOOKS:
+        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, root), role,
+                       async_op, comm.broadcast, (x, root), x)
     return _issue(role, async_op, comm.broadcast, (x, root,), x)
 
 
@@ -431,26 +510,26 @@ def _peer(op, g, x, peer, name):
 def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
-    g = _group(mesh, axis, "send")
+    g = _group(mesh, axis, "send", x)
     x = _check_array("send", g, x)
     _peer("send", g, x, dst, "dst")
-    if _TRACERS:
-        _trace("send", g, x, x.nbytes)
     comm = g.comm
+    if _HOOKS:
+        return _hooked(("send", g, x, x.nbytes, mesh, (), dst), role, async_op, comm.send, (x, dst, tag), None)
     return _issue(role, async_op, comm.send, (x, dst, tag,), None)
 
 
 def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
-    g = _group(mesh, axis, "recv")
+    g = _group(mesh, axis, "recv", x)
     if not _backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
                         f"{_backend().xp.__name__} array, got {type(x).__name__}")
     _peer("recv", g, x, src, "src")
-    if _TRACERS:
-        _trace("recv", g, x, 0)
     comm = g.comm
+    if _HOOKS:
+        return _hooked(("recv", g, x, 0, mesh, (), src), role, async_op, comm.recv, (x, src, tag), x)
     return _issue(role, async_op, comm.recv, (x, src, tag,), x)
 
 
@@ -458,4 +537,9 @@ def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_col
     """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
     g = _group(mesh, axis, "barrier")
     comm = g.comm
+    if _HOOKS:
+        return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
     return _issue(role, async_op, comm.barrier, (), None)
+
+
+from .debug import Call as _Call  # noqa: E402  (debug imports this module lazily)

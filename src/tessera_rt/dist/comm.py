@@ -274,6 +274,8 @@ class NcclCommunicator(Communicator):
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = mpi_comm.bcast(uid, root=0)
         self.raw = nccl.NcclCommunicator(self.size, uid, self.rank)
+        from .debug import register_nccl
+        register_nccl(self)            # the watchdog aborts it (ncclCommAbort) before MPI_Abort
 
     @staticmethod
     def _reduce_type(a) -> int:

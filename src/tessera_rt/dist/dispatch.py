@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 _SCALAR_TYPES = (int, float, complex, bool)
+_PROF: list = []          # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
 _SCALAR_KINDS: dict = {}
 _CONST_KINDS: dict = {}
 _CACHE: dict = {}
@@ -42,6 +43,8 @@ class Decision:
         self._array_type = get_backend().xp.ndarray
 
     def run(self, args):
+        if _PROF:
+            return _profiled(self, args)
         if self.simple:
             out = self.fn(*[a._local if type(a) is DTensor else a for a in args])
         else:
@@ -68,6 +71,21 @@ class Decision:
 
 
 _new = object.__new__
+
+
+def _profiled(dec: Decision, args):
+    hooks = tuple(_PROF)
+    for h in hooks:
+        h.op_begin(dec, args)
+    out = None
+    _PROF.clear()                    # the op itself runs unhooked (its collectives are hooked)
+    try:
+        out = dec.run(args)
+    finally:
+        _PROF[:] = [h for h in hooks if h not in _PROF] + _PROF
+        for h in reversed(hooks):
+            h.op_end(dec, args, out)
+    return out
 
 
 def _kind(a):

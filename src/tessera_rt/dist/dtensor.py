@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..autodiff.tape import Var as _Var
+from ..autodiff.tape import differentiable
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from . import collectives as C
@@ -136,27 +138,29 @@ class DTensor:
         return plan_redistribute(m.shape, m.layout, dst, m.mesh, m.dtype)
 
     # ops (all through the dispatcher) ----------------------------------------------
-    def __add__(self, o): return _d.binary("add", self, o)
-    def __radd__(self, o): return _d.binary("add", o, self)
-    def __sub__(self, o): return _d.binary("sub", self, o)
-    def __rsub__(self, o): return _d.binary("sub", o, self)
-    def __mul__(self, o): return _d.binary("mul", self, o)
-    def __rmul__(self, o): return _d.binary("mul", o, self)
-    def __truediv__(self, o): return _d.binary("div", self, o)
-    def __rtruediv__(self, o): return _d.binary("div", o, self)
-    def __pow__(self, o): return _d.binary("pow", self, o)
-    def __rpow__(self, o): return _d.binary("pow", o, self)
-    def __matmul__(self, o): return _d.matmul(self, o)
-    def __rmatmul__(self, o): return _d.matmul(o, self)
+    # A traced operand (autodiff's Var) takes over through its reflected operator, which
+    # records the op; this is the one autodiff hook in DTensor's operators.
+    def __add__(self, o): return NotImplemented if type(o) is _Var else _d.binary("add", self, o)
+    def __radd__(self, o): return NotImplemented if type(o) is _Var else _d.binary("add", o, self)
+    def __sub__(self, o): return NotImplemented if type(o) is _Var else _d.binary("sub", self, o)
+    def __rsub__(self, o): return NotImplemented if type(o) is _Var else _d.binary("sub", o, self)
+    def __mul__(self, o): return NotImplemented if type(o) is _Var else _d.binary("mul", self, o)
+    def __rmul__(self, o): return NotImplemented if type(o) is _Var else _d.binary("mul", o, self)
+    def __truediv__(self, o): return NotImplemented if type(o) is _Var else _d.binary("div", self, o)
+    def __rtruediv__(self, o): return NotImplemented if type(o) is _Var else _d.binary("div", o, self)
+    def __pow__(self, o): return NotImplemented if type(o) is _Var else _d.binary("pow", self, o)
+    def __rpow__(self, o): return NotImplemented if type(o) is _Var else _d.binary("pow", o, self)
+    def __matmul__(self, o): return NotImplemented if type(o) is _Var else _d.matmul(self, o)
+    def __rmatmul__(self, o): return NotImplemented if type(o) is _Var else _d.matmul(o, self)
     def __neg__(self): return _d.unary("neg", self)
     def __pos__(self): return self
     def __abs__(self): return _d.unary("abs", self)
-    def __lt__(self, o): return _d.binary("lt", self, o)
-    def __le__(self, o): return _d.binary("le", self, o)
-    def __gt__(self, o): return _d.binary("gt", self, o)
-    def __ge__(self, o): return _d.binary("ge", self, o)
-    def __eq__(self, o): return _d.binary("eq", self, o)     # type: ignore[override]
-    def __ne__(self, o): return _d.binary("ne", self, o)     # type: ignore[override]
+    def __lt__(self, o): return NotImplemented if type(o) is _Var else _d.binary("lt", self, o)
+    def __le__(self, o): return NotImplemented if type(o) is _Var else _d.binary("le", self, o)
+    def __gt__(self, o): return NotImplemented if type(o) is _Var else _d.binary("gt", self, o)
+    def __ge__(self, o): return NotImplemented if type(o) is _Var else _d.binary("ge", self, o)
+    def __eq__(self, o): return NotImplemented if type(o) is _Var else _d.binary("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return NotImplemented if type(o) is _Var else _d.binary("ne", self, o)  # type: ignore[override]
 
     def sum(self, axis=None, keepdims: bool = False): return _d.reduce("sum", self, axis, keepdims)
     def mean(self, axis=None, keepdims: bool = False): return _d.reduce("mean", self, axis, keepdims)
@@ -234,6 +238,7 @@ def ones(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
     return full(shape, 1, layout=layout, mesh=mesh, dtype=dtype)
 
 
+@differentiable("distribute")
 def distribute(global_array, layout=None, mesh=None) -> DTensor:
     """Cut the same global array (on every rank) into this rank's piece; no communication."""
     mesh = _mesh(mesh, "dist.distribute")
@@ -248,6 +253,7 @@ def distribute(global_array, layout=None, mesh=None) -> DTensor:
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, g.dtype, mesh))
 
 
+@differentiable("from_local")
 def from_local(local, layout=None, mesh=None, shape=None, *, validate: bool = True) -> DTensor:
     """Wrap this rank's piece.  With ``validate`` (default) the ranks exchange their local
     shapes (one small all_gather) and every rank raises the same ValueError if the pieces do

@@ -16,9 +16,12 @@ planner (so its layout stays true).  On a DTensor:
   move local pieces (pipeline stages).
 
 ``async_op=True`` on a DTensor runs the collective at once and returns a completed handle.
+Every function is differentiable (``ts.grad``); the VJP rules live in
+``tessera_rt.autodiff.dist_vjps``.
 """
 from __future__ import annotations
 
+from ..autodiff.tape import differentiable
 from . import collectives as C
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
@@ -85,6 +88,7 @@ def _as_pending(op_name: str, x: DTensor, axes, op: str) -> Layout:
     return lay.with_partial({**dict(lay.partial), **{a: op for a in axes}})
 
 
+@differentiable("all_reduce")  # autodiff hook: traced inputs record the collective
 def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
                role: str = "tp_collective"):
     """Reduce over ``axis`` (sum, max, min, avg).  Arrays: ``collectives.all_reduce``."""
@@ -96,6 +100,7 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     return _ret(_move(x, dst, src), async_op)
 
 
+@differentiable("reduce_scatter")  # autodiff hook: traced inputs record the collective
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes=None, mesh=None, out=None,
                    async_op: bool = False, role: str = "tp_collective"):
     """Reduce over ``axis`` and shard ``dim`` over it.  Arrays: ``collectives.reduce_scatter``."""
@@ -114,6 +119,7 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes=None, m
     return _ret(_move(x, dst, src), async_op)
 
 
+@differentiable("all_gather")  # autodiff hook: traced inputs record the collective
 def all_gather(x, axis=None, *, dim: int | None = None, sizes=None, mesh=None, out=None,
                async_op: bool = False, role: str = "tp_collective"):
     """Unshard ``axis`` (every rank gets the pieces along it).  Arrays: ``collectives.all_gather``
@@ -134,6 +140,7 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes=None, mesh=None, o
     return _ret(_move(x, dst), async_op)
 
 
+@differentiable("all_to_all")  # autodiff hook: traced inputs record the collective
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None, split_sizes=None,
                recv_sizes=None, mesh=None, async_op: bool = False, role: str = "a2a"):
     """Move ``axis``'s sharding from ``concat_dim`` to ``split_dim``.  Arrays:
@@ -153,6 +160,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     return _ret(_move(x, lay.with_dims(dims)), async_op)
 
 
+@differentiable("broadcast")  # autodiff hook: traced inputs record the collective
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Arrays: in place (``collectives.broadcast``).  DTensor: a new DTensor whose local piece
     is the ``root`` rank's along ``axis`` (which must not shard it)."""
@@ -168,6 +176,7 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
     return _ret(DTensor._wrap(buf, x._meta), async_op)
 
 
+@differentiable("send")  # autodiff hook: traced inputs record the collective
 def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False, role: str = "tp_collective"):
     """Send an array, or a DTensor's local piece, to position ``dst`` of the group."""
     if type(x) is DTensor:
@@ -176,6 +185,7 @@ def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
     return C.send(x, dst, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
 
 
+@differentiable("recv")  # autodiff hook: traced inputs record the collective
 def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False, role: str = "tp_collective"):
     """Receive into an array (in place), or into a new DTensor shaped like ``x``."""
     if type(x) is not DTensor:

@@ -8,6 +8,9 @@ the NCCL unique id of each group travels over MPI when the group's communicator 
 from __future__ import annotations
 
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
@@ -63,11 +66,20 @@ class World:
 _WORLD: World | None = None
 
 
-def init(*, comm: str | None = None) -> World:
+def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -> World:
     """Join the process group (idempotent).  ``comm`` forces "mpi", "nccl" or "host"
-    (``TESSERA_COMM`` does the same); by default NCCL serves GPU groups it can serve."""
+    (``TESSERA_COMM`` does the same); by default NCCL serves GPU groups it can serve.
+
+    ``debug="collectives"`` (or ``TESSERA_DEBUG=collectives``) checks before every collective
+    that all ranks of the mesh issue the same one and keeps a flight recorder; ``"flight"``
+    keeps only the recorder.  ``timeout`` (``TESSERA_TIMEOUT``, default 600 s, 0 = off) is the
+    watchdog's limit on one collective (see ``dist.debug``).  Given to a later call, they
+    change the modes (every rank must pass the same)."""
     global _WORLD
     if _WORLD is not None:
+        if debug is not None or timeout is not None:
+            from . import debug as _debug
+            _debug.configure(debug, timeout, _WORLD)
         return _WORLD
     prefer = (comm or os.environ.get("TESSERA_COMM", "")).strip().lower()
     if prefer not in ("", "mpi", "nccl", "host"):
@@ -84,7 +96,28 @@ def init(*, comm: str | None = None) -> World:
     host = MPI.Get_processor_name()
     seats = tuple(Seat(*s) for s in world_comm.allgather((rank, host, local_rank, backend.device_id)))
     _WORLD = World(rank, size, local_rank, local_size, host, backend, world_comm, seats, prefer)
+    from . import debug as _debug
+    _debug.configure(debug, timeout, _WORLD)
+    if size > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
+        _install_excepthook(rank)
     return _WORLD
+
+
+def _install_excepthook(rank: int) -> None:
+    """An uncaught exception on one rank ends the whole job (also without ``python -m mpi4py``):
+    the traceback is printed with the rank, then MPI_Abort stops every rank."""
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        if etype is KeyboardInterrupt or etype is SystemExit:
+            return previous(etype, value, tb)
+        sys.stderr.write(f"[rank {rank}] uncaught {etype.__name__}; aborting the job:\n"
+                         + "".join(traceback.format_exception(etype, value, tb)))
+        sys.stderr.flush()
+        time.sleep(0.3)          # let mpiexec forward the traceback before the abort kills the pipes
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 def world() -> World:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backend import get_backend
+from . import determinism as _det
 from .layout import Layout
 from .process_group import world
 from .shard import dim_extents_all, local_shape
@@ -242,14 +243,16 @@ def matmul_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         off = nb - (meta.ndim - 2)
         lab = tuple(("b", d + off) if s == batch[d + off] else None for d, s in enumerate(meta.shape[:-2]))
         return lab + last
-    operands = [(a, labels(a, ("m", "k"))), (b, labels(b, ("k", "n")))]
+    tile_shape, policy = params
+    det = _det.active(policy)        # fixed order: keep k whole (gathered), no pending sum
+    k = None if det else "k"
+    operands = [(a, labels(a, ("m", k))), (b, labels(b, (k, "n")))]
 
     def partial_rule(ops):
         nz = [o for o in ops if o]
         return nz[0] if len(nz) == 1 and nz[0] in _LINEAR else None
     out_labels = tuple(("b", j) for j in range(nb)) + ("m", "n")
-    targets, out = solve(operands, frozenset({"k"}), partial_rule, out_labels)
-    tile_shape, policy = params
+    targets, out = solve(operands, frozenset() if det else frozenset({"k"}), partial_rule, out_labels)
     kw = {}
     if tile_shape is not None:
         kw["tile_shape"] = tile_shape
@@ -259,6 +262,9 @@ def matmul_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     def local(x, y):
         xp = _xp()
         return _kernel("matmul")(xp.ascontiguousarray(x), xp.ascontiguousarray(y), **kw)
+    if det:
+        def local(x, y):
+            return _det.matmul(x, y, policy)
     return Strategy(tuple(targets), out, batch + (a.shape[-2], b.shape[-1]), local)
 
 
@@ -289,6 +295,8 @@ def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     axes = norm_axes(op, kinds, axis, meta.ndim)
     lay = meta.layout
     partial = {a: o for a, o in lay.partial if o in _RED_KEEP[op]}
+    if op in ("sum", "mean") and _det.active():
+        return _det_reduce(meta, axes, keepdims, partial, op)
     target = Layout(lay.dims, tuple(sorted(partial.items())))
     out_partial = dict(partial)
     sharded_reduced = False
@@ -317,6 +325,17 @@ def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         else:
             fn = lambda x: red(x, axis=ax, keepdims=keepdims)                   # noqa: E731
     return Strategy((target,), out, out_shape, fn)
+
+
+def _det_reduce(meta, axes, keepdims: bool, partial: dict, op: str) -> Strategy:
+    """Fixed-order sum/mean: the reduced dims are gathered, then summed in global order."""
+    lay = meta.layout
+    target = Layout(tuple(() if d in axes else lay.dims[d] for d in range(meta.ndim)), tuple(sorted(partial.items())))
+    out_dims = tuple(() if d in axes else lay.dims[d] for d in range(meta.ndim) if keepdims or d not in axes)
+    out_shape = tuple(1 if d in axes else s for d, s in enumerate(meta.shape) if keepdims or d not in axes)
+    n = int(np.prod([meta.shape[d] for d in axes])) if op == "mean" else 0
+    return Strategy((target,), Layout(out_dims, target.partial), out_shape,
+                    lambda x: _det.reduce_sum(x, axes, keepdims, mean_of=n))
 
 
 # --------------------------------------------------------------------------- softmax and norms
@@ -448,3 +467,27 @@ def _same_pieces(src, gi, dst, gj, axes, mesh) -> bool:
     r_out = int(np.prod([dst[d] for d in gj[1:]], dtype=np.int64))
     ein, eout = dim_extents_all(src[gi[0]], sizes), dim_extents_all(dst[gj[0]], sizes)
     return all(ein[c][0] * r_in == eout[c][0] * r_out and ein[c][1] * r_in == eout[c][1] * r_out for c in ein)
+
+
+# --------------------------------------------------------------------------- attention
+
+@register_rule("flash_attention")
+def attention_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
+    """q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``: batch and heads may stay sharded (each
+    rank attends with its own heads); sequence and head_dim are gathered.  q's batch/head
+    sharding wins; grouped-query attention (H != Hkv) keeps heads whole."""
+    if any(isinstance(k, (ScalarKind, ConstKind)) for k in kinds):
+        raise fail(op, kinds, "q, k and v must all be DTensors", TypeError)
+    q, k, v = kinds
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise fail(op, kinds, "q, k, v must be 4-D (batch, heads, seq, head_dim)")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise fail(op, kinds, "shapes must be q (B, H, Sq, D), k and v (B, Hkv, Sk, D) with H % Hkv == 0")
+    causal, scale, policy = params
+    heads = q.layout.dims[1] if q.shape[1] == k.shape[1] else ()
+    target = Layout((q.layout.dims[0], heads, (), ()))
+    kw: dict = {} if policy is None else {"policy": policy}
+
+    def local(x, y, z):
+        return _kernel("flash_attention")(x, y, z, causal=causal, scale=scale, **kw)
+    return Strategy((target, target, target), target, q.shape, local)

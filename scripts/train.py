@@ -1,0 +1,199 @@
+"""Train the small decoder-only transformer as a character-level language model.
+
+    tessera-run -n 4 scripts/train.py --tp 2 --dp 2 --steps 200
+    .venv/bin/python scripts/train.py --steps 50 --data notes.txt
+
+The text defaults to the seed documents (../shared/seeds/*.txt from the repo root).  Any
+dp x tp mesh works; the global batch is drawn the same way on every mesh (a seeded
+generator per step), and the model is initialized to the same global values, so the loss
+after N steps agrees across mesh shapes up to float rounding.  Rank 0 shows a tqdm bar
+(when tqdm is installed), writes a loss-curve PNG (when matplotlib is installed) and a
+checkpoint at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "seeds"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="a text file, or a directory of .txt files")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (default: world size / tp)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--dtype", default="float32", help="parameter/compute dtype: float32, bf16 or fp16 "
+                   "(low precision keeps f32 masters; fp16 adds dynamic loss scaling)")
+    p.add_argument("--remat", default="none", choices=["none", "all", "every_other"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-step output")
+    return p.parse_args(argv)
+
+
+def load_text(path: str) -> str:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.txt"))
+        if not files:
+            raise SystemExit(f"train.py: no .txt files in {p}; pass --data FILE")
+        return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if not p.exists():
+        raise SystemExit(f"train.py: --data {p} does not exist")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def get_batch(data: np.ndarray, step: int, batch: int, seq: int, seed: int):
+    """The same global batch on every rank and every mesh: starts drawn from (seed, step)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(data) - seq - 1, size=batch)
+    chunk = np.stack([data[s:s + seq + 1] for s in starts])
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def _save_checkpoint(path: Path, params, opt, meta: dict) -> None:
+    """numpy.savez of the full tensors, written by rank 0 (every rank joins the gathers).
+    A stand-in until dist.save/dist.load (issue 7) exists."""
+    from tessera_rt import dist
+    from tessera_rt.autodiff import tree_flatten
+    leaves, paths, _ = tree_flatten(params)
+    masters, _, _ = tree_flatten(opt.masters)
+    arrays = {}
+    for x, name in zip(leaves, paths):
+        arrays["param" + name] = np.asarray(x.full_tensor() if hasattr(x, "full_tensor") else x)
+    for x, name in zip(masters, paths):
+        arrays["master" + name] = np.asarray(x.full_tensor() if hasattr(x, "full_tensor") else x)
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **{k: (v.astype(np.float32) if v.dtype.kind == "V" or v.dtype.name == "bfloat16" else v)
+                          for k, v in arrays.items()}, meta=json.dumps(meta))
+
+
+def _plot(path: Path, losses: list, title: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: skipped the loss-curve PNG (pip install matplotlib)"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank."""
+    import tessera_rt as ts
+    from tessera_rt import dist, nn, optim
+
+    world = dist.init()
+    n = world.size
+    tp = args.tp
+    dp = args.dp or max(n // tp, 1)
+    if tp * dp != n:
+        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} = {tp * dp} ranks but the job has {n}; launch with "
+                         f"tessera-run -n {tp * dp} or change --tp/--dp")
+    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
+    rank0 = world.rank == 0
+
+    text = load_text(args.data)
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = np.fromiter((stoi[c] for c in text), dtype=np.int32, count=len(text))
+    if len(data) < args.seq + 2:
+        raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
+
+    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
+                           dtype=args.dtype, remat=args.remat)
+    params = model.init(args.seed)
+    opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
+
+    def loss_fn(p, x, y):
+        loss = model.loss(p, x, y)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    step_fn = ts.value_and_grad(loss_fn)
+    bar = None
+    if rank0 and not args.quiet:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}", unit="step")
+        except ImportError:
+            print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
+    losses, times = [], []
+    for step in range(args.steps):
+        xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
+        t0 = time.perf_counter()
+        loss, grads = step_fn(params, model.batch(xb), model.batch(yb))
+        finite = True
+        if scaler is not None:
+            grads, finite = scaler.unscale(grads)
+        if args.clip > 0 and finite:
+            grads, _ = optim.clip_grad_norm(grads, args.clip)
+        if finite:
+            params = opt.step(params, grads)
+        if scaler is not None:
+            scaler.update(finite)
+        value = float(np.asarray(loss.full_tensor())) / (scaler.scale_value if scaler else 1.0)
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+        if bar is not None:
+            bar.set_postfix(loss=f"{value:.4f}")
+            bar.update(1)
+        elif rank0 and not args.quiet and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
+    if bar is not None:
+        bar.close()
+
+    out = Path(args.out)
+    meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
+            "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
+    if not args.no_checkpoint:
+        _save_checkpoint(out / "checkpoint.npz", params, opt, meta)
+    if rank0 and not args.quiet:
+        if not args.no_plot:
+            print(_plot(out / "loss.png", losses, f"char LM, dp={dp} tp={tp}"), flush=True)
+        med = float(np.median(times[1:] if len(times) > 1 else times)) * 1e3
+        print(f"final loss {losses[-1]:.4f} after {args.steps} steps; median step {med:.1f} ms on {n} ranks",
+              flush=True)
+        if not args.no_checkpoint:
+            print(f"checkpoint: {out / 'checkpoint.npz'}", flush=True)
+    return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "params": params}
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    train(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

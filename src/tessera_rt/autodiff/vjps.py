@@ -1,0 +1,446 @@
+"""VJP rules for the math ops: elementwise, reductions, matmul, shape ops, softmax and the
+norms, and the fused kernels (swiglu, bias_act, flash attention, fake-quantize, saxpy).
+
+Every rule is written with ``op.*``, so the same rule differentiates plain arrays and
+DTensors: on DTensors the dispatcher picks each cotangent's layout and the collectives it
+needs (a column-parallel weight's gradient comes out column-sharded; a replicated input's
+gradient comes out as a pending sum, reduced only when something needs it).  Statistics
+of low-precision values are recomputed in f32, as the forward kernels do.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import op
+from ..backend import get_backend
+from ..dist.dtensor import DTensor
+from .tape import vjp_rule
+
+__all__ = ["sum_to", "broadcast_like"]
+
+_LOW = ("bfloat16", "float16")
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", ()))
+
+
+def _is_tensor(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _wide(x):
+    """f32 view of a low-precision value (the statistics dtype)."""
+    return op.astype(x, "float32") if np.dtype(x.dtype).name in _LOW else x
+
+
+def _as(x, like):
+    """Cast a cotangent back to its primal's dtype."""
+    dt = getattr(like, "dtype", None)
+    if dt is None or getattr(x, "dtype", None) == dt:
+        return x
+    return op.astype(x, dt)
+
+
+def sum_to(g, shape: tuple):
+    """Undo NumPy broadcasting: sum ``g`` down to ``shape``."""
+    gs = _shape(g)
+    shape = tuple(shape)
+    if gs == shape:
+        return g
+    lead = len(gs) - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and gs[lead + i] != 1)
+    if axes:
+        g = op.sum(g, axis=axes, keepdims=True)
+    if _shape(g) != shape:
+        g = op.reshape(g, shape)
+    return g
+
+
+def broadcast_like(g, x):
+    """``g`` broadcast to ``x``'s shape (a DTensor takes ``x``'s sharding, without its
+    pending reductions)."""
+    if _shape(g) == _shape(x):
+        return g
+    if type(x) is DTensor:
+        from ..dist.dtensor import zeros
+        return op.add(zeros(x.shape, layout=x.layout.with_partial(()), mesh=x.mesh, dtype=g.dtype), g)
+    xp = get_backend().xp
+    return xp.broadcast_to(g, _shape(x))
+
+
+def _cot(g, x):
+    """The cotangent of operand ``x`` of a broadcasting op (None for Python scalars)."""
+    if not _is_tensor(x):
+        return None
+    return _as(sum_to(g, _shape(x)), x)
+
+
+def _mask(cond, like):
+    return op.astype(cond, like.dtype)
+
+
+# --------------------------------------------------------------------------- elementwise
+
+@vjp_rule("add")
+def _add(g, out, args, kw, needs):
+    a, b = args
+    return (_cot(g, a) if needs[0] else None, _cot(g, b) if needs[1] else None)
+
+
+@vjp_rule("sub")
+def _sub(g, out, args, kw, needs):
+    a, b = args
+    return (_cot(g, a) if needs[0] else None, _cot(op.neg(g), b) if needs[1] else None)
+
+
+@vjp_rule("mul")
+def _mul(g, out, args, kw, needs):
+    a, b = args
+    return (_cot(op.mul(g, b), a) if needs[0] else None, _cot(op.mul(g, a), b) if needs[1] else None)
+
+
+@vjp_rule("div")
+def _div(g, out, args, kw, needs):
+    a, b = args
+    ga = op.div(g, b)
+    return (_cot(ga, a) if needs[0] else None,
+            _cot(op.neg(op.mul(ga, out)), b) if needs[1] else None)
+
+
+@vjp_rule("pow")
+def _pow(g, out, args, kw, needs):
+    a, b = args
+    ga = gb = None
+    if needs[0]:
+        ga = _cot(op.mul(g, op.mul(b, op.pow(a, op.sub(b, 1)))), a)
+    if needs[1]:
+        gb = _cot(op.mul(g, op.mul(out, op.log(a))), b)
+    return ga, gb
+
+
+def _minmax(pick_a):
+    def rule(g, out, args, kw, needs):
+        a, b = args
+        # ties go to a, as NumPy's maximum/minimum return a
+        ma = pick_a(a, b)
+        ga = _cot(op.mul(g, _mask(ma, g)), a) if needs[0] else None
+        gb = _cot(op.mul(g, op.sub(1, _mask(ma, g))), b) if needs[1] else None
+        return ga, gb
+    return rule
+
+
+vjp_rule("maximum")(_minmax(lambda a, b: op.greater_equal(a, b)))
+vjp_rule("minimum")(_minmax(lambda a, b: op.less_equal(a, b)))
+
+
+def _sign(x, like):
+    return op.sub(_mask(op.greater(x, 0), like), _mask(op.less(x, 0), like))
+
+
+_UNARY = {
+    "neg": lambda g, x, y: op.neg(g),
+    "abs": lambda g, x, y: op.mul(g, _sign(x, g)),
+    "exp": lambda g, x, y: op.mul(g, y),
+    "log": lambda g, x, y: op.div(g, x),
+    "sqrt": lambda g, x, y: op.div(op.mul(g, 0.5), y),
+    "rsqrt": lambda g, x, y: op.mul(op.mul(g, -0.5), op.mul(y, op.mul(y, y))),
+    "tanh": lambda g, x, y: op.mul(g, op.sub(1, op.mul(y, y))),
+    "sin": lambda g, x, y: op.mul(g, op.cos(x)),
+    "cos": lambda g, x, y: op.neg(op.mul(g, op.sin(x))),
+    "square": lambda g, x, y: op.mul(g, op.mul(x, 2)),
+    "relu": lambda g, x, y: op.mul(g, _mask(op.greater(x, 0), g)),
+    "sigmoid": lambda g, x, y: op.mul(g, op.mul(y, op.sub(1, y))),
+    "silu": lambda g, x, y: _silu_grad(g, x),
+}
+
+
+def _silu_grad(g, x):
+    s = op.sigmoid(x)
+    return op.mul(g, op.mul(s, op.add(1, op.mul(x, op.sub(1, s)))))
+
+
+def _unary_rule(name):
+    f = _UNARY[name]
+
+    def rule(g, out, args, kw, needs):
+        return (_as(f(g, args[0], out), args[0]),)
+    return rule
+
+
+for _n in _UNARY:
+    vjp_rule(_n)(_unary_rule(_n))
+
+
+@vjp_rule("astype")
+def _astype(g, out, args, kw, needs):
+    return (op.astype(g, args[0].dtype), None)
+
+
+@vjp_rule("getitem")
+def _getitem(g, out, args, kw, needs):
+    x, index = args
+    xp = get_backend().xp
+    z = xp.zeros(_shape(x), dtype=g.dtype)
+    xp.add.at(z, index, g)
+    return (z, None)
+
+
+# --------------------------------------------------------------------------- reductions
+
+def _norm_axes(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    return tuple(sorted(int(a) % ndim for a in axes))
+
+
+def _keep(g, x, axis, keepdims):
+    """``g`` reshaped to the reduced shape with keepdims, ready to broadcast against x."""
+    if keepdims:
+        return g
+    axes = _norm_axes(axis, len(_shape(x)))
+    shape = tuple(1 if d in axes else s for d, s in enumerate(_shape(x)))
+    return op.reshape(g, shape) if _is_tensor(g) else g
+
+
+def _red_args(args, kw):
+    x = args[0]
+    axis = args[1] if len(args) > 1 else kw.get("axis")
+    keepdims = args[2] if len(args) > 2 else kw.get("keepdims", False)
+    return x, axis, keepdims
+
+
+@vjp_rule("sum")
+def _sum(g, out, args, kw, needs):
+    x, axis, keepdims = _red_args(args, kw)
+    return (_as(broadcast_like(_keep(g, x, axis, keepdims), x), x),) + (None,) * (len(args) - 1)
+
+
+@vjp_rule("mean")
+def _mean(g, out, args, kw, needs):
+    x, axis, keepdims = _red_args(args, kw)
+    n = int(np.prod([_shape(x)[d] for d in _norm_axes(axis, len(_shape(x)))]))
+    gx = broadcast_like(op.div(_keep(g, x, axis, keepdims), n), x)
+    return (_as(gx, x),) + (None,) * (len(args) - 1)
+
+
+def _extreme(g, out, args, kw, needs):
+    x, axis, keepdims = _red_args(args, kw)
+    y = _keep(out, x, axis, keepdims)
+    hit = _mask(op.equal(x, y), x)
+    count = op.sum(hit, axis=axis, keepdims=True)   # ties share the gradient
+    gx = op.mul(hit, op.div(_keep(g, x, axis, keepdims), count))
+    return (_as(gx, x),) + (None,) * (len(args) - 1)
+
+
+vjp_rule("max", "min")(_extreme)
+
+
+# --------------------------------------------------------------------------- matmul, shapes
+
+def _swap(x):
+    n = len(_shape(x))
+    return op.transpose(x, tuple(range(n - 2)) + (n - 1, n - 2))
+
+
+@vjp_rule("matmul", "gemm")
+def _matmul(g, out, args, kw, needs):
+    a, b = args[0], args[1]
+    sa, sb = _shape(a), _shape(b)
+    if len(sa) == 1 or len(sb) == 1:             # vectors: promote, differentiate, demote
+        a2 = op.reshape(a, (1,) + sa) if len(sa) == 1 else a
+        b2 = op.reshape(b, sb + (1,)) if len(sb) == 1 else b
+        g2 = op.reshape(g, _promoted_shape(sa, sb, _shape(g)))
+        ga, gb = _matmul(g2, None, (a2, b2), kw, needs)
+        return (op.reshape(ga, sa) if ga is not None else None,
+                op.reshape(gb, sb) if gb is not None else None) + (None,) * (len(args) - 2)
+    ga = gb = None
+    if needs[0]:
+        ga = _as(sum_to(op.matmul(g, _swap(b)), sa), a)
+    if needs[1]:
+        if len(sb) == 2 and len(sa) > 2:
+            # fold the batch dims into the contraction: one GEMM instead of a batch and a sum
+            k, n = sa[-1], _shape(g)[-1]
+            gb = op.matmul(op.transpose(op.reshape(a, (-1, k)), None), op.reshape(g, (-1, n)))
+        else:
+            gb = sum_to(op.matmul(_swap(a), g), sb)
+        gb = _as(gb, b)
+    return (ga, gb) + (None,) * (len(args) - 2)
+
+
+def _promoted_shape(sa, sb, sg):
+    shape = list(sg)
+    if len(sa) == 1:
+        shape.insert(len(shape) - (0 if len(sb) == 1 else 1), 1)
+    if len(sb) == 1:
+        shape.append(1)
+    return tuple(shape)
+
+
+@vjp_rule("transpose")
+def _transpose(g, out, args, kw, needs):
+    x = args[0]
+    perm = args[1] if len(args) > 1 else kw.get("axes")
+    n = len(_shape(x))
+    perm = tuple(range(n - 1, -1, -1)) if perm is None else tuple(int(p) % n for p in perm)
+    inv = tuple(int(i) for i in np.argsort(perm))
+    return (op.transpose(g, inv), None)
+
+
+@vjp_rule("reshape")
+def _reshape(g, out, args, kw, needs):
+    return (op.reshape(g, _shape(args[0])), None)
+
+
+# --------------------------------------------------------------------------- softmax, norms
+
+def _row_param(args, i):
+    return args[i] if len(args) > i else None
+
+
+@vjp_rule("softmax")
+def _softmax(g, out, args, kw, needs):
+    x = args[0]
+    axis = args[1] if len(args) > 1 else kw.get("axis", -1)
+    y, gw = _wide(out), _wide(g)
+    gx = op.mul(y, op.sub(gw, op.sum(op.mul(gw, y), axis=axis, keepdims=True)))
+    return (_as(gx, x),) + (None,) * (len(args) - 1)
+
+
+def _lead_sum(t, width):
+    """Sum every dim but the last (a row parameter's gradient)."""
+    n = len(_shape(t))
+    return op.sum(t, axis=tuple(range(n - 1)), keepdims=False) if n > 1 else t
+
+
+@vjp_rule("layernorm", "layernorm_safe")
+def _layernorm(g, out, args, kw, needs):
+    x, w, b = args[0], _row_param(args, 1), _row_param(args, 2)
+    eps = kw.get("eps", 1e-5)
+    xf, gf = _wide(x), _wide(g)
+    mean = op.mean(xf, axis=-1, keepdims=True)
+    xc = op.sub(xf, mean)
+    rstd = op.rsqrt(op.add(op.mean(op.mul(xc, xc), axis=-1, keepdims=True), eps))
+    xhat = op.mul(xc, rstd)
+    gw = op.mul(gf, _wide(w)) if w is not None else gf
+    gx = gwx = gb = None
+    if needs[0]:
+        m1 = op.mean(gw, axis=-1, keepdims=True)
+        m2 = op.mean(op.mul(gw, xhat), axis=-1, keepdims=True)
+        gx = _as(op.mul(rstd, op.sub(op.sub(gw, m1), op.mul(xhat, m2))), x)
+    if len(needs) > 1 and needs[1]:
+        gwx = _as(_lead_sum(op.mul(gf, xhat), None), w)
+    if len(needs) > 2 and needs[2]:
+        gb = _as(_lead_sum(gf, None), b)
+    return (gx, gwx, gb)[:len(args)]
+
+
+@vjp_rule("rmsnorm", "rmsnorm_safe")
+def _rmsnorm(g, out, args, kw, needs):
+    x, w = args[0], _row_param(args, 1)
+    eps = kw.get("eps", 1e-6)
+    xf, gf = _wide(x), _wide(g)
+    r = op.rsqrt(op.add(op.mean(op.mul(xf, xf), axis=-1, keepdims=True), eps))
+    gw = op.mul(gf, _wide(w)) if w is not None else gf
+    gx = gwx = None
+    if needs[0]:
+        m = op.mean(op.mul(gw, xf), axis=-1, keepdims=True)
+        gx = _as(op.sub(op.mul(gw, r), op.mul(xf, op.mul(m, op.mul(r, op.mul(r, r))))), x)
+    if len(needs) > 1 and needs[1]:
+        gwx = _as(_lead_sum(op.mul(gf, op.mul(xf, r)), None), w)
+    return (gx, gwx)[:len(args)]
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+@vjp_rule("swiglu")
+def _swiglu(g, out, args, kw, needs):
+    x, w1, w3 = args
+    xf, w1f, w3f, gf = _wide(x), _wide(w1), _wide(w3), _wide(g)
+    h1, h3 = op.matmul(xf, w1f), op.matmul(xf, w3f)
+    s = op.sigmoid(h1)
+    a = op.mul(h1, s)
+    dh3 = op.mul(gf, a)
+    dh1 = op.mul(op.mul(gf, h3), op.mul(s, op.add(1, op.mul(h1, op.sub(1, s)))))
+    gx = gw1 = gw3 = None
+    if needs[0]:
+        gx = _as(op.add(op.matmul(dh1, op.transpose(w1f, None)), op.matmul(dh3, op.transpose(w3f, None))), x)
+    d = _shape(x)[-1]
+    xt = op.transpose(op.reshape(xf, (-1, d)), None)
+    f = _shape(w1)[-1]
+    if needs[1]:
+        gw1 = _as(op.matmul(xt, op.reshape(dh1, (-1, f))), w1)
+    if needs[2]:
+        gw3 = _as(op.matmul(xt, op.reshape(dh3, (-1, f))), w3)
+    return gx, gw1, gw3
+
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
+def _act_grad(y, act: str):
+    """d act(y) / dy for the bias_act activations (y in f32)."""
+    xp = get_backend().xp
+    if act == "identity":
+        return None
+    if act == "relu":
+        return (y > 0).astype(y.dtype)
+    if act == "silu":
+        s = 1.0 / (1.0 + xp.exp(-y))
+        return s * (1.0 + y * (1.0 - s))
+    if act == "gelu":
+        from ..kernels.mlp import erf
+        cdf = 0.5 * (1.0 + erf(y * (1.0 / math.sqrt(2.0))))
+        return cdf + y * xp.exp(-0.5 * y * y) * (1.0 / math.sqrt(2.0 * math.pi))
+    if act == "gelu_tanh":
+        u = _SQRT_2_PI * (y + 0.044715 * y ** 3)
+        t = xp.tanh(u)
+        return 0.5 * (1.0 + t) + 0.5 * y * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * y * y)
+    raise ValueError(f"bias_act: no derivative for act={act!r}")
+
+
+def _bias_act_grad(g, x, bias, act):
+    if type(x) is DTensor or type(g) is DTensor:
+        raise NotImplementedError("bias_act/gelu on DTensors has no rule; use op.silu / op.relu or the "
+                                  "array kernel on local pieces")
+    y = x.astype(np.float32) + (bias.astype(np.float32) if bias is not None else 0)
+    d = _act_grad(y, act)
+    gx = g.astype(np.float32) if d is None else g.astype(np.float32) * d
+    return gx
+
+
+def _bias_act_rule(pick_act):
+    def rule(g, out, args, kw, needs):
+        x, bias = args[0], _row_param(args, 1)
+        gx = _bias_act_grad(g, x, bias, pick_act(kw))
+        gb = sum_to(gx, _shape(bias)).astype(bias.dtype) if bias is not None and needs[1] else None
+        return (gx.astype(x.dtype), gb)[:len(args)]
+    return rule
+
+
+vjp_rule("bias_act")(_bias_act_rule(lambda kw: kw.get("act", "gelu")))
+vjp_rule("bias_gelu")(_bias_act_rule(lambda kw: "gelu_tanh" if kw.get("approximate") else "gelu"))
+vjp_rule("bias_silu")(_bias_act_rule(lambda kw: "silu"))
+
+
+@vjp_rule("gelu")
+def _gelu(g, out, args, kw, needs):
+    x = args[0]
+    approx = args[1] if len(args) > 1 else kw.get("approximate", False)
+    return (_bias_act_grad(g, x, None, "gelu_tanh" if approx else "gelu").astype(x.dtype),) + \
+        (None,) * (len(args) - 1)
+
+
+@vjp_rule("fake_quantize_fp8")
+def _fake_quant(g, out, args, kw, needs):
+    # straight-through estimator: quantization is treated as the identity in the backward
+    return (_as(g, args[0]),) + (None,) * (len(args) - 1)
+
+
+@vjp_rule("saxpy")
+def _saxpy(g, out, args, kw, needs):
+    x, y, alpha = args[0], args[1], args[2] if len(args) > 2 else kw["alpha"]
+    return (op.mul(g, float(alpha)) if needs[0] else None, g if needs[1] else None, None)[:len(args)]

@@ -1,0 +1,285 @@
+"""Tensor-parallel modules on DTensors (seed 002 §2.8's transformer block, seed 000 §2.2's
+layouts), written with ``op.*`` so ``ts.grad`` differentiates them.
+
+Modules are configurations; parameters are a pytree (a dict) that the caller owns and
+passes in, as ``ts.grad(loss_fn)(params, ...)`` needs::
+
+    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": 2, "tp": 2})
+    model = nn.Transformer(vocab=96, d_model=64, n_heads=4, n_layers=2, seq_len=64, mesh=mesh)
+    params = model.init(seed=0)                       # the same global values on any mesh
+    loss = model.loss(params, tokens, targets)        # tokens: (B, S) ints, batch over dp
+
+Layouts (Megatron's): ``Linear(parallel="column")`` shards the weight's output dim over
+``tp`` (its output comes out sharded, no communication); ``parallel="row"`` shards the
+input dim (its output is a pending sum over ``tp``, reduced when the residual add needs
+it).  Attention shards heads over ``tp`` (q/k/v column-parallel, the output projection
+row-parallel); the SwiGLU MLP is column- then row-parallel; the embedding and the LM
+head shard the vocabulary.  Data parallelism shards the batch over ``dp``: replicated
+parameters' gradients arrive as pending sums over ``dp`` and ``ts.grad`` all-reduces
+each one, asynchronously, as soon as it is complete.  With ``mesh=None`` every module
+runs on plain arrays (the single-process reference).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import op
+from .autodiff import checkpoint, no_grad
+from .dist.dtensor import DTensor, distribute
+from .dist.layout import ShardSpec
+from .dtypes import resolve_dtype
+
+__all__ = [
+    "Module", "Linear", "Embedding", "RMSNorm", "Attention", "SwiGLUMLP", "TransformerBlock", "Transformer",
+    "cross_entropy", "one_hot", "vocab_iota",
+]
+
+
+def _rng_normal(seed: int, name: str, shape: tuple, std: float) -> np.ndarray:
+    # one stream per (seed, parameter name): every rank draws the same global tensor, so a
+    # model initialized on any mesh holds the same values
+    key = np.frombuffer(name.encode(), dtype=np.uint8).astype(np.uint64).sum() * 1000003 + len(name)
+    rng = np.random.default_rng([seed, int(key) & 0xFFFFFFFF])
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+class Module:
+    """A configuration that makes a parameter dict (``init``) and applies it (``__call__``)."""
+
+    def __init__(self, mesh=None, tp_axis: str = "tp", dtype="float32"):
+        self.mesh = mesh
+        self.tp = tp_axis if mesh is not None and tp_axis in mesh.axes else None
+        self.dtype = resolve_dtype(dtype)
+
+    def _place(self, value: np.ndarray, spec) -> Any:
+        value = value.astype(self.dtype)
+        if self.mesh is None:
+            return value
+        return distribute(value, layout=spec if self.tp is not None else None, mesh=self.mesh)
+
+    def spec(self, kind: str):
+        """The layout of a parameter kind: "col" (last dim over tp), "row" (dim -2 over tp),
+        "vec" (1-D over tp), "rep" (replicated)."""
+        if self.tp is None or kind == "rep":
+            return None
+        part = {"col": ("col",), "row": ("row",), "vec": (0,)}[kind]
+        return ShardSpec(partition=part, mesh_axes=(self.tp,))
+
+
+class Linear(Module):
+    """``y = x @ W (+ b)``; ``parallel``: "column" (W sharded on its output dim), "row"
+    (sharded on its input dim; the output is a pending sum over tp) or None (replicated)."""
+
+    def __init__(self, d_in: int, d_out: int, *, parallel: str | None = "column", bias: bool = False,
+                 mesh=None, tp_axis: str = "tp", dtype="float32", std: float | None = None):
+        super().__init__(mesh, tp_axis, dtype)
+        if parallel not in ("column", "row", None):
+            raise ValueError(f"Linear(parallel={parallel!r}): use 'column', 'row' or None")
+        self.d_in, self.d_out, self.parallel, self.bias = d_in, d_out, parallel, bias
+        self.std = 1.0 / math.sqrt(d_in) if std is None else std
+
+    def init(self, seed: int, name: str = "linear") -> dict:
+        kind = {"column": "col", "row": "row", None: "rep"}[self.parallel]
+        p = {"w": self._place(_rng_normal(seed, name + ".w", (self.d_in, self.d_out), self.std), self.spec(kind))}
+        if self.bias:
+            p["b"] = self._place(np.zeros(self.d_out, np.float32), self.spec("vec" if self.parallel == "column"
+                                                                             else "rep"))
+        return p
+
+    def __call__(self, p: dict, x):
+        y = op.matmul(x, p["w"])
+        return op.add(y, p["b"]) if self.bias else y
+
+
+_IOTAS: dict = {}
+
+
+def vocab_iota(vocab: int, ndim: int, mesh=None, tp_axis: str | None = None):
+    """``arange(vocab)`` shaped ``(1,) * ndim + (vocab,)``, its last dim sharded over ``tp_axis``
+    (each rank holds the ids of its vocab slice)."""
+    key = (vocab, ndim, mesh, tp_axis)
+    t = _IOTAS.get(key)
+    if t is None:
+        a = np.arange(vocab, dtype=np.int32).reshape((1,) * ndim + (vocab,))
+        spec = ShardSpec(partition=("col",), mesh_axes=(tp_axis,)) if tp_axis else None
+        t = _IOTAS[key] = a if mesh is None else distribute(a, layout=spec, mesh=mesh)
+    return t
+
+
+def one_hot(ids, iota, dtype):
+    """One-hot rows of integer ``ids`` against ``iota`` (from ``vocab_iota``): a constant,
+    laid out like iota's vocab dim, so a vocab-parallel rank builds only its columns."""
+    with no_grad():
+        col = op.reshape(ids, tuple(ids.shape) + (1,))
+        return op.astype(op.equal(col, iota), dtype)
+
+
+class Embedding(Module):
+    """Vocab-parallel embedding: the (vocab, dim) table is sharded over tp on the vocab dim;
+    each rank looks up the ids it owns (a one-hot GEMM against its rows, exact for the small
+    vocabularies this targets) and the result is a pending sum over tp."""
+
+    def __init__(self, vocab: int, dim: int, *, mesh=None, tp_axis: str = "tp", dtype="float32", std: float = 0.02):
+        super().__init__(mesh, tp_axis, dtype)
+        self.vocab, self.dim, self.std = vocab, dim, std
+
+    def iota(self, ndim: int):
+        return vocab_iota(self.vocab, ndim, self.mesh, self.tp)
+
+    def init(self, seed: int, name: str = "embed") -> dict:
+        return {"w": self._place(_rng_normal(seed, name + ".w", (self.vocab, self.dim), self.std), self.spec("row"))}
+
+    def __call__(self, p: dict, ids):
+        return op.matmul(one_hot(ids, self.iota(len(ids.shape)), self.dtype), p["w"])
+
+
+def cross_entropy(logits, targets, iota=None):
+    """Mean token cross-entropy of ``logits (..., V)`` against integer ``targets (...)``.
+    Vocab-parallel when the logits are sharded over tp on the vocab dim (pass ``iota`` from
+    ``vocab_iota`` with the same sharding): the max and the sum of exponentials are pending
+    reductions over tp (one small all-reduce each) and the target logit is picked by a
+    one-hot against the local vocab slice, so the full logits never exist on one rank."""
+    v = logits.shape[-1]
+    if iota is None:
+        iota = vocab_iota(v, len(targets.shape))
+    with no_grad():
+        m = op.max(logits, axis=-1, keepdims=True)         # stability shift: no gradient needed
+    shifted = op.sub(logits, m)
+    lse = op.log(op.sum(op.exp(shifted), axis=-1))
+    picked = op.sum(op.mul(shifted, one_hot(targets, iota, logits.dtype)), axis=-1)
+    return op.mean(op.sub(lse, picked))
+
+
+class RMSNorm(Module):
+    def __init__(self, dim: int, *, eps: float = 1e-6, mesh=None, tp_axis: str = "tp", dtype="float32"):
+        super().__init__(mesh, tp_axis, dtype)
+        self.dim, self.eps = dim, eps
+
+    def init(self, seed: int, name: str = "norm") -> dict:
+        return {"w": self._place(np.ones(self.dim, np.float32), None)}
+
+    def __call__(self, p: dict, x):
+        return op.rmsnorm(x, p["w"], eps=self.eps)
+
+
+class Attention(Module):
+    """Causal multi-head self-attention, heads sharded over tp: q/k/v projections are
+    column-parallel (each rank computes its heads), flash attention runs per head with no
+    communication, and the output projection is row-parallel (a pending sum over tp)."""
+
+    def __init__(self, d_model: int, n_heads: int, *, mesh=None, tp_axis: str = "tp", dtype="float32",
+                 causal: bool = True):
+        super().__init__(mesh, tp_axis, dtype)
+        if d_model % n_heads:
+            raise ValueError(f"Attention: d_model={d_model} is not a multiple of n_heads={n_heads}")
+        self.d, self.h, self.hd, self.causal = d_model, n_heads, d_model // n_heads, causal
+        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        self.q, self.k, self.v = (Linear(d_model, d_model, parallel="column", **kw) for _ in range(3))
+        self.o = Linear(d_model, d_model, parallel="row", std=1.0 / math.sqrt(2 * d_model), **kw)
+
+    def init(self, seed: int, name: str = "attn") -> dict:
+        return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("q", "k", "v", "o")}
+
+    def _heads(self, t, b: int, s: int):
+        return op.transpose(op.reshape(t, (b, s, self.h, self.hd)), (0, 2, 1, 3))
+
+    def __call__(self, p: dict, x):
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = (self._heads(getattr(self, n)(p[n], x), b, s) for n in ("q", "k", "v"))
+        y = op.flash_attention(q, k, v, causal=self.causal)
+        y = op.reshape(op.transpose(y, (0, 2, 1, 3)), (b, s, self.d))
+        return self.o(p["o"], y)
+
+
+class SwiGLUMLP(Module):
+    """``(silu(x W1) * (x W3)) W2``: W1, W3 column-parallel, W2 row-parallel."""
+
+    def __init__(self, d_model: int, hidden: int, *, mesh=None, tp_axis: str = "tp", dtype="float32"):
+        super().__init__(mesh, tp_axis, dtype)
+        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        self.w1 = Linear(d_model, hidden, parallel="column", **kw)
+        self.w3 = Linear(d_model, hidden, parallel="column", **kw)
+        self.w2 = Linear(hidden, d_model, parallel="row", std=1.0 / math.sqrt(2 * hidden), **kw)
+
+    def init(self, seed: int, name: str = "mlp") -> dict:
+        return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("w1", "w3", "w2")}
+
+    def __call__(self, p: dict, x):
+        return self.w2(p["w2"], op.swiglu(x, p["w1"]["w"], p["w3"]["w"]))
+
+
+class TransformerBlock(Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, d_model: int, n_heads: int, hidden: int, *, mesh=None, tp_axis: str = "tp",
+                 dtype="float32"):
+        super().__init__(mesh, tp_axis, dtype)
+        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
+        self.attn = Attention(d_model, n_heads, **kw)
+        self.mlp = SwiGLUMLP(d_model, hidden, **kw)
+
+    def init(self, seed: int, name: str = "block") -> dict:
+        return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("norm1", "attn", "norm2", "mlp")}
+
+    def __call__(self, p: dict, x):
+        x = op.add(x, self.attn(p["attn"], self.norm1(p["norm1"], x)))
+        return op.add(x, self.mlp(p["mlp"], self.norm2(p["norm2"], x)))
+
+
+class Transformer(Module):
+    """A small decoder-only language model: vocab-parallel embedding + learned positions,
+    ``n_layers`` blocks, a final RMSNorm and a vocab-parallel LM head with its
+    cross-entropy.  ``remat``: "none", "all" or "every_other" block (seed 000 §3.5)."""
+
+    def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int, *,
+                 hidden: int | None = None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
+                 dtype="float32", remat: str = "none"):
+        super().__init__(mesh, tp_axis, dtype)
+        if remat not in ("none", "all", "every_other"):
+            raise ValueError(f"Transformer(remat={remat!r}): use 'none', 'all' or 'every_other'")
+        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        self.vocab, self.d, self.seq_len, self.remat = vocab, d_model, seq_len, remat
+        self.dp = dp_axis if mesh is not None and dp_axis in mesh.axes else None
+        self.embed = Embedding(vocab, d_model, **kw)
+        self.blocks = [TransformerBlock(d_model, n_heads, hidden or 4 * d_model, **kw) for _ in range(n_layers)]
+        self.norm = RMSNorm(d_model, **kw)
+        self.head = Linear(d_model, vocab, parallel="column", **kw)
+
+    def init(self, seed: int = 0) -> dict:
+        return {
+            "embed": self.embed.init(seed, "embed"),
+            "pos": self._place(_rng_normal(seed, "pos", (self.seq_len, self.d), 0.02), None),
+            "blocks": [b.init(seed, f"blocks.{i}") for i, b in enumerate(self.blocks)],
+            "norm": self.norm.init(seed, "norm"),
+            "head": self.head.init(seed, "head"),
+        }
+
+    def batch(self, tokens: np.ndarray):
+        """Place a global (B, S) int batch (the same on every rank): batch dim over dp."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if self.mesh is None:
+            return tokens
+        spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
+        return distribute(tokens, layout=spec, mesh=self.mesh)
+
+    def logits(self, p: dict, tokens):
+        s = tokens.shape[1]
+        x = self.embed(p["embed"], tokens)
+        pos = p["pos"] if s == self.seq_len else None
+        if pos is None:
+            raise ValueError(f"Transformer: sequence length {s} != seq_len {self.seq_len}")
+        x = op.add(x, pos)
+        for i, (blk, bp) in enumerate(zip(self.blocks, p["blocks"])):
+            remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
+            x = checkpoint(blk)(bp, x) if remat else blk(bp, x)
+        return self.head(p["head"], self.norm(p["norm"], x))
+
+    def loss(self, p: dict, tokens, targets):
+        logits = self.logits(p, tokens)
+        if np.dtype(logits.dtype).itemsize < 4:
+            logits = op.astype(logits, "float32")      # the loss in f32 for bf16/fp16 compute
+        return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))

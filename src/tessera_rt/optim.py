@@ -1,0 +1,232 @@
+"""Optimizers with f32 master weights, global-norm clipping and dynamic loss scaling
+(seed 000 §3.4: numerics; §10.3: the mixed-precision training policy).
+
+    opt = optim.AdamW(params, lr=3e-3, weight_decay=0.1)     # f32 masters for bf16/fp16 params
+    scaler = optim.DynamicLossScaler()                        # for fp16 (bf16 rarely needs it)
+    loss, grads = ts.value_and_grad(lambda p: scaler.scale(loss_fn(p)))(params)
+    grads, finite = scaler.unscale(grads)
+    grads, norm = optim.clip_grad_norm(grads, 1.0)
+    params = opt.step(params, grads) if finite else params
+    scaler.update(finite)
+
+Parameters, gradients and optimizer state are pytrees of arrays or DTensors; the state
+of a DTensor parameter has the parameter's layout, so every update is local (no
+communication).  ``step`` returns the new parameters (in the parameters' dtype) and keeps
+the f32 masters, so low-precision rounding never accumulates into the weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import op
+from .autodiff.engine import tree_flatten, tree_unflatten
+from .dist.dtensor import DTensor
+from .dtypes import dtype_name
+
+__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler"]
+
+_F32 = np.dtype(np.float32)
+
+
+def _f32(x):
+    """An f32 copy (the master): a new array / DTensor, never an alias of the parameter."""
+    if x.dtype == _F32:
+        return op.mul(x, 1.0) if type(x) is DTensor else np.array(x, dtype=_F32, copy=True)
+    return op.astype(x, "float32")
+
+
+def _zeros(x):
+    if type(x) is DTensor:
+        from .dist.dtensor import zeros
+        return zeros(x.shape, layout=x.layout, mesh=x.mesh, dtype="float32")
+    return np.zeros(x.shape, _F32)
+
+
+def _check_grads(where: str, params: list, grads: list, paths: list) -> None:
+    if len(params) != len(grads):
+        raise ValueError(f"{where}: {len(grads)} gradients for {len(params)} parameters; pass the pytree "
+                         "ts.grad returned for these parameters")
+    for p, g, path in zip(params, grads, paths):
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{where}: gradient {path} has shape {tuple(g.shape)}, parameter {tuple(p.shape)}")
+        if type(p) is DTensor and (type(g) is not DTensor or g.layout != p.layout):
+            raise ValueError(f"{where}: gradient {path} has layout {getattr(g, 'layout', 'array')!r}, "
+                             f"parameter {p.layout!r}; ts.grad returns it in the parameter's layout")
+        if np.dtype(g.dtype).kind != "f" and np.dtype(g.dtype).name != "bfloat16":
+            raise TypeError(f"{where}: gradient {path} has dtype {dtype_name(g.dtype)}")
+
+
+class Optimizer:
+    """Holds f32 masters and per-parameter state; ``step(params, grads)`` -> new params."""
+
+    def __init__(self, params, lr: float):
+        leaves, self._paths, self._struct = tree_flatten(params)
+        for p, path in zip(leaves, self._paths):
+            name = np.dtype(p.dtype).name
+            if np.dtype(p.dtype).kind != "f" and name != "bfloat16" or "float8" in name:
+                raise TypeError(f"{type(self).__name__}: parameter {path} has dtype {name}; optimizers update "
+                                "f32/bf16/fp16 parameters (keep fp8 as a quantized copy of a bf16/f32 weight)")
+        self.lr = float(lr)
+        self.masters = [_f32(p) for p in leaves]
+        self.t = 0
+
+    def step(self, params, grads) -> Any:
+        p_leaves, _, _ = tree_flatten(params)
+        g_leaves, _, _ = tree_flatten(grads)
+        where = f"{type(self).__name__}.step"
+        _check_grads(where, p_leaves, g_leaves, self._paths)
+        self.t += 1
+        out = []
+        for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+            g32 = g if g.dtype == _F32 else op.astype(g, "float32")
+            self.masters[i] = self._update(i, self.masters[i], g32)
+            m = self.masters[i]
+            out.append(m if p.dtype == _F32 else op.astype(m, p.dtype))
+        return tree_unflatten(self._struct, out)
+
+    def _update(self, i: int, w, g):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "masters": tree_unflatten(self._struct, self.masters)}
+
+
+class SGD(Optimizer):
+    """``w -= lr * (g + wd*w)``, with heavy-ball ``momentum`` (buffer ``b = m*b + g``)."""
+
+    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        self.momentum, self.wd = float(momentum), float(weight_decay)
+        self.bufs = [_zeros(m) if momentum else None for m in self.masters]
+
+    def _update(self, i, w, g):
+        if self.wd:
+            g = op.add(g, op.mul(w, self.wd))
+        if self.momentum:
+            self.bufs[i] = op.add(op.mul(self.bufs[i], self.momentum), g)
+            g = self.bufs[i]
+        return op.sub(w, op.mul(g, self.lr))
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), state in f32."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        super().__init__(params, lr)
+        self.b1, self.b2 = float(betas[0]), float(betas[1])
+        self.eps, self.wd = float(eps), float(weight_decay)
+        self.m = [_zeros(w) for w in self.masters]
+        self.v = [_zeros(w) for w in self.masters]
+
+    def _update(self, i, w, g):
+        b1, b2 = self.b1, self.b2
+        self.m[i] = m = op.add(op.mul(self.m[i], b1), op.mul(g, 1 - b1))
+        self.v[i] = v = op.add(op.mul(self.v[i], b2), op.mul(op.mul(g, g), 1 - b2))
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        upd = op.div(op.mul(m, 1.0 / c1), op.add(op.sqrt(op.mul(v, 1.0 / c2)), self.eps))
+        if self.wd:
+            w = op.mul(w, 1 - self.lr * self.wd)
+        return op.sub(w, op.mul(upd, self.lr))
+
+
+# --------------------------------------------------------------------------- global norm
+
+def _mesh_weight(g: DTensor) -> float:
+    """1 / (number of ranks holding each element): replicas count once in the global sum."""
+    sharded = set(g.layout.sharded_axes)
+    n = 1
+    for a, s in zip(g.mesh.axes, g.mesh.sizes):
+        if a not in sharded:
+            n *= s
+    return 1.0 / n
+
+
+def global_norm(grads) -> float:
+    """The L2 norm of all gradients together, the same on every rank.  Each rank sums the
+    squares of its local pieces (weighted so replicated elements count once) and one
+    all-reduce of a single float64 over each mesh adds them up."""
+    leaves, _, _ = tree_flatten(grads)
+    local_total = 0.0
+    meshes: dict = {}
+    for g in leaves:
+        if type(g) is DTensor:
+            if g.layout.partial:
+                g = g.redistribute(g.layout.with_partial(()))
+            x = np.asarray(g.to_local(), dtype=np.float64)
+            meshes[g.mesh] = meshes.get(g.mesh, 0.0) + float(np.sum(x * x)) * _mesh_weight(g)
+        else:
+            x = np.asarray(g, dtype=np.float64)
+            local_total += float(np.sum(x * x))
+    from .dist import dtensor_collectives as dc
+    for mesh, s in meshes.items():
+        buf = np.array([s], np.float64)
+        local_total += float(dc.all_reduce(buf, axis=mesh.axes if len(mesh.axes) > 1 else mesh.axes[0],
+                                           mesh=mesh)[0])
+    return math.sqrt(local_total)
+
+
+def clip_grad_norm(grads, max_norm: float, norm: float | None = None):
+    """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards."""
+    if not max_norm > 0:
+        raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
+    norm = global_norm(grads) if norm is None else norm
+    if not math.isfinite(norm) or norm <= max_norm:
+        return grads, norm
+    leaves, _, struct = tree_flatten(grads)
+    scale = max_norm / (norm + 1e-6)
+    return tree_unflatten(struct, [op.mul(g, scale) for g in leaves]), norm
+
+
+# --------------------------------------------------------------------------- loss scaling
+
+class DynamicLossScaler:
+    """Multiply the loss by ``scale`` so fp16 gradients do not underflow; after a step
+    with an inf/nan gradient (on any rank) skip it and halve the scale; after
+    ``growth_interval`` clean steps double it."""
+
+    def __init__(self, init_scale: float = 2.0 ** 15, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 200, min_scale: float = 1.0):
+        if not (growth_factor > 1 and 0 < backoff_factor < 1 and init_scale > 0):
+            raise ValueError("DynamicLossScaler: need growth_factor > 1, 0 < backoff_factor < 1, init_scale > 0")
+        self.scale_value = float(init_scale)
+        self.growth, self.backoff = float(growth_factor), float(backoff_factor)
+        self.interval, self.min_scale = int(growth_interval), float(min_scale)
+        self.good_steps = 0
+        self.skipped = 0
+
+    def scale(self, loss):
+        return op.mul(loss, self.scale_value)
+
+    def unscale(self, grads):
+        """``(grads / scale, finite)``; ``finite`` is agreed by every rank (one all-reduce)."""
+        leaves, _, struct = tree_flatten(grads)
+        inv = 1.0 / self.scale_value
+        out = [op.mul(g if np.dtype(g.dtype) == _F32 else op.astype(g, "float32"), inv) for g in leaves]
+        bad = 0.0
+        mesh = None
+        for g in out:
+            loc = g.to_local() if type(g) is DTensor else g
+            mesh = g.mesh if type(g) is DTensor else mesh
+            if not np.all(np.isfinite(loc)):
+                bad = 1.0
+        if mesh is not None:
+            from .dist import dtensor_collectives as dc
+            buf = np.array([bad], np.float64)
+            bad = float(dc.all_reduce(buf, axis=mesh.axes if len(mesh.axes) > 1 else mesh.axes[0], mesh=mesh,
+                                      op="max")[0])
+        return tree_unflatten(struct, out), bad == 0.0
+
+    def update(self, finite: bool) -> None:
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.interval:
+                self.scale_value *= self.growth
+                self.good_steps = 0
+        else:
+            self.skipped += 1
+            self.good_steps = 0
+            self.scale_value = max(self.scale_value * self.backoff, self.min_scale)

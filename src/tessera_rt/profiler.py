@@ -1,0 +1,406 @@
+"""The profiler (seed 001 §7.7, seed 000 §7): per-op tables, NVTX ranges, a merged Chrome
+trace and the overlap ratio.
+
+    from tessera_rt import graph
+    prof = graph.profile(step_fn, x)                 # runs step_fn(x) once, prints the table
+    with graph.profile(trace="trace.json") as prof:  # or around any code
+        step_fn(x)
+    prof.overlap_ratio                               # collective time hidden under compute / all
+
+What is measured: every DTensor op (through the dispatcher) and every collective (through
+``collectives``), each with its op, layout, mesh axis and shape.  An op's time is its own
+time (the collectives it issues are rows of their own); a blocking collective's time is the
+call; an async one's runs from issue to the ``wait()`` that completes it.  Plain-array work
+is invisible unless marked with ``prof.region(name)`` (counted as compute).
+
+* NVTX: each op/collective/region is an NVTX range in the ``tessera`` domain, named
+  ``op layout [shape]`` / ``all_reduce(dp) float32[64,32]``, with the stream role as its
+  category (compute, tp_collective, a2a, io), so Nsight Systems shows the timeline per role.
+  Async collectives use start/end ranges (they do not nest).  ``TESSERA_NVTX=1`` (or
+  ``enable_nvtx()``) emits the ranges without profiling; without a profiler attached NVTX
+  calls are no-ops.  Ranges are CPU-side (issue) ranges: on a GPU the kernels they launch
+  appear under them on the CUDA rows.
+* The table (printed by rank 0): op, layout/axis, shape, calls, total and mean time, bytes,
+  achieved GB/s (collectives: bus bandwidth, nccl-tests style; ops: bytes read and written)
+  or TFLOP/s (matmul), per rank and the max/mean over ranks.
+* ``trace=path``: a Chrome/Perfetto trace (``traceEvents``) of all ranks merged on rank 0, one
+  pid per rank, one tid per stream role.
+* ``overlap_ratio``: |collective intervals ∩ compute intervals| / |collective intervals|, from
+  the recorded events (the seeds ask for >= 0.6).  On the CPU an async MPI collective makes
+  progress only inside MPI calls, so this measures how the program schedules its
+  collectives, not the wires.
+
+Entering and leaving a profile is collective (a barrier, then a gather) at world size > 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio"]
+
+_COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
+
+
+# --------------------------------------------------------------------------- NVTX
+
+class _Nvtx:
+    def __init__(self):
+        import nvtx
+        self._nvtx = nvtx
+        self._dom = nvtx.get_domain("tessera")
+        self._attrs: dict = {}
+
+    def _attr(self, name: str, role: str):
+        a = self._attrs.get((name, role))
+        if a is None:
+            a = self._attrs[(name, role)] = self._dom.get_event_attributes(
+                message=name, color="green" if role == "compute" else "orange", category=role)
+        return a
+
+    def push(self, name: str, role: str) -> None:
+        self._dom.push_range(self._attr(name, role))
+
+    def pop(self) -> None:
+        self._dom.pop_range()
+
+    def start(self, name: str, role: str):
+        return self._dom.start_range(self._attr(name, role))
+
+    def end(self, rid) -> None:
+        self._dom.end_range(rid)
+
+
+_NVTX: list = []
+
+
+def _nvtx():
+    if not _NVTX:
+        try:
+            _NVTX.append(_Nvtx())
+        except Exception:           # nvtx not installed: ranges are skipped
+            _NVTX.append(None)
+    return _NVTX[0]
+
+
+def _coll_name(call) -> str:
+    dt = f" {call.dtype}[{','.join(map(str, call.shape))}]" if call.dtype else ""
+    return f"{call.op}({call.axis}){dt}"
+
+
+def _op_name(dec) -> str:
+    return f"{dec.op} {dec.layout!r} [{','.join(map(str, dec.shape))}]"
+
+
+class _NvtxOnly:
+    """Hooks that only emit NVTX ranges (TESSERA_NVTX=1)."""
+
+    def before(self, call) -> None:
+        nv = _nvtx()
+        if nv is None:
+            return
+        if call.async_op:
+            call.nvtx = ("start", nv.start(_coll_name(call), call.role))
+        else:
+            nv.push(_coll_name(call), call.role)
+            call.nvtx = ("push", None)
+
+    def after(self, call) -> None:
+        nv, p = _nvtx(), call.nvtx
+        if nv is None or p is None:
+            return
+        call.nvtx = None
+        if p[0] == "start":
+            nv.end(p[1])
+        else:
+            nv.pop()
+
+    def op_begin(self, dec, args) -> None:
+        nv = _nvtx()
+        if nv is not None:
+            nv.push(_op_name(dec), "compute")
+
+    def op_end(self, dec, args, out) -> None:
+        nv = _nvtx()
+        if nv is not None:
+            nv.pop()
+
+
+_NVTX_HOOK = _NvtxOnly()
+
+
+def enable_nvtx(on: bool = True) -> None:
+    """Emit an NVTX range for every op and collective (no table, no trace)."""
+    from .dist import collectives as C
+    from .dist import dispatch as D
+    for lst in (C._HOOKS, D._PROF):
+        if on and _NVTX_HOOK not in lst:
+            lst.append(_NVTX_HOOK)
+        elif not on and _NVTX_HOOK in lst:
+            lst.remove(_NVTX_HOOK)
+
+
+# --------------------------------------------------------------------------- intervals
+
+def _union(iv: list) -> list:
+    out: list = []
+    for a, b in sorted(iv):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap_ratio(collective: list, compute: list) -> float | None:
+    """|union(collective) ∩ union(compute)| / |union(collective)| (None with no collectives)."""
+    cu, pu = _union(collective), _union(compute)
+    total = sum(b - a for a, b in cu)
+    if total <= 0:
+        return None
+    hidden, j = 0.0, 0
+    for a, b in cu:
+        while j < len(pu) and pu[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(pu) and pu[k][0] < b:
+            hidden += max(0.0, min(b, pu[k][1]) - max(a, pu[k][0]))
+            k += 1
+    return hidden / total
+
+
+# --------------------------------------------------------------------------- the profile
+
+class Profile:
+    """Records ops and collectives while active; see the module doc."""
+
+    def __init__(self, *, trace: str | None = None, nvtx: bool = True, print_table: bool = True, name: str = ""):
+        self.trace_path, self.nvtx, self.print_table, self.name = trace, nvtx, print_table, name
+        self.events: list[dict] = []           # this rank's: name, cat, role, t0, t1, bytes, flops, key
+        self.compute: list = []                 # compute intervals (s, relative to the epoch)
+        self.collective: list = []
+        self.result = None
+        self.all_events: list | None = None     # rank 0 after exit: every rank's events
+        self.rank_overlaps: list | None = None
+        self._stack: list = []                  # open ops: [t_cursor]
+        self._epoch = 0.0
+
+    # lifecycle ---------------------------------------------------------------
+    def __enter__(self) -> "Profile":
+        from .dist import collectives as C
+        from .dist import dispatch as D
+        from .dist.process_group import world
+        w = world()
+        if w.size > 1:
+            w.mpi.Barrier()
+        self._epoch = time.perf_counter()
+        C._HOOKS.append(self)
+        D._PROF.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from .dist import collectives as C
+        from .dist import dispatch as D
+        from .dist.process_group import world
+        if self in C._HOOKS:
+            C._HOOKS.remove(self)
+        if self in D._PROF:
+            D._PROF.remove(self)
+        w = world()
+        mine = (self.events, self.overlap_ratio)
+        every = w.mpi.gather(mine, root=0) if w.size > 1 else [mine]
+        if w.rank == 0:
+            self.all_events = [e for e, _ in every]
+            self.rank_overlaps = [o for _, o in every]
+            if self.trace_path and exc[0] is None:
+                self.write_chrome_trace(self.trace_path)
+            if self.print_table and exc[0] is None:
+                print(self.table(), flush=True)
+
+    # hooks: collectives ------------------------------------------------------
+    def before(self, call) -> None:
+        t = time.perf_counter() - self._epoch
+        if self._stack and not call.async_op:
+            cur = self._stack[-1]
+            self.compute.append((cur[0], t))              # the op's compute so far
+        call.prof = [t, None]
+        if self.nvtx:
+            nv = _nvtx()
+            if nv is not None:
+                if call.async_op:
+                    call.prof[1] = nv.start(_coll_name(call), call.role)
+                else:
+                    nv.push(_coll_name(call), call.role)
+
+    def after(self, call) -> None:
+        p = call.prof
+        if not isinstance(p, list):
+            return
+        t = time.perf_counter() - self._epoch
+        if self.nvtx:
+            nv = _nvtx()
+            if nv is not None:
+                nv.end(p[1]) if p[1] is not None else nv.pop()
+        if self._stack and not call.async_op:
+            self._stack[-1][0] = t
+        n = call.group_size
+        busbw = call.nbytes * (2 * (n - 1) / n if call.op == "all_reduce" else (n - 1) / n) \
+            if call.op in _COLL_BUS and n > 1 else call.nbytes
+        self.collective.append((p[0], t))
+        self.events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": p[0], "t1": t,
+                            "bytes": call.nbytes, "busbytes": busbw, "flops": 0,
+                            "key": ("collective", call.op, call.axis, f"{call.dtype}[{','.join(map(str, call.shape))}]"),
+                            "async": call.async_op})
+
+    # hooks: ops ---------------------------------------------------------------
+    def op_begin(self, dec, args) -> None:
+        t = time.perf_counter() - self._epoch
+        self._stack.append([t, t])
+        if self.nvtx:
+            nv = _nvtx()
+            if nv is not None:
+                nv.push(_op_name(dec), "compute")
+
+    def op_end(self, dec, args, out) -> None:
+        t = time.perf_counter() - self._epoch
+        cursor, start = self._stack.pop()
+        self.compute.append((cursor, t))
+        if self.nvtx:
+            nv = _nvtx()
+            if nv is not None:
+                nv.pop()
+        if out is None:                       # the op raised
+            return
+        nbytes = sum(a._local.nbytes for a in args if hasattr(a, "_local")) + getattr(out._local, "nbytes", 0)
+        flops = 0
+        if dec.op == "matmul":
+            from .dist.shard import local_shape
+            a = args[0]
+            tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
+            k = local_shape(a.shape, tgt, a.mesh)[-1]
+            flops = 2 * out._local.size * k
+        self.events.append({"name": _op_name(dec), "cat": "op", "role": "compute", "t0": start, "t1": t,
+                            "bytes": nbytes, "busbytes": nbytes,
+                            "flops": flops, "key": ("op", dec.op, repr(dec.layout),
+                                                    "[" + ",".join(map(str, dec.shape)) + "]"),
+                            "async": False})
+
+    def region(self, name: str):
+        """Mark plain-array work as compute: ``with prof.region("mlp"): ...``."""
+        prof = self
+
+        class _Region:
+            def __enter__(self):
+                self.t0 = time.perf_counter() - prof._epoch
+                if prof.nvtx and _nvtx() is not None:
+                    _nvtx().push(name, "compute")
+                return self
+
+            def __exit__(self, *exc):
+                t = time.perf_counter() - prof._epoch
+                if prof.nvtx and _nvtx() is not None:
+                    _nvtx().pop()
+                prof.compute.append((self.t0, t))
+                prof.events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
+                                    "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
+                                    "async": False})
+        return _Region()
+
+    # results ------------------------------------------------------------------
+    @property
+    def overlap_ratio(self) -> float | None:
+        """This rank's collective time hidden under compute, over all its collective time."""
+        return overlap_ratio(self.collective, self.compute)
+
+    def rows(self, events: list | None = None) -> list[dict]:
+        """One row per (kind, op, layout/axis, shape): calls, total/mean seconds, bytes, rates."""
+        events = self.events if events is None else events
+        agg: dict = defaultdict(lambda: {"calls": 0, "time": 0.0, "bytes": 0, "busbytes": 0, "flops": 0})
+        for e in events:
+            dur = e["t1"] - e["t0"]
+            if e["cat"] == "op":           # own time: minus the blocking collectives it issued
+                dur -= sum(c["t1"] - c["t0"] for c in events if c["cat"] == "collective" and not c["async"]
+                           and e["t0"] <= c["t0"] and c["t1"] <= e["t1"])
+            r = agg[e["key"]]
+            r["calls"] += 1
+            r["time"] += max(dur, 0.0)
+            r["bytes"] += e["bytes"]
+            r["busbytes"] += e["busbytes"]
+            r["flops"] += e["flops"]
+        out = []
+        for key, r in agg.items():
+            kind, op, where, shape = key
+            t = r["time"]
+            rate = (f"{r['flops'] / t / 1e12:.3f} TFLOP/s" if r["flops"] and t > 0 else
+                    f"{r['busbytes'] / t / 1e9:.2f} GB/s" if r["busbytes"] and t > 0 else "-")
+            out.append({"kind": kind, "op": op, "layout": where, "shape": shape, "calls": r["calls"],
+                        "total_s": t, "mean_s": t / r["calls"], "bytes": r["bytes"], "achieved": rate})
+        out.sort(key=lambda r: -r["total_s"])
+        return out
+
+    def table(self) -> str:
+        """The per-op table of this rank (rank 0 adds max/mean over ranks after exit)."""
+        head = f"{'op':<16} {'layout/axis':<24} {'shape':<16} {'calls':>6} {'total ms':>10} {'mean us':>10} " \
+               f"{'bytes':>12} {'achieved':>16}"
+        lines = [f"tessera profile{' ' + self.name if self.name else ''} -- rank 0", head, "-" * len(head)]
+        for r in self.rows(self.all_events[0] if self.all_events else None):
+            lines.append(f"{r['op']:<16} {r['layout'][:24]:<24} {r['shape'][:16]:<16} {r['calls']:>6} "
+                         f"{r['total_s'] * 1e3:>10.3f} {r['mean_s'] * 1e6:>10.1f} {r['bytes']:>12} {r['achieved']:>16}")
+        if self.all_events and len(self.all_events) > 1:
+            per = [{(r["kind"], r["op"], r["layout"], r["shape"]): r for r in self.rows(ev)} for ev in self.all_events]
+            keys = list(dict.fromkeys(k for p in per for k in p))
+            lines += ["", f"across {len(per)} ranks (total ms: min / mean / max; calls on the busiest rank)",
+                      f"{'op':<16} {'layout/axis':<24} {'shape':<16} {'calls':>6} {'min':>9} {'mean':>9} {'max':>9}"]
+            for k in keys:
+                ts = [p[k]["total_s"] * 1e3 if k in p else 0.0 for p in per]
+                calls = max(p[k]["calls"] if k in p else 0 for p in per)
+                lines.append(f"{k[1]:<16} {k[2][:24]:<24} {k[3][:16]:<16} {calls:>6} {min(ts):>9.3f} "
+                             f"{sum(ts) / len(ts):>9.3f} {max(ts):>9.3f}")
+        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
+        if ov:
+            lines.append(f"\noverlap ratio (collective time hidden under compute): "
+                         f"min {min(ov):.2f}, mean {sum(ov) / len(ov):.2f} over {len(ov)} rank(s) (goal >= 0.6)")
+        return "\n".join(lines)
+
+    def chrome_trace(self) -> dict:
+        """The Chrome/Perfetto trace of every rank (rank 0, after exit) or of this rank."""
+        per_rank = self.all_events if self.all_events is not None else [self.events]
+        roles = ["compute", "tp_collective", "a2a", "io"]
+        ev = []
+        for rank, events in enumerate(per_rank):
+            ev.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+            used = list(dict.fromkeys(roles + [e["role"] for e in events]))
+            for tid, role in enumerate(used):
+                ev.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": role}})
+            for e in events:
+                ev.append({"ph": "X", "name": e["name"], "cat": e["cat"], "pid": rank, "tid": used.index(e["role"]),
+                           "ts": e["t0"] * 1e6, "dur": max(0.0, (e["t1"] - e["t0"]) * 1e6),
+                           "args": {"bytes": e["bytes"], "flops": e["flops"], "async": e["async"]}})
+        return {"traceEvents": ev, "displayTimeUnit": "ms",
+                "otherData": {"producer": "tessera_rt.profiler", "overlap_ratio": self.rank_overlaps}}
+
+    def write_chrome_trace(self, path: str) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.chrome_trace(), f)
+        os.replace(tmp, path)
+
+
+def profile(step_fn=None, *args, trace: str | None = None, nvtx: bool = True, print_table: bool = True,
+            name: str = "", **kwargs):
+    """``profile(step_fn, *args)`` runs ``step_fn(*args)`` under a :class:`Profile` and returns
+    it (``.result`` holds what step_fn returned); ``with profile(): ...`` profiles a block."""
+    p = Profile(trace=trace, nvtx=nvtx, print_table=print_table, name=name or getattr(step_fn, "__name__", ""))
+    if step_fn is None:
+        return p
+    with p:
+        p.result = step_fn(*args, **kwargs)
+    return p
+
+
+if os.environ.get("TESSERA_NVTX", "") not in ("", "0"):
+    enable_nvtx(True)

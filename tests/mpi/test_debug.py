@@ -1,0 +1,103 @@
+"""Flight recorder and desync detection (issue 7, item 1), at 1-4 ranks."""
+import numpy as np
+import pytest
+
+from tessera_rt import dist
+from tessera_rt.dist import debug
+
+
+@pytest.fixture
+def desync(world):
+    dist.init(debug="collectives")
+    yield world
+    dist.init(debug=False)
+
+
+def test_flight_recorder_keeps_op_axis_shape_and_call_site(world):
+    dist.init(debug="flight")
+    try:
+        before = len(debug.flight_records())
+        dist.all_reduce(np.ones((2, 3), np.float32))
+        dist.barrier()
+        recs = debug.flight_records()[before:] if before < 32 else debug.flight_records()[-2:]
+        ar, bar = recs[-2], recs[-1]
+        assert (ar.op, ar.axis, ar.dtype, ar.shape) == ("all_reduce", "world", "float32", (2, 3))
+        assert ar.site.startswith("test_debug.py:") and ar.t1 >= ar.t0 > 0
+        assert bar.op == "barrier" and bar.seq == ar.seq + 1
+        assert "all_reduce(world) float32[2,3] at test_debug.py:" in debug.format_call(ar)
+    finally:
+        dist.init(debug=False)
+    assert not debug.recorder_enabled()
+
+
+def test_matching_collectives_pass_the_check(desync):
+    w = desync
+    y = dist.all_reduce(np.full(4, w.rank, np.float64))
+    assert y[0] == sum(range(w.size))
+    work = dist.all_gather(np.full(2, w.rank, np.int32), async_op=True)
+    assert list(work.wait()) == [r for r in range(w.size) for _ in range(2)]
+    # uneven all_gather: shapes differ along the gathered dim, which is allowed with sizes=
+    sizes = [r + 1 for r in range(w.size)]
+    g = dist.all_gather(np.ones(w.rank + 1), sizes=sizes)
+    assert g.shape == (sum(sizes),)
+
+
+def test_a_rank_issuing_another_op_raises_on_every_rank(desync):
+    w = desync
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    x = np.ones(4, np.float32)
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        if w.rank == 1:
+            dist.all_gather(x)
+        else:
+            dist.all_reduce(x)
+    msg = str(e.value)
+    others = [r for r in range(w.size) if r != 1]
+    who = f"rank {others[0]}" if len(others) == 1 else "ranks [" + ",".join(map(str, others)) + "]"
+    assert f"{who} all_reduce(world) float32[4] at test_debug.py:" in msg, msg
+    assert "rank 1 all_gather(world) float32[4] at test_debug.py:" in msg, msg
+    assert "disagree on op" in msg and "call site" in msg
+    # the ranks stay in step: the next collective works
+    assert dist.all_reduce(np.ones(1))[0] == w.size
+
+
+def test_ranks_on_different_mesh_axes_are_reported_not_deadlocked(desync):
+    w = desync
+    if w.size != 4:
+        pytest.skip("the issue's example: a 2x2 mesh")
+    mesh = dist.Mesh(axes=["tp", "dp"], shape={"tp": 2, "dp": 2})
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        if w.rank == 1:
+            dist.all_gather(np.ones(16, np.float32), axis="tp", mesh=mesh)
+        else:
+            dist.all_reduce(np.ones((64, 32), np.float32), axis="dp", mesh=mesh)
+    msg = str(e.value)
+    assert "ranks [0,2,3] all_reduce(dp) float32[64,32] at test_debug.py:" in msg, msg
+    assert "rank 1 all_gather(tp) float32[16] at test_debug.py:" in msg, msg
+    assert "Mesh(tp=2, dp=2)" in msg
+
+
+def test_shapes_that_do_not_fit_within_a_group_are_named(desync):
+    w = desync
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    n = 4 if w.rank != w.size - 1 else 5
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        dist.all_reduce(np.ones(n, np.float32))
+    msg = str(e.value)
+    assert "shapes that do not fit" in msg and f"rank {w.size - 1} float32[5]" in msg, msg
+
+
+def test_dtensor_collectives_are_checked_with_the_user_call_site(desync):
+    w = desync
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": w.size})
+    with dist.trace_collectives() as log:
+        X = dist.distribute(np.arange(12.0).reshape(4, 3), layout=dist.ShardSpec(partition=("row",),
+                                                                                   mesh_axes=("dp",)), mesh=mesh)
+        full = X.full_tensor()
+    assert np.array_equal(full, np.arange(12.0).reshape(4, 3))
+    recs = [c for c in debug.flight_records() if c.op == "all_gather"]
+    if w.size > 1:
+        assert log.count("all_gather") == 1
+        assert recs[-1].site.startswith("test_debug.py:")

@@ -1,0 +1,109 @@
+"""The profiler (issue 7, item 6): per-op table, NVTX names, merged Chrome trace, overlap ratio."""
+import json
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tessera_rt import dist, graph, op, profiler
+
+
+@pytest.fixture
+def mesh(world):
+    return dist.Mesh(axes=["dp"], shape={"dp": world.size})
+
+
+def _step(mesh):
+    X = dist.distribute(np.ones((16, 8), np.float32), layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)),
+                        mesh=mesh)
+    W = dist.distribute(np.ones((8, 4), np.float32), layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)),
+                        mesh=mesh)
+    Y = X @ W                                       # W gathered: one all_gather inside the op
+    return op.softmax(Y, axis=-1).sum()
+
+
+def test_profile_a_step_prints_a_table_and_merges_a_trace(world, mesh, tmp_path_factory, capsys):
+    path = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("prof") / "trace.json") if world.rank == 0 else None)
+    prof = graph.profile(_step, mesh, trace=path)
+    assert prof.result.shape == ()
+    out = capsys.readouterr().out
+    rows = {(r["kind"], r["op"]) for r in prof.rows()}
+    assert {("op", "matmul"), ("op", "softmax"), ("op", "sum")} <= rows
+    if world.size > 1:
+        assert ("collective", "all_gather") in rows
+    mm = next(r for r in prof.rows() if r["op"] == "matmul")
+    assert mm["calls"] == 1 and mm["achieved"].endswith("TFLOP/s") and mm["bytes"] > 0
+    if world.rank == 0:
+        assert "tessera profile _step -- rank 0" in out and "matmul" in out
+        trace = json.load(open(path))
+        pids = {e["pid"] for e in trace["traceEvents"]}
+        assert pids == set(range(world.size))
+        names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert any(n.startswith("matmul S(0)@dp [16,4]") for n in names), names
+        if world.size > 1:
+            assert any(n.startswith("all_gather(dp) float32[") for n in names), names
+        if world.size > 1:
+            assert f"across {world.size} ranks" in out
+        os.remove(path)
+
+
+def test_overlap_ratio_counts_async_collectives_hidden_under_compute(world):
+    g = np.ones(256, np.float32)
+    with graph.profile(print_table=False) as prof:
+        work = dist.all_reduce(g, async_op=True)
+        with prof.region("local matmul"):
+            a = np.random.default_rng(0).standard_normal((120, 120))
+            for _ in range(5):
+                a = np.tanh(a @ a)
+        work.wait()
+        dist.all_reduce(g)                          # blocking: nothing hides it
+    ratio = prof.overlap_ratio
+    assert ratio is not None and 0.0 < ratio < 1.0
+    colls = [e for e in prof.events if e["cat"] == "collective"]
+    assert [e["async"] for e in colls] == [True, False]
+    # the definition, on hand-made intervals
+    assert profiler.overlap_ratio([(0, 4), (6, 8)], [(1, 3), (5, 7)]) == pytest.approx(3 / 6)
+    assert profiler.overlap_ratio([], [(0, 1)]) is None
+
+
+class _FakeDomain:
+    def __init__(self):
+        self.log = []
+
+    def get_event_attributes(self, message, color, category):
+        return (message, category)
+
+    def push_range(self, attr):
+        self.log.append(("push",) + attr)
+
+    def pop_range(self):
+        self.log.append(("pop",))
+
+    def start_range(self, attr):
+        self.log.append(("start",) + attr)
+        return len(self.log)
+
+    def end_range(self, rid):
+        self.log.append(("end", rid))
+
+
+def test_every_op_and_collective_is_an_nvtx_range_named_with_its_axis_and_shape(world, mesh, monkeypatch):
+    nv = profiler._nvtx()
+    if nv is None:
+        pytest.skip("nvtx is not installed")
+    fake = _FakeDomain()
+    monkeypatch.setattr(nv, "_dom", fake)
+    monkeypatch.setattr(nv, "_attrs", {})
+    profiler.enable_nvtx(True)
+    try:
+        _step(mesh)
+        dist.all_reduce(np.ones(3, np.float32), async_op=True).wait()
+    finally:
+        profiler.enable_nvtx(False)
+    pushes = [e for e in fake.log if e[0] in ("push", "start")]
+    assert ("push", "matmul S(0)@dp [16,4]", "compute") in pushes
+    assert ("start", "all_reduce(world) float32[3]", "tp_collective") in pushes
+    if world.size > 1:
+        assert any(e[1].startswith("all_gather(dp) float32[") and e[2] == "tp_collective" for e in pushes)
+    assert sum(e[0] == "push" for e in fake.log) == sum(e[0] == "pop" for e in fake.log)

@@ -1,0 +1,71 @@
+"""scripts/train.py: the loss after N steps on every dp x tp mesh of the job equals the
+loss of the same loop run on plain arrays in one process (float tolerance)."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tessera_rt as ts
+from tessera_rt import nn, optim
+
+SIZE = MPI.COMM_WORLD.Get_size()
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = [(d, SIZE // d) for d in range(1, SIZE + 1) if SIZE % d == 0]      # (dp, tp)
+STEPS = 4
+ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq", "16", "--d-model", "16", "--heads", "2", "--layers", "2",
+        "--lr", "1e-2", "--quiet", "--no-plot", "--no-checkpoint"]
+
+
+def load_train():
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TRAIN = load_train()
+
+
+def reference_losses(args):
+    """The same loop on arrays, one process: the single-rank reference."""
+    text = TRAIN.load_text(args.data)
+    chars = sorted(set(text))
+    data = np.array([chars.index(c) for c in text], np.int32)
+    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq)
+    params = model.init(args.seed)
+    opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    losses = []
+    for step in range(args.steps):
+        x, y = TRAIN.get_batch(data, step, args.batch, args.seq, args.seed)
+        loss, grads = ts.value_and_grad(model.loss)(params, x, y)
+        grads, _ = optim.clip_grad_norm(grads, args.clip)
+        params = opt.step(params, grads)
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_losses(TRAIN.parse_args(ARGS))
+
+
+@pytest.mark.parametrize("dp,tp", SHAPES)
+def test_loss_after_n_steps_matches_single_rank(world, reference, dp, tp):
+    out = TRAIN.train(TRAIN.parse_args(ARGS + ["--dp", str(dp), "--tp", str(tp)]))
+    assert out["dp"] == dp and out["tp"] == tp
+    np.testing.assert_allclose(out["losses"], reference, rtol=2e-5)
+    assert out["losses"][-1] < out["losses"][0]
+
+
+def test_checkpoint_and_bad_mesh(world, tmp_path):
+    out_dir = MPI.COMM_WORLD.bcast(str(tmp_path), root=0)
+    args = [a for a in ARGS if a != "--no-checkpoint"] + ["--steps", "1", "--out", out_dir]
+    TRAIN.train(TRAIN.parse_args(args))
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        ck = np.load(Path(out_dir) / "checkpoint.npz")
+        assert "param['head']['w']" in ck.files and ck["param['head']['w']"].shape[0] == 16
+    with pytest.raises(SystemExit, match="ranks but the job has"):
+        TRAIN.train(TRAIN.parse_args(ARGS + ["--tp", str(SIZE + 1), "--dp", "1"]))

@@ -1,0 +1,287 @@
+"""ts.grad on arrays: every VJP rule against central finite differences (float64), the
+pytree/argnums surface, no_grad / detach / checkpoint / vjp, and the errors."""
+import numpy as np
+import pytest
+
+import tessera_rt as ts
+from tessera_rt import op
+
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape, positive=False, dtype=np.float64):
+    a = RNG.standard_normal(shape)
+    if positive:
+        a = np.abs(a) + 0.5
+    return a.astype(dtype)
+
+
+def numeric_grad(f, args, i, eps=1e-6):
+    x = args[i]
+    g = np.zeros_like(x, dtype=np.float64)
+    flat = x.reshape(-1)
+    for j in range(flat.size):
+        old = flat[j]
+        flat[j] = old + eps
+        fp = float(f(*args))
+        flat[j] = old - eps
+        fm = float(f(*args))
+        flat[j] = old
+        g.reshape(-1)[j] = (fp - fm) / (2 * eps)
+    return g
+
+
+def check(fn, *args, argnums=None, rtol=1e-5, atol=1e-7, eps=1e-6):
+    """Compare ts.grad of sum(fn(*args) * R) with central differences for each argnum."""
+    out = fn(*args)
+    weights = rand(*np.shape(out)) if np.ndim(out) else np.float64(1.3)
+
+    def loss(*a):
+        return op.sum(op.mul(fn(*a), weights))
+    argnums = tuple(range(len(args))) if argnums is None else argnums
+    grads = ts.grad(loss, argnums=argnums)(*args)
+    plain = lambda *a: np.sum(np.asarray(fn(*a), np.float64) * weights)   # noqa: E731
+    for k, i in enumerate(argnums):
+        num = numeric_grad(plain, [a.copy() if hasattr(a, "copy") else a for a in args], i, eps)
+        assert grads[k].shape == args[i].shape and grads[k].dtype == args[i].dtype
+        np.testing.assert_allclose(np.asarray(grads[k], np.float64), num, rtol=rtol, atol=atol,
+                                   err_msg=f"argument {i}")
+
+
+# --------------------------------------------------------------------------- elementwise
+
+@pytest.mark.parametrize("name", ["add", "sub", "mul", "div", "pow", "maximum", "minimum"])
+def test_binary_with_broadcasting(name):
+    f = getattr(op, name)
+    a, b = rand(3, 4, positive=True), rand(4, positive=True) + 0.3
+    check(f, a, b)
+    check(f, rand(2, 1, 3, positive=True), rand(4, 1, positive=True))
+
+
+@pytest.mark.parametrize("name", ["neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "square",
+                                  "relu", "sigmoid", "silu"])
+def test_unary(name):
+    x = rand(3, 5, positive=name in ("log", "sqrt", "rsqrt"))
+    if name in ("abs", "relu"):
+        x = np.where(np.abs(x) < 1e-3, 0.5, x)      # away from the kink
+    check(getattr(op, name), x)
+
+
+def test_python_operators_and_scalars():
+    a, b = rand(3, 4), rand(3, 4, positive=True)
+    check(lambda a, b: (2.0 * a - b / 3.0 + 1.0) * a / b - (-a) ** 2 + abs(b) + 1.0 / b, a, b)
+    check(lambda a, b: a @ b.T, a, b)
+    check(lambda a: a.T.reshape(2, 6).sum(axis=0) + a.mean() + a[1:, ::2].sum(), a)
+
+
+def test_astype_round_trip():
+    check(lambda x: op.astype(op.astype(x, "float32"), "float64"), rand(4, 3), rtol=1e-3, atol=1e-4, eps=1e-2)
+
+
+# --------------------------------------------------------------------------- reductions and shapes
+
+@pytest.mark.parametrize("name", ["sum", "mean", "max", "min"])
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 2), False), (-1, True)])
+def test_reductions(name, axis, keepdims):
+    check(lambda x: getattr(op, name)(x, axis=axis, keepdims=keepdims), rand(3, 4, 5))
+
+
+def test_transpose_reshape():
+    check(lambda x: op.transpose(x, (2, 0, 1)), rand(2, 3, 4))
+    check(lambda x: op.reshape(x, (4, -1)), rand(2, 3, 4))
+    check(lambda x: op.transpose(x), rand(2, 3, 4))
+
+
+# --------------------------------------------------------------------------- matmul
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)),
+                                   ((1, 3, 4), (2, 4, 5)), ((4,), (4, 5)), ((3, 4), (4,)), ((4,), (4,))])
+def test_matmul(sa, sb):
+    check(op.matmul, rand(*sa), rand(*sb))
+
+
+def test_gemm_and_tile_shape():
+    check(op.gemm, rand(3, 4), rand(4, 2))
+    check(lambda a, b: op.matmul(a, b, tile_shape=(16, 16, 2)), rand(3, 4), rand(4, 2))
+
+
+# --------------------------------------------------------------------------- softmax and norms
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_softmax(axis):
+    check(lambda x: op.softmax(x, axis=axis), rand(3, 5))
+
+
+def test_layernorm():
+    x, w, b = rand(2, 3, 6), rand(6), rand(6)
+    check(lambda x, w, b: op.layernorm(x, w, b, eps=1e-5), x, w, b)
+    check(lambda x: op.layernorm(x), x)
+    check(lambda x, w: op.layernorm(x, weight=w), x, w)
+    check(lambda x, w, b: op.layernorm_safe(x, w, b), x, w, b)
+
+
+def test_rmsnorm():
+    x, w = rand(2, 3, 6), rand(6)
+    check(lambda x, w: op.rmsnorm(x, w, eps=1e-6), x, w)
+    check(lambda x: op.rmsnorm(x), x)
+    check(lambda x, w: op.rmsnorm_safe(x, w), x, w)
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+def test_swiglu():
+    check(op.swiglu, rand(2, 3, 4), rand(4, 5), rand(4, 5))
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "relu", "identity"])
+def test_bias_act(act):
+    x, b = rand(3, 4), rand(4)
+    x = np.where(np.abs(x + b) < 1e-3, 0.3, x)
+    check(lambda x, b: op.bias_act(x, b, act=act), x, b, rtol=1e-4 if act == "gelu" else 1e-5, atol=1e-6)
+
+
+def test_bias_gelu_silu_and_gelu():
+    x, b = rand(3, 4), rand(4)
+    check(lambda x, b: op.bias_gelu(x, b, approximate=True), x, b)
+    check(op.bias_silu, x, b)
+    check(lambda x: op.gelu(x, approximate=True), x)
+    check(op.gelu, x, rtol=1e-4, atol=1e-6)     # erf is the A&S approximation (1.5e-7)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_flash_attention(causal, hkv):
+    q, k, v = rand(1, 2, 3, 4), rand(1, hkv, 5, 4), rand(1, hkv, 5, 4)
+    check(lambda q, k, v: op.flash_attention(q, k, v, causal=causal), q, k, v)
+    check(lambda q, k, v: op.flash_attention(q, k, v, causal=causal, scale=0.3, return_lse=True)[0], q, k, v)
+
+
+def test_fake_quantize_is_straight_through():
+    x = rand(3, 4).astype(np.float32)
+    policy = op.numeric(dtype="fp8_e4m3", accum="f32")
+    g = ts.grad(lambda x: op.sum(op.fake_quantize_fp8(x, policy)))(x)
+    np.testing.assert_array_equal(g, np.ones_like(x))
+
+
+def test_saxpy():
+    x, y = rand(8, dtype=np.float32), rand(8, dtype=np.float32)
+    gx, gy = ts.grad(lambda x, y: op.sum(op.saxpy(x, y, 2.5) * np.arange(8, dtype=np.float32)),
+                     argnums=(0, 1))(x, y)
+    np.testing.assert_allclose(gx, 2.5 * np.arange(8))
+    np.testing.assert_allclose(gy, np.arange(8))
+
+
+def test_low_precision_params_get_their_dtype():
+    w = rand(4, 3, dtype=np.float32).astype("bfloat16")
+    x = rand(2, 4, dtype=np.float32).astype("bfloat16")
+    g = ts.grad(lambda w: op.sum(op.astype(op.rmsnorm(x @ w), "float32")))(w)
+    assert g.dtype == w.dtype and g.shape == w.shape
+
+
+# --------------------------------------------------------------------------- the surface
+
+def test_pytrees_argnums_value_and_aux():
+    params = {"w": rand(3, 2), "layers": [rand(2), (rand(2, 2),)]}
+    x = rand(4, 3)
+
+    def loss(p, x):
+        h = op.tanh(x @ p["w"]) + p["layers"][0]
+        return op.sum(h @ p["layers"][1][0]), h.shape
+    (val, aux), g = ts.value_and_grad(loss, has_aux=True)(params, x)
+    assert aux == (4, 2) and isinstance(g["layers"][1], tuple)
+    assert g["w"].shape == (3, 2) and g["layers"][0].shape == (2,)
+    num = numeric_grad(lambda w: loss({**params, "w": w}, x)[0], [params["w"].copy()], 0)
+    np.testing.assert_allclose(g["w"], num, rtol=1e-5)
+    gx = ts.grad(lambda p, x: loss(p, x)[0], argnums=1)(params, x)
+    assert gx.shape == x.shape
+    gs, aux2 = ts.grad(loss, has_aux=True)(params, x)
+    assert aux2 == aux
+
+
+def test_shared_use_accumulates():
+    x = rand(3)
+    g = ts.grad(lambda x: op.sum(x * x + x))(x)
+    np.testing.assert_allclose(g, 2 * x + 1)
+
+
+def test_no_grad_and_detach():
+    x = rand(3)
+
+    def f(x):
+        with ts.no_grad():
+            c = op.sum(x * x)           # a constant
+        return op.sum(x * c) + op.sum(ts.detach(x) * x)
+    np.testing.assert_allclose(ts.grad(f)(x), np.sum(x * x) + x, rtol=1e-12)
+
+
+def test_checkpoint_matches_plain():
+    w1, w2, x = rand(4, 4), rand(4, 4), rand(3, 4)
+
+    def block(w, h):
+        return op.tanh(h @ w) + h
+
+    def f(w1, w2, remat):
+        b = ts.checkpoint(block) if remat else block
+        return op.sum(b(w2, b(w1, x)) ** 2)
+    g_plain = ts.grad(lambda a, b: f(a, b, False), argnums=(0, 1))(w1, w2)
+    g_remat = ts.grad(lambda a, b: f(a, b, True), argnums=(0, 1))(w1, w2)
+    for a, b in zip(g_plain, g_remat):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_checkpoint_rejects_captured_traced_values():
+    w, x = rand(3, 3), rand(2, 3)
+
+    def f(w):
+        return op.sum(ts.checkpoint(lambda h: h @ w)(x * 1.0 + op.sum(w)))
+    with pytest.raises(ValueError, match="another ts.grad/ts.checkpoint trace"):
+        ts.grad(f)(w)
+
+
+def test_vjp_non_scalar():
+    x = rand(3, 4)
+    y, pull = ts.vjp(lambda x: op.tanh(x), x)
+    ct = rand(3, 4)
+    (gx,) = pull(ct)
+    np.testing.assert_allclose(gx, ct * (1 - np.tanh(x) ** 2), rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- errors
+
+def test_error_non_scalar_output():
+    with pytest.raises(ValueError, match="needs a scalar float loss.*ts.vjp"):
+        ts.grad(lambda x: x * 2)(rand(3))
+
+
+def test_error_unused_parameter():
+    with pytest.raises(ValueError, match=r"parameter arg0\['b'\].*does not reach the loss"):
+        ts.grad(lambda p: op.sum(p["a"] * 2))({"a": rand(2), "b": rand(2)})
+    g = ts.grad(lambda p: op.sum(p["a"] * 2), allow_unused=True)({"a": rand(2), "b": rand(2)})
+    np.testing.assert_array_equal(g["b"], 0)
+
+
+def test_error_loss_independent_of_params():
+    with pytest.raises(ValueError, match="does not depend on the differentiated"):
+        ts.grad(lambda x: np.float64(1.0))(rand(2))
+
+
+def test_error_dtype_policy():
+    with pytest.raises(TypeError, match="only float parameters"):
+        ts.grad(lambda i: op.sum(i))(np.arange(3))
+    a = rand(3, dtype=np.float32).astype("bfloat16")
+    b = rand(3, dtype=np.float32).astype(np.float16)
+    with pytest.raises(TypeError, match="bfloat16 and float16 operands"):
+        ts.grad(lambda a: op.sum(op.astype(a * b, "float32")))(a)
+
+
+def test_error_no_rule_and_nested():
+    with pytest.raises(NotImplementedError, match="fft2d has no VJP rule"):
+        ts.grad(lambda x: op.sum(op.abs(op.fft2d(x))))(rand(4, 4, dtype=np.float32))
+    with pytest.raises(NotImplementedError, match="higher-order"):
+        ts.grad(lambda x: op.sum(ts.grad(lambda y: op.sum(y * y))(x)))(rand(2))
+
+
+def test_untraced_calls_are_unchanged():
+    x = rand(3, 4)
+    np.testing.assert_array_equal(op.softmax(x), op.softmax(x))
+    assert ts.autodiff.current_tape() is None

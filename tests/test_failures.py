@@ -1,0 +1,139 @@
+"""Failure modes of a multi-rank job end as documented, in seconds (issue 7, items 1-3, 7).
+
+Each test launches its own job (tessera-run or plain mpiexec) under ``timeout`` and checks
+the exit status, the time it took, what was printed, and that no rank process is left.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import MPIEXEC, mpi_env
+
+TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
+
+
+def _run(cmd, env, limit=60):
+    start = time.monotonic()
+    p = subprocess.run(["timeout", "-k", "5", str(limit)] + cmd, env=env, capture_output=True, text=True)
+    return p, time.monotonic() - start
+
+
+def _no_orphans(marker: str) -> None:
+    """No process whose command line names this test's script is still alive."""
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left = [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
+    assert not left, f"orphan rank processes: {left}"
+
+
+def _script(tmp_path, name, body) -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_a_mismatched_collective_on_one_of_four_ranks_ends_the_job_naming_it(tmp_path):
+    s = _script(tmp_path, "desync_job.py", """
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init(debug="collectives")
+        mesh = dist.Mesh(axes=["tp", "dp"], shape={"tp": 2, "dp": 2})
+        dist.all_reduce(np.ones(8, np.float32), axis="dp", mesh=mesh)
+        if w.rank == 1:
+            dist.all_gather(np.ones(16, np.float32), axis="tp", mesh=mesh)
+        else:
+            dist.all_reduce(np.ones((64, 32), np.float32), axis="dp", mesh=mesh)
+        print("unreachable", flush=True)
+    """)
+    p, took = _run([TESSERA_RUN, "-n", "4", str(s)], mpi_env(4))
+    assert p.returncode not in (0, 124), p.stdout + p.stderr
+    assert took < 30, took
+    assert "CollectiveMismatchError" in p.stderr
+    assert "ranks [0,2,3] all_reduce(dp) float32[64,32] at desync_job.py:10" in p.stderr, p.stderr
+    assert "rank 1 all_gather(tp) float32[16] at desync_job.py:8" in p.stderr, p.stderr
+    assert "unreachable" not in p.stdout
+    _no_orphans(str(s))
+
+
+def test_a_rank_that_raises_ends_every_rank_without_the_launcher(tmp_path):
+    # plain `mpiexec python script.py`: dist.init's excepthook aborts the job
+    s = _script(tmp_path, "raise_job.py", """
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init()
+        dist.all_reduce(np.ones(2))
+        if w.rank == 3:
+            raise ValueError("rank 3 found a bad batch")
+        dist.all_reduce(np.ones(2))
+        print("unreachable", flush=True)
+    """)
+    p, took = _run([MPIEXEC, "-n", "4", sys.executable, str(s)], mpi_env(4))
+    assert p.returncode not in (0, 124), p.stdout + p.stderr
+    assert took < 20, took
+    assert "[rank 3] uncaught ValueError" in p.stderr and "rank 3 found a bad batch" in p.stderr
+    assert 'raise_job.py", line 7' in p.stderr            # the traceback, with the line
+    assert "unreachable" not in p.stdout
+    _no_orphans(str(s))
+
+
+def test_a_rank_sleeping_past_the_timeout_is_reported_by_the_watchdog(tmp_path):
+    s = _script(tmp_path, "hang_job.py", """
+        import time
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init(debug="flight")
+        dist.all_reduce(np.ones(4, np.float32))
+        dist.barrier()
+        if w.rank == 2:
+            time.sleep(60)
+        dist.all_reduce(np.ones((8, 2), np.float32))
+        print("unreachable", flush=True)
+    """)
+    env = mpi_env(4)
+    env["TESSERA_TIMEOUT"] = "2"
+    p, took = _run([TESSERA_RUN, "-n", "4", str(s)], env)
+    err = p.stderr
+    assert p.returncode not in (0, 124), p.stdout + err
+    assert took < 20, took
+    assert "[tessera watchdog] rank" in err and "TESSERA_TIMEOUT=2" in err, err
+    for r in (0, 1, 3):
+        assert f"rank {r} (" in err and "all_reduce(world) float32[8,2] at hang_job.py:10: PENDING" in err, err
+    assert "rank 2 (" in err and "not in a collective; main thread at hang_job.py:9 in <module>: time.sleep(60)" in err
+    assert "flight recorder" in err and "#2 barrier(world) at hang_job.py:7: done" in err
+    assert "unreachable" not in p.stdout
+    _no_orphans(str(s))
+
+
+def test_the_watchdog_reports_without_the_recorder_from_the_stack(tmp_path):
+    s = _script(tmp_path, "hang_plain.py", """
+        import time
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init(timeout=1.5)
+        if w.rank == 0:
+            time.sleep(60)
+        dist.all_reduce(np.ones(3))
+    """)
+    p, took = _run([TESSERA_RUN, "-n", "2", str(s)], mpi_env(2))
+    err = p.stderr
+    assert p.returncode not in (0, 124), p.stdout + err
+    assert took < 20, took
+    assert "rank 1 (" in err and "PENDING all_reduce(world) float64[3] at hang_plain.py:8" in err, err
+    assert "rank 0 (" in err and "not in a collective" in err and "time.sleep(60)" in err, err
+    _no_orphans(str(s))
+
+
+def test_a_healthy_job_with_the_watchdog_on_exits_zero_promptly(tmp_path):
+    s = _script(tmp_path, "ok_job.py", """
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init(debug="collectives", timeout=5)
+        for _ in range(50):
+            dist.all_reduce(np.ones(4))
+    """)
+    p, took = _run([TESSERA_RUN, "-n", "3", str(s)], mpi_env(3))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert took < 20, took

@@ -1,0 +1,158 @@
+"""Modules and optimizers on plain arrays (one process): AdamW/SGD against their formulas,
+f32 masters for bf16 parameters, global-norm clipping, dynamic loss scaling, errors, and
+(optional, with torch installed) the transformer's gradients against torch.autograd."""
+import math
+
+import numpy as np
+import pytest
+
+import tessera_rt as ts
+from tessera_rt import nn, op, optim
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_adamw_matches_formula():
+    w0, g = rand(3, 4, seed=1), rand(3, 4, seed=2)
+    opt = optim.AdamW({"w": w0}, lr=0.1, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1)
+    p = {"w": w0}
+    m = v = np.zeros_like(w0, np.float64)
+    w = w0.astype(np.float64)
+    for t in range(1, 4):
+        p = opt.step(p, {"w": g * t})
+        gt = g.astype(np.float64) * t
+        m = 0.8 * m + 0.2 * gt
+        v = 0.9 * v + 0.1 * gt * gt
+        w = w * (1 - 0.1 * 0.1) - 0.1 * (m / (1 - 0.8 ** t)) / (np.sqrt(v / (1 - 0.9 ** t)) + 1e-8)
+    np.testing.assert_allclose(p["w"], w, rtol=1e-5)
+    assert p["w"] is not w0 and np.array_equal(w0, rand(3, 4, seed=1))     # the input is not mutated
+
+
+def test_sgd_momentum():
+    w0, g = rand(5, seed=3), rand(5, seed=4)
+    opt = optim.SGD([w0], lr=0.5, momentum=0.9, weight_decay=0.0)
+    p = opt.step(opt.step([w0], [g]), [g])
+    np.testing.assert_allclose(p[0], w0 - 0.5 * g - 0.5 * (0.9 * g + g), rtol=1e-6)
+
+
+def test_bf16_params_keep_f32_masters():
+    w = np.full(4, 1.0, np.float32).astype("bfloat16")
+    opt = optim.SGD({"w": w}, lr=1e-3)
+    p = {"w": w}
+    for _ in range(10):
+        p = opt.step(p, {"w": np.ones(4, np.float32).astype("bfloat16")})
+    # each update (1e-3) is below bf16's resolution at 1.0 (2^-7); the master accumulates them
+    assert p["w"].dtype == w.dtype
+    np.testing.assert_allclose(opt.masters[0], 0.99, rtol=1e-6)
+    np.testing.assert_allclose(p["w"].astype(np.float32), 0.98828125)      # bf16(0.99)
+
+
+def test_clip_grad_norm():
+    g = {"a": np.full(3, 2.0, np.float32), "b": np.full(1, 4.0, np.float32)}
+    assert math.isclose(optim.global_norm(g), math.sqrt(12 + 16))
+    c, n = optim.clip_grad_norm(g, 1.0)
+    assert math.isclose(optim.global_norm(c), 1.0, rel_tol=1e-5) and math.isclose(n, math.sqrt(28))
+    same, _ = optim.clip_grad_norm(g, 100.0)
+    assert same is g
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        optim.clip_grad_norm(g, 0)
+
+
+def test_dynamic_loss_scaler():
+    s = optim.DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    g, finite = s.unscale({"w": np.array([8.0, np.inf], np.float16)})
+    assert not finite
+    s.update(finite)
+    assert s.scale_value == 4.0 and s.skipped == 1
+    g, finite = s.unscale({"w": np.array([8.0, 4.0], np.float16)})
+    assert finite and g["w"].dtype == np.float32
+    np.testing.assert_allclose(g["w"], [2.0, 1.0])
+    s.update(True)
+    s.update(True)
+    assert s.scale_value == 8.0
+    x = np.float32(3.0)
+    assert float(s.scale(x)) == 24.0
+
+
+def test_fp16_training_with_loss_scaling_runs():
+    model = nn.Transformer(11, 8, 2, 1, 6, dtype="fp16")
+    p = model.init(0)
+    opt, scaler = optim.AdamW(p, lr=1e-2), optim.DynamicLossScaler(init_scale=1024.0)
+    tok = np.random.default_rng(0).integers(0, 11, (2, 7))
+    losses = []
+    for _ in range(3):
+        loss, g = ts.value_and_grad(lambda p: scaler.scale(model.loss(p, tok[:, :-1], tok[:, 1:])))(p)
+        g, finite = scaler.unscale(g)
+        if finite:
+            p = opt.step(p, g)
+        scaler.update(finite)
+        losses.append(float(loss) / scaler.scale_value)
+    assert all(np.isfinite(losses)) and p["head"]["w"].dtype == np.float16
+
+
+def test_optimizer_errors():
+    with pytest.raises(TypeError, match="optimizers update"):
+        optim.SGD({"i": np.arange(3)})
+    opt = optim.SGD({"w": rand(3)})
+    with pytest.raises(ValueError, match="has shape"):
+        opt.step({"w": rand(3)}, {"w": rand(4)})
+    with pytest.raises(ValueError, match="2 gradients for 1 parameters"):
+        opt.step({"w": rand(3)}, [rand(3), rand(3)])
+
+
+def test_module_shapes_and_errors():
+    with pytest.raises(ValueError, match="not a multiple of n_heads"):
+        nn.Attention(10, 3)
+    with pytest.raises(ValueError, match="parallel="):
+        nn.Linear(2, 2, parallel="diagonal")
+    m = nn.Transformer(7, 8, 2, 1, 4)
+    p = m.init(0)
+    assert m.logits(p, np.zeros((2, 4), np.int32)).shape == (2, 4, 7)
+    with pytest.raises(ValueError, match="sequence length 3 != seq_len 4"):
+        m.logits(p, np.zeros((2, 3), np.int32))
+
+
+def test_cross_entropy_matches_log_softmax():
+    logits, t = rand(3, 5, 9, seed=5).astype(np.float64), np.random.default_rng(6).integers(0, 9, (3, 5))
+    z = logits - logits.max(-1, keepdims=True)
+    ref = -np.mean(np.take_along_axis(z - np.log(np.exp(z).sum(-1, keepdims=True)), t[..., None], -1))
+    assert math.isclose(float(nn.cross_entropy(logits, t)), ref, rel_tol=1e-12)
+
+
+def test_transformer_gradients_match_torch():
+    torch = pytest.importorskip("torch")
+    V, D, H, L, S = 13, 8, 2, 2, 6
+    model = nn.Transformer(V, D, H, L, S, dtype="float64")
+    p = model.init(1)
+    tok = np.random.default_rng(7).integers(0, V, (3, S + 1))
+    x, y = tok[:, :-1], tok[:, 1:]
+    loss, grads = ts.value_and_grad(model.loss)(p, x, y)
+
+    leaves, paths, struct = ts.autodiff.tree_flatten(p)
+    tl = [torch.tensor(a, requires_grad=True) for a in leaves]
+    tp = ts.autodiff.tree_unflatten(struct, tl)
+
+    def rms(h, w, eps=1e-6):
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps) * w
+
+    xt = torch.tensor(x)
+    h = tp["embed"]["w"][xt] + tp["pos"]
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    for bp in tp["blocks"]:
+        a = rms(h, bp["norm1"]["w"])
+        q, k, v = ((a @ bp["attn"][n]["w"]).reshape(3, S, H, D // H).transpose(1, 2) for n in "qkv")
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(D // H)
+        o = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+        h = h + o.transpose(1, 2).reshape(3, S, D) @ bp["attn"]["o"]["w"]
+        m = rms(h, bp["norm2"]["w"])
+        h = h + (torch.nn.functional.silu(m @ bp["mlp"]["w1"]["w"]) * (m @ bp["mlp"]["w3"]["w"])) @ bp["mlp"]["w2"]["w"]
+    logits = rms(h, tp["norm"]["w"]) @ tp["head"]["w"]
+    tloss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(y).reshape(-1))
+    tloss.backward()
+    assert math.isclose(float(loss), float(tloss.detach()), rel_tol=1e-12)
+    # flash attention's backward recomputes P from the forward's logsumexp, which the kernel
+    # keeps in f32 by design: f64 gradients agree to ~1e-7, not 1e-12
+    for g, t, path in zip(ts.autodiff.tree_flatten(grads)[0], tl, paths):
+        np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-5, atol=1e-9, err_msg=path)
