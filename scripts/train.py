@@ -70,22 +70,23 @@ def get_batch(data: np.ndarray, step: int, batch: int, seq: int, seed: int):
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def _dicts(tree):
+    """dist.save takes nested dicts: lists (the transformer's blocks) become {"0": ..., "1": ...}."""
+    if isinstance(tree, (list, tuple)):
+        return {str(i): _dicts(v) for i, v in enumerate(tree)}
+    if isinstance(tree, dict):
+        return {k: _dicts(v) for k, v in tree.items()}
+    return tree
+
+
 def _save_checkpoint(path: Path, params, opt, meta: dict) -> None:
-    """numpy.savez of the full tensors, written by rank 0 (every rank joins the gathers).
-    A stand-in until dist.save/dist.load (issue 7) exists."""
+    """The parameters (in their layouts), the optimizer's f32 masters and step, and the run's
+    settings, as a distributed checkpoint: one safetensors file per rank plus an index
+    (dist.load(path, like=...) reads it back onto any mesh)."""
     from tessera_rt import dist
-    from tessera_rt.autodiff import tree_flatten
-    leaves, paths, _ = tree_flatten(params)
-    masters, _, _ = tree_flatten(opt.masters)
-    arrays = {}
-    for x, name in zip(leaves, paths):
-        arrays["param" + name] = np.asarray(x.full_tensor() if hasattr(x, "full_tensor") else x)
-    for x, name in zip(masters, paths):
-        arrays["master" + name] = np.asarray(x.full_tensor() if hasattr(x, "full_tensor") else x)
-    if dist.get_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **{k: (v.astype(np.float32) if v.dtype.kind == "V" or v.dtype.name == "bfloat16" else v)
-                          for k, v in arrays.items()}, meta=json.dumps(meta))
+    state = opt.state_dict()
+    dist.save({"params": _dicts(params), "masters": _dicts(state["masters"]), "step": int(state["t"]),
+               "meta": json.dumps(meta)}, str(path))
 
 
 def _plot(path: Path, losses: list, title: str) -> str:
@@ -177,7 +178,7 @@ def train(args: argparse.Namespace) -> dict:
     meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
             "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
     if not args.no_checkpoint:
-        _save_checkpoint(out / "checkpoint.npz", params, opt, meta)
+        _save_checkpoint(out / "checkpoint", params, opt, meta)
     if rank0 and not args.quiet:
         if not args.no_plot:
             print(_plot(out / "loss.png", losses, f"char LM, dp={dp} tp={tp}"), flush=True)
@@ -185,7 +186,7 @@ def train(args: argparse.Namespace) -> dict:
         print(f"final loss {losses[-1]:.4f} after {args.steps} steps; median step {med:.1f} ms on {n} ranks",
               flush=True)
         if not args.no_checkpoint:
-            print(f"checkpoint: {out / 'checkpoint.npz'}", flush=True)
+            print(f"checkpoint: {out / 'checkpoint'} (dist.load reads it onto any mesh)", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "params": params}
 
 

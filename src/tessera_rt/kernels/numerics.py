@@ -35,6 +35,9 @@ _ACCUM = {"f32": np.dtype(np.float32), "fp32": np.dtype(np.float32), "float32": 
 _SCALES = (None, "per_tensor", "per_channel")
 
 
+_SCOPES: list = []      # the deterministic() contexts of nested ``with policy:`` blocks
+
+
 @dataclass(frozen=True)
 class NumericPolicy:
     """How an op stores, accumulates, scales and rounds.  Build it with :func:`numeric`."""
@@ -55,6 +58,19 @@ class NumericPolicy:
         if self.deterministic:
             parts.append("deterministic=True")
         return f"numeric({', '.join(parts)})"
+
+    def __enter__(self) -> "NumericPolicy":
+        """``with op.numeric(deterministic=True):`` (the seeds' spelling) turns fixed-order
+        reductions on for the block (``tessera_rt.dist.deterministic``); the other fields
+        apply per op, where a policy is passed.  A mode switch, not communication."""
+        from ..dist.determinism import deterministic
+        ctx = deterministic(self)
+        _SCOPES.append(ctx)
+        ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SCOPES.pop().__exit__(*exc)
 
     @property
     def quantizes(self) -> bool:
