@@ -270,6 +270,13 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
     return r
 
 
+def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None):
+    """_issue, or _hooked when something watches collectives (``info`` is None otherwise)."""
+    if info is None:
+        return _issue(role, async_op, method, args, result, then)
+    return _hooked(info, role, async_op, method, args, result, then)
+
+
 def _after(call) -> None:
     for h in reversed(_HOOKS):
         if hasattr(h, "after"):
@@ -370,7 +377,7 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         even, mine = _even(sizes), sizes[g.index]
         inner = math.prod(_with_dim(x.shape, dim, 1))
         counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
-    shape = _with_dim(x.shape, dim, mine)
+    shape = (mine,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
@@ -379,7 +386,7 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, x.shape, (op, dim)), role, async_op,
                        g.comm.reduce_scatter, (send, flat, counts, op), out,
                        det=(g, send, flat, counts, op, out) if op in ("sum", "avg") else None)
-    return _issue(role, async_op, g.comm.reduce_scatter, (send, out.reshape(-1) if dim else out, counts, op), out)
+    return _issue(role, async_op, g.comm.reduce_scatter, (send, out, counts, op), out)
 
 
 def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
@@ -400,21 +407,20 @@ def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None
         even, total = _even(sizes), sum(sizes)
         inner = math.prod(_with_dim(x.shape, dim, 1))
         counts = None if even else [s * inner for s in sizes]
-    shape = _with_dim(x.shape, dim, total)
+    shape = (total,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
     info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
             dim) if _HOOKS else None
+    # communicators take flat contiguous buffers: shapes do not matter to them
     if dim == 0 or math.prod(x.shape[:dim]) == 1:
-        if info:
-            return _hooked(info, role, async_op, g.comm.all_gather, (x, out.reshape(-1) if dim else out, counts), out)
-        return _issue(role, async_op, g.comm.all_gather, (x, out.reshape(-1) if dim else out, counts), out)
+        if info is None:
+            return _issue(role, async_op, g.comm.all_gather, (x, out, counts), out)
+        return _hooked(info, role, async_op, g.comm.all_gather, (x, out, counts), out)
     recv = _backend().empty((out.size,), x.dtype)
 
     def then():
         return _unpack(recv, shape, dim, [x.shape[dim]] * g.size if even else sizes, even, out)
-    if info:
-        return _hooked(info, role, async_op, g.comm.all_gather, (x.reshape(-1), recv, counts), out, then)
-    return _issue(role, async_op, g.comm.all_gather, (x.reshape(-1), recv, counts), out, then)
+    return _run(info, role, async_op, g.comm.all_gather, (x, recv, counts), out, then)
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
@@ -438,18 +444,15 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
             (split_dim, concat_dim)) if _HOOKS else None
     if split_sizes is None and recv_sizes is None and concat_dim == split_dim and not x.shape[split_dim] % n:
         # equal parts along one dim (the common case, kept cheap): the result has x's shape
-        send = _pack(x, split_dim, [x.shape[split_dim] // n] * n, True)
         out = _backend().empty_like(x)
         if split_dim == 0 or math.prod(x.shape[:split_dim]) == 1:
-            if info:
-                return _hooked(info, role, async_op, g.comm.all_to_all, (send, out.reshape(-1), None, None), out)
-            return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), None, None), out)
+            if info is None:
+                return _issue(role, async_op, g.comm.all_to_all, (x, out, None, None), out)
+            return _hooked(info, role, async_op, g.comm.all_to_all, (x, out, None, None), out)
+        parts = [x.shape[split_dim] // n] * n
         recv = _backend().empty((x.size,), x.dtype)
-        if info:
-            return _hooked(info, role, async_op, g.comm.all_to_all, (send, recv, None, None), out,
-                           lambda: _unpack(recv, x.shape, split_dim, [x.shape[split_dim] // n] * n, True, out))
-        return _issue(role, async_op, g.comm.all_to_all, (send, recv, None, None), out,
-                      lambda: _unpack(recv, x.shape, split_dim, [x.shape[split_dim] // n] * n, True, out))
+        return _run(info, role, async_op, g.comm.all_to_all, (_pack(x, split_dim, parts, True), recv, None, None),
+                    out, lambda: _unpack(recv, x.shape, split_dim, parts, True, out))
     exchange = split_sizes is not None and recv_sizes is None
     split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
     if recv_sizes is None:
@@ -473,16 +476,12 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     send = _pack(x, split_dim, split_sizes, _even(split_sizes))
     out = _backend().empty(shape, x.dtype)
     if concat_dim == 0 or math.prod(shape[:concat_dim]) == 1:
-        if info:
-            return _hooked(info, role, async_op, g.comm.all_to_all, (send, out.reshape(-1), *counts), out)
-        return _issue(role, async_op, g.comm.all_to_all, (send, out.reshape(-1), *counts), out)
+        return _run(info, role, async_op, g.comm.all_to_all, (send, out, *counts), out)
     recv = _backend().empty((out.size,), x.dtype)
 
     def then():
         return _unpack(recv, shape, concat_dim, recv_sizes, _even(recv_sizes), out)
-    if info:
-        return _hooked(info, role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
-    return _issue(role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
+    return _run(info, role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
