@@ -7,12 +7,15 @@
     X = dist.distribute(a, layout=dist.ShardSpec(partition=("col",), mesh_axes=("tp",)), mesh=mesh)
     Y = X @ W                                                        # a DTensor op: eager collectives
 
-The collectives here take arrays or DTensors: arrays go straight to ``collectives``; a
-DTensor becomes a layout change run by the redistribution planner.
+The collectives here take arrays or DTensors: an array is communicated as it is; a DTensor
+(routed to ``dtensor_collectives``) becomes a layout change run by the redistribution planner.
 """
-from .collectives import CollectiveRecord, Work, barrier, bus_factor, trace_collectives, world_group
+from .collectives import (
+    CollectiveRecord, Work, all_gather, all_reduce, all_to_all, barrier, broadcast, bus_factor,
+    reduce_scatter, trace_collectives, world_group,
+)
+from .dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
 from .dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
-from .dtensor_collectives import all_gather, all_reduce, all_to_all, broadcast, recv, reduce_scatter, send
 from .layout import (
     Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
 )

@@ -24,7 +24,7 @@ from .process_group import world
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
-    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group",
+    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group", "route",
 ]
 
 
@@ -132,6 +132,17 @@ def _done_work(result) -> Work:
 
 
 # --------------------------------------------------------------------------- plumbing
+
+# type -> {collective name -> handler}: the DTensor layer and autodiff register their types
+# here, so the public collectives take DTensors and traced values while a plain array
+# (the latency-critical case) pays one dict lookup.
+_ROUTES: dict = {}
+
+
+def route(cls: type, handlers: dict) -> None:
+    """Send collectives whose first argument is a ``cls`` to ``handlers[name]``."""
+    _ROUTES[cls] = handlers
+
 
 _WORLD_GROUP: list[AxisGroup] = []
 
@@ -294,6 +305,8 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
                role: str = "tp_collective"):
     """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
     ``out=x`` reduces in place."""
+    if x.__class__ in _ROUTES:
+        return _ROUTES[x.__class__]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "all_reduce", x)
     x = _check_array("all_reduce", g, x)
     if op not in REDUCE_OPS:
@@ -364,6 +377,8 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
                    mesh=None, out=None, async_op: bool = False, role: str = "tp_collective"):
     """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
     ``sizes`` says otherwise)."""
+    if x.__class__ in _ROUTES:
+        return _ROUTES[x.__class__]["reduce_scatter"](x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "reduce_scatter", x)
     x = _check_array("reduce_scatter", g, x)
     if op not in REDUCE_OPS:
@@ -389,12 +404,16 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
     return _issue(role, async_op, g.comm.reduce_scatter, (send, out, counts, op), out)
 
 
-def all_gather(x, axis=None, *, dim: int = 0, sizes: Sequence[int] | None = None, mesh=None, out=None,
-               async_op: bool = False, role: str = "tp_collective"):
-    """Concatenate every rank's ``x`` along ``dim`` in group order.  Ranks may hold different
-    lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
+def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | None = None, mesh=None,
+               out=None, async_op: bool = False, role: str = "tp_collective"):
+    """Concatenate every rank's ``x`` along ``dim`` (None: 0) in group order.  Ranks may hold
+    different lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
+    if x.__class__ in _ROUTES:
+        return _ROUTES[x.__class__]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "all_gather", x)
     x = _check_array("all_gather", g, x)
+    if dim is None:
+        dim = 0
     if not 0 <= dim < x.ndim:
         dim = _norm_dim("all_gather", g, x, dim)
     if sizes is None:                                          # the common case, kept cheap
@@ -433,6 +452,9 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
     exchanged first (one small extra all_to_all).
     """
+    if x.__class__ in _ROUTES:
+        return _ROUTES[x.__class__]["all_to_all"](x, axis, split_dim=split_dim, concat_dim=concat_dim, split_sizes=split_sizes,
+                                                 recv_sizes=recv_sizes, mesh=mesh, async_op=async_op, role=role)
     g = _group(mesh, axis, "all_to_all", x)
     x = _check_array("all_to_all", g, x)
     if not 0 <= split_dim < x.ndim:
@@ -487,6 +509,8 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
     ``root`` is a position in the group, not a world rank."""
+    if x.__class__ in _ROUTES:
+        return _ROUTES[x.__class__]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
     g = _group(mesh, axis, "broadcast", x)
     if not _backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "

@@ -21,7 +21,7 @@ Every function is differentiable (``ts.grad``); the VJP rules live in
 """
 from __future__ import annotations
 
-from ..autodiff.tape import differentiable
+from ..autodiff.tape import Var, differentiable
 from . import collectives as C
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
@@ -29,6 +29,7 @@ from .process_group import world
 from .redistribute import plan_redistribute
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv"]
+
 
 
 class _Done:
@@ -206,3 +207,13 @@ def _dim(op: str, x: DTensor, dim: int) -> int:
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(f"rank {world().rank}: dist.{op}: dim={dim} is out of range for DTensor shape {x.shape}")
     return dim % x.ndim
+
+
+# The public collectives (dist.all_reduce, ...) are the array collectives themselves, so a
+# plain array pays no extra call layer (small-message latency is a target); they hand
+# DTensors and traced values to the hooked functions above.  send and recv stay behind the
+# hook for plain arrays too: under ts.grad they are recorded even untraced, so that each
+# backward send meets its recv.
+_HANDLERS = {f.__wrapped_op__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast)}
+C.route(DTensor, _HANDLERS)
+C.route(Var, _HANDLERS)
