@@ -14,8 +14,10 @@ SIZE = MPI.COMM_WORLD.Get_size()
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(d, SIZE // d) for d in range(1, SIZE + 1) if SIZE % d == 0]      # (dp, tp)
 STEPS = 4
+# a small text shipped with the tests, so the suite does not depend on ../shared/seeds
+CORPUS = ROOT / "tests" / "data" / "tiny_corpus.txt"
 ARGS = ["--steps", str(STEPS), "--batch", "4", "--seq", "16", "--d-model", "16", "--heads", "2", "--layers", "2",
-        "--lr", "1e-2", "--quiet", "--no-plot", "--no-checkpoint"]
+        "--lr", "1e-2", "--quiet", "--no-plot", "--no-checkpoint", "--data", str(CORPUS)]
 
 
 def load_train():
