@@ -283,24 +283,15 @@ def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: 
         p.uses += 1
     tape.nodes.append(v)
     if name in EFFECT_OPS and not _float_like(primary):
-        return _Done(out) if async_op else out      # send: nothing to trace downstream
+        return _completed(out) if async_op else out      # send: nothing to trace downstream
     res = (v,) + out[1:] if type(out) is tuple else v
-    return _Done(res) if async_op else res
+    return _completed(res) if async_op else res
 
 
-class _Done:
+def _completed(result):
     """The handle a traced ``async_op=True`` collective returns (it ran at once)."""
-
-    __slots__ = ("_r",)
-
-    def __init__(self, r):
-        self._r = r
-
-    def wait(self):
-        return self._r
-
-    def is_completed(self) -> bool:
-        return True
+    from ..dist.collectives import Work    # lazy: dist imports this module
+    return Work.completed(result)
 
 
 def _check_mix(name: str, vals) -> None:

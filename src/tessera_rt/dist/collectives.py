@@ -124,11 +124,14 @@ class Work:
     def is_completed(self) -> bool:
         return self._done or self._event.query()
 
+    @classmethod
+    def completed(cls, result) -> "Work":
+        """A handle for work that already ran (the same API for every ``async_op=True`` path)."""
+        w = cls(None, result)
+        w._done = True
+        return w
 
-def _done_work(result) -> Work:
-    w = Work(None, result)
-    w._done = True
-    return w
+
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -268,7 +271,7 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
             from .determinism import FIXED_ORDER
             r = FIXED_ORDER[op](*det, role=role)     # fixed-order reduction (blocking)
             if async_op:
-                r = _done_work(r)
+                r = Work.completed(r)
         else:
             r = _issue(role, async_op, method, args, result, then)
     except BaseException:

@@ -32,23 +32,8 @@ __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcas
 
 
 
-class _Done:
-    """A completed handle for ``async_op=True`` on a DTensor."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result):
-        self._result = result
-
-    def wait(self):
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def _ret(result, async_op: bool):
-    return _Done(result) if async_op else result
+    return C.Work.completed(result) if async_op else result
 
 
 def _axes(op: str, x: DTensor, axis, mesh) -> tuple[str, ...]:
