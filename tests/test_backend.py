@@ -62,10 +62,13 @@ def test_pool_size_classes_bound_the_slack():
 
 def test_cpu_stream_event_api():
     s = rt.stream("compute")
-    e0 = s.record()
-    e1 = s.record()
+    e0 = s.record(timing=True)
+    e1 = s.record(timing=True)
     assert e0.query() and e1.query()
     assert e0.elapsed_ms(e1) >= 0
+    # ordering-only events (the default, and the cheap kind on a GPU) cannot be timed
+    with pytest.raises(ValueError, match="timing=True"):
+        s.record().elapsed_ms(e1)
     rt.stream("a2a").wait_event(e1)
     s.synchronize()
 

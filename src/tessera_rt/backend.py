@@ -32,14 +32,20 @@ class BackendUnavailable(RuntimeError):
 
 # --------------------------------------------------------------------------- CPU streams
 
+def _check_timing(start, end) -> None:
+    if start.time is None or end.time is None:
+        raise ValueError("elapsed_ms needs events recorded with stream.record(timing=True); plain "
+                         "record() makes ordering-only events, which are cheaper (CUDA refuses to time them)")
+
+
 class CpuEvent:
     """A point in a CPU stream: done when every request issued before it has finished."""
 
     __slots__ = ("_pending", "time")
 
-    def __init__(self, pending: tuple = ()):
+    def __init__(self, pending: tuple = (), timing: bool = False):
         self._pending = pending
-        self.time = time.perf_counter()
+        self.time = time.perf_counter() if timing else None
 
     def synchronize(self) -> None:
         for work in self._pending:
@@ -50,6 +56,7 @@ class CpuEvent:
         return all(work.test() for work in self._pending)
 
     def elapsed_ms(self, end: "CpuEvent") -> float:
+        _check_timing(self, end)
         end.synchronize()
         return (end.time - self.time) * 1e3
 
@@ -74,9 +81,9 @@ class CpuStream:
             self._pending = [w for w in self._pending if not w.test()]
         self._pending.append(work)
 
-    def record(self) -> CpuEvent:
-        event = CpuEvent(tuple(self._pending))
-        return event
+    def record(self, timing: bool = False) -> CpuEvent:
+        """An event after the work issued so far; ``timing=True`` for ``elapsed_ms``."""
+        return CpuEvent(tuple(self._pending), timing)
 
     def wait_event(self, event: CpuEvent) -> None:
         # A CPU stream orders work by finishing what the event covers.
@@ -101,10 +108,11 @@ class CpuStream:
 
 
 class CudaEvent:
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "time")
 
-    def __init__(self, event):
+    def __init__(self, event, timing: bool = False):
         self._event = event
+        self.time = True if timing else None     # only "can it be timed", for _check_timing
 
     def synchronize(self) -> None:
         self._event.synchronize()
@@ -114,6 +122,7 @@ class CudaEvent:
 
     def elapsed_ms(self, end: "CudaEvent") -> float:
         import cupy
+        _check_timing(self, end)
         end.synchronize()
         return cupy.cuda.get_elapsed_time(self._event, end._event)
 
@@ -137,10 +146,14 @@ class CudaStream:
     def enqueue(self, work) -> None:
         return None  # the CUDA stream itself keeps order
 
-    def record(self) -> CudaEvent:
-        event = self._cupy.cuda.Event(block=False, disable_timing=False)
+    def record(self, timing: bool = False) -> CudaEvent:
+        """An event after the work enqueued so far; ``timing=True`` for ``elapsed_ms``.
+
+        Most events only order one stream after another: those skip the timestamp, which
+        CUDA documents as the cheaper kind (cudaEventDisableTiming) for synchronization."""
+        event = self._cupy.cuda.Event(block=False, disable_timing=not timing)
         event.record(self.raw)
-        return CudaEvent(event)
+        return CudaEvent(event, timing)
 
     def wait_event(self, event: CudaEvent) -> None:
         self.raw.wait_event(event._event)

@@ -25,16 +25,22 @@ from . import op
 from .autodiff.engine import tree_flatten, tree_unflatten
 from .dist.dtensor import DTensor
 from .dtypes import dtype_name
+from .kernels._common import array_module
 
 __all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler"]
 
 _F32 = np.dtype(np.float32)
 
 
+def _local(x):
+    """The array behind a leaf: a DTensor's local piece, or the array itself."""
+    return x.to_local() if type(x) is DTensor else x
+
+
 def _f32(x):
     """An f32 copy (the master): a new array / DTensor, never an alias of the parameter."""
     if x.dtype == _F32:
-        return op.mul(x, 1.0) if type(x) is DTensor else np.array(x, dtype=_F32, copy=True)
+        return op.mul(x, 1.0) if type(x) is DTensor else x.astype(_F32, copy=True)
     return op.astype(x, "float32")
 
 
@@ -42,7 +48,18 @@ def _zeros(x):
     if type(x) is DTensor:
         from .dist.dtensor import zeros
         return zeros(x.shape, layout=x.layout, mesh=x.mesh, dtype="float32")
-    return np.zeros(x.shape, _F32)
+    return array_module(x).zeros(x.shape, _F32)
+
+
+def _agree(values: list, mesh, op_name: str) -> float:
+    """Sum (or max) 0-d values kept on the device, then reduce them over every axis of
+    ``mesh`` in one all-reduce of one float64: one host sync, however many leaves."""
+    from .dist import dtensor_collectives as dc
+    xp = array_module(*values)
+    buf = xp.stack([xp.asarray(v, dtype=np.float64) for v in values])
+    buf = (buf.sum() if op_name == "sum" else buf.max()).reshape(1)
+    axis = mesh.axes if len(mesh.axes) > 1 else mesh.axes[0]
+    return float(dc.all_reduce(buf, axis=axis, mesh=mesh, op=op_name)[0])
 
 
 def _check_grads(where: str, params: list, grads: list, paths: list) -> None:
@@ -149,6 +166,7 @@ def global_norm(grads) -> float:
     """The L2 norm of all gradients together, the same on every rank.  Each rank sums the
     squares of its local pieces (weighted so replicated elements count once) and one
     all-reduce of a single float64 over each mesh adds them up."""
+    # The squares are summed where the gradients live (on the GPU: no copy to the host).
     leaves, _, _ = tree_flatten(grads)
     local_total = 0.0
     meshes: dict = {}
@@ -156,16 +174,13 @@ def global_norm(grads) -> float:
         if type(g) is DTensor:
             if g.layout.partial:
                 g = g.redistribute(g.layout.with_partial(()))
-            x = np.asarray(g.to_local(), dtype=np.float64)
-            meshes[g.mesh] = meshes.get(g.mesh, 0.0) + float(np.sum(x * x)) * _mesh_weight(g)
+            x = g.to_local().astype(np.float64)
+            meshes.setdefault(g.mesh, []).append(array_module(x).sum(x * x) * _mesh_weight(g))
         else:
-            x = np.asarray(g, dtype=np.float64)
-            local_total += float(np.sum(x * x))
-    from .dist import dtensor_collectives as dc
-    for mesh, s in meshes.items():
-        buf = np.array([s], np.float64)
-        local_total += float(dc.all_reduce(buf, axis=mesh.axes if len(mesh.axes) > 1 else mesh.axes[0],
-                                           mesh=mesh)[0])
+            x = g.astype(np.float64)
+            local_total += float(array_module(x).sum(x * x))
+    for mesh, squares in meshes.items():
+        local_total += _agree(squares, mesh, "sum")
     return math.sqrt(local_total)
 
 
@@ -206,18 +221,14 @@ class DynamicLossScaler:
         leaves, _, struct = tree_flatten(grads)
         inv = 1.0 / self.scale_value
         out = [op.mul(g if np.dtype(g.dtype) == _F32 else op.astype(g, "float32"), inv) for g in leaves]
-        bad = 0.0
-        mesh = None
-        for g in out:
-            loc = g.to_local() if type(g) is DTensor else g
-            mesh = g.mesh if type(g) is DTensor else mesh
-            if not np.all(np.isfinite(loc)):
-                bad = 1.0
+        # one flag per leaf, computed on the device; one host sync for all of them
+        flags = [array_module(_local(g)).logical_not(array_module(_local(g)).isfinite(_local(g)).all())
+                 for g in out]
+        mesh = next((g.mesh for g in out if type(g) is DTensor), None)
         if mesh is not None:
-            from .dist import dtensor_collectives as dc
-            buf = np.array([bad], np.float64)
-            bad = float(dc.all_reduce(buf, axis=mesh.axes if len(mesh.axes) > 1 else mesh.axes[0], mesh=mesh,
-                                      op="max")[0])
+            bad = _agree(flags, mesh, "max")
+        else:
+            bad = float(max((float(f) for f in flags), default=0.0))
         return tree_unflatten(struct, out), bad == 0.0
 
     def update(self, finite: bool) -> None:

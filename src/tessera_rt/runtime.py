@@ -43,6 +43,10 @@ def set_stream_map(mapping: dict[str, int]) -> None:
     synchronize()
     _stream_map.update(mapping)
     _role_streams.clear()
+    if _slots:
+        # Plain CuPy calls run on CuPy's current stream: follow compute to its new slot
+        # (stream() does this only when it creates a slot, and this one may exist already).
+        stream("compute").make_current()
 
 
 def stream_map() -> dict[str, int]:

@@ -76,3 +76,38 @@ def test_user_kernel_with_tile_api():
     reverse_in_groups.launch(32, x)
     np.testing.assert_array_equal(x, np.concatenate([np.arange(15, -1, -1), np.arange(31, 15, -1)]))
     assert make_tiled_matmul(8) is make_tiled_matmul(8)
+
+
+class _RecordingJit:
+    """Stands between a TileKernel and its Numba dispatcher, recording each launch config."""
+
+    def __init__(self, jit, seen):
+        self._jit, self._seen = jit, seen
+
+    def __getitem__(self, config):
+        self._seen.append(config)
+        return self._jit[config]
+
+
+@pytest.mark.parametrize("path", ["saxpy", "staged", "matmul"])
+def test_every_launch_path_runs_on_cupys_current_stream(monkeypatch, path):
+    # Numba's default (stream 0) does not synchronize with CuPy's non-blocking compute
+    # stream: each launch must be ordered on CuPy's current stream, or on the stream passed.
+    import sys
+    import types
+    from tessera_rt.kernels import tile_kernels as tk
+    current = types.SimpleNamespace(ptr=0xC0FFEE)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: current))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    seen = []
+    kern = {"saxpy": tk.saxpy_kernel, "staged": tk.staged_axpy_kernel, "matmul": tk.make_tiled_matmul(8)}[path]
+    monkeypatch.setattr(kern, "_jit", _RecordingJit(kern._jit, seen))
+    x = np.arange(40, dtype=np.float32)
+    a = np.ones((8, 8), np.float32)
+    run = {"saxpy": lambda s: saxpy_tile(x, x, 2.0, stream=s),
+           "staged": lambda s: staged_axpy_tile(x, x, 2.0, stream=s),
+           "matmul": lambda s: tiled_matmul_tile(a, a, ts=8, stream=s)}[path]
+    run(None)
+    explicit = types.SimpleNamespace(ptr=0xBEEF, synchronize=lambda: None)
+    run(explicit)
+    assert [cfg[2].ptr for cfg in seen] == [0xC0FFEE, 0xBEEF], seen

@@ -95,14 +95,20 @@ class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
     the result."""
 
-    __slots__ = ("_event", "_result", "_then", "_done", "_call")
+    __slots__ = ("_event", "_result", "_then", "_done", "_call", "_keep")
 
-    def __init__(self, event, result, then=None):
+    def __init__(self, event, result, then=None, keep=None):
         self._event = event
         self._result = result
         self._then = then
         self._done = False
         self._call = None          # set while hooks watch this collective
+        # Every buffer the pending collective reads or writes (the caller's array, the
+        # contiguous copy, the pack temporaries).  CuPy's pool hands a freed block to the
+        # next allocation on the stream it came from with no event, so dropping these
+        # before compute is ordered after the collective lets compute overwrite what NCCL
+        # is still reading on its own stream.
+        self._keep = keep
 
     def wait(self):
         if not self._done:
@@ -116,6 +122,7 @@ class Work:
                 self._result = self._then()
                 self._then = None
             self._done = True
+            self._keep = None            # compute is ordered after the collective now
             if call is not None:
                 self._call = None
                 _after(call)
@@ -251,7 +258,7 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     if not async_op:
         compute.wait_event(event)
         return then() if then is not None else result
-    work = Work(event, result, then)
+    work = Work(event, result, then, keep=args)
     if not rt.overlaps(role):
         work.wait()                                  # this role may not overlap compute
     return work

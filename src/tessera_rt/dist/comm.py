@@ -331,10 +331,21 @@ class NcclCommunicator(Communicator):
     def broadcast(self, buf, root, blocking=True, stream=None):
         self.raw.broadcast(buf.data.ptr, buf.data.ptr, buf.nbytes, _NCCL_UINT8, root, stream.ptr)
 
+    def _untagged(self, op: str, peer: int, tag: int) -> None:
+        # NCCL has no tags: messages between two ranks match in the order they are issued.
+        # Dropping a tag would pair messages the program meant to keep apart, silently.
+        if tag != 0:
+            raise ValueError(
+                f"{op}: tag={tag} to/from group rank {peer}, but this group runs on NCCL, which has no "
+                "message tags (messages between two ranks match in issue order); drop tag= and issue the "
+                "sends and recvs in the same order on both ranks, or run this group on MPI (TESSERA_COMM=host)")
+
     def send(self, buf, peer, tag=0, blocking=True, stream=None):
+        self._untagged("send", peer, tag)
         self.raw.send(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
 
     def recv(self, buf, peer, tag=0, blocking=True, stream=None):
+        self._untagged("recv", peer, tag)
         self.raw.recv(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
 
     def barrier(self, blocking=True, stream=None):

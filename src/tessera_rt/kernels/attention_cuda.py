@@ -25,7 +25,7 @@ from ._common import check_out, check_policy, check_stream
 from .attention import check_attention, flash_attention as fa_reference, \
     flash_attention_backward as fa_bwd_reference
 from .compile import KernelSource, register_source
-from .cuda_common import MMA_HEADER, get_function, launch_stream
+from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_aligned, launch_stream
 
 __all__ = ["render_flash", "flash_smem_bytes", "flash_attention_cuda", "flash_attention_backward_cuda",
            "FLASH_TILES"]
@@ -395,7 +395,14 @@ register_source(KernelSource(
 
 
 def _as_half(xp, *arrays):
-    return tuple(xp.ascontiguousarray(a.astype(np.float16, copy=False)) for a in arrays)
+    """Contiguous f16 operands starting on a 16-byte boundary (load_rows reads ``uint4``s)."""
+    return tuple(aligned(xp.ascontiguousarray(a.astype(np.float16, copy=False)), 16) for a in arrays)
+
+
+def _batch_slices(b: int, heads: int):
+    """Batch ranges whose ``(batch x heads)`` fits grid.y, which CUDA caps at 65535."""
+    per = max(1, MAX_GRID_YZ // heads)
+    return [slice(b0, min(b, b0 + per)) for b0 in range(0, b, per)]
 
 
 def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
@@ -414,20 +421,21 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
     check_attention(op, q, k, v, gpu=True)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check_out(op, out, q.shape, q.dtype, xp=cupy)
+    fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype="f16"), render_flash)
     with launch_stream(stream):
         qh, kh, vh = _as_half(cupy, q, k, v)
-        o = out if (out is not None and out.dtype == np.float16) else cupy.empty(q.shape, np.float16)
+        direct = out is not None and out.dtype == np.float16 and is_aligned(out, 4)   # o is written in pairs
+        o = out if direct else cupy.empty(q.shape, np.float16)
         lse = cupy.empty((b, h, sq), np.float32)
-        fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype="f16"), render_flash)
-        grid = ((sq + FLASH_TILES[d][0] - 1) // FLASH_TILES[d][0], b * h)
-        fn(grid, (128,), (qh, kh, vh, o, lse, np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk),
-                          np.float32(scale * math.log2(math.e)), np.int32(bool(causal))))
-        if o.dtype != q.dtype:          # f32 inputs ran in f16; hand back the caller's dtype
-            if out is None:
-                o = o.astype(q.dtype)
-            else:
-                out[...] = o
-                o = out
+        for bs in _batch_slices(b, h):
+            grid = ((sq + FLASH_TILES[d][0] - 1) // FLASH_TILES[d][0], (bs.stop - bs.start) * h)
+            fn(grid, (128,), (qh[bs], kh[bs], vh[bs], o[bs], lse[bs], np.int32(h), np.int32(hkv), np.int32(sq),
+                              np.int32(sk), np.float32(scale * math.log2(math.e)), np.int32(bool(causal))))
+        if out is not None and o is not out:
+            out[...] = o
+            o = out
+        elif o.dtype != q.dtype:        # f32 inputs ran in f16; hand back the caller's dtype
+            o = o.astype(q.dtype)
     return (o, lse) if return_lse else o
 
 
@@ -444,22 +452,25 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
     check_stream(op, stream)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cfg = dict(head_dim=d, dtype="f16")
+    args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(scale), np.int32(bool(causal)))
+    delta_fn = get_function("flash_attention", "ts_flash_bwd_delta", cfg, render_flash)
+    smem_kv, smem_q = flash_smem_bytes(d, "ts_flash_bwd_dkdv"), flash_smem_bytes(d, "ts_flash_bwd_dq")
+    dkdv_fn = get_function("flash_attention", "ts_flash_bwd_dkdv", cfg, render_flash, dynamic_smem=smem_kv)
+    dq_fn = get_function("flash_attention", "ts_flash_bwd_dq", cfg, render_flash, dynamic_smem=smem_q)
     with launch_stream(stream):
         qh, kh, vh, oh, doh = _as_half(cupy, q, k, v, o, do)
         lse32 = cupy.ascontiguousarray(lse, dtype=np.float32)
         delta = cupy.empty((b, h, sq), np.float32)
         dq, dk, dv = (cupy.empty(t.shape, np.float16) for t in (q, k, v))
         rows = b * h * sq
-        get_function("flash_attention", "ts_flash_bwd_delta", cfg, render_flash)(
-            ((rows + 3) // 4,), (128,), (oh, doh, delta, np.int64(rows)))
-        args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(scale), np.int32(bool(causal)))
-        smem = flash_smem_bytes(d, "ts_flash_bwd_dkdv")
-        fn = get_function("flash_attention", "ts_flash_bwd_dkdv", cfg, render_flash, dynamic_smem=smem)
-        fn(((sk + 63) // 64, b * hkv), (128,), (qh, kh, vh, doh, lse32, delta, dk, dv) + args, shared_mem=smem)
-        smem = flash_smem_bytes(d, "ts_flash_bwd_dq")
-        fn = get_function("flash_attention", "ts_flash_bwd_dq", cfg, render_flash, dynamic_smem=smem)
-        fn(((sq + 63) // 64, b * h), (128,), (qh, kh, vh, doh, lse32, delta, dq) + args, shared_mem=smem)
-    return tuple(t.astype(q.dtype, copy=False) for t in (dq, dk, dv))
+        delta_fn(((rows + 3) // 4,), (128,), (oh, doh, delta, np.int64(rows)))
+        for bs in _batch_slices(b, h):     # h >= hkv: slices that fit the dq grid fit dkdv's too
+            nb = bs.stop - bs.start
+            dkdv_fn(((sk + 63) // 64, nb * hkv), (128,),
+                    (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dk[bs], dv[bs]) + args, shared_mem=smem_kv)
+            dq_fn(((sq + 63) // 64, nb * h), (128,),
+                  (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dq[bs]) + args, shared_mem=smem_q)
+        return tuple(t.astype(q.dtype, copy=False) for t in (dq, dk, dv))
 
 
 register_kernel("flash_attention", "cuda", flash_attention_cuda)

@@ -152,8 +152,12 @@ class Autotuner:
         for cfg in self.candidates():
             try:
                 times[json.dumps({k: _to_json(v) for k, v in cfg.items()})] = self._time(cfg, args, kwargs)
-            except ValueError as exc:         # a candidate this input cannot use (tile too big, ...)
-                errors.append(f"{cfg}: {exc}")
+            except Exception as exc:
+                # A candidate this input cannot use: a tile too big (ValueError), a launch the
+                # device refuses (CuPy's CUDADriverError, a RuntimeError), a variant that does
+                # not compile.  It loses; the others still compete.  If none runs, all the
+                # reasons are raised together below.
+                errors.append(f"{cfg}: {type(exc).__name__}: {exc}")
         if not times:
             raise ValueError(f"autotune {self.name}: no candidate config ran for this input:\n  "
                              + "\n  ".join(errors))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["MMA_HEADER", "get_function", "launch_stream", "device_key"]
+__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "get_function", "launch_stream", "device_key", "aligned", "is_aligned"]
 
 MMA_HEADER = r"""
 #include <cuda_fp16.h>
@@ -45,11 +45,16 @@ __device__ __forceinline__ unsigned ts_u32(elem2_t v) { return *reinterpret_cast
 
 // d += a * b for one m16n8k16 tile, f32 accumulators.
 __device__ __forceinline__ void ts_mma(float* d, const unsigned* a, const unsigned* b) {
+#ifdef TS_CUDA_EMULATOR
+  // the CPU emulation harness (tests/gpu_emu) computes the MMA from the PTX ISA's fragment tables
+  ts_emu_mma_m16n8k16(d, a, b, TS_BF16);
+#else
   asm volatile(
     "mma.sync.aligned.m16n8k16.row.col.f32." TS_MMA_TYPE "." TS_MMA_TYPE ".f32 "
     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 // A fragment of a 16x16 tile at `s` (row-major, leading dim `ld` elements, ld even).
@@ -86,6 +91,8 @@ __device__ __forceinline__ float ts_quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 """
+
+MAX_GRID_YZ = 65535     # CUDA caps gridDim.y and gridDim.z here (gridDim.x at 2**31 - 1)
 
 _FUNCS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
@@ -131,3 +138,18 @@ def launch_stream(stream: Any):
     if hasattr(stream, "ptr"):
         return cupy.cuda.ExternalStream(stream.ptr)
     raise TypeError(f"expected a CUDA stream, got {type(stream).__name__}")
+
+
+def is_aligned(a: Any, nbytes: int) -> bool:
+    """Does device array ``a`` start on an ``nbytes`` boundary (what a vector load needs)?"""
+    return a.data.ptr % nbytes == 0
+
+
+def aligned(a: Any, nbytes: int):
+    """``a``, or an aligned copy where ``a`` is a view starting mid-word (e.g. ``x[1:]``).
+
+    The kernels read two halves as one 32-bit word or eight as one 16-byte ``uint4``; on a
+    GPU such a load from a misaligned address faults.  CuPy's allocations are 256-byte
+    aligned, so a copy always is.  Call inside the launch's stream context.
+    """
+    return a if is_aligned(a, nbytes) else a.copy()

@@ -21,7 +21,7 @@ from ..backend import register_kernel
 from ..dtypes import dtype_name
 from ._common import check_float, check_out, check_policy, check_stream
 from .compile import KernelSource, register_source
-from .cuda_common import MMA_HEADER, get_function, launch_stream
+from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_aligned, launch_stream
 from .gemm import check_tile_shape, matmul as matmul_reference, matmul_shapes
 
 __all__ = ["GEMM_CONFIGS", "DUAL_CONFIGS", "render_gemm", "gemm_smem_bytes", "tile_gemm", "matmul_cuda", "swiglu_cuda",
@@ -33,6 +33,7 @@ GEMM_CONFIGS = {(128, 128, 32): (2, 4), (128, 64, 32): (2, 2), (64, 128, 32): (2
 # The SwiGLU form stages two B tiles; these fit the 48 KiB of static shared memory.
 DUAL_CONFIGS = ((64, 64, 32),)   # (128, 64, 32) needs 255 registers and spills
 STATIC_SMEM_LIMIT = 48 * 1024
+_CUBLAS_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _PAD = 8  # halves of padding per smem row: keeps rows 16-byte aligned and spreads banks
 
 GEMM_SOURCE = r"""
@@ -223,23 +224,37 @@ def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | 
     batch = tuple(shape[:-2])
     out_dt = np.dtype(out_dtype)
     check_out(op, out, shape, out_dt, xp=cupy)
-    c = out if out is not None else cupy.empty(shape, out_dt)
     nb = int(np.prod(batch)) if batch else 1
+    a_stride, b_stride = _batch_stride(a, batch, m, k), _batch_stride(b, batch, k, n)
     cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], dtype="f16", out_f32=out_dt == np.float32,
                dual=b2 is not None)
     fn = get_function("tile_gemm", "ts_gemm", cfg, render_gemm)
     wm, wn = GEMM_CONFIGS[tile]
-    grid = ((n + tile[1] - 1) // tile[1], (m + tile[0] - 1) // tile[0], nb)
-    with launch_stream(stream):
-        fn(grid, (wm * wn * 32,), (a, b, b2 if b2 is not None else b, c, np.int32(m), np.int32(n),
-                                    np.int32(k), np.int64(_batch_stride(a, batch, m, k)),
-                                    np.int64(_batch_stride(b, batch, k, n)), np.int64(m * n)))
+    with launch_stream(stream):     # allocations and copies on the launch's stream
+        # ld_pair reads two halves as one 32-bit word: operands must start 4-byte aligned
+        a, b = aligned(a, 4), aligned(b, 4)
+        b2 = aligned(b2, 4) if b2 is not None else b
+        c = out if out is not None and is_aligned(out, 4) else cupy.empty(shape, out_dt)
+        a3, b3, b23 = (x.reshape((-1,) + x.shape[-2:]) for x in (a, b, b2))
+        c3 = c.reshape((nb, m, n))
+        # the batch rides on grid.z, which CUDA caps at 65535: launch in slices of that many
+        for z0 in range(0, nb, MAX_GRID_YZ):
+            z1 = min(nb, z0 + MAX_GRID_YZ)
+            pick = (lambda x, stride: x[z0:z1] if stride else x)
+            grid = ((n + tile[1] - 1) // tile[1], (m + tile[0] - 1) // tile[0], z1 - z0)
+            fn(grid, (wm * wn * 32,), (pick(a3, a_stride), pick(b3, b_stride), pick(b23, b_stride), c3[z0:z1],
+                                        np.int32(m), np.int32(n), np.int32(k), np.int64(a_stride),
+                                        np.int64(b_stride), np.int64(m * n)))
+        if out is not None and c is not out:
+            out[...] = c
+            c = out
     return c
 
 
 def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
                 stream: Any | None = None, policy: Any = None):
     """GPU matmul: cuBLAS by default; the tile kernel when ``tile_shape`` is given for fp16."""
+    import cupy
     check_float("matmul", "a", a)
     check_float("matmul", "b", b)
     check_policy("matmul", policy)
@@ -247,6 +262,12 @@ def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = Non
     if tile_shape is not None and a.dtype == np.float16 and b.dtype == np.float16 and policy is None:
         return tile_gemm(a, b, tuple(tile_shape), out=out, stream=stream, out_dtype=np.float16)
     with launch_stream(stream):   # cuBLAS through cupy.matmul, on the caller's stream
+        if policy is None and a.dtype == b.dtype and a.dtype in _CUBLAS_DTYPES:
+            # Straight to cuBLAS: for fp16 CuPy already runs the tensor cores with f32
+            # accumulation, so widening first (the reference's way) would only add two
+            # copies and turn an HGEMM into an SGEMM.
+            matmul_shapes("matmul", a, b)
+            return cupy.matmul(a, b, out=out)
         return matmul_reference(a, b, out=out, policy=policy)
 
 
@@ -257,11 +278,12 @@ def swiglu_cuda(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any
     if x.dtype == np.float16 and policy is None and x.ndim >= 2:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        y = tile_gemm(x2, w1, (64, 64, 32), b2=w3, stream=stream, out_dtype=np.float16)
-        y = y.reshape(lead + (w1.shape[1],))
-        if out is not None:
-            out[...] = y
-            return out
+        with launch_stream(stream):
+            y = tile_gemm(x2, w1, (64, 64, 32), b2=w3, stream=stream, out_dtype=np.float16)
+            y = y.reshape(lead + (w1.shape[1],))
+            if out is not None:
+                out[...] = y
+                return out
         return y
     with launch_stream(stream):
         return swiglu_reference(x, w1, w3, out=out, policy=policy)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..backend import register_kernel
 from ..dtypes import resolve_dtype
-from ._common import check_float, check_policy, check_stream, null_ptr
+from ._common import check_float, check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import get_function, launch_stream
 from .fp8 import compute_scale, fp8_max
@@ -207,61 +207,78 @@ def _row_kernel_ok(x: Any, policy: Any, *params) -> bool:
             and x.flags.c_contiguous and all(p is None or p.dtype == x.dtype for p in params))
 
 
+def _dense(p: Any):
+    """A weight or bias as the kernels read it: dense from element 0 (``w[c]``)."""
+    import cupy
+    return None if p is None else cupy.ascontiguousarray(p)
+
+
 def _launch_rows(mode: str, x: Any, w: Any, b: Any, eps: float, out: Any, stream: Any):
     import cupy
-    y = out if out is not None else cupy.empty_like(x)
     n = x.shape[-1]
     rows = x.size // n
     fn = get_function("rows", "ts_rows", dict(mode=mode, act="gelu", half=x.dtype == np.float16), render_rows)
-    with launch_stream(stream):
+    with launch_stream(stream):        # the output and the dense copies in the launch's stream
+        y = out if out is not None else cupy.empty_like(x)
         if rows:
-            fn((rows,), (ROW_THREADS,), (x, y, null_ptr(w), null_ptr(b), np.int32(n), np.float32(eps)))
+            fn((rows,), (ROW_THREADS,), (x, y, null_ptr(_dense(w)), null_ptr(_dense(b)), np.int32(n),
+                                         np.float32(eps)))
     return y
 
 
 def softmax_cuda(x: Any, *, axis: int = -1, out: Any | None = None, stream: Any | None = None,
                  policy: Any = None):
+    import cupy
     check_float("softmax", "x", x, norms.NORM_DTYPES)
     check_stream("softmax", stream)
     check_policy("softmax", policy)
-    if axis in (-1, x.ndim - 1) and _row_kernel_ok(x, policy) and (out is None or out.dtype == x.dtype):
+    check_out("softmax", out, x.shape, x.dtype, xp=cupy)     # the kernel writes out directly
+    if axis in (-1, x.ndim - 1) and _row_kernel_ok(x, policy):
         return _launch_rows("softmax", x, None, None, 0.0, out, stream)
     with launch_stream(stream):
         return norms.softmax(x, axis=axis, out=out, policy=policy)
 
 
+def _norm_cuda(mode: str, x: Any, weight: Any, bias: Any, eps: float, out: Any, stream: Any, policy: Any):
+    import cupy
+    if hasattr(x, "dtype") and _row_kernel_ok(x, policy, weight, bias):
+        norms._check_row_param(mode, "weight", weight, x)
+        norms._check_row_param(mode, "bias", bias, x)
+        check_stream(mode, stream)
+        check_out(mode, out, x.shape, x.dtype, xp=cupy)
+        if not eps >= 0:
+            raise ValueError(f"{mode}: eps must be >= 0, got {eps}")
+        return _launch_rows(mode, x, weight, bias, eps, out, stream)
+    with launch_stream(stream):
+        if mode == "layernorm":
+            return norms.layernorm(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
+        return norms.rmsnorm(x, weight, eps=eps, out=out, stream=stream, policy=policy)
+
+
 def layernorm_cuda(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, out: Any = None,
                    stream: Any = None, policy: Any = None):
-    if hasattr(x, "dtype") and _row_kernel_ok(x, policy, weight, bias) and out is None:
-        norms._check_row_param("layernorm", "weight", weight, x)
-        norms._check_row_param("layernorm", "bias", bias, x)
-        check_stream("layernorm", stream)
-        return _launch_rows("layernorm", x, weight, bias, eps, None, stream)
-    with launch_stream(stream):
-        return norms.layernorm(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
+    return _norm_cuda("layernorm", x, weight, bias, eps, out, stream, policy)
 
 
 def rmsnorm_cuda(x: Any, weight: Any = None, *, eps: float = 1e-6, out: Any = None, stream: Any = None,
                  policy: Any = None):
-    if hasattr(x, "dtype") and _row_kernel_ok(x, policy, weight) and out is None:
-        norms._check_row_param("rmsnorm", "weight", weight, x)
-        check_stream("rmsnorm", stream)
-        return _launch_rows("rmsnorm", x, weight, None, eps, None, stream)
-    with launch_stream(stream):
-        return norms.rmsnorm(x, weight, eps=eps, out=out, stream=stream, policy=policy)
+    return _norm_cuda("rmsnorm", x, weight, None, eps, out, stream, policy)
 
 
 def bias_act_cuda(x: Any, bias: Any = None, *, act: str = "gelu", out: Any = None, stream: Any = None,
                   policy: Any = None):
     import cupy
-    if act in _ACTS and hasattr(x, "dtype") and _row_kernel_ok(x, policy, bias) and out is None:
+    if act in _ACTS and hasattr(x, "dtype") and _row_kernel_ok(x, policy, bias):
         if bias is not None and tuple(bias.shape) != (x.shape[-1],):
             raise ValueError(f"bias_act: bias has shape {tuple(bias.shape)}, expected ({x.shape[-1]},)")
-        y = cupy.empty_like(x)
+        check_stream("bias_act", stream)
+        check_out("bias_act", out, x.shape, x.dtype, xp=cupy)
         fn = get_function("rows", "ts_bias_act", dict(mode="softmax", act=act, half=x.dtype == np.float16),
                           render_rows)
         with launch_stream(stream):
-            fn((min(65535, (x.size + 255) // 256),), (256,), (x, null_ptr(bias), y, np.int64(x.size), np.int32(x.shape[-1])))
+            y = out if out is not None else cupy.empty_like(x)
+            fn((min(65535, (x.size + 255) // 256),), (256,),
+               (x, null_ptr(_dense(bias)), y, np.int64(x.size), np.int32(x.shape[-1])))
         return y
     with launch_stream(stream):
         return mlp.bias_act(x, bias, act=act, out=out, stream=stream, policy=policy)
@@ -280,6 +297,7 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
     dt = resolve_dtype(dtype)
     check_float("quantize_fp8", "x", x, (np.float32, np.float16), min_ndim=0)
     check_stream("quantize_fp8", stream)
+    check_out("quantize_fp8", out, x.shape, np.uint8, xp=cupy)   # FP8 bit patterns, written in place
     with launch_stream(stream):
         xf = cupy.ascontiguousarray(x, dtype=np.float32)
         s = compute_scale(xf, dt, scale, axis) if isinstance(scale, str) else cupy.asarray(scale, np.float32)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numba
 from numba import cuda
 
-__all__ = ["SIMULATOR", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
+__all__ = ["SIMULATOR", "numba_stream", "SimulatorStream", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
            "barrier", "tbarrier", "load", "store", "kernel", "TileKernel"]
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
@@ -165,15 +165,20 @@ class TileKernel:
         self.__doc__ = fn.__doc__
 
     def __getitem__(self, config):
-        return self._jit[config]
+        """``kernel[grid, block]`` (or ``[grid, block, stream]``): always on an explicit stream."""
+        grid, block, *rest = config
+        stream = rest[0] if rest else None
+        return self._jit[(grid, block, numba_stream(stream)) + tuple(rest[1:])]
+
+    def configure(self, grid, block, stream: Any = None):
+        """The launchable kernel for ``grid`` x ``block`` on ``stream`` (default: CuPy's current)."""
+        return self[grid, block, stream]
 
     def launch(self, n: int, *args: Any, group_size: int | None = None, stream: Any = None):
         """Run with enough groups of ``group_size`` lanes to give every one of ``n`` items a lane."""
         gs = group_size or self.group_size
         groups = max(1, (int(n) + gs - 1) // gs)
-        if stream is not None and not SIMULATOR:
-            return self._jit[groups, gs, _numba_stream(stream)](*args)
-        return self._jit[groups, gs](*args)
+        return self.configure(groups, gs, stream)(*args)
 
     def inspect_ir(self, level: str = "tile", signature: str | None = None, arch: str = "sm_90") -> str:
         """The Python tile source ("tile"/"source") or its PTX ("target"/"ptx"; needs ``signature``)."""
@@ -188,12 +193,36 @@ class TileKernel:
         raise ValueError(f"inspect_ir: level={level!r}; use 'tile'/'source' or 'target'/'ptx'")
 
 
-def _numba_stream(stream: Any):
-    """A Numba stream for a runtime CudaStream / CuPy stream (by pointer), or Numba's own."""
+class SimulatorStream:
+    """What a launch gets for a stream under the CUDA simulator, which runs every launch at
+    once and has no external streams: the pointer is kept so tests can see which stream a
+    launch was ordered on."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def numba_stream(stream: Any = None):
+    """The Numba stream a launch runs on: ``stream`` (a runtime CudaStream, a CuPy stream, or
+    Numba's own), else CuPy's current stream.
+
+    Numba's default is stream 0, the legacy default stream.  tessera_rt's compute stream is
+    a non-blocking CuPy stream, which does not synchronize with stream 0, so a kernel left on
+    stream 0 could still be running when CuPy reads its output: always launch on CuPy's
+    stream.  Without CuPy in the process there is nothing to order against (stream 0).
+    """
     raw = getattr(stream, "raw", stream)
-    if hasattr(raw, "ptr"):
-        return cuda.external_stream(raw.ptr)
-    return stream
+    ptr = getattr(raw, "ptr", None)
+    if stream is None:
+        cupy = sys.modules.get("cupy")
+        if cupy is None:
+            return 0
+        ptr = cupy.cuda.get_current_stream().ptr
+    if ptr is None:
+        return stream                  # already a Numba stream
+    return SimulatorStream(ptr) if SIMULATOR else cuda.external_stream(ptr)
 
 
 def kernel(fn: Callable | None = None, *, group_size: int = 128, **jit_options: Any):

@@ -7,6 +7,7 @@ CPU-only machine under the CUDA simulator (small sizes).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numba
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name
-from ._common import array_module, check_float, check_stream
+from ._common import array_module, check_float, check_stream, is_cupy
 from . import tile
 
 __all__ = ["saxpy", "saxpy_tile", "staged_axpy_tile", "tiled_matmul_tile", "saxpy_reference",
@@ -116,16 +117,24 @@ def saxpy_tile(x: Any, y: Any, alpha: float, *, out: Any | None = None, stream: 
     op = "saxpy"
     _check_axpy(op, x, y, out)
     check_stream(op, stream)
-    res = out if out is not None else y.copy()
-    if res is not y and out is not None:
-        res[...] = y
-    if staged:
-        groups = groups or min(max(1, (x.size + AXPY_TILE - 1) // AXPY_TILE), 1024)
-        kern = staged_axpy_kernel._jit[groups, AXPY_TILE]
-        kern(x, res, np.float32(alpha))
-    else:
-        saxpy_kernel.launch(x.size, x, res, np.float32(alpha), stream=stream)
+    with _on_stream(stream, x):      # the copy into res is ordered before the kernel reads it
+        res = out if out is not None else y.copy()
+        if res is not y and out is not None:
+            res[...] = y
+        if staged:
+            groups = groups or min(max(1, (x.size + AXPY_TILE - 1) // AXPY_TILE), 1024)
+            staged_axpy_kernel.configure(groups, AXPY_TILE, stream)(x, res, np.float32(alpha))
+        else:
+            saxpy_kernel.launch(x.size, x, res, np.float32(alpha), stream=stream)
     return res
+
+
+def _on_stream(stream: Any, x: Any):
+    """CuPy work (allocations, copies) on the launch's stream; nothing to do for host arrays."""
+    if stream is None or not is_cupy(x):
+        return contextlib.nullcontext()
+    from .cuda_common import launch_stream
+    return launch_stream(stream)
 
 
 def staged_axpy_tile(x: Any, y: Any, alpha: float, *, out: Any | None = None, stream: Any | None = None,
@@ -144,11 +153,12 @@ def tiled_matmul_tile(a: Any, b: Any, *, ts: int = 16, out: Any | None = None, s
     if ts * ts > 1024:
         raise ValueError(f"{op}: a {ts}x{ts} tile needs {ts * ts} lanes per group; the limit is 1024 (ts <= 32)")
     xp = array_module(a, b)
-    c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), np.float32)
-    if tuple(c.shape) != (a.shape[0], b.shape[1]) or c.dtype != np.float32:
-        raise ValueError(f"{op}: out must be {(a.shape[0], b.shape[1])} float32, got {tuple(c.shape)} {c.dtype}")
+    if out is not None and (tuple(out.shape) != (a.shape[0], b.shape[1]) or out.dtype != np.float32):
+        raise ValueError(f"{op}: out must be {(a.shape[0], b.shape[1])} float32, got {tuple(out.shape)} {out.dtype}")
     grid = ((b.shape[1] + ts - 1) // ts, (a.shape[0] + ts - 1) // ts)
-    make_tiled_matmul(ts)[grid, (ts, ts)](a, b, c)
+    with _on_stream(stream, a):
+        c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), np.float32)
+        make_tiled_matmul(ts).configure(grid, (ts, ts), stream)(a, b, c)
     return c
 
 
