@@ -3,8 +3,10 @@
     tessera-run -n 2 scripts/bench_debug.py [--iters 20000] [--reps 7]
 
 Modes (each measured in the same run, interleaved, median of reps, slowest rank):
-raw mpi4py Allreduce; tessera_rt all_reduce with nothing watching (the watchdog thread
-runs, it samples and costs the call nothing); the flight recorder; desync checks
+raw mpi4py Allreduce; tessera_rt all_reduce as it runs by default (the cross-rank signature
+check of ``dist.consistency`` on; the watchdog thread samples and costs the call nothing);
+the same with the check off (TESSERA_CHECK=0); the check alone, no MPI call; the flight
+recorder; desync checks
 (TESSERA_DEBUG=collectives); the profiler; NVTX ranges only; deterministic (fixed-order)
 all_reduce.  Also a DTensor op (x + y) with and without the profiler.
 """
@@ -43,7 +45,11 @@ def main() -> None:
     mpi = MPI.COMM_WORLD
     has = hasattr(dist, "debug")
     modes = {"raw mpi4py Allreduce": (None, lambda: mpi.Allreduce(x, out))}
-    modes["tessera all_reduce, hooks off"] = ("off", lambda: dist.all_reduce(x))
+    from tessera_rt.dist import collectives as C, consistency
+    g = C.world_group()
+    modes["tessera all_reduce, default"] = ("off", lambda: dist.all_reduce(x))
+    modes["tessera all_reduce, check off"] = ("nocheck", lambda: dist.all_reduce(x))
+    modes["default check alone (no MPI)"] = ("off", lambda: C._check("all_reduce", g, x.dtype, x.shape, "sum"))
     if has:
         from tessera_rt import profiler
         modes["flight recorder"] = ("flight", lambda: dist.all_reduce(x))
@@ -61,7 +67,9 @@ def main() -> None:
     for _ in range(args.reps):
         for name, (mode, fn) in modes.items():
             prof = None
-            if mode == "flight":
+            if mode == "nocheck":
+                consistency.configure(False)
+            elif mode == "flight":
                 dist.init(debug="flight")
             elif mode == "collectives":
                 dist.init(debug="collectives")
@@ -72,7 +80,9 @@ def main() -> None:
             elif mode == "det":
                 dist.set_deterministic(True)
             times[name].append(per_call(fn, args.iters if mode != "collectives" else args.iters // 10))
-            if mode in ("flight", "collectives"):
+            if mode == "nocheck":
+                consistency.configure(True)
+            elif mode in ("flight", "collectives"):
                 dist.init(debug=False)
             elif prof is not None:
                 prof.events.clear()

@@ -16,7 +16,15 @@ def test_dry_run_uses_the_venv_mpiexec_and_mpi4py(capsys):
     assert launcher.main(["-n", "3", "--dry-run", "prog.py", "--flag"]) == 0
     cmd = capsys.readouterr().out.split()
     assert cmd[0] == launcher.find_mpiexec() and cmd[1:3] == ["-n", "3"]
-    assert cmd[-4:] == ["-m", "mpi4py", "prog.py", "--flag"]
+    assert cmd[-5:] == ["-m", "tessera_rt.launcher", "--rank", "prog.py", "--flag"]
+
+
+def test_thread_pools_are_capped_per_rank_unless_set(monkeypatch):
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    env = launcher.rank_env(4, {"MKL_NUM_THREADS": "3"})
+    assert env["OMP_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "4"
+    assert env["MKL_NUM_THREADS"] == "3"                         # the user's setting wins
+    assert launcher.rank_env(32, {})["OMP_NUM_THREADS"] == "1"
 
 
 def test_no_mpi_installed_is_a_clear_message(monkeypatch, capsys):

@@ -1,17 +1,30 @@
 """``tessera-run -n N script.py [args]``: launch an SPMD program on N ranks.
 
 Runs the MPI launcher that belongs to the MPI mpi4py loaded (an ``mpiexec`` from another MPI
-would give every rank world size 1), as ``mpiexec -n N python -m mpi4py script.py``, so an
-uncaught exception on any rank aborts the whole job instead of leaving the others waiting
-in a collective.  Sets NUMBA_NUM_THREADS to share the cores among the ranks.
+would give every rank world size 1), as ``mpiexec -n N python -m tessera_rt.launcher --rank
+script.py``: each rank runs the script under a hook that ends the whole job on an uncaught
+exception, with one traceback per job (the first failing rank's, without launcher or runpy
+frames, the other failing ranks summarized in one line; ``dist.process_group.report_failure``).
+
+* Signals: SIGTERM, SIGINT and SIGHUP sent to tessera-run are forwarded to mpiexec, which
+  ends every rank; if tessera-run itself is SIGKILLed, the kernel sends mpiexec SIGTERM
+  (``PR_SET_PDEATHSIG``), so no rank outlives the launcher.
+* MPI's own "application called MPI_Abort" lines are dropped from stderr (the rank's report
+  says why the job ended).
+* BLAS/OpenMP/Numba threads are capped per rank (cores // ranks) unless already set, so N
+  ranks do not start N x cores threads.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import runpy
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 __all__ = ["main", "build_command", "find_mpiexec"]
@@ -41,7 +54,79 @@ def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str]
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
     cmd += list(extra)
-    return cmd + [sys.executable, "-m", "mpi4py"] + target
+    return cmd + [sys.executable, "-m", "tessera_rt.launcher", "--rank"] + target
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def rank_env(nranks: int, env: dict | None = None) -> dict:
+    """The environment for the ranks: thread pools capped at cores // ranks unless set."""
+    env = dict(os.environ if env is None else env)
+    per = str(max(1, (os.cpu_count() or 1) // nranks))
+    for var in THREAD_VARS:
+        env.setdefault(var, per)
+    return env
+
+
+_MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Abort|\[unset\]: .*MPI_Abort)")
+
+
+def _copy_stderr(src, dst) -> None:
+    for line in iter(src.readline, b""):
+        if not _MPI_NOISE.match(line.decode(errors="replace")):
+            dst.write(line)
+            dst.flush()
+
+
+def _die_with_parent() -> None:
+    """In the mpiexec child: get SIGTERM when tessera-run dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _launch(cmd: list[str], env: dict) -> int:
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)
+    copier.start()
+
+    def forward(signum, frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    copier.join(timeout=5)
+    return 128 - rc if rc < 0 else rc
+
+
+def _rank_main(argv: list[str]) -> None:
+    """One rank: install the one-error-per-job hook, then run the script as __main__."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
+        from tessera_rt.dist import process_group
+        process_group._install_excepthook(MPI.COMM_WORLD.Get_rank())
+    sys.argv = list(argv)
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,19 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             "  Install one into this environment:  pip install 'tessera_rt[mpich]'   (or pip install mpich)\n"
             "  or run a single rank directly:       python script.py\n")
         return 127
-    env = dict(os.environ)
-    cores = os.cpu_count() or 1
-    env.setdefault("NUMBA_NUM_THREADS", str(max(1, cores // args.nranks)))
-    env.setdefault("OMP_NUM_THREADS", env["NUMBA_NUM_THREADS"])
+    env = rank_env(args.nranks)
     cmd = build_command(args.nranks, target, mpiexec, args.mpi_arg)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+    return _launch(cmd, env)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 2 and sys.argv[1] == "--rank":
+        _rank_main(sys.argv[2:])
+    else:
+        sys.exit(main())

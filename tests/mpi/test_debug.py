@@ -101,3 +101,81 @@ def test_dtensor_collectives_are_checked_with_the_user_call_site(desync):
     if w.size > 1:
         assert log.count("all_gather") == 1
         assert recs[-1].site.startswith("test_debug.py:")
+
+
+# --------------------------------------------------------------------------- the default check (no debug mode)
+
+def _odd(w, expect: str, fn):
+    """fn() disagrees on rank 1: every rank raises, naming rank 1, and the ranks stay in step."""
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        fn()
+    msg = str(e.value)
+    if w.size > 2:
+        assert "rank 1 differs from the others" in msg, msg
+    assert f"disagree on {expect}" in msg, msg
+    assert msg.count("test_debug.py:") >= 2, msg                  # both call sites
+    assert dist.all_reduce(np.ones(1))[0] == w.size               # still in step
+    return msg
+
+
+def test_default_mode_catches_each_kind_of_disagreement_before_data_moves(world):
+    w = world
+    assert not debug.desync_enabled()                         # the default mode
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    x = np.ones(4, np.float32)
+    msg = _odd(w, "dtype", lambda: dist.all_reduce(x.view(np.int32) if w.rank == 1 else x))
+    assert "rank 1 all_reduce(world) int32[4]" in msg and "float32[4]" in msg
+    msg = _odd(w, "arguments (op)", lambda: dist.all_reduce(x, op="max" if w.rank == 1 else "sum"))
+    assert "with op='max'" in msg and "with op='sum'" in msg
+    for coll in (dist.all_gather, dist.all_reduce):
+        msg = _odd(w, "shape", lambda: coll(np.ones((4, 8) if w.rank == 1 else (8, 4), np.float32)))
+        assert "float32[4,8]" in msg and "float32[8,4]" in msg
+    msg = _odd(w, "shape", lambda: dist.all_reduce(np.ones(5 if w.rank == 1 else 4, np.float32)))
+    msg = _odd(w, "arguments (root)", lambda: dist.broadcast(np.ones(2), root=1 if w.rank == 1 else 0))
+    # a call site that is verified once is not verified again (until the sampled call)
+    for _ in range(3):
+        assert dist.all_reduce(np.ones(2))[0] == w.size
+
+
+def test_default_mode_catches_dtensors_of_different_global_shapes(world):
+    w = world
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": w.size})
+    Col = dist.ShardSpec(partition=("col",), mesh_axes=("dp",))
+    X = dist.tensor(shape=(8, 18) if w.rank == 1 else (8, 16), layout=Col, mesh=mesh)
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        X.sum().full_tensor()
+    msg = str(e.value)
+    assert "DTensor global shape/layout" in msg and "float32[8, 18] S(1)@dp" in msg, msg
+    Y = dist.tensor(shape=(8, 16), layout=Col, mesh=mesh)
+    assert float(Y.sum().full_tensor()) == 0.0
+
+
+def test_debug_mode_names_the_odd_rank_for_a_different_reduction(desync):
+    w = desync
+    if w.size < 3:
+        pytest.skip("needs 3 ranks to have an odd one out")
+    with pytest.raises(debug.CollectiveMismatchError) as e:
+        dist.all_reduce(np.ones(2), op="max" if w.rank == 1 else "sum")
+    msg = str(e.value)
+    others = ",".join(str(r) for r in range(w.size) if r != 1)
+    assert "rank 1 differs from the others: rank 1 all_reduce(world) float64[2]" in msg, msg
+    assert "with op='max'" in msg and f"ranks [{others}] all_reduce(world) float64[2]" in msg, msg
+
+
+def test_debug_mode_checks_send_and_recv(desync):
+    w = desync
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    if w.rank == 0:
+        dist.send(np.arange(4.0), 1, tag=3)
+        dist.send(np.ones(8, np.float32), 1, tag=4)
+    elif w.rank == 1:
+        buf = dist.recv(np.zeros(4), 0, tag=3)
+        assert list(buf) == [0, 1, 2, 3]
+        with pytest.raises(debug.CollectiveMismatchError, match=r"rank 0 sent float32\[8\] at test_debug.py:"):
+            dist.recv(np.zeros(4, np.float64), 0, tag=4)
+        dist.init(debug=False)                              # its header was taken: take the data unchecked
+        dist.recv(np.zeros(8, np.float32), 0, tag=4)

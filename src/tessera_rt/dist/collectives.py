@@ -53,6 +53,10 @@ class CollectiveRecord:
                 f"sends {self.bytes_sent} B")
 
 
+# The default cross-rank agreement check (consistency.check), or None when it is off or the
+# full TESSERA_DEBUG=collectives check replaces it.  Called before any data moves.
+_check = None
+
 # Everything that watches collectives (trace_collectives, the flight recorder and desync
 # check, the profiler, deterministic reductions) is one entry here, so a collective with
 # nothing watching pays one list check.
@@ -324,6 +328,8 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
     out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
+    if _check is not None:
+        _check("all_reduce", g, x.dtype, x.shape, op)
     comm = g.comm
     if _HOOKS:
         return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, op), role, async_op, comm.all_reduce,
@@ -404,6 +410,8 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
     shape = (mine,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
+    if _check is not None:
+        _check("reduce_scatter", g, x.dtype, x.shape, (op, dim))
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
     if _HOOKS:
@@ -438,6 +446,8 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
         counts = None if even else [s * inner for s in sizes]
     shape = (total,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
+    if _check is not None:
+        _check("all_gather", g, x.dtype, x.shape if sizes is None else _with_dim(x.shape, dim, -1), dim)
     info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
             dim) if _HOOKS else None
     # communicators take flat contiguous buffers: shapes do not matter to them
@@ -471,6 +481,9 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         split_dim = _norm_dim("all_to_all", g, x, split_dim)
     concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
     n = g.size
+    if _check is not None:
+        _check("all_to_all", g, x.dtype, tuple(-1 if i in (split_dim, concat_dim) else s
+                                               for i, s in enumerate(x.shape)), (split_dim, concat_dim))
     info = ("all_to_all", g, x, x.nbytes, mesh, tuple(-1 if i in (split_dim, concat_dim) else s
                                                       for i, s in enumerate(x.shape)),
             (split_dim, concat_dim)) if _HOOKS else None
@@ -527,6 +540,8 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
                         f"{_backend().xp.__name__} array, got {type(x).__name__}")
     if not 0 <= root < g.size:
         raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
+    if _check is not None:
+        _check("broadcast", g, x.dtype, x.shape, root)
     comm = g.comm
     if _HOOKS:
         return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, root), role,
@@ -548,7 +563,7 @@ def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
     _peer("send", g, x, dst, "dst")
     comm = g.comm
     if _HOOKS:
-        return _hooked(("send", g, x, x.nbytes, mesh, (), dst), role, async_op, comm.send, (x, dst, tag), None)
+        return _hooked(("send", g, x, x.nbytes, mesh, (), (dst, tag)), role, async_op, comm.send, (x, dst, tag), None)
     return _issue(role, async_op, comm.send, (x, dst, tag,), None)
 
 
@@ -562,13 +577,15 @@ def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
     _peer("recv", g, x, src, "src")
     comm = g.comm
     if _HOOKS:
-        return _hooked(("recv", g, x, 0, mesh, (), src), role, async_op, comm.recv, (x, src, tag), x)
+        return _hooked(("recv", g, x, 0, mesh, (), (src, tag)), role, async_op, comm.recv, (x, src, tag), x)
     return _issue(role, async_op, comm.recv, (x, src, tag,), x)
 
 
 def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
     g = _group(mesh, axis, "barrier")
+    if _check is not None:
+        _check("barrier", g, None, (), None)
     comm = g.comm
     if _HOOKS:
         return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)

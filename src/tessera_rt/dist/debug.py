@@ -14,44 +14,39 @@
   same collectives in the same order, each on its own group, so the check runs over the
   whole mesh and cannot deadlock when ranks call collectives of different groups.
   ``send``/``recv`` (pipeline stages) are not checked and do not count in the sequence.
-* **Watchdog** (on by default at world size > 1; ``TESSERA_TIMEOUT`` seconds, default 600,
+* **Default checks** (``dist.consistency``): without any debug mode, each collective's signature
+  is verified within its group when it is new and every 1024th call (< 1 us per call).
+* **Watchdog** (on by default at world size > 1; ``TESSERA_TIMEOUT`` seconds, default 300,
   0 turns it off): a daemon thread per rank samples the main thread's stack; when the main
   thread has been inside one MPI/NCCL call (a collective, its fingerprint check, a wait on
   one, a stream synchronize) for longer than the timeout it asks every rank, over a
   duplicated world communicator served by the watchdog threads, what it is doing (pending
   collective, or the main thread's stack if it is not in one, and its flight recorder),
-  prints one combined report, aborts the NCCL communicators (``ncclCommAbort``) and calls
-  ``MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)``.  Sampling costs the collectives nothing.
+  prints one combined report (once per job: when several ranks time out, the lowest prints),
+  with where the ranks' call histories first diverge (a skipped collective, another axis),
+  which ranks finished normally and which are dead, aborts the NCCL communicators
+  (``ncclCommAbort``) and calls ``MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)``.  Sampling costs
+  the collectives nothing.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import sys
-import threading
 import time
-import traceback
-import weakref
 import zlib
 from collections import deque
 
 import numpy as np
-from mpi4py import MPI
 
 from ..dtypes import dtype_name
+from . import consistency
+from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
     "recorder_enabled", "watchdog_timeout", "WATCHDOG_EXIT_CODE", "register_nccl", "status",
 ]
 
-WATCHDOG_EXIT_CODE = 14
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
-_REQ, _REP = 7701, 7702
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of a mesh issued different collectives (or shapes) at the same point."""
+DEFAULT_TIMEOUT = 300.0      # ends a hung job in minutes; raise it for long first collectives
 
 
 # --------------------------------------------------------------------------- the record of one call
@@ -60,7 +55,7 @@ class Call:
     """One collective as issued on this rank (what hooks, the recorder and profiler see)."""
 
     __slots__ = ("seq", "op", "group", "shape", "_dt", "site", "t0", "t1", "async_op", "role", "nbytes", "mesh",
-                 "gshape", "extra", "waiting", "prof", "nvtx")
+                 "gshape", "extra", "waiting", "prof", "nvtx", "meta", "hdr")
 
     def __init__(self, op, g, x, nbytes, mesh, gshape, extra, role, async_op):
         self.op, self.group, self.nbytes, self.mesh, self.gshape, self.extra = op, g, nbytes, mesh, gshape, extra
@@ -73,7 +68,7 @@ class Call:
         self.site = ""
         self.t0 = self.t1 = 0.0
         self.waiting = False
-        self.prof = self.nvtx = None
+        self.prof = self.nvtx = self.meta = self.hdr = None
 
     axis = property(lambda self: self.group.name)
     group_size = property(lambda self: self.group.size)
@@ -114,7 +109,7 @@ def format_call(c: Call, now: float | None = None) -> str:
 class _Cfg:
     recorder = False
     desync = False
-    timeout = 600.0
+    timeout = DEFAULT_TIMEOUT
     ring: deque = deque(maxlen=32)
     seq = 0
     pending: Call | None = None       # the call the main thread is blocked in (recorder on)
@@ -122,9 +117,7 @@ class _Cfg:
 
 _cfg = _Cfg()
 _DT_NAMES: dict = {}
-_SITES: dict = {}                     # (code, line) -> "file.py:line"
 _CHECK_COMMS: dict = {}               # mesh (or None: world) -> [dup communicator, sequence]
-_SITE_INTERNAL: dict = {}             # code object -> True if it belongs to tessera_rt
 
 
 def desync_enabled() -> bool:
@@ -157,7 +150,7 @@ def _parse_debug(spec) -> set[str]:
 def configure(debug=None, timeout=None, world=None) -> None:
     """Set the debug modes (``dist.init`` calls this).  ``debug``: "collectives", "flight",
     True/False or None (read ``TESSERA_DEBUG``); ``timeout``: watchdog seconds, 0 = off,
-    None (read ``TESSERA_TIMEOUT``, default 600)."""
+    None (read ``TESSERA_TIMEOUT``, default 300)."""
     from . import collectives as C
     modes = _parse_debug(debug)
     _cfg.desync = bool(modes & {"collectives", "desync"})
@@ -168,10 +161,13 @@ def configure(debug=None, timeout=None, world=None) -> None:
     if timeout is None:
         env = os.environ.get("TESSERA_TIMEOUT", "").strip()
         try:
-            timeout = float(env) if env else 600.0
+            timeout = float(env) if env else DEFAULT_TIMEOUT
         except ValueError:
             raise ValueError(f"TESSERA_TIMEOUT={env!r} is not a number of seconds (0 turns the watchdog off)") from None
     _cfg.timeout = float(timeout)
+    consistency.configure(not _cfg.desync)        # the full check replaces the default one
+    if world is not None and world.size > 1 and consistency._P2P[0] is None:
+        consistency._P2P[0] = world.mpi.Dup()      # send/recv headers in debug mode (init: collective)
     if _cfg.recorder:
         if _RECORDER not in C._HOOKS:
             C._HOOKS.append(_RECORDER)
@@ -191,32 +187,13 @@ def flight_records() -> list[Call]:
 # --------------------------------------------------------------------------- call sites
 
 def _is_internal(code) -> bool:
-    v = _SITE_INTERNAL.get(code)
-    if v is None:
-        f = code.co_filename
-        v = _SITE_INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
-    return v
+    return consistency._is_internal(code)
 
 
 def user_site(depth: int = 2) -> str:
     """file:line of the first caller frame outside tessera_rt (the user's call site)."""
-    f = sys._getframe(depth)
-    internal = _SITE_INTERNAL
-    while f is not None:
-        code = f.f_code
-        v = internal.get(code)
-        if v is None:
-            v = _is_internal(code)
-        if not v:
-            break
-        f = f.f_back
-    if f is None:
-        return "?"
-    key = (f.f_code, f.f_lineno)
-    site = _SITES.get(key)
-    if site is None:
-        site = _SITES[key] = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
-    return site
+    code, line, _ = user_frame(depth)
+    return site_of(code, line)
 
 
 # --------------------------------------------------------------------------- the recorder hook
@@ -232,7 +209,9 @@ class _Recorder:
     """The hook collectives call around every collective while the recorder is on."""
 
     def before(self, call: Call) -> None:
-        call.site = user_site(3)
+        code, line, meta = user_frame(2)
+        call.meta = None if meta is None else (meta, None)
+        call.site = site_of(code, line)
         _cfg.seq += 1
         call.seq = _cfg.seq
         call.t0 = time.monotonic()
@@ -240,8 +219,16 @@ class _Recorder:
         if not call.async_op:
             call.waiting = True
             _cfg.pending = call
-        if _cfg.desync and call.op not in ("send", "recv"):
-            _check(call)
+        if _cfg.desync:
+            if call.op == "send":
+                consistency.p2p_send_header(call.group, call.shape, call._dt, call.extra, call.site)
+            elif call.op == "recv":
+                call.hdr = consistency.p2p_post_header(call.group, call.extra)
+                if not call.async_op:             # async: checked in wait(), so an exchange cannot deadlock
+                    hdr, call.hdr = call.hdr, None
+                    consistency.p2p_check_header(hdr, call.group, call.shape, call._dt, call.extra, call.site)
+            else:
+                _check(call)
 
     def wait(self, call: Call) -> None:
         call.waiting = True
@@ -251,6 +238,9 @@ class _Recorder:
         call.t1 = time.monotonic()
         if _cfg.pending is call:
             _cfg.pending = None
+        if call.hdr is not None:
+            hdr, call.hdr = call.hdr, None
+            consistency.p2p_check_header(hdr, call.group, call.shape, call._dt, call.extra, call.site)
 
 
 _RECORDER = _Recorder()
@@ -278,7 +268,9 @@ def precheck(op: str, mesh, axis, x) -> None:
         return
     call = Call(op, _NewGroup(mesh, axis), x if hasattr(x, "dtype") else None, 0, mesh, None, "<new group>",
                 "", False)
-    call.site = user_site(3)
+    code, line, meta = user_frame(2)
+    call.meta = None if meta is None else (meta, None)
+    call.site = site_of(code, line)
     _check(call)
 
 
@@ -288,7 +280,7 @@ def _check(call: Call) -> None:
     comm = st[0]
     st[1] += 1
     mseq = st[1]
-    key = (call.op, call.axis, call.dtype, call.site, call.extra)
+    key = (call.op, call.axis, call.dtype, call.site, call.extra, call.meta)
     h = _FP_CACHE.get(key)
     if h is None:
         h = _FP_CACHE[key] = _crc("|".join(map(str, key)))
@@ -306,19 +298,14 @@ def _check(call: Call) -> None:
                 grp_ok = False
     if seq_ok and grp_ok:
         return
-    desc = (mseq, call.op, call.axis, call.dtype, call.shape, call.site, call.ranks, call.gshape, call.extra)
+    desc = (mseq, call.op, call.axis, call.dtype, tuple(call.shape), call.site, call.extra, call.meta, call.ranks,
+            call.gshape)
     everyone = comm.allgather(desc)
     raise CollectiveMismatchError(_mismatch_message(everyone, call, comm.Get_rank(), seq_ok))
 
 
-def _short(d) -> str:
-    seq, op, axis, dtype, shape, site, ranks, gshape, extra = d
-    dt = f" {dtype}[{','.join(map(str, shape))}]" if dtype else ""
-    return f"{op}({axis}){dt} at {site}"
-
-
 def _ranks_str(rs) -> str:
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks [" + ",".join(map(str, rs)) + "]"
+    return consistency._ranks_str(rs)
 
 
 def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
@@ -327,224 +314,33 @@ def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
     # mesh position -> world rank
     wranks = list(range(len(everyone))) if call.mesh is None else list(call.mesh.devices)
     if not seq_ok:
-        groups: dict = {}
-        for pos, d in enumerate(everyone):
-            k = (d[0],) + d[1:6]
-            groups.setdefault(k, []).append(pos)
-        parts, fields = [], set()
-        ref = everyone[0]
-        names = {0: "sequence number", 1: "op", 2: "mesh axis", 3: "dtype", 4: "shape", 5: "call site",
-                 8: "arguments"}
-        for pos, d in enumerate(everyone):
-            for i, n in names.items():
-                if d[i] != ref[i]:
-                    fields.add(n)
-        for k, poss in groups.items():
-            d = everyone[poss[0]]
-            parts.append(f"{_ranks_str([wranks[p] for p in poss])} {_short(d)} (collective #{d[0]})")
-        order = ["sequence number", "op", "mesh axis", "dtype", "shape", "arguments", "call site"]
-        return (f"rank {world().rank}: collective mismatch on {where}: " + "; ".join(parts)
-                + f" -- they disagree on {', '.join(f for f in order if f in fields)}. Every rank of a mesh "
-                "must issue the same collectives in the same order (check rank-dependent branches).")
+        return mismatch_message(world().rank, f"on {where} (collective #{call_seq(everyone)})",
+                                [d[:8] for d in everyone], wranks,
+                                "Every rank of a mesh must issue the same collectives in the same order "
+                                "(check rank-dependent branches).")
     parts = []
-    for gid in dict.fromkeys(d[6] for d in everyone):
-        members = [(pos, d) for pos, d in enumerate(everyone) if d[6] == gid]
+    for gid in dict.fromkeys(d[8] for d in everyone):
+        members = [(pos, d) for pos, d in enumerate(everyone) if d[8] == gid]
         shapes = {}
         for pos, d in members:
-            shapes.setdefault(d[7], []).append(pos)
+            shapes.setdefault(d[9], []).append(pos)
         if len(shapes) > 1:
             d0 = members[0][1]
+            ordered = sorted(shapes.values(), key=len)
             desc = "; ".join(f"{_ranks_str([wranks[p] for p in ps])} {everyone[ps[0]][3]}"
-                             f"[{','.join(map(str, everyone[ps[0]][4]))}]"
-                             for ps in shapes.values())
-            parts.append(f"group {list(gid)} in {d0[1]}({d0[2]}) at {d0[5]}: {desc}")
+                             f"[{','.join(map(str, everyone[ps[0]][4]))}] at {everyone[ps[0]][5]}"
+                             for ps in ordered)
+            parts.append(f"group {list(gid)} in {d0[1]}({d0[2]}): {desc}")
     return (f"rank {world().rank}: collective mismatch on {where} (collective #{everyone[0][0]}): the ranks of a "
             f"group pass shapes that do not fit together: " + " | ".join(parts)
             + ". Every rank of the group must pass the same shape (uneven parts: pass sizes=).")
 
 
-# --------------------------------------------------------------------------- status and the watchdog
-
-_NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
-_WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
-_WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
-               ("collectives.py", "_issue"), ("collectives.py", "wait")}
+def call_seq(everyone) -> str:
+    seqs = sorted({d[0] for d in everyone})
+    return str(seqs[0]) if len(seqs) == 1 else "/".join(map(str, seqs))
 
 
-def register_nccl(comm) -> None:
-    """Remember an NCCL communicator so the watchdog can ncclCommAbort it."""
-    _NCCL_COMMS.add(comm)
+# --------------------------------------------------------------------------- the watchdog (own module)
 
-
-def _main_frame():
-    return sys._current_frames().get(threading.main_thread().ident)
-
-
-def _in_collective(frame) -> bool:
-    """True if the main thread's innermost Python frame is one that waits inside MPI/NCCL."""
-    if frame is None:
-        return False
-    fn = frame.f_code.co_filename
-    return fn in _WAIT_FILES or (os.path.basename(fn), frame.f_code.co_name) in _WAIT_FUNCS
-
-
-def _frame_summary(frame, limit: int = 4) -> str:
-    if frame is None:
-        return "(no main thread frame)"
-    stack = traceback.extract_stack(frame)
-    user = [s for s in stack if not s.filename.startswith((_PKG_DIR, "<frozen"))] or stack
-    lines = [f"{os.path.basename(s.filename)}:{s.lineno} in {s.name}: {(s.line or '').strip()}" for s in user[-limit:]]
-    return " <- ".join(reversed(lines))
-
-
-def _pending_from_stack(frame) -> str:
-    """Describe the collective the main thread waits in, from the frames' locals (no recorder)."""
-    f = frame
-    while f is not None:
-        name = f.f_code.co_name
-        if os.path.basename(f.f_code.co_filename) == "collectives.py" and name in (
-                "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
-                "barrier"):
-            loc = f.f_locals
-            g, x = loc.get("g"), loc.get("x")
-            shape = f" {dtype_name(x.dtype)}[{','.join(map(str, x.shape))}]" if hasattr(x, "shape") else ""
-            return f"{name}({getattr(g, 'name', '?')}){shape} at {_site_of(f)}"
-        if name == "_check" and os.path.basename(f.f_code.co_filename) == "debug.py":
-            c = f.f_locals.get("call")
-            return f"fingerprint check before {c.describe() if c else '?'}"
-        f = f.f_back
-    return f"an MPI/NCCL call at {_site_of(frame)}"
-
-
-def _site_of(frame) -> str:
-    f = frame
-    while f is not None and _is_internal(f.f_code):
-        f = f.f_back
-    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
-
-
-def status(blocked_for: float | None = None) -> dict:
-    """What this rank is doing now: pending collective (or main-thread stack) and its flight recorder."""
-    from .process_group import world
-    frame = _main_frame()
-    now = time.monotonic()
-    busy = _in_collective(frame)
-    if _cfg.pending is not None and busy:
-        pend, what = format_call(_cfg.pending, now), _cfg.pending.describe()
-    elif busy:
-        what = _pending_from_stack(frame)
-        pend = "PENDING " + what + (f" for {blocked_for:.1f} s" if blocked_for else "")
-    else:
-        pend = what = None
-    return {"rank": world().rank, "host": world().host, "pending": pend, "what": what,
-            "stack": _frame_summary(frame),
-            "flight": [format_call(c, now) for c in _cfg.ring]}
-
-
-class _Watchdog:
-    _thread: threading.Thread | None = None
-    _stop = threading.Event()
-    _comm = None
-
-    @classmethod
-    def start(cls, world) -> None:
-        if cls._thread is not None:
-            return
-        if cls._comm is None:
-            cls._comm = world.mpi.Dup()          # collective: init runs on every rank
-        cls._stop.clear()
-        cls._thread = threading.Thread(target=cls._loop, args=(world.rank, world.size), name="tessera-watchdog",
-                                       daemon=True)
-        cls._thread.start()
-
-    @classmethod
-    def stop(cls) -> None:
-        t = cls._thread
-        if t is not None:
-            cls._stop.set()
-            t.join(timeout=5)
-            cls._thread = None
-
-    @classmethod
-    def _serve(cls) -> None:
-        comm = cls._comm
-        st = MPI.Status()
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQ, status=st):
-            src = st.Get_source()
-            comm.recv(source=src, tag=_REQ)
-            comm.send(status(), dest=src, tag=_REP)
-
-    @classmethod
-    def _loop(cls, rank: int, size: int) -> None:
-        frame, since = None, 0.0
-        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        while not cls._stop.is_set():
-            timeout = _cfg.timeout
-            cls._stop.wait(min(0.2, max(0.02, timeout / 20)))
-            if timeout <= 0 or cls._stop.is_set():
-                continue
-            try:
-                if threaded:
-                    cls._serve()
-                f = _main_frame()
-                if not _in_collective(f):
-                    frame = None
-                    continue
-                now = time.monotonic()
-                if f is not frame:
-                    frame, since = f, now
-                    continue
-                if now - since >= timeout:
-                    cls._fire(rank, size, now - since, threaded)
-            except Exception as e:          # the watchdog must never take the job down by itself
-                sys.stderr.write(f"[tessera watchdog rank {rank}] internal error: {e!r}\n")
-            finally:
-                f = None
-
-    @classmethod
-    def _fire(cls, rank: int, size: int, waited: float, threaded: bool) -> None:
-        comm = cls._comm
-        mine = status(waited)
-        reports = {rank: mine}
-        if threaded and size > 1:
-            for r in range(size):
-                if r != rank:
-                    comm.isend(("status", rank), dest=r, tag=_REQ)
-            deadline = time.monotonic() + 3.0
-            st = MPI.Status()
-            while len(reports) < size and time.monotonic() < deadline:
-                cls._serve()                                   # another rank may be asking too
-                if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REP, status=st):
-                    reports[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_REP)
-                else:
-                    time.sleep(0.01)
-        lines = [f"[tessera watchdog] rank {rank}: {mine['what'] or 'a collective'} has not completed "
-                 f"after {waited:.1f} s (TESSERA_TIMEOUT={_cfg.timeout:g}); ending the job "
-                 f"(exit code {WATCHDOG_EXIT_CODE}).", "  what every rank is doing:"]
-        for r in range(size):
-            rep = reports.get(r)
-            if rep is None:
-                lines.append(f"    rank {r}: no answer within 3 s (dead, or its main thread holds the GIL)")
-            elif rep["pending"]:
-                lines.append(f"    rank {r} ({rep['host']}): {rep['pending']}")
-            else:
-                lines.append(f"    rank {r} ({rep['host']}): not in a collective; main thread at {rep['stack']}")
-        if any(rep["flight"] for rep in reports.values()):
-            lines.append(f"  flight recorder (last {_cfg.ring.maxlen} collectives per rank, oldest first):")
-            for r in sorted(reports):
-                lines.append(f"    rank {r}:")
-                lines += [f"      {c}" for c in reports[r]["flight"]] or ["      (none)"]
-        else:
-            lines.append("  (flight recorder off: TESSERA_DEBUG=flight or =collectives records the last collectives)")
-        sys.stderr.write("\n".join(lines) + "\n")
-        sys.stderr.flush()
-        for c in list(_NCCL_COMMS):
-            try:
-                c.abort()
-            except Exception:
-                pass
-        time.sleep(0.3)          # let mpiexec forward the report before the abort kills the pipes
-        MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)
-
-
-atexit.register(_Watchdog.stop)
+from .watchdog import WATCHDOG_EXIT_CODE, _Watchdog, register_nccl, status  # noqa: E402,F401

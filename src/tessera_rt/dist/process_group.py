@@ -103,20 +103,85 @@ def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -
     return _WORLD
 
 
+_ERR = 7704                     # tag of "this rank failed" notes on the control communicator
+_CONTROL: list = []             # a duplicate of COMM_WORLD for failure notes (made collectively)
+# frames that are the launcher's, not the user's: trimmed from tracebacks
+_LAUNCH_FRAMES = ("<frozen runpy>", "runpy.py", os.path.join("mpi4py", "run.py"), os.path.join("mpi4py", "__main__.py"),
+                  os.path.join("tessera_rt", "launcher.py"))
+
+
+def control_comm() -> MPI.Comm:
+    """The communicator failure notes travel on (collective on first call: init and the
+    tessera-run rank runner call it on every rank)."""
+    if not _CONTROL:
+        _CONTROL.append(MPI.COMM_WORLD.Dup())
+    return _CONTROL[0]
+
+
+def format_failure(etype, value, tb) -> str:
+    """The traceback without the launcher's and runpy's frames."""
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.endswith(_LAUNCH_FRAMES)]
+    text = "".join(traceback.format_list(frames)) if frames else ""
+    return ("Traceback (most recent call last):\n" + text if text else "") + "".join(
+        traceback.format_exception_only(etype, value))
+
+
+def _where(tb) -> str:
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))))] or traceback.extract_tb(tb)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+
+
+def report_failure(etype, value, tb, rank: int, size: int) -> None:
+    """Print one failure per job, then end every rank.  The failing ranks tell each other
+    (time, rank, error, line) for a moment; only the first one prints its traceback, with the
+    others that failed summarized in one line, and aborts the job."""
+    note = (time.time(), rank, etype.__name__, _where(tb), (str(value).splitlines() or [""])[0][:160])
+    notes = {rank: note}
+    comm = _CONTROL[0] if _CONTROL else None
+    if comm is not None and size > 1:
+        for r in range(size):
+            if r != rank:
+                comm.isend(note, dest=r, tag=_ERR)
+        st = MPI.Status()
+        end = time.monotonic() + 0.25
+        while time.monotonic() < end:
+            while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ERR, status=st):
+                n = comm.recv(source=st.Get_source(), tag=_ERR)
+                notes[n[1]] = n
+            time.sleep(0.01)
+    first = min(notes.values())
+    if first[1] != rank:
+        time.sleep(2.0)                      # the first failing rank prints and aborts the job
+        MPI.COMM_WORLD.Abort(1)
+    same = sorted(r for r, n in notes.items() if r != rank and n[2:4] == note[2:4])
+    other = sorted((r, n) for r, n in notes.items() if r != rank and n[2:4] != note[2:4])
+    lines = [f"[rank {rank}] {etype.__name__}; ending the job:", format_failure(etype, value, tb).rstrip()]
+    if same:
+        lines.append(f"(ranks failing the same way, {etype.__name__} at {note[3]}: {same})")
+    for r, n in other[:3]:
+        lines.append(f"(rank {r} failed differently: {n[2]} at {n[3]}: {n[4]})")
+    sys.stderr.write("\n".join(lines) + "\n")
+    sys.stderr.flush()
+    time.sleep(0.3)          # let mpiexec forward the traceback before the abort kills the pipes
+    MPI.COMM_WORLD.Abort(1)
+
+
 def _install_excepthook(rank: int) -> None:
-    """An uncaught exception on one rank ends the whole job (also without ``python -m mpi4py``):
-    the traceback is printed with the rank, then MPI_Abort stops every rank."""
+    """An uncaught exception on one rank ends the whole job (also without ``tessera-run``),
+    with one traceback for the job (``report_failure``)."""
+    if getattr(sys.excepthook, "_tessera", False):
+        return
+    control_comm()
     previous = sys.excepthook
+    size = MPI.COMM_WORLD.Get_size()
 
     def hook(etype, value, tb):
         if etype is KeyboardInterrupt or etype is SystemExit:
             return previous(etype, value, tb)
-        sys.stderr.write(f"[rank {rank}] uncaught {etype.__name__}; aborting the job:\n"
-                         + "".join(traceback.format_exception(etype, value, tb)))
-        sys.stderr.flush()
-        time.sleep(0.3)          # let mpiexec forward the traceback before the abort kills the pipes
-        MPI.COMM_WORLD.Abort(1)
+        report_failure(etype, value, tb, rank, size)
 
+    hook._tessera = True
     sys.excepthook = hook
 
 

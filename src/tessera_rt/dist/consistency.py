@@ -1,0 +1,358 @@
+"""Cross-rank agreement checks that are on by default (``TESSERA_CHECK=0`` turns them off).
+
+Every rank of a group must pass the same collective: op, reduction, dtype, shape, mesh axis,
+group and, for a DTensor, its global shape and layout.  MPI and NCCL do not check this: an
+int32 buffer reduced with float32 ones, a ``max`` paired with a ``sum`` or a (4, 8) array
+gathered with (8, 4) ones all "work" and give wrong numbers.  ``TESSERA_DEBUG=collectives``
+compares a fingerprint before every call (one extra collective, ~+20 us); this module is
+the default, and costs well under 1 us per call in steady state:
+
+* Each call's **signature** (op, reduction/dim/root, dtype, shape compared within the group,
+  DTensor global shape and layouts, and the user's call site) is a tuple looked up in a
+  per-group set; the call site is part of the key but not of what must agree (ranks may
+  reach one collective from different lines), and is named in the error.  A signature this group has not verified yet, and every 1024th call on the group
+  (``TESSERA_CHECK_EVERY``), is **verified before the data moves**: the members exchange a
+  64-bit hash of it over a duplicate of the group's communicator and all raise the same
+  ``CollectiveMismatchError`` on a difference, naming the odd rank(s), both call sites and
+  what differs.  Nothing has been sent, so no wrong result exists and the ranks stay in step.
+* The trigger is **symmetric** in a correct program: the members of a group issue the same
+  calls in the same order, so a signature is new on all of them at once, and the sampling
+  counter is the group's own call count.  Only a rank that deviates after a call site has
+  been verified checks alone; it then waits in the check while its peers wait in the
+  collective, and the watchdog reports both sides (rank, op, shape, line).
+* A **ring of the last calls** per rank (group, call number on that group, site, signature)
+  is kept for the watchdog, which finds where the ranks' histories first diverge (a skipped
+  collective, a different axis) instead of pointing at the later line where they hang.
+
+Why not piggyback the hash on the data or run a tiny extra collective each call: on the
+CPU path a 16-byte MPI_Allreduce costs 2-10 us, so any extra message per call, or a copy
+into a larger buffer, is several times the 1 us budget; a set lookup is ~0.2 us.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+
+from ..dtypes import dtype_name
+
+__all__ = ["CollectiveMismatchError", "configure", "check", "user_frame", "site_of", "recent_calls",
+           "describe", "mismatch_message", "p2p_send_header", "p2p_check_header", "enabled"]
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of a group issued different collectives (op, dtype, shape, layout) at the same point."""
+
+
+# --------------------------------------------------------------------------- call sites
+
+_INTERNAL: dict = {}              # code object -> True if it belongs to tessera_rt (or mpi4py, runpy)
+_PLAN_RUN: list = []              # redistribute.Plan.run's code: its frame names the DTensor moved
+
+
+def _is_internal(code) -> bool:
+    v = _INTERNAL.get(code)
+    if v is None:
+        f = code.co_filename
+        v = _INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
+    return v
+
+
+def user_frame(depth: int):
+    """(code, line, DTensor meta) of the first caller outside tessera_rt; meta is (dtype, global
+    shape, source layout, target layout) when the call runs a DTensor redistribution."""
+    f = sys._getframe(depth + 1)
+    meta = None
+    internal = _INTERNAL
+    while f is not None:
+        code = f.f_code
+        v = internal.get(code)
+        if v is None:
+            v = _is_internal(code)
+        if not v:
+            return code, f.f_lineno, meta
+        if meta is None and _PLAN_RUN and code is _PLAN_RUN[0]:
+            p = f.f_locals.get("self")
+            if p is not None:
+                meta = (p.dtype_name, tuple(p.shape), repr(p.src), repr(p.dst))
+        f = f.f_back
+    return None, 0, meta
+
+
+_SITES: dict = {}
+
+
+def site_of(code, line) -> str:
+    if code is None:
+        return "?"
+    key = (code, line)
+    s = _SITES.get(key)
+    if s is None:
+        s = _SITES[key] = f"{os.path.basename(code.co_filename)}:{line}"
+    return s
+
+
+# --------------------------------------------------------------------------- describing calls
+
+_ARG_NAMES = {"all_reduce": ("op",), "reduce_scatter": ("op", "dim"), "all_gather": ("dim",),
+              "all_to_all": ("split_dim", "concat_dim"), "broadcast": ("root",), "send": ("dst",),
+              "recv": ("src",)}
+
+
+def _args(op: str, extra) -> str:
+    if extra is None or extra == "<new group>":
+        return ""
+    names = _ARG_NAMES.get(op, ("args",))
+    vals = extra if isinstance(extra, tuple) and len(names) > 1 else (extra,)
+    return ", ".join(f"{n}={v!r}" for n, v in zip(names, vals))
+
+
+def describe(op, axis, dtype, shape, site, extra=None, meta=None, with_args=False, with_meta=False) -> str:
+    """``all_reduce(dp) float32[64,32] at train.py:41`` (+ ``with op='max'``, ``on DTensor ...``)."""
+    dt = f" {dtype}[{','.join(map(str, shape))}]" if dtype else ""
+    s = f"{op}({axis}){dt}"
+    if with_meta and meta:
+        plan, ops = meta
+        if plan:
+            s += f" moving DTensor {plan[0]}{list(plan[1])} {plan[2]}" + (f" -> {plan[3]}" if plan[3] != plan[2] else "")
+        if ops:
+            s += f" after DTensor ops on {', '.join(ops)}"
+    s += f" at {site}"
+    if with_args and _args(op, extra):
+        s += f" with {_args(op, extra)}"
+    return s
+
+
+def _ranks_str(rs) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks [" + ",".join(map(str, rs)) + "]"
+
+
+# A description exchanged on a mismatch: (seq, op, axis, dtype, shape, site, extra, meta)
+_FIELDS = ((0, "call count"), (1, "op"), (2, "mesh axis"), (3, "dtype"), (4, "shape"), (6, "arguments"),
+           (7, "DTensor global shape/layout"), (5, "call site"))
+
+
+def mismatch_message(me: int, where: str, descs: list, ranks: list, fix: str) -> str:
+    """One message for every rank: the odd rank(s) first, then the rest, and what differs."""
+    clusters: dict = {}
+    for r, d in zip(ranks, descs):
+        clusters.setdefault(tuple(d[1:]), []).append(r)
+    ordered = sorted(clusters.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    ref = descs[0]
+    fields = [name if i != 6 else f"arguments ({'/'.join(_ARG_NAMES.get(ref[1], ('args',)))})"
+              for i, name in _FIELDS if any(d[i] != ref[i] for d in descs)]
+    show_args = any(f.startswith("arguments") for f in fields)
+    show_meta = "DTensor global shape/layout" in fields
+
+    def one(key, rs):
+        op, axis, dtype, shape, site, extra, meta = key
+        return f"{_ranks_str(rs)} {describe(op, axis, dtype, shape, site, extra, meta, show_args, show_meta)}"
+
+    if len(ordered) > 1 and len(ordered[0][1]) > len(ordered[1][1]):
+        odd = [r for _, rs in ordered[1:] for r in rs]
+        lead = f"{_ranks_str(sorted(odd))} differ{'s' if len(odd) == 1 else ''} from the others: "
+    else:
+        lead = ""
+    parts = [one(k, rs) for k, rs in reversed(ordered)] if lead else [one(k, rs) for k, rs in ordered]
+    return (f"rank {me}: collective mismatch {where}: {lead}" + "; ".join(parts)
+            + f" -- they disagree on {', '.join(fields) or 'nothing visible (hash collision?)'}. {fix}")
+
+
+# --------------------------------------------------------------------------- the default check
+
+class _Cfg:
+    on = True
+    metas: set = set()                # DTensor (global shape, layout) seen by ops since the last collective
+    mask = 1023                       # verify when (call count on the group) & mask == 0
+    ring: list = [None] * 64          # the last calls of this rank, for the watchdog
+    ri = 0
+
+
+_cfg = _Cfg()
+
+
+def enabled() -> bool:
+    return _cfg.on
+
+
+def configure(on: bool) -> None:
+    """Turn the default check on or off (``debug.configure`` calls this; the full debug mode
+    replaces it).  ``TESSERA_CHECK=0`` turns it off; ``TESSERA_CHECK_EVERY=N`` (a power of two)
+    sets the sampling period."""
+    from . import collectives as C
+    env = os.environ.get("TESSERA_CHECK", "1").strip().lower()
+    _cfg.on = on and env not in ("0", "off", "false", "no")
+    every = int(os.environ.get("TESSERA_CHECK_EVERY", "1024"))
+    if every < 1 or every & (every - 1):
+        raise ValueError(f"TESSERA_CHECK_EVERY={every} must be a power of two (1 verifies every call)")
+    _cfg.mask = every - 1
+    if not _PLAN_RUN:
+        from .redistribute import Plan
+        _PLAN_RUN.append(Plan.run.__code__)
+    C._check = check if _cfg.on else None
+    from . import dispatch as D
+    if _cfg.on and _DT_OPS not in D._PROF:
+        D._PROF.append(_DT_OPS)
+    elif not _cfg.on and _DT_OPS in D._PROF:
+        D._PROF.remove(_DT_OPS)
+
+
+class _DTensorOps:
+    """A dispatcher hook: remembers the global shapes/layouts DTensor ops ran on since the last
+    collective, so the next collective's signature carries them.  A DTensor whose global shape
+    differs across ranks may issue identical collectives (X.sum() all-reduces a scalar); its
+    ops' metadata is where the difference shows."""
+
+    def op_begin(self, dec, args) -> None:
+        metas = _cfg.metas
+        for a in args:
+            m = getattr(a, "_meta", None)
+            if m is not None and len(metas) < 16:
+                metas.add(m)
+
+    def op_end(self, dec, args, out) -> None:
+        pass
+
+
+_DT_OPS = _DTensorOps()
+
+
+class _GroupState:
+    """Per-group: the calls this group has verified and how many calls it has issued."""
+    __slots__ = ("seq", "seen", "comm", "g")
+
+    def __init__(self, g):
+        self.seq, self.seen, self.comm, self.g = 0, set(), None, g
+
+
+def _state(g) -> _GroupState:
+    st = g.__dict__.get("_consistency")
+    if st is None:
+        st = _GroupState(g)
+        object.__setattr__(g, "_consistency", st)      # AxisGroup is frozen; this is bookkeeping
+    return st
+
+
+def check(op: str, g, dtype, shape, extra) -> None:
+    """Called by every collective before it moves data (the hot path: keep it lean)."""
+    st = g.__dict__.get("_consistency") or _state(g)
+    st.seq = seq = st.seq + 1
+    c = _cfg
+    f = _getframe(2)                      # the collective's caller: the user, for a plain array
+    code = f.f_code
+    if _INTERNAL.get(code) is False and not c.metas:
+        key = (code, f.f_lineno, op, dtype, shape, extra, None)
+    else:                                 # called from tessera_rt (a DTensor op): walk out
+        code, line, meta = user_frame(2)
+        if c.metas:
+            meta, c.metas = (meta, frozenset(c.metas)), set()
+        elif meta is not None:
+            meta = (meta, None)
+        key = (code, line, op, dtype, shape, extra, meta)
+    i = c.ri
+    c.ring[i & 63] = (st, seq, key)
+    c.ri = i + 1
+    if seq & c.mask and key in st.seen:
+        return
+    _verify(st, seq, key)
+
+
+_getframe = sys._getframe
+
+
+def _desc(st, seq, key) -> tuple:
+    code, line, op, dtype, shape, extra, meta = key
+    if meta is not None:
+        meta = (meta[0], tuple(sorted(map(repr, meta[1]))) if meta[1] else None)
+    return (seq, op, st.g.name, dtype_name(dtype) if dtype is not None else "", tuple(shape),
+            site_of(code, line), extra, meta)
+
+
+def _verify(st: _GroupState, seq: int, key) -> None:
+    """Exchange the signature's hash within the group; raise on every member if they differ."""
+    g = st.g
+    if g.size == 1:
+        st.seen.add(key)
+        return
+    if st.comm is None:
+        st.comm = g.comm.mpi.Dup()       # collective: the group's first call is new on every member
+    d = _desc(st, seq, key)
+    # the call site is not compared (ranks may reach one collective from different lines);
+    # it is reported, and the watchdog uses it to find where histories diverged
+    sig = d[1:5] + d[6:]
+    h = zlib.crc32(repr(sig).encode()) | (zlib.crc32(repr(sig[::-1]).encode()) << 32)
+    mine = np.array([seq, h], dtype=np.int64) if h < 2 ** 63 else np.array([seq, h - 2 ** 64], dtype=np.int64)
+    every = np.empty((g.size, 2), dtype=np.int64)
+    st.comm.Allgather(mine, every)
+    if (every == mine).all():
+        st.seen.add(key)
+        return
+    descs = st.comm.allgather(d)
+    from .process_group import world
+    where = f"in group {list(g.ranks)} (mesh axis {g.name!r}, call #{seq} on it)"
+    raise CollectiveMismatchError(mismatch_message(
+        world().rank, where, descs, list(g.ranks),
+        "Every rank of a group must pass the same op, dtype, shape and layout at the same point "
+        "(look for rank-dependent branches, dtypes or shapes at those lines)."))
+
+
+def recent_calls() -> list[tuple]:
+    """This rank's last calls, oldest first: (group ranks, axis, call # on the group, description)."""
+    c = _cfg
+    n = len(c.ring)
+    out = []
+    for i in range(max(0, c.ri - n), c.ri):
+        e = c.ring[i % n]
+        if e is None:
+            continue
+        st, seq, key = e
+        d = _desc(st, seq, key)
+        out.append((tuple(st.g.ranks), st.g.name, seq,
+                    describe(d[1], d[2], d[3], d[4], d[5], d[6], d[7], with_args=d[1] in ("all_reduce",
+                                                                                           "reduce_scatter"))))
+    return out
+
+
+# --------------------------------------------------------------------------- send/recv headers
+# Debug mode: each send is preceded by a header (dtype, shape, line, rank) on a duplicate of
+# the world communicator (made by dist.init), with the user's tag, so MPI matches header
+# and data in the same order; the receiver checks it before its data can be used.
+
+_P2P: list = [None]
+
+
+def p2p_send_header(g, shape, dt, extra, site: str) -> None:
+    from .process_group import world
+    comm = _P2P[0]
+    if comm is None:
+        return
+    dst, tag = extra
+    comm.send((dtype_name(dt), tuple(shape), site, world().rank), dest=g.ranks[dst], tag=tag)
+
+
+def p2p_post_header(g, extra):
+    """The receive of the sender's header (a request; its wait() returns the header)."""
+    comm = _P2P[0]
+    if comm is None:
+        return None
+    src, tag = extra
+    return comm.irecv(source=g.ranks[src], tag=tag)
+
+
+def p2p_check_header(req, g, shape, dt, extra, site: str) -> None:
+    """The sender's header must match the receive buffer, else raise naming both sides."""
+    from .process_group import world
+    if req is None:
+        return
+    sdt, sshape, ssite, srank = req.wait()
+    mine = (dtype_name(dt), tuple(shape))
+    if (sdt, sshape) != mine:
+        raise CollectiveMismatchError(
+            f"rank {world().rank}: recv from rank {srank} (mesh axis {g.name!r}, tag {extra[1]}) at {site} into "
+            f"{mine[0]}[{','.join(map(str, mine[1]))}], but rank {srank} sent {sdt}[{','.join(map(str, sshape))}] "
+            f"at {ssite}: the bytes would be reinterpreted. Receive into a {sdt} array of shape {list(sshape)} "
+            "(or send what the receiver expects).")
