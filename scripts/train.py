@@ -3,55 +3,71 @@
     tessera-run -n 4 scripts/train.py --tp 2 --dp 2 --steps 200
     .venv/bin/python scripts/train.py --steps 50 --data notes.txt
 
-The text defaults to the seed documents (../shared/seeds/*.txt from the repo root).  Any
+The text defaults to the seed documents shipped in the repository (data/seeds/*.txt).  Any
 dp x tp mesh works; the global batch is drawn the same way on every mesh (a seeded
 generator per step), and the model is initialized to the same global values, so the loss
 after N steps agrees across mesh shapes up to float rounding.  Rank 0 shows a tqdm bar
 (when tqdm is installed), writes a loss-curve PNG (when matplotlib is installed) and a
 checkpoint at the end.
+
+Threads: each rank's BLAS/OpenMP/Numba pools default to one thread (set before NumPy is
+imported; a variable you set yourself, or tessera-run's share of the cores, wins).  The
+model's GEMMs are small, so extra threads only add spin-waiting and contention: an
+uncapped OpenBLAS pool made a single-rank run about 10x slower.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
-import numpy as np
+# Before NumPy (and so OpenBLAS/MKL/OpenMP) is imported: their pools size themselves at load.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "seeds"
+DEFAULT_DATA = ROOT / "data" / "seeds"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="a text file, or a directory of .txt files")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="Example: tessera-run -n 4 scripts/train.py --dp 2 --tp 2 --steps 200")
+    p.add_argument("--data", default=str(DEFAULT_DATA.relative_to(ROOT)), help="a text file, or a directory of .txt files (relative paths: "
+                   "from the current directory, else from the repository root)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (default: world size / tp)")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (0: world size / tp)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seq", type=int, default=64, help="sequence length (characters)")
+    p.add_argument("--d-model", type=int, default=64, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (split over tp)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     p.add_argument("--dtype", default="float32", help="parameter/compute dtype: float32, bf16 or fp16 "
                    "(low precision keeps f32 masters; fp16 adds dynamic loss scaling)")
-    p.add_argument("--remat", default="none", choices=["none", "all", "every_other"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remat", default="none", choices=["none", "all", "every_other"],
+                   help="recompute activations in the backward pass instead of keeping them")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-checkpoint", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-step output")
     return p.parse_args(argv)
 
 
 def load_text(path: str) -> str:
     p = Path(path)
+    if not p.is_absolute() and not p.exists() and (ROOT / p).exists():
+        p = ROOT / p                                  # the default, run from another directory
     if p.is_dir():
         files = sorted(p.glob("*.txt"))
         if not files:
@@ -79,14 +95,14 @@ def _dicts(tree):
     return tree
 
 
-def _save_checkpoint(path: Path, params, opt, meta: dict) -> None:
+def _save_checkpoint(path: Path, params, opt, meta: dict):
     """The parameters (in their layouts), the optimizer's f32 masters and step, and the run's
     settings, as a distributed checkpoint: one safetensors file per rank plus an index
     (dist.load(path, like=...) reads it back onto any mesh)."""
     from tessera_rt import dist
     state = opt.state_dict()
-    dist.save({"params": _dicts(params), "masters": _dicts(state["masters"]), "step": int(state["t"]),
-               "meta": json.dumps(meta)}, str(path))
+    return dist.save({"params": _dicts(params), "masters": _dicts(state["masters"]), "step": int(state["t"]),
+                      "meta": json.dumps(meta)}, str(path))
 
 
 def _plot(path: Path, losses: list, title: str) -> str:
@@ -163,7 +179,7 @@ def train(args: argparse.Namespace) -> dict:
             params = opt.step(params, grads)
         if scaler is not None:
             scaler.update(finite)
-        value = float(np.asarray(loss.full_tensor())) / (scaler.scale_value if scaler else 1.0)
+        value = float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
         times.append(time.perf_counter() - t0)
         losses.append(value)
         if bar is not None:
@@ -177,21 +193,21 @@ def train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
             "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
+    saved = None
     if not args.no_checkpoint:
-        _save_checkpoint(out / "checkpoint", params, opt, meta)
+        saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
     if rank0 and not args.quiet:
         if not args.no_plot:
             print(_plot(out / "loss.png", losses, f"char LM, dp={dp} tp={tp}"), flush=True)
         med = float(np.median(times[1:] if len(times) > 1 else times)) * 1e3
         print(f"final loss {losses[-1]:.4f} after {args.steps} steps; median step {med:.1f} ms on {n} ranks",
               flush=True)
-        if not args.no_checkpoint:
-            print(f"checkpoint: {out / 'checkpoint'} (dist.load reads it onto any mesh)", flush=True)
+        if saved is not None:
+            print(f"checkpoint: {saved.summary()} (dist.load reads it onto any mesh)", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "params": params}
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     train(parse_args(argv))
     return 0
 

@@ -1,7 +1,10 @@
 """Checkpoint failures across whole jobs (issue 7, item 7): a save killed midway leaves the
-previous checkpoint whole; a checkpoint from 4 ranks loads onto a 2-rank job's mesh."""
+previous checkpoint whole; a checkpoint from 4 ranks loads onto a 2-rank job's mesh; what a
+killed or failed save leaves is removed by the next save or by load(cleanup=True), and
+reported (the last tests run in this process, at world size 1)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,8 +44,10 @@ SAVE = """
                 f.write(data[: len(data) // 2])          # half a file on disk, then the rank dies
             os.kill(os.getpid(), 9)
         checkpoint._write_atomic = dying
-    dist.save({"w": X, "step": version}, os.environ["CKPT"])
+    info = dist.save({"w": X, "step": version}, os.environ["CKPT"])
     print("saved", version, flush=True)
+    if w.rank == 0:
+        print(f"report: {info.summary()}", flush=True)
 """
 
 LOAD = """
@@ -80,6 +85,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     p, _ = _run(tmp_path, "save3.py", SAVE.replace("sys.argv[1]", "3"), 4, {"CKPT": ckpt})
     assert p.returncode == 0, p.stdout + p.stderr
     assert len([d for d in os.listdir(ckpt) if d.startswith("data-")]) == 1
+    assert re.search(r"report: [\d.]+ k?B in 5 files at .*; removed [\d.]+ k?B left by killed saves \(data-", p.stdout), p.stdout
     assert json.load(open(os.path.join(ckpt, "index.json")))["values"]["step"] == 3
     p, _ = _run(tmp_path, "load3.py", LOAD, 3, {"CKPT": ckpt})
     assert p.returncode == 0 and "loaded version 3" in p.stdout, p.stdout + p.stderr
@@ -98,3 +104,83 @@ def test_a_corrupted_shard_file_fails_the_load_on_every_rank(tmp_path):
     assert p.returncode not in (0, 124) and took < 30, p.stdout + p.stderr
     assert "rank00003.safetensors fails its sha256 check" in p.stderr and "['w'] differ" in p.stderr, p.stderr
     assert "loaded" not in p.stdout
+
+
+def _leave_garbage(ckpt: str) -> int:
+    """What a save killed midway leaves: its data dir with a half-written file, and a
+    temporary index (when rank 0 died while committing)."""
+    os.makedirs(os.path.join(ckpt, "data-killed"))
+    with open(os.path.join(ckpt, "data-killed", "rank00000.safetensors.tmp-123"), "wb") as f:
+        f.write(b"x" * 1000)
+    with open(os.path.join(ckpt, "index.json.tmp-77"), "wb") as f:
+        f.write(b"{" * 10)
+    return 1010
+
+
+def _state(version):
+    import numpy as np
+    from tessera_rt import dist
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": 1})
+    return {"w": dist.distribute(np.full((4, 3), version, np.float32), mesh=mesh), "step": version}
+
+
+def _disk_bytes(ckpt):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt) for f in fs)
+
+
+def test_the_next_save_removes_what_a_killed_save_left_and_reports_the_bytes(tmp_path):
+    from tessera_rt import dist
+    ckpt = str(tmp_path / "ckpt")
+    first = dist.save(_state(1), ckpt)
+    assert first == os.path.join(ckpt, "index.json") and first.bytes == _disk_bytes(ckpt) and first.leftovers == []
+    first_data = first.bytes - os.path.getsize(first)
+    garbage = _leave_garbage(ckpt)
+    info = dist.save(_state(2), ckpt)
+    assert info.leftovers == ["data-killed", "index.json.tmp-77"] and info.leftover_bytes == garbage
+    assert info.replaced_bytes == first_data > 0
+    assert info.left_bytes == 0 and info.bytes == _disk_bytes(ckpt) and info.files == 2
+    assert sorted(os.listdir(ckpt)) == [json.load(open(info))["data_dir"], "index.json"]
+    assert re.search(r"^\d+(\.\d)? k?B in 2 files at .*ckpt; removed 1\.0 kB left by killed saves "
+                     r"\(data-killed, index\.json\.tmp-77\)$", info.summary()), info.summary()
+
+
+def test_load_with_cleanup_removes_leftovers_and_cleanup_works_without_an_index(tmp_path):
+    from tessera_rt import dist
+    from tessera_rt.dist import checkpoint
+    ckpt = str(tmp_path / "ckpt")
+    dist.save(_state(1), ckpt)
+    _leave_garbage(ckpt)
+    assert dist.load(ckpt)["step"] == 1 and "data-killed" in os.listdir(ckpt)       # off by default
+    assert dist.load(ckpt, cleanup=True)["step"] == 1
+    assert sorted(os.listdir(ckpt)) == [json.load(open(os.path.join(ckpt, "index.json")))["data_dir"], "index.json"]
+    fresh = str(tmp_path / "never_committed")                # the very first save was killed
+    os.makedirs(fresh)
+    assert checkpoint.cleanup(fresh)["removed_bytes"] == 0
+    garbage = _leave_garbage(fresh)
+    assert checkpoint.cleanup(fresh) == {"removed": ["data-killed", "index.json.tmp-77"], "removed_bytes": garbage,
+                                         "left_bytes": 0}
+    assert os.listdir(fresh) == []
+
+
+def test_a_failed_save_says_what_it_left_behind(tmp_path, monkeypatch):
+    from tessera_rt import dist
+    from tessera_rt.dist import checkpoint
+    ckpt = str(tmp_path / "ckpt")
+    dist.save(_state(1), ckpt)
+
+    def disk_full(path, data):
+        with open(f"{path}.tmp-1", "wb") as f:
+            f.write(b"\0" * 500)                 # part of the file, then the disk is full
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "_write_atomic", disk_full)
+    try:
+        dist.save(_state(2), ckpt)
+        raise AssertionError("the save should fail")
+    except checkpoint.CheckpointError as e:
+        msg = str(e)
+    assert re.search(r"rank 0: dist.save\(.*\): writing data-\S+/rank00000.safetensors failed: .*No space left on "
+                     r"device \[this save left 500 B in .*data-\S+; the previous checkpoint is unchanged; the next "
+                     r"dist.save or dist.load\(path, cleanup=True\) removes it\]", msg), msg
+    monkeypatch.undo()
+    info = dist.save(_state(3), ckpt)
+    assert info.leftover_bytes == 500 and len(info.leftovers) == 1 and dist.load(ckpt)["step"] == 3

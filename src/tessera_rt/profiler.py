@@ -20,9 +20,13 @@ is invisible unless marked with ``prof.region(name)`` (counted as compute).
   ``enable_nvtx()``) emits the ranges without profiling; without a profiler attached NVTX
   calls are no-ops.  Ranges are CPU-side (issue) ranges: on a GPU the kernels they launch
   appear under them on the CUDA rows.
-* The table (printed by rank 0): op, layout/axis, shape, calls, total and mean time, bytes,
-  achieved GB/s (collectives: bus bandwidth, nccl-tests style; ops: bytes read and written)
-  or TFLOP/s (matmul), per rank and the max/mean over ranks.
+* The table (printed by rank 0) is short by default: the top ops by total time (summed
+  over layouts and shapes), one line per mesh axis for its collectives, the spread of the
+  measured time over ranks and the overlap ratio.  ``table="full"`` (or
+  ``TESSERA_PROFILE_TABLE=full``, or ``prof.table(full=True)``) gives a row per (op,
+  layout/axis, shape): calls, total and mean time, bytes, achieved GB/s (collectives: bus
+  bandwidth, nccl-tests style; ops: bytes read and written) or TFLOP/s (matmul), and min/
+  mean/max over ranks.  ``table=None`` (or ``print_table=False``) prints nothing.
 * ``trace=path``: a Chrome/Perfetto trace (``traceEvents``) of all ranks merged on rank 0, one
   pid per rank, one tid per stream role.
 * ``overlap_ratio``: |collective intervals ∩ compute intervals| / |collective intervals|, from
@@ -173,13 +177,29 @@ def overlap_ratio(collective: list, compute: list) -> float | None:
     return hidden / total
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
 # --------------------------------------------------------------------------- the profile
 
 class Profile:
     """Records ops and collectives while active; see the module doc."""
 
-    def __init__(self, *, trace: str | None = None, nvtx: bool = True, print_table: bool = True, name: str = ""):
-        self.trace_path, self.nvtx, self.print_table, self.name = trace, nvtx, print_table, name
+    def __init__(self, *, trace: str | None = None, nvtx: bool = True, print_table: bool = True, name: str = "",
+                 table: str | None = "short"):
+        if table not in ("short", "full", None):
+            raise ValueError(f"profile(table={table!r}): use 'short' (top ops, a line per mesh axis), 'full' "
+                             "(a row per op, layout and shape) or None (print nothing)")
+        if table == "short" and os.environ.get("TESSERA_PROFILE_TABLE", "") == "full":
+            table = "full"
+        self.trace_path, self.nvtx, self.name = trace, nvtx, name
+        self.table_kind = table if print_table else None
+        self.print_table = self.table_kind is not None
         self.events: list[dict] = []           # this rank's: name, cat, role, t0, t1, bytes, flops, key
         self.compute: list = []                 # compute intervals (s, relative to the epoch)
         self.collective: list = []
@@ -219,7 +239,7 @@ class Profile:
             if self.trace_path and exc[0] is None:
                 self.write_chrome_trace(self.trace_path)
             if self.print_table and exc[0] is None:
-                print(self.table(), flush=True)
+                print(self.table(full=self.table_kind == "full"), flush=True)
 
     # hooks: collectives ------------------------------------------------------
     def before(self, call) -> None:
@@ -342,8 +362,11 @@ class Profile:
         out.sort(key=lambda r: -r["total_s"])
         return out
 
-    def table(self) -> str:
-        """The per-op table of this rank (rank 0 adds max/mean over ranks after exit)."""
+    def table(self, full: bool = False, top: int = 8) -> str:
+        """The summary (``full=False``: the ``top`` ops, a line per mesh axis, the spread over
+        ranks) or the full per-(op, layout, shape) table; rank 0 sees every rank after exit."""
+        if not full:
+            return self._short_table(top)
         head = f"{'op':<16} {'layout/axis':<24} {'shape':<16} {'calls':>6} {'total ms':>10} {'mean us':>10} " \
                f"{'bytes':>12} {'achieved':>16}"
         lines = [f"tessera profile{' ' + self.name if self.name else ''} -- rank 0", head, "-" * len(head)]
@@ -364,6 +387,49 @@ class Profile:
         if ov:
             lines.append(f"\noverlap ratio (collective time hidden under compute): "
                          f"min {min(ov):.2f}, mean {sum(ov) / len(ov):.2f} over {len(ov)} rank(s) (goal >= 0.6)")
+        return "\n".join(lines)
+
+    def _short_table(self, top: int) -> str:
+        rows = self.rows(self.all_events[0] if self.all_events else None)
+        ops: dict = defaultdict(lambda: [0, 0.0])                            # op -> calls, seconds
+        axes: dict = defaultdict(lambda: [0, 0.0, 0, defaultdict(int)])     # axis -> calls, s, bytes, {op: calls}
+        for r in rows:
+            if r["kind"] == "collective":
+                a = axes[r["layout"]]
+                a[0] += r["calls"]
+                a[1] += r["total_s"]
+                a[2] += r["bytes"]
+                a[3][r["op"]] += r["calls"]
+            else:
+                o = ops[r["op"]]
+                o[0] += r["calls"]
+                o[1] += r["total_s"]
+        total = sum(o[1] for o in ops.values()) + sum(a[1] for a in axes.values())
+        name = f" {self.name}" if self.name else ""
+        lines = [f"tessera profile{name} -- rank 0: {total * 1e3:.1f} ms in {len(ops)} ops and "
+                 f"{sum(a[0] for a in axes.values())} collectives (full table: profile(..., table='full') "
+                 "or TESSERA_PROFILE_TABLE=full)"]
+        ranked = sorted(ops.items(), key=lambda kv: -kv[1][1])
+        if ranked:
+            lines.append(f"  {'top ops':<22} {'calls':>6} {'total ms':>10} {'share':>6}")
+            for op, (calls, t) in ranked[:top]:
+                lines.append(f"  {op[:22]:<22} {calls:>6} {t * 1e3:>10.3f} {t / total if total else 0:>6.0%}")
+            if len(ranked) > top:
+                rest = sum(v[1] for _, v in ranked[top:])
+                lines.append(f"  {f'({len(ranked) - top} more ops)':<22} {'':>6} {rest * 1e3:>10.3f} "
+                             f"{rest / total if total else 0:>6.0%}")
+        for axis, (calls, t, nbytes, kinds) in sorted(axes.items(), key=lambda kv: -kv[1][1]):
+            what = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  axis {axis:<17} {calls:>6} {t * 1e3:>10.3f} {t / total if total else 0:>6.0%}  "
+                         f"{_size(nbytes)}: {what}")
+        if self.all_events and len(self.all_events) > 1:
+            per = [sum(r["total_s"] for r in self.rows(ev)) * 1e3 for ev in self.all_events]
+            lines.append(f"  measured time over {len(per)} ranks: min {min(per):.1f} / mean "
+                         f"{sum(per) / len(per):.1f} / max {max(per):.1f} ms")
+        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
+        if ov:
+            lines.append(f"  overlap ratio (collective time hidden under compute): min {min(ov):.2f}, "
+                         f"mean {sum(ov) / len(ov):.2f} (goal >= 0.6)")
         return "\n".join(lines)
 
     def chrome_trace(self) -> dict:
@@ -391,10 +457,12 @@ class Profile:
 
 
 def profile(step_fn=None, *args, trace: str | None = None, nvtx: bool = True, print_table: bool = True,
-            name: str = "", **kwargs):
+            name: str = "", table: str | None = "short", **kwargs):
     """``profile(step_fn, *args)`` runs ``step_fn(*args)`` under a :class:`Profile` and returns
-    it (``.result`` holds what step_fn returned); ``with profile(): ...`` profiles a block."""
-    p = Profile(trace=trace, nvtx=nvtx, print_table=print_table, name=name or getattr(step_fn, "__name__", ""))
+    it (``.result`` holds what step_fn returned); ``with profile(): ...`` profiles a block.
+    ``table``: "short" (default), "full" or None (see the module doc)."""
+    p = Profile(trace=trace, nvtx=nvtx, print_table=print_table, name=name or getattr(step_fn, "__name__", ""),
+                table=table)
     if step_fn is None:
         return p
     with p:

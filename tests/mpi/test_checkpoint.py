@@ -1,6 +1,8 @@
-"""Distributed checkpoints (issue 7, item 5): save/load, resharding, atomicity, checksums."""
+"""Distributed checkpoints (issue 7, item 5): save/load, resharding, atomicity, checksums,
+the save report; and a DTensor's own persistence (pickle) and NumPy calls on real shards."""
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -69,10 +71,15 @@ def test_bf16_partial_and_a_second_save_replacing_the_first(world, ckpt_dir):
     X = dist.distribute(A, layout=dist.ShardSpec(partition=("col",), mesh_axes=("dp",)), mesh=mesh)
     P = dist.from_local(np.ones((2, 2), np.float32), layout=dist.PartialSpec(op="sum", mesh_axes=("dp",)),
                         mesh=mesh, shape=(2, 2))
-    dist.save({"x": X, "p": P}, ckpt_dir)
-    dist.save({"x": X, "p": P, "v": 2}, ckpt_dir)
+    first = dist.save({"x": X, "p": P}, ckpt_dir)
+    info = dist.save({"x": X, "p": P, "v": 2}, ckpt_dir)
     if world.rank == 0:
         assert len([d for d in os.listdir(ckpt_dir) if d.startswith("data-")]) == 1
+        on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt_dir) for f in fs)
+        assert info.bytes == on_disk and info.files == world.size + 1
+    # the same report on every rank: the previous save's data replaced, nothing left over
+    assert info.replaced_bytes > 0 and info.leftovers == [] and info.left_bytes == 0 and first.leftovers == []
+    assert MPI.COMM_WORLD.allgather(info.summary()) == [info.summary()] * world.size
     got = dist.load(ckpt_dir, like={"x": dist.zeros((4, 3), mesh=mesh, dtype=bf16),
                                     "p": dist.zeros((2, 2), mesh=mesh)})
     assert got["x"].dtype == bf16 and np.array_equal(got["x"].full_tensor(), A)
@@ -108,3 +115,19 @@ def test_missing_checkpoint_and_wrong_shape_are_clear_errors(world, ckpt_dir):
         dist.load(ckpt_dir, like={"w": dist.zeros((4, 5), mesh=mesh)})
     with pytest.raises(dist.CheckpointError, match="has no entry 'v'"):
         dist.load(ckpt_dir, like={"v": 1})
+
+
+def test_a_dtensor_pickles_on_its_own_rank_and_numpy_calls_run_on_shards(world):
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": world.size})
+    W = np.arange(35, dtype=np.float32).reshape(7, 5) / 10          # 7 rows: uneven at 2, 3, 4 ranks
+    X = dist.distribute(W, layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)), mesh=mesh)
+    Y = pickle.loads(pickle.dumps(X))
+    assert Y.layout == X.layout and np.array_equal(Y.to_local(), X.to_local())
+    assert np.array_equal(Y.full_tensor(), W)
+    np.testing.assert_allclose(np.sum(X, axis=0).full_tensor(), W.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(np.max(np.exp(X)).full_tensor(), np.exp(W).max(), rtol=1e-6)
+    np.testing.assert_allclose(np.matmul(X, np.transpose(X)).full_tensor(), W @ W.T, rtol=1e-5)
+    blob = MPI.COMM_WORLD.bcast(pickle.dumps(X) if world.rank == 0 else None, root=0)
+    if world.rank != 0:                        # rank 0's piece is not this rank's piece
+        with pytest.raises(ValueError, match=r"holds rank 0's piece, so it can only be unpickled on rank 0"):
+            pickle.loads(blob)

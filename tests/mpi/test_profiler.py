@@ -35,7 +35,7 @@ def test_profile_a_step_prints_a_table_and_merges_a_trace(world, mesh, tmp_path_
     mm = next(r for r in prof.rows() if r["op"] == "matmul")
     assert mm["calls"] == 1 and mm["achieved"].endswith("TFLOP/s") and mm["bytes"] > 0
     if world.rank == 0:
-        assert "tessera profile _step -- rank 0" in out and "matmul" in out
+        assert "tessera profile _step -- rank 0" in out and "\n  matmul " in out
         trace = json.load(open(path))
         pids = {e["pid"] for e in trace["traceEvents"]}
         assert pids == set(range(world.size))
@@ -44,8 +44,36 @@ def test_profile_a_step_prints_a_table_and_merges_a_trace(world, mesh, tmp_path_
         if world.size > 1:
             assert any(n.startswith("all_gather(dp) float32[") for n in names), names
         if world.size > 1:
-            assert f"across {world.size} ranks" in out
+            assert f"measured time over {world.size} ranks" in out and "\n  axis dp " in out
         os.remove(path)
+
+
+def test_the_table_is_a_short_summary_unless_the_full_one_is_asked_for(world, mesh, capsys, monkeypatch):
+    """Many shapes (a training step has hundreds of op/layout/shape rows): the default table
+    stays a screenful, the top ops and a line per mesh axis; table="full" has every row."""
+    def many_shapes():
+        for n in range(1, 31):
+            X = dist.distribute(np.ones((4 * world.size, n), np.float32),
+                                layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)), mesh=mesh)
+            op.softmax(op.exp(X) * 2.0, axis=-1).sum(axis=0).full_tensor()
+    graph.profile(many_shapes)
+    short = capsys.readouterr().out
+    prof = graph.profile(many_shapes, table="full")
+    full = capsys.readouterr().out
+    monkeypatch.setenv("TESSERA_PROFILE_TABLE", "full")
+    env_full = graph.profile(many_shapes).table_kind
+    with pytest.raises(ValueError, match=r"profile\(table='long'\): use 'short' .*, 'full' .* or None"):
+        graph.profile(many_shapes, table="long")
+    assert env_full == "full" and len(prof.rows()) > 100
+    if world.rank == 0:
+        lines = short.strip().splitlines()
+        assert len(lines) <= 14, short
+        assert "table='full'" in lines[0] and lines[1].split() == ["top", "ops", "calls", "total", "ms", "share"]
+        assert {ln.split()[0] for ln in lines[2:6]} <= {"softmax", "exp", "mul", "sum", "(1", "axis"}, short
+        if world.size > 1:
+            axis_lines = [ln for ln in lines if ln.startswith("  axis ")]
+            assert len(axis_lines) == 1 and "dp" in axis_lines[0] and "all_reduce x30" in axis_lines[0], short
+        assert len(full.splitlines()) > 100 and "mean us" in full
 
 
 def test_overlap_ratio_counts_async_collectives_hidden_under_compute(world):

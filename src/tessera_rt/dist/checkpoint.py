@@ -18,6 +18,12 @@ Layout on disk (``path`` is a directory on a file system every rank sees)::
   fsync, rename); once all have, rank 0 writes ``index.json.tmp`` and renames it over
   ``index.json`` (one atomic rename), then removes older data directories.  A save killed at
   any point before that rename leaves the previous index and its data untouched.
+* Leftovers: a killed save leaves its ``data-<id>`` directory and temporary files
+  (``*.tmp-<pid>``).  The next save removes them after it commits, and so does
+  ``load(path, cleanup=True)`` (or ``checkpoint.cleanup(path)``), which removes everything in
+  ``path`` the committed index does not use.  ``save`` returns a :class:`SaveInfo` (the index
+  path, a str) that reports the bytes the checkpoint takes and the bytes of leftovers it
+  removed; a save that fails says which data it left behind, and how many bytes.
 * Checked: the index holds the sha256 of every file and of every piece; ``load`` verifies the
   files it reads and names the file and tensor that fail.
 * Resharding: ``load`` computes each rank's piece of the target layout (``like``'s DTensors,
@@ -43,7 +49,7 @@ from .layout import Layout
 from .process_group import world
 from .shard import local_offsets, local_shape
 
-__all__ = ["save", "load", "CheckpointError", "read_index"]
+__all__ = ["save", "load", "cleanup", "SaveInfo", "CheckpointError", "read_index"]
 
 _FORMAT, _VERSION = "tessera_rt.checkpoint", 1
 _SAFE_DTYPES = frozenset(np.dtype(t) for t in (
@@ -141,14 +147,104 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _all_or_raise(w, err: str | None, what: str) -> None:
-    """Every rank raises if any rank failed (so no rank walks on into a collective alone)."""
+def _all_or_raise(w, err: str | None, what: str, note=None) -> None:
+    """Every rank raises if any rank failed (so no rank walks on into a collective alone);
+    ``note()`` adds to the message (what a failed save left on disk)."""
     errs = w.mpi.allgather(err)
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
         r, e = bad[0]
         more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-        raise CheckpointError(e if r == w.rank else f"rank {w.rank}: {what} failed on rank {r}{more}: {e}")
+        msg = e if r == w.rank else f"rank {w.rank}: {what} failed on rank {r}{more}: {e}"
+        raise CheckpointError(msg + (note() if note is not None else ""))
+
+
+# --------------------------------------------------------------------------- leftovers
+
+class SaveInfo(str):
+    """What ``save`` returns: the index path (a str, as before) plus what is on disk.
+
+    ``bytes``/``files``: the committed checkpoint (data files and index); ``replaced_bytes``:
+    the previous checkpoint's data, deleted; ``leftovers``/``leftover_bytes``: what killed or
+    failed saves had left in ``path``, deleted now; ``left_bytes``: leftovers that could not
+    be deleted (still on disk)."""
+
+    bytes: int
+    files: int
+    replaced_bytes: int
+    leftovers: list
+    leftover_bytes: int
+    left_bytes: int
+
+    def summary(self) -> str:
+        out = f"{_human(self.bytes)} in {self.files} files at {os.path.dirname(self)}"
+        if self.leftovers:
+            out += (f"; removed {_human(self.leftover_bytes)} left by killed saves "
+                    f"({', '.join(self.leftovers[:3])}{', ...' if len(self.leftovers) > 3 else ''})")
+        if self.left_bytes:
+            out += f"; {_human(self.left_bytes)} of leftovers could not be removed (dist.checkpoint.cleanup)"
+        return out
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _bytes_under(p: str) -> int:
+    if os.path.isfile(p):
+        return os.path.getsize(p)
+    total = 0
+    for root, _, files in os.walk(p):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def _leftovers(path: str, keep: str | None) -> list[str]:
+    """Names in ``path`` the committed index (data dir ``keep``) does not use: other data
+    directories, temporary files of interrupted writes."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if (n.startswith("data-") and n != keep) or ".tmp-" in n)
+
+
+def _remove(path: str, names: list[str]) -> tuple[list[str], int, int]:
+    removed, gone, left = [], 0, 0
+    for n in names:
+        full = os.path.join(path, n)
+        size = _bytes_under(full)
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            try:
+                os.remove(full)
+            except OSError:
+                pass
+        if os.path.exists(full):
+            left += size
+        else:
+            removed.append(n)
+            gone += size
+    return removed, gone, left
+
+
+def cleanup(path: str) -> dict:
+    """Remove what killed saves left in ``path`` (everything the committed index does not
+    use); not collective: call it on one rank, with no save to ``path`` running.  Returns
+    {"removed": names, "removed_bytes": n, "left_bytes": n}.  Without an index (no save ever
+    committed) every ``data-*`` directory and temporary file is a leftover."""
+    keep = read_index(path)["data_dir"] if os.path.exists(os.path.join(path, "index.json")) else None
+    removed, gone, left = _remove(path, _leftovers(path, keep))
+    return {"removed": removed, "removed_bytes": gone, "left_bytes": left}
 
 
 # --------------------------------------------------------------------------- save
@@ -158,9 +254,11 @@ def _encode_file(tensors: dict, sid: str, rank: int) -> bytes:
     return st_save(tensors, metadata={"format": _FORMAT, "save_id": sid, "rank": str(rank)})
 
 
-def save(state: dict, path: str) -> str:
+def save(state: dict, path: str) -> SaveInfo:
     """Write ``state`` (nested dicts of DTensors, arrays and JSON values) to the directory
-    ``path``; collective over every rank of the job.  Returns the path of the new index."""
+    ``path``; collective over every rank of the job.  Returns the path of the new index as a
+    :class:`SaveInfo` (``.bytes`` on disk, ``.removed_bytes`` of older or killed saves; the
+    same on every rank)."""
     w = world()
     flat = _flatten(state)
     entries: dict = {}
@@ -208,9 +306,9 @@ def save(state: dict, path: str) -> str:
                   {k: _sha(np.ascontiguousarray(a).tobytes()) for k, a in mine.items()})
     except OSError as e:
         err = f"rank {w.rank}: dist.save({path!r}): writing {data_dir}/{fname} failed: {e}"
-    _all_or_raise(w, err, "dist.save")
+    _all_or_raise(w, err, "dist.save", _left_note(path, data_dir))
     reports = w.mpi.gather(report, root=0)
-    err = None
+    err, info = None, None
     if w.rank == 0:
         try:
             files = {}
@@ -220,17 +318,35 @@ def save(state: dict, path: str) -> str:
                     for p in entries[key]["pieces"]:
                         if p["rank"] == r:
                             p["file"], p["sha256"] = fn, psha
+            try:                                       # the checkpoint this one replaces
+                prev = read_index(path)["data_dir"] if os.path.exists(os.path.join(path, "index.json")) else None
+            except CheckpointError:
+                prev = None
             index = {"format": _FORMAT, "version": _VERSION, "save_id": sid, "data_dir": data_dir,
                      "world_size": w.size, "files": files, "tensors": entries, "values": values}
             _write_atomic(os.path.join(path, "index.json"), json.dumps(index, indent=1).encode())
             _fsync_dir(path)
-            for name in os.listdir(path):             # older saves and leftovers of killed ones
-                if name.startswith("data-") and name != data_dir:
-                    shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            # older saves and leftovers of killed ones: data dirs and half-written temporaries
+            replaced = _remove(path, [prev] if prev and prev != data_dir else [])[1]
+            removed, gone, left = _remove(path, _leftovers(path, data_dir))
+            kept = sum(f["bytes"] for f in files.values()) + os.path.getsize(os.path.join(path, "index.json"))
+            info = (kept, len(files) + 1, replaced, removed, gone, left)
         except OSError as e:
             err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"
-    _all_or_raise(w, err, "dist.save")
-    return os.path.join(path, "index.json")
+    _all_or_raise(w, err, "dist.save", _left_note(path, data_dir))
+    info = w.mpi.bcast(info, root=0) if w.size > 1 else info
+    out = SaveInfo(os.path.join(path, "index.json"))
+    out.bytes, out.files, out.replaced_bytes, out.leftovers, out.leftover_bytes, out.left_bytes = info
+    return out
+
+
+def _left_note(path: str, data_dir: str):
+    """For a failed save's error: what it left on disk (read after every rank stopped writing)."""
+    def note() -> str:
+        left = _bytes_under(os.path.join(path, data_dir))
+        return (f" [this save left {_human(left)} in {os.path.join(path, data_dir)}; the previous checkpoint "
+                "is unchanged; the next dist.save or dist.load(path, cleanup=True) removes it]")
+    return note
 
 
 # --------------------------------------------------------------------------- load
@@ -320,8 +436,11 @@ def _assemble(reader: _Reader, key: str, t: dict, offs, shape, dtype) -> np.ndar
     return out.astype(dtype, copy=False) if dtype is not None else out
 
 
-def load(path: str, like: dict | None = None) -> dict:
+def load(path: str, like: dict | None = None, *, cleanup: bool = False) -> dict:
     """Read a checkpoint written by :func:`save`; collective over every rank of the job.
+
+    ``cleanup=True``: after a good load, rank 0 removes what killed saves left in ``path``
+    (see :func:`cleanup`; no other job may be saving to ``path`` then).
 
     ``like`` gives the structure and where each tensor goes: a DTensor there is loaded as a
     DTensor of its layout, mesh and dtype (any mesh and layout: pieces are cut from the saved
@@ -365,6 +484,8 @@ def load(path: str, like: dict | None = None) -> dict:
     except (CheckpointError, OSError, KeyError, ValueError) as e:
         err = f"rank {w.rank}: dist.load: {e}" if not isinstance(e, CheckpointError) else str(e)
     _all_or_raise(w, err, "dist.load")
+    if cleanup and w.rank == 0:
+        _remove(path, _leftovers(path, index["data_dir"]))
     xp = get_backend().xp
     final = {}
     for key, v in result.items():

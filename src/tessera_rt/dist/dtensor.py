@@ -10,9 +10,24 @@
 Every op goes through ``dispatch`` (rule lookup, input redistribution, local kernel).
 A DTensor is immutable in the sense that ops return new DTensors; ``to_local()`` hands out
 the local array itself.
+
+Interop with NumPy, CuPy and PyTorch (a DTensor is a global tensor, not this rank's array):
+
+* ``np.sum/mean/max/min/amax/amin/transpose/reshape/dot/shape/ndim/size`` and the ufuncs
+  ``np.add ... np.exp, np.matmul`` (see ``_UFUNCS``) run as DTensor ops and return DTensors;
+  anything else (and ``out=``, ``dtype=``, ``where=``, ``np.add.reduce``...) raises a TypeError
+  that names the function and says to use ``X.to_local()`` or ``X.full_tensor()``.
+* ``np.asarray(X)``, ``torch.from_dlpack(X)``, ``cupy.from_dlpack(X)`` refuse (``__array__``,
+  ``__dlpack__``, ``__dlpack_device__``): which array is meant, the piece or the whole, is
+  the caller's choice: ``X.to_local()`` (this rank's piece, no copy) or ``X.full_tensor()``.
+* ``pickle``/``copy.deepcopy`` keep (layout, global shape, dtype, mesh axes/sizes/ranks, this
+  rank's piece).  Unpickling rebuilds the DTensor on the rank that pickled it, on a live Mesh
+  with the same axes, sizes and ranks (one this process pickled from, or ``with mesh:``);
+  on another rank, or with no such mesh, it raises (a piece is only valid where it was cut).
 """
 from __future__ import annotations
 
+import inspect
 
 import numpy as np
 
@@ -67,7 +82,6 @@ class DTensor:
     """A distributed tensor: ``layout`` over ``mesh``, global ``shape``, this rank's piece."""
 
     __slots__ = ("_local", "_meta")
-    __array_ufunc__ = None            # ndarray (op) DTensor -> DTensor's reflected operator
     __hash__ = None                   # == is elementwise
 
     def __init__(self, *args, **kwargs):
@@ -112,6 +126,47 @@ class DTensor:
 
     def __bool__(self) -> bool:
         raise TypeError("the truth value of a DTensor is ambiguous; compare X.full_tensor() instead")
+
+    # interop (module doc) ---------------------------------------------------------
+    def __dlpack__(self, *args, **kwargs):
+        raise TypeError(_refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+
+    def __dlpack_device__(self):
+        raise TypeError(_refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(type(a) is _Var for a in inputs):
+            return NotImplemented                    # a traced operand records the op itself
+        name = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
+        entry = _UFUNCS.get(ufunc.__name__)
+        if method != "__call__" or entry is None or kwargs:
+            what = (f"keyword(s) {sorted(kwargs)}" if kwargs and entry is not None and method == "__call__"
+                    else "no DTensor rule")
+            raise TypeError(_refusal(self, f"{name} ({what})", name) + _UFUNC_HINT)
+        kind, op_name = entry
+        if kind == "unary":
+            return _d.unary(op_name, inputs[0])
+        if kind == "matmul":
+            return _d.matmul(*inputs)
+        return _d.binary(op_name, *inputs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        name = f"np.{func.__name__}"
+        impl = _FUNCTIONS.get(func.__name__)
+        if impl is None or _ORIGINAL.get(func.__name__) is not func:
+            raise TypeError(_refusal(self, f"{name} (no DTensor rule)", name) + _FUNC_HINT)
+        try:
+            bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(f"{name} on a DTensor: {e}") from None
+        return impl(name, bound)
+
+    def __reduce__(self):
+        m = self._meta
+        _MESHES[(m.mesh.axes, m.mesh.sizes, m.mesh.devices)] = m.mesh
+        local = self._local if isinstance(self._local, np.ndarray) else get_backend().to_host(self._local)
+        return (_unpickle, (1, m.layout, m.shape, dtype_name(m.dtype),
+                            (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
 
     # access --------------------------------------------------------------------
     def to_local(self):
@@ -242,12 +297,14 @@ def ones(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
 def distribute(global_array, layout=None, mesh=None) -> DTensor:
     """Cut the same global array (on every rank) into this rank's piece; no communication."""
     mesh = _mesh(mesh, "dist.distribute")
-    xp = get_backend().xp
-    g = xp.asarray(global_array)
+    backend = get_backend()
+    xp = backend.xp
+    g = _as_global(global_array, backend)
     shape = tuple(int(s) for s in g.shape)
     lay = as_layout(layout, shape, mesh)
     offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
-    local = xp.ascontiguousarray(g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))])
+    # g[()] of a 0-d array is a scalar, and ascontiguousarray makes that 1-d: copy 0-d whole
+    local = xp.ascontiguousarray(g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]) if shape else g.copy()
     if local is g:
         local = g.copy()
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, g.dtype, mesh))
@@ -373,3 +430,6 @@ def randn(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> D
 
 
 from . import dispatch as _d  # noqa: E402  (the dispatcher needs DTensor defined first)
+from .interop import (  # noqa: E402  (the same)
+    _FUNC_HINT, _FUNCTIONS, _MESHES, _ORIGINAL, _UFUNC_HINT, _UFUNCS, _as_global, _refusal, _unpickle,
+)
