@@ -26,14 +26,14 @@ def test_asking_for_cuda_without_gpu_is_one_clear_line():
     assert "cupy/" not in p.stderr          # no traceback from inside cupy
 
 
-def test_unknown_device_name():
-    os.environ["TESSERA_DEVICE"] = "tpu"
+def test_unknown_device_name(monkeypatch):
+    monkeypatch.setenv("TESSERA_DEVICE", "tpu")      # restored afterwards, whatever it was
     try:
         B.reset_backend()
         with pytest.raises(B.BackendUnavailable, match="use 'cpu' or 'cuda'"):
             B.get_backend()
     finally:
-        os.environ.pop("TESSERA_DEVICE")
+        monkeypatch.undo()
         B.reset_backend()
 
 

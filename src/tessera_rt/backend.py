@@ -108,22 +108,45 @@ class CpuStream:
 
 
 class CudaEvent:
-    __slots__ = ("_event", "time")
+    """A CUDA event, plus the host-side work its stream still owed when it was recorded.
 
-    def __init__(self, event, timing: bool = False):
+    Two kinds of work reach a CUDA stream from the host: MPI requests of the host-staged
+    path, and NCCL sends/recvs held back so that the sends and receives of one exchange are
+    launched together in one NCCL group (a lone recv on a stream blocks that stream until
+    the peer's send arrives, so a ring of irecv-then-isend would hang).  Such an event is
+    recorded only once that work is done or launched, the first time something waits on it.
+    """
+
+    __slots__ = ("_event", "time", "_pending", "_stream")
+
+    def __init__(self, event, timing: bool = False, pending: tuple = (), stream=None):
         self._event = event
         self.time = True if timing else None     # only "can it be timed", for _check_timing
+        self._pending = pending
+        self._stream = stream
+
+    def _ready(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, ()
+            for work in pending:
+                work.wait_done()
+            self._event.record(self._stream)
 
     def synchronize(self) -> None:
+        self._ready()
         self._event.synchronize()
 
     def query(self) -> bool:
+        if self._pending and not all(work.test() for work in self._pending):
+            return False
+        self._ready()
         return self._event.done
 
     def elapsed_ms(self, end: "CudaEvent") -> float:
         import cupy
         _check_timing(self, end)
         end.synchronize()
+        self._ready()
         return cupy.cuda.get_elapsed_time(self._event, end._event)
 
 
@@ -135,6 +158,7 @@ class CudaStream:
         self.name = name
         self._cupy = cupy
         self.raw = cupy.cuda.Stream(non_blocking=True)
+        self._pending: list = []     # host-side work the next events must cover (see CudaEvent)
 
     def __repr__(self) -> str:
         return f"CudaStream({self.name!r}, ptr={self.raw.ptr:#x})"
@@ -144,7 +168,10 @@ class CudaStream:
         return self.raw.ptr
 
     def enqueue(self, work) -> None:
-        return None  # the CUDA stream itself keeps order
+        """Track host-side work issued for this stream (anything with test() and wait_done())."""
+        if self._pending:
+            self._pending = [w for w in self._pending if not w.test()]
+        self._pending.append(work)
 
     def record(self, timing: bool = False) -> CudaEvent:
         """An event after the work enqueued so far; ``timing=True`` for ``elapsed_ms``.
@@ -152,17 +179,23 @@ class CudaStream:
         Most events only order one stream after another: those skip the timestamp, which
         CUDA documents as the cheaper kind (cudaEventDisableTiming) for synchronization."""
         event = self._cupy.cuda.Event(block=False, disable_timing=not timing)
-        event.record(self.raw)
-        return CudaEvent(event, timing)
+        pending = tuple(self._pending)
+        if not pending:
+            event.record(self.raw)
+        return CudaEvent(event, timing, pending, self.raw)
 
     def wait_event(self, event: CudaEvent) -> None:
+        event._ready()
         self.raw.wait_event(event._event)
 
     def synchronize(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait_done()
         self.raw.synchronize()
 
     def query(self) -> bool:
-        return self.raw.done
+        return all(w.test() for w in self._pending) and self.raw.done
 
     def make_current(self) -> None:
         """Make this CuPy's current stream, so plain CuPy calls are enqueued on it."""
@@ -310,12 +343,17 @@ class Backend:
         return isinstance(a, self.xp.ndarray)
 
     # kernels -------------------------------------------------------------
-    def kernel(self, op: str) -> Callable:
-        """The implementation of ``op`` on this backend; the CPU reference if there is no GPU one."""
+    def kernel(self, op: str, like: Any = None) -> Callable:
+        """The implementation of ``op`` on this backend; the CPU reference if there is no GPU one.
+
+        ``like``: an input array; host (NumPy) arrays get the CPU reference even on the GPU
+        backend, as a host tensor runs host kernels in PyTorch, since a GPU kernel cannot
+        read host memory."""
         impls = _KERNELS.get(op)
         if not impls:
             raise KeyError(f"no kernel registered for op {op!r}; known ops: {sorted(_KERNELS)}")
-        fn = impls.get(self.name) or impls.get("cpu")
+        device = self.name if like is None or isinstance(like, self.xp.ndarray) else "cpu"
+        fn = impls.get(device) or impls.get("cpu")
         if fn is None:
             raise KeyError(f"op {op!r} has no {self.name} kernel and no CPU reference")
         return fn

@@ -53,7 +53,7 @@ def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: Nu
     if _is_dt(a, b):
         _no_extras("matmul", out=out, stream=stream)
         return _d.matmul(a, b, tile_shape, policy)
-    return get_backend().kernel("matmul")(a, b, tile_shape=tile_shape, out=out, stream=stream, policy=policy)
+    return get_backend().kernel("matmul", like=a)(a, b, tile_shape=tile_shape, out=out, stream=stream, policy=policy)
 
 
 @differentiable("softmax", ("x",))
@@ -62,7 +62,7 @@ def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPol
     if _is_dt(x):
         _no_extras("softmax", out=out, stream=stream)
         return _d.softmax(x, axis, policy)
-    return get_backend().kernel("softmax")(x, axis=axis, out=out, stream=stream, policy=policy)
+    return get_backend().kernel("softmax", like=x)(x, axis=axis, out=out, stream=stream, policy=policy)
 
 
 @differentiable("layernorm", ("x", "weight", "bias"))
@@ -72,7 +72,7 @@ def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5
     if _is_dt(x, weight, bias):
         _no_extras("layernorm", out=out, stream=stream)
         return _d.layernorm(x, weight, bias, eps, policy)
-    return get_backend().kernel("layernorm")(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
+    return get_backend().kernel("layernorm", like=x)(x, weight, bias, eps=eps, out=out, stream=stream, policy=policy)
 
 
 @differentiable("rmsnorm", ("x", "weight"))
@@ -82,7 +82,7 @@ def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out=None, stream=N
     if _is_dt(x, weight):
         _no_extras("rmsnorm", out=out, stream=stream)
         return _d.rmsnorm(x, weight, eps, policy)
-    return get_backend().kernel("rmsnorm")(x, weight, eps=eps, out=out, stream=stream, policy=policy)
+    return get_backend().kernel("rmsnorm", like=x)(x, weight, eps=eps, out=out, stream=stream, policy=policy)
 
 
 # --------------------------------------------------------------------------- elementwise
@@ -199,7 +199,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: floa
             raise TypeError("op.flash_attention on DTensors does not return lse; call it on the local pieces "
                             "for that")
         return _d.dispatch("flash_attention", (bool(causal), scale, policy), (q, k, v))
-    return get_backend().kernel("flash_attention")(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+    return get_backend().kernel("flash_attention", like=q)(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                                    block_kv=block_kv, out=out, stream=stream, policy=policy)
 
 
@@ -210,7 +210,7 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out=None, stream=None, policy: NumericPo
     if _is_dt(x, w1, w3):
         _no_extras("swiglu", out=out, stream=stream)
         return _d.binary("mul", _d.unary("silu", _d.matmul(x, w1, None, policy)), _d.matmul(x, w3, None, policy))
-    return get_backend().kernel("swiglu")(x, w1, w3, out=out, stream=stream, policy=policy)
+    return get_backend().kernel("swiglu", like=x)(x, w1, w3, out=out, stream=stream, policy=policy)
 
 
 # --------------------------------------------------------------------------- kernels re-exported

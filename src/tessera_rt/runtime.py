@@ -112,8 +112,13 @@ def reset() -> None:
     """Back to the default map and overlap policy, dropping all streams (tests only)."""
     global _overlap
     synchronize()
+    had_streams = bool(_slots)
     _stream_map.clear()
     _stream_map.update(_DEFAULT_MAP)
     _slots.clear()
     _role_streams.clear()
     _overlap = None
+    if had_streams:
+        # a fresh compute stream, current at once: work issued from now on (even before
+        # the next collective creates its own stream) must be on the stream collectives wait for
+        stream("compute")

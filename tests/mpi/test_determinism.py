@@ -28,7 +28,7 @@ def _reference(X, W1, W2):
     """The model on whole arrays, with the same fixed-order kernels (no mesh at all)."""
     h = np.maximum(det.matmul(X, W1), 0)
     logits = det.matmul(h, W2)
-    probs = get_backend().kernel("softmax")(logits, axis=-1)
+    probs = get_backend().kernel("softmax", like=logits)(logits, axis=-1)
     return logits, probs, det.reduce_sum(logits, None, False)
 
 

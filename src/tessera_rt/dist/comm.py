@@ -232,13 +232,19 @@ class HostStagedCommunicator(Communicator):
         self._mpi.broadcast(hbuf, root)
         self._to_device(hbuf, buf, stream)
 
+    # Point-to-point stays non-blocking where asked: a ring of irecv-then-isend must not
+    # wait in the recv for a send its peer has not issued yet.  The request goes on the
+    # stream (CudaStream.enqueue); the device copy of a received message runs when it completes.
     def send(self, buf, peer, tag=0, blocking=True, stream=None):
-        self._mpi.send(self._to_host(buf, stream), peer, tag)
+        return self._mpi.send(self._to_host(buf, stream), peer, tag, blocking=blocking)
 
     def recv(self, buf, peer, tag=0, blocking=True, stream=None):
         hbuf = np.empty(buf.shape, buf.dtype)
-        self._mpi.recv(hbuf, peer, tag)
-        self._to_device(hbuf, buf, stream)
+        if blocking:
+            self._mpi.recv(hbuf, peer, tag)
+            self._to_device(hbuf, buf, stream)
+            return None
+        return _MpiRequest([self.mpi.Irecv(_buf(hbuf), peer, tag)], lambda: self._to_device(hbuf, buf, stream))
 
     def barrier(self, blocking=True, stream=None):
         if stream is not None:
@@ -261,13 +267,36 @@ _NCCL_UINT8 = 1
 _NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "avg": 4}
 
 
+class _GroupedP2P:
+    """A non-blocking NCCL send/recv waiting for its group launch (see NcclCommunicator)."""
+
+    __slots__ = ("_comm", "launched")
+
+    def __init__(self, comm: "NcclCommunicator"):
+        self._comm = comm
+        self.launched = False
+
+    def test(self) -> bool:
+        return self.launched
+
+    def wait_done(self) -> None:
+        self._comm.flush()
+
+
 class NcclCommunicator(Communicator):
-    """CuPy buffers over NCCL; every call is enqueued on ``stream`` and returns at once."""
+    """CuPy buffers over NCCL; every call is enqueued on ``stream`` and returns at once.
+
+    Non-blocking sends and recvs are held back and launched together, in one NCCL group,
+    by the first wait on any of them or the next other call on this communicator.  On a
+    stream a lone ncclRecv blocks until the peer's matching send runs, and NCCL needs the
+    halves of an exchange grouped; MPI's irecv-then-isend ring would otherwise hang.
+    """
 
     kind = "nccl"
 
     def __init__(self, mpi_comm: MPI.Comm):
         super().__init__(mpi_comm)
+        self._held: list = []            # (launch, request) of the held sends/recvs
         from cupy.cuda import nccl
         self._nccl = nccl
         # rank 0 of the group makes the id; MPI carries it to the others
@@ -287,10 +316,12 @@ class NcclCommunicator(Communicator):
             ) from None
 
     def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        self.flush()
         self.raw.allReduce(send.data.ptr, recv.data.ptr, send.size, self._reduce_type(send),
                            _NCCL_OPS[op], stream.ptr)
 
     def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
+        self.flush()
         dtype, nop = self._reduce_type(send), _NCCL_OPS[op]
         if counts is None:
             self.raw.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, dtype, nop, stream.ptr)
@@ -304,6 +335,7 @@ class NcclCommunicator(Communicator):
         self._nccl.groupEnd()
 
     def all_gather(self, send, recv, counts=None, blocking=True, stream=None):
+        self.flush()
         item = send.dtype.itemsize
         if counts is None:
             self.raw.allGather(send.data.ptr, recv.data.ptr, send.nbytes, _NCCL_UINT8, stream.ptr)
@@ -316,6 +348,7 @@ class NcclCommunicator(Communicator):
         self._nccl.groupEnd()
 
     def all_to_all(self, send, recv, send_counts=None, recv_counts=None, blocking=True, stream=None):
+        self.flush()
         item = send.dtype.itemsize
         if send_counts is None:
             send_counts = recv_counts = [send.size // self.size] * self.size
@@ -329,6 +362,7 @@ class NcclCommunicator(Communicator):
         self._nccl.groupEnd()
 
     def broadcast(self, buf, root, blocking=True, stream=None):
+        self.flush()
         self.raw.broadcast(buf.data.ptr, buf.data.ptr, buf.nbytes, _NCCL_UINT8, root, stream.ptr)
 
     def _untagged(self, op: str, peer: int, tag: int) -> None:
@@ -340,16 +374,39 @@ class NcclCommunicator(Communicator):
                 "message tags (messages between two ranks match in issue order); drop tag= and issue the "
                 "sends and recvs in the same order on both ranks, or run this group on MPI (TESSERA_COMM=host)")
 
+    def flush(self) -> None:
+        """Launch the held sends and recvs as one NCCL group, in the order they were issued."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self._nccl.groupStart()
+        try:
+            for launch, _ in held:
+                launch()
+        finally:
+            self._nccl.groupEnd()
+        for _, request in held:
+            request.launched = True
+
+    def _p2p(self, launch, blocking: bool):
+        request = _GroupedP2P(self)
+        self._held.append((launch, request))    # the closure keeps the buffer alive until launch
+        if blocking:
+            self.flush()
+            return None
+        return request
+
     def send(self, buf, peer, tag=0, blocking=True, stream=None):
         self._untagged("send", peer, tag)
-        self.raw.send(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
+        return self._p2p(lambda: self.raw.send(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr), blocking)
 
     def recv(self, buf, peer, tag=0, blocking=True, stream=None):
         self._untagged("recv", peer, tag)
-        self.raw.recv(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr)
+        return self._p2p(lambda: self.raw.recv(buf.data.ptr, buf.nbytes, _NCCL_UINT8, peer, stream.ptr), blocking)
 
     def barrier(self, blocking=True, stream=None):
         # NCCL has no barrier; the MPI group orders the hosts once the stream is drained
+        self.flush()
         if stream is not None:
             stream.synchronize()
         self.mpi.Barrier()
@@ -388,15 +445,17 @@ def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communic
     if use_nccl:
         return NcclCommunicator(mpi_comm)
 
+    # Only the copy is waited for (the raw CUDA stream), not host work queued on the
+    # stream: a pending irecv there may need the very send this copy feeds.
     def to_host(a, stream):
         h = a.get(stream=stream.raw if stream is not None else None)
         if stream is not None:
-            stream.synchronize()   # the copy may be asynchronous; MPI reads it next
+            stream.raw.synchronize()   # the copy may be asynchronous; MPI reads it next
         return h
 
     def to_device(h, a, stream):
         a.set(h, stream=stream.raw if stream is not None else None)
         if stream is not None:
-            stream.synchronize()
+            stream.raw.synchronize()
 
     return HostStagedCommunicator(mpi_comm, to_host, to_device)

@@ -1,0 +1,606 @@
+// The CUDA execution model on the host, linked into every emulated kernel module.
+//
+// Compiled WITHOUT -fsanitize=thread: it provides the __tsan_* callbacks that the
+// instrumented kernel translation unit calls before every memory access, and must not
+// call them itself.  Each module (.so) has its own copy of this state; launches of one
+// module are serialized by a mutex, so plain globals are per-launch state.
+//
+// Execution: the blocks of a grid run one after another on the calling host thread.
+// Within a block every CUDA thread is a fiber with its own stack; the scheduler resumes
+// runnable fibers round-robin, and a fiber runs until it exits or waits at a rendezvous:
+//   __syncthreads   completes when every thread of the block arrived or exited (sm_70+).
+//   warp collective (shuffles, mma) completes when all 32 lanes of the warp arrived; the
+//                   last lane to arrive computes every lane's result.
+// A check failure records the message and switches straight back to the scheduler: the
+// faulting access is never performed and the block's fibers are never resumed.
+#include "cuda_emu.h"
+#include "cuda_bf16.h"
+#include "cuda_fp16.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if !defined(__x86_64__)
+#error "cuda_emu's fiber switch is x86-64 assembly"
+#endif
+
+#define TS_EMU_EXPORT extern "C"
+
+namespace {
+
+// Error kinds returned to Python (tests/gpu_emu/cuda_emu/__init__.py maps them to exceptions).
+enum ErrorKind { OK = 0, RACE = 1, MISALIGNED = 2, OUT_OF_BOUNDS = 3, DIVERGENCE = 4, DEADLOCK = 5, UNSUPPORTED = 6 };
+
+// ------------------------------------------------------------------------------- fibers
+// ts_emu_switch(save, next): push the callee-saved registers, store the stack pointer in
+// *save, load `next`, pop and return into whatever context saved it.
+extern "C" void ts_emu_switch(void** save_sp, void* next_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden ts_emu_switch
+  .type ts_emu_switch, @function
+ts_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ts_emu_switch, .-ts_emu_switch
+)");
+
+constexpr size_t kStackBytes = 128 * 1024;
+constexpr size_t kGuardBytes = 4096;           // PROT_NONE page below each stack: overflow faults
+constexpr size_t kMaxDynamicSmem = 227 * 1024;
+
+enum class State : unsigned char { Runnable, AtSyncthreads, AtWarp, Exited };
+
+struct Fiber {
+  void* sp;
+  uint3 tid;
+  int linear;
+  State state;
+};
+
+// A warp collective in progress: what each lane deposited, what each lane gets back.
+struct Warp {
+  int lanes;                 // threads in this warp (< 32 only for a block's last warp)
+  int arrived, exited;
+  const char* op;            // the collective the arrived lanes wait at
+  int is_bf16;
+  unsigned long long value[32], result[32];
+  int src_lane[32];
+  unsigned a[32][4], b[32][2];
+  float c[32][4], d[32][4];
+};
+
+// Race shadow of one shared-memory byte: last writer and up to two readers in an epoch
+// (the barrier interval); two distinct readers suffice to name one that differs from a writer.
+struct ShadowByte {
+  unsigned write_epoch, read_epoch;
+  short writer, reader0, reader1;
+};
+
+struct Range { uintptr_t lo, hi; };
+struct SharedSymbol { size_t offset, size; std::string name; };
+
+struct Launch {
+  const char* kernel = "";
+  void (*entry)(void**) = nullptr;
+  void** args = nullptr;
+  uint3 grid{}, block{}, block_idx{};
+  int nthreads = 0, exited = 0, sync_arrived = 0;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  Fiber* current = nullptr;
+  void* scheduler_sp = nullptr;
+  std::vector<Range> buffers;
+  size_t dynamic_bytes = 0;
+  int error = OK;
+  std::string message;
+};
+
+Launch L;
+std::mutex g_launch_mutex;
+char* g_stacks = nullptr;                      // fiber stacks, each kGuardBytes + kStackBytes
+size_t g_stack_slots = 0;
+// Static, not allocated at the first launch: a namespace-scope `extern __shared__` array
+// becomes a pointer initialized when the module loads (see __init__.py).
+alignas(128) char g_dynamic_smem[kMaxDynamicSmem];
+std::vector<ShadowByte> g_shadow;              // static shared bytes, then dynamic
+unsigned g_epoch = 0;                          // never reset: stale shadow entries never match
+std::vector<SharedSymbol> g_shared_symbols;
+
+}  // namespace
+
+// Bounds of the static __shared__ section (see __shared__ in cuda_emu.h); weak because a
+// module without static shared memory has no such section.
+extern "C" char __start_ts_emu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_ts_emu_shared[] __attribute__((weak, visibility("hidden")));
+
+namespace {
+
+uintptr_t static_lo() { return (uintptr_t)__start_ts_emu_shared; }
+size_t static_bytes() { return (size_t)(__stop_ts_emu_shared - __start_ts_emu_shared); }
+
+char* stack_top(size_t slot) { return g_stacks + slot * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes; }
+
+bool ensure_stacks(size_t count) {
+  if (count <= g_stack_slots) return true;
+  if (g_stacks) munmap(g_stacks, g_stack_slots * (kGuardBytes + kStackBytes));
+  const size_t bytes = count * (kGuardBytes + kStackBytes);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) { g_stacks = nullptr; g_stack_slots = 0; return false; }
+  g_stacks = (char*)p;
+  g_stack_slots = count;
+  for (size_t i = 0; i < count; ++i) mprotect(g_stacks + i * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
+  return true;
+}
+
+std::string format(const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return buf;
+}
+
+std::string where(const Fiber& f) {
+  return format("kernel %s block (%u,%u,%u) thread (%u,%u,%u)", L.kernel, L.block_idx.x, L.block_idx.y,
+                L.block_idx.z, f.tid.x, f.tid.y, f.tid.z);
+}
+
+std::string thread_name(int linear) {
+  const uint3 t = L.fibers[linear].tid;
+  return format("(%u,%u,%u)", t.x, t.y, t.z);
+}
+
+// "0-15,17": the lanes of `warp` for which pred(fiber) holds.
+template <class Pred> std::string lane_list(int warp, Pred pred) {
+  std::string out;
+  int start = -1;
+  for (int lane = 0; lane <= 32; ++lane) {
+    const int idx = warp * 32 + lane;
+    const bool in = lane < 32 && idx < L.nthreads && pred(L.fibers[idx]);
+    if (in && start < 0) start = lane;
+    if (!in && start >= 0) {
+      if (!out.empty()) out += ",";
+      out += lane - 1 > start ? format("%d-%d", start, lane - 1) : format("%d", start);
+      start = -1;
+    }
+  }
+  return out;
+}
+
+[[noreturn]] void yield_forever(Fiber* f) {
+  ts_emu_switch(&f->sp, L.scheduler_sp);
+  __builtin_unreachable();
+}
+
+// Record the failure and leave the fiber for good (the scheduler abandons the block).
+[[noreturn]] void fail(int kind, std::string message) {
+  L.error = kind;
+  L.message = std::move(message);
+  yield_forever(L.current);
+}
+
+void wait_for_scheduler(Fiber* f) {
+  ts_emu_switch(&f->sp, L.scheduler_sp);
+}
+
+// ------------------------------------------------------------------------------- block barrier
+void release_syncthreads() {
+  for (Fiber& f : L.fibers)
+    if (f.state == State::AtSyncthreads) f.state = State::Runnable;
+  L.sync_arrived = 0;
+  ++g_epoch;                                   // accesses on either side of a barrier never race
+}
+
+[[noreturn]] void exit_thread() {
+  Fiber* f = L.current;
+  Warp& w = L.warps[f->linear / 32];
+  f->state = State::Exited;
+  ++L.exited;
+  ++w.exited;
+  if (w.arrived > 0)
+    fail(DIVERGENCE, format("barrier divergence in kernel %s block (%u,%u,%u) warp %d: thread %s exited while "
+                            "lanes %s wait at %s (a full-mask warp collective needs every lane)",
+                            L.kernel, L.block_idx.x, L.block_idx.y, L.block_idx.z, f->linear / 32,
+                            thread_name(f->linear).c_str(),
+                            lane_list(f->linear / 32, [](const Fiber& g) { return g.state == State::AtWarp; }).c_str(),
+                            w.op));
+  if (L.sync_arrived > 0 && L.sync_arrived + L.exited == L.nthreads) release_syncthreads();
+  yield_forever(f);
+}
+
+void fiber_main() {
+  L.entry(L.args);
+  exit_thread();
+}
+
+// ------------------------------------------------------------------------------- warp collectives
+// Arrive at collective `op`; returns once all 32 lanes have arrived and results are ready.
+// `deposit(lane)` stores this lane's operands, `compute(warp)` runs once, by the last lane.
+template <class Deposit, class Compute> void warp_collective(const char* op, Deposit deposit, Compute compute) {
+  Fiber* f = L.current;
+  const int warp_id = f->linear / 32, lane = f->linear % 32;
+  Warp& w = L.warps[warp_id];
+  auto place = [&] {
+    return format("kernel %s block (%u,%u,%u) warp %d", L.kernel, L.block_idx.x, L.block_idx.y, L.block_idx.z,
+                  warp_id);
+  };
+  if (w.lanes < 32)
+    fail(DIVERGENCE, format("%s at %s: the warp has only %d threads (blockDim %u,%u,%u) but the full mask "
+                            "0xffffffff names lanes %d-31", op, place().c_str(), w.lanes, L.block.x, L.block.y,
+                            L.block.z, w.lanes));
+  if (w.exited > 0)
+    fail(DIVERGENCE, format("barrier divergence at %s in %s: lane %d arrived but lanes %s have exited", op,
+                            place().c_str(), lane,
+                            lane_list(warp_id, [](const Fiber& g) { return g.state == State::Exited; }).c_str()));
+  if (w.arrived > 0 && w.op != op)
+    fail(DIVERGENCE, format("barrier divergence in %s: lane %d reached %s while lanes %s wait at %s",
+                            place().c_str(), lane, op,
+                            lane_list(warp_id, [](const Fiber& g) { return g.state == State::AtWarp; }).c_str(),
+                            w.op));
+  w.op = op;
+  deposit(w, lane);
+  f->state = State::AtWarp;
+  if (++w.arrived == 32) {
+    compute(w);
+    w.arrived = 0;
+    for (int i = 0; i < 32; ++i) L.fibers[warp_id * 32 + i].state = State::Runnable;
+  } else {
+    wait_for_scheduler(f);
+  }
+}
+
+const char* shfl_name(int kind) {
+  switch (kind) {
+    case TS_EMU_SHFL_IDX: return "__shfl_sync";
+    case TS_EMU_SHFL_UP: return "__shfl_up_sync";
+    case TS_EMU_SHFL_DOWN: return "__shfl_down_sync";
+    default: return "__shfl_xor_sync";
+  }
+}
+
+// The source lane of a shuffle, CUDA's rule: lanes form segments of `width`; a source
+// outside the lane's own segment (past it for up/down/xor) yields the lane's own value.
+int shfl_source(int lane, int kind, int arg, int width) {
+  const int seg = lane & ~(width - 1);
+  switch (kind) {
+    case TS_EMU_SHFL_IDX: return seg + (arg & (width - 1));
+    case TS_EMU_SHFL_UP: return lane - arg >= seg ? lane - arg : lane;
+    case TS_EMU_SHFL_DOWN: return lane + arg < seg + width ? lane + arg : lane;
+    default: { const int src = lane ^ arg; return src < seg + width ? src : lane; }
+  }
+}
+
+// ------------------------------------------------------------------------------- mma.sync m16n8k16
+// Fragment layouts of mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16} (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16 with floating point type").  For lane l, g = l / 4, t = l % 4;
+// each 32-bit A/B register packs two 16-bit elements, the lower half holding the lower column
+// (A) or lower k (B):
+//   A (16x16, row-major):  a0 = A[g][2t, 2t+1]     a1 = A[g+8][2t, 2t+1]
+//                          a2 = A[g][2t+8, 2t+9]   a3 = A[g+8][2t+8, 2t+9]
+//   B (16x8,  "col"):      b0 = B[2t, 2t+1][g]     b1 = B[2t+8, 2t+9][g]
+//   C/D (16x8, f32):       c0, c1 = C[g][2t, 2t+1] c2, c3 = C[g+8][2t, 2t+1]
+// Products of two f16 (or bf16) are exact in f32; the sum is accumulated in f32, k ascending.
+float unpack_half(unsigned reg, int high, int is_bf16) {
+  const unsigned short bits = (unsigned short)(high ? reg >> 16 : reg & 0xffffu);
+  return is_bf16 ? ts_emu_bf16_bits_to_f32(bits) : ts_emu_f16_bits_to_f32(bits);
+}
+
+void compute_mma(Warp& w) {
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = unpack_half(w.a[l][0], h, w.is_bf16);
+      A[g + 8][2 * t + h] = unpack_half(w.a[l][1], h, w.is_bf16);
+      A[g][2 * t + 8 + h] = unpack_half(w.a[l][2], h, w.is_bf16);
+      A[g + 8][2 * t + 8 + h] = unpack_half(w.a[l][3], h, w.is_bf16);
+      B[2 * t + h][g] = unpack_half(w.b[l][0], h, w.is_bf16);
+      B[2 * t + 8 + h][g] = unpack_half(w.b[l][1], h, w.is_bf16);
+    }
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r >> 1) * 8, col = 2 * t + (r & 1);
+      float acc = w.c[l][r];
+      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      w.d[l][r] = acc;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------- memory checks
+std::string shared_location(size_t offset) {
+  const size_t nstatic = static_bytes();
+  if (offset >= nstatic) return format("dynamic shared memory +%zu", offset - nstatic);
+  for (const SharedSymbol& s : g_shared_symbols)
+    if (offset >= s.offset && offset < s.offset + s.size)
+      return format("__shared__ %s +%zu (static shared offset %zu)", s.name.c_str(), offset - s.offset, offset);
+  return format("static shared memory +%zu", offset);
+}
+
+void check_race(size_t offset, size_t size, bool write, uintptr_t addr) {
+  const int me = L.current->linear;
+  for (size_t i = 0; i < size; ++i) {
+    ShadowByte& s = g_shadow[offset + i];
+    int other = -1;
+    const char* kind = nullptr;
+    const char* other_did = nullptr;
+    if (s.write_epoch == g_epoch && s.writer != me) {
+      other = s.writer;
+      kind = write ? "write-after-write" : "read-after-write";
+      other_did = "wrote";
+    } else if (write && s.read_epoch == g_epoch) {
+      other = s.reader0 != me ? s.reader0 : s.reader1;
+      kind = "write-after-read";
+      other_did = "read";
+    }
+    if (other >= 0)
+      fail(RACE, format("shared-memory race (%s) in kernel %s block (%u,%u,%u): thread %s %s %zu bytes at %s "
+                        "(address %#lx), which thread %s %s with no __syncthreads() in between",
+                        kind, L.kernel, L.block_idx.x, L.block_idx.y, L.block_idx.z,
+                        thread_name(me).c_str(), write ? "writes" : "reads", size, shared_location(offset + i).c_str(),
+                        (unsigned long)(addr + i), thread_name(other).c_str(), other_did));
+  }
+  for (size_t i = 0; i < size; ++i) {
+    ShadowByte& s = g_shadow[offset + i];
+    if (write) {
+      s.writer = (short)me;
+      s.write_epoch = g_epoch;
+    } else if (s.read_epoch != g_epoch) {
+      s.read_epoch = g_epoch;
+      s.reader0 = (short)me;
+      s.reader1 = -1;
+    } else if (s.reader0 != me && s.reader1 < 0) {
+      s.reader1 = (short)me;
+    }
+  }
+}
+
+[[noreturn]] void fail_out_of_bounds(uintptr_t a, size_t size, bool write, const char* detail) {
+  fail(OUT_OF_BOUNDS, format("out-of-bounds %s of %zu bytes at %#lx in %s: %s", write ? "write" : "read", size,
+                             (unsigned long)a, where(*L.current).c_str(), detail));
+}
+
+[[noreturn]] void fail_global_out_of_bounds(uintptr_t a, size_t size, bool write) {
+  const Range* nearest = nullptr;
+  uintptr_t best = ~(uintptr_t)0;
+  for (const Range& r : L.buffers) {
+    const uintptr_t dist = a >= r.hi ? a - r.hi + 1 : (a < r.lo ? r.lo - a : 0);
+    if (dist < best) { best = dist; nearest = &r; }
+  }
+  std::string detail = "the address is in no device allocation";
+  if (nearest) {
+    const size_t n = nearest->hi - nearest->lo;
+    detail += a >= nearest->lo
+        ? format("; nearest is [%#lx, %#lx) (%zu bytes), the access ends %zu bytes past its end",
+                 (unsigned long)nearest->lo, (unsigned long)nearest->hi, n, (size_t)(a + size - nearest->hi))
+        : format("; nearest is [%#lx, %#lx) (%zu bytes), the access starts %zu bytes before it",
+                 (unsigned long)nearest->lo, (unsigned long)nearest->hi, n, (size_t)(nearest->lo - a));
+  }
+  fail_out_of_bounds(a, size, write, detail.c_str());
+}
+
+// Called (through the __tsan_* hooks) before every memory access of the kernel code.
+inline void check_access(const void* addr, size_t size, bool write, bool check_alignment) {
+  Fiber* f = L.current;
+  if (!f) return;                               // not inside a launch (module constructors)
+  const uintptr_t a = (uintptr_t)addr;
+  if (a - (uintptr_t)g_stacks < g_stack_slots * (kGuardBytes + kStackBytes)) return;   // registers / local memory
+  if (check_alignment && (a & (size - 1)))
+    fail(MISALIGNED, format("misaligned %zu-byte %s at %#lx (address %% %zu = %zu) in %s", size,
+                            write ? "write" : "read", (unsigned long)a, size, (size_t)(a & (size - 1)),
+                            where(*f).c_str()));
+  const uintptr_t slo = static_lo();
+  const size_t nstatic = static_bytes();
+  if (a - slo < nstatic) {
+    if (a + size > slo + nstatic) fail_out_of_bounds(a, size, write, "the access runs past static shared memory");
+    check_race(a - slo, size, write, a);
+    return;
+  }
+  const uintptr_t dlo = (uintptr_t)g_dynamic_smem;
+  if (a - dlo < kMaxDynamicSmem) {
+    if (a + size > dlo + L.dynamic_bytes)
+      fail_out_of_bounds(a, size, write, format("dynamic shared memory is %zu bytes (shared_mem at launch); the access "
+                                                "is at offset %zu", L.dynamic_bytes, (size_t)(a - dlo)).c_str());
+    check_race(nstatic + (a - dlo), size, write, a);
+    return;
+  }
+  for (const Range& r : L.buffers)
+    if (a >= r.lo && a + size <= r.hi) return;
+  fail_global_out_of_bounds(a, size, write);
+}
+
+// ------------------------------------------------------------------------------- scheduler
+std::string deadlock_report() {
+  std::string out;
+  for (int w = 0; w * 32 < L.nthreads; ++w) {
+    const std::string sync = lane_list(w, [](const Fiber& f) { return f.state == State::AtSyncthreads; });
+    const std::string coll = lane_list(w, [](const Fiber& f) { return f.state == State::AtWarp; });
+    const std::string gone = lane_list(w, [](const Fiber& f) { return f.state == State::Exited; });
+    out += format("; warp %d:", w);
+    if (!sync.empty()) out += " lanes " + sync + " at __syncthreads()";
+    if (!coll.empty()) out += " lanes " + coll + " at " + std::string(L.warps[w].op);
+    if (!gone.empty()) out += " lanes " + gone + " exited";
+  }
+  return out;
+}
+
+int run_block() {
+  const size_t nstatic = static_bytes();
+  memset(__start_ts_emu_shared, 0xff, nstatic);              // uninitialized shared reads show up
+  memset(g_dynamic_smem, 0xff, L.dynamic_bytes);
+  ++g_epoch;
+  L.exited = L.sync_arrived = 0;
+  for (Warp& w : L.warps) w.arrived = w.exited = 0;
+  for (int i = 0; i < L.nthreads; ++i) {
+    Fiber& f = L.fibers[i];
+    void** sp = (void**)stack_top(i);
+    *--sp = nullptr;                          // fiber_main's return address: it never returns
+    *--sp = (void*)&fiber_main;               // where ts_emu_switch's `ret` enters the fiber
+    for (int r = 0; r < 6; ++r) *--sp = nullptr;   // callee-saved registers popped by ts_emu_switch
+    f.sp = sp;
+    f.state = State::Runnable;
+  }
+  while (L.exited < L.nthreads) {
+    bool ran = false;
+    for (Fiber& f : L.fibers) {
+      if (f.state != State::Runnable) continue;
+      ran = true;
+      L.current = &f;
+      ts_emu_switch(&L.scheduler_sp, f.sp);
+      L.current = nullptr;
+      if (L.error) return L.error;
+    }
+    if (!ran) {
+      L.message = format("deadlock in kernel %s block (%u,%u,%u): no thread can proceed%s", L.kernel,
+                         L.block_idx.x, L.block_idx.y, L.block_idx.z, deadlock_report().c_str());
+      return L.error = DEADLOCK;
+    }
+  }
+  return OK;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------- device API
+extern "C" {
+uint3 ts_emu_thread_idx(void) { return L.current->tid; }
+uint3 ts_emu_block_idx(void) { return L.block_idx; }
+uint3 ts_emu_block_dim(void) { return L.block; }
+uint3 ts_emu_grid_dim(void) { return L.grid; }
+void* ts_emu_dynamic_smem(void) { return g_dynamic_smem; }
+
+void ts_emu_syncthreads(void) {
+  Fiber* f = L.current;
+  f->state = State::AtSyncthreads;
+  if (++L.sync_arrived + L.exited == L.nthreads) release_syncthreads();
+  else wait_for_scheduler(f);
+}
+
+unsigned long long ts_emu_shfl(unsigned mask, unsigned long long bits, int kind, int arg, int width) {
+  const char* op = shfl_name(kind);
+  if (mask != 0xffffffffu)
+    fail(UNSUPPORTED, format("unsupported mask %#x for %s in %s: the emulator implements full-warp shuffles "
+                             "(0xffffffff) only", mask, op, where(*L.current).c_str()));
+  if (width <= 0 || width > 32 || (width & (width - 1)))
+    fail(UNSUPPORTED, format("%s width %d in %s: must be a power of two <= 32", op, width, where(*L.current).c_str()));
+  const int lane = L.current->linear % 32;
+  Warp& w = L.warps[L.current->linear / 32];
+  warp_collective(
+      op,
+      [&](Warp& ww, int l) { ww.value[l] = bits; ww.src_lane[l] = shfl_source(l, kind, arg, width); },
+      [](Warp& ww) { for (int l = 0; l < 32; ++l) ww.result[l] = ww.value[ww.src_lane[l]]; });
+  return w.result[lane];
+}
+
+void ts_emu_mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, int is_bf16) {
+  const int lane = L.current->linear % 32;
+  Warp& w = L.warps[L.current->linear / 32];
+  const char* op = is_bf16 ? "mma.sync.m16n8k16 (bf16)" : "mma.sync.m16n8k16 (f16)";
+  warp_collective(
+      op,
+      [&](Warp& ww, int l) {
+        ww.is_bf16 = is_bf16;
+        for (int i = 0; i < 4; ++i) { ww.a[l][i] = a[i]; ww.c[l][i] = d[i]; }
+        ww.b[l][0] = b[0];
+        ww.b[l][1] = b[1];
+      },
+      compute_mma);
+  for (int i = 0; i < 4; ++i) d[i] = w.d[lane][i];
+}
+}
+
+// ------------------------------------------------------------------------------- instrumentation hooks
+// GCC's -fsanitize=thread calls these before each access; N-byte hooks see naturally
+// typed accesses (alignment checked: the GPU faults on misaligned loads), the unaligned
+// and range hooks see packed/aggregate accesses (no alignment requirement).
+#define TS_EMU_HOOKS(N)                                                                                   \
+  TS_EMU_EXPORT void __tsan_read##N(void* p) { check_access(p, N, false, true); }                         \
+  TS_EMU_EXPORT void __tsan_write##N(void* p) { check_access(p, N, true, true); }                         \
+  TS_EMU_EXPORT void __tsan_unaligned_read##N(void* p) { check_access(p, N, false, false); }              \
+  TS_EMU_EXPORT void __tsan_unaligned_write##N(void* p) { check_access(p, N, true, false); }              \
+  TS_EMU_EXPORT void __tsan_volatile_read##N(void* p) { check_access(p, N, false, true); }                \
+  TS_EMU_EXPORT void __tsan_volatile_write##N(void* p) { check_access(p, N, true, true); }
+TS_EMU_HOOKS(1)
+TS_EMU_HOOKS(2)
+TS_EMU_HOOKS(4)
+TS_EMU_HOOKS(8)
+TS_EMU_HOOKS(16)
+#undef TS_EMU_HOOKS
+TS_EMU_EXPORT void __tsan_read_range(void* p, unsigned long size) { if (size) check_access(p, size, false, false); }
+TS_EMU_EXPORT void __tsan_write_range(void* p, unsigned long size) { if (size) check_access(p, size, true, false); }
+TS_EMU_EXPORT void __tsan_func_entry(void*) {}
+TS_EMU_EXPORT void __tsan_func_exit(void) {}
+TS_EMU_EXPORT void __tsan_init(void) {}
+
+// ------------------------------------------------------------------------------- host API (ctypes)
+TS_EMU_EXPORT unsigned long long ts_emu_static_smem_bytes(void) { return static_bytes(); }
+
+// Names static __shared__ variables in race messages (offsets within the section).
+TS_EMU_EXPORT void ts_emu_name_shared(unsigned long long offset, unsigned long long size, const char* name) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  g_shared_symbols.push_back({(size_t)offset, (size_t)size, name});
+}
+
+// Run a grid.  `buffers` holds (pointer, bytes) pairs of the device memory the kernel may
+// touch.  Returns an ErrorKind; on failure `message` holds a readable report.
+TS_EMU_EXPORT int ts_emu_launch(const char* kernel, void (*entry)(void**), void** args, const unsigned* grid,
+                                const unsigned* block, unsigned long long dynamic_bytes,
+                                const unsigned long long* buffers, int nbuffers, char* message, int message_len) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  L.kernel = kernel;
+  L.entry = entry;
+  L.args = args;
+  L.grid = {grid[0], grid[1], grid[2]};
+  L.block = {block[0], block[1], block[2]};
+  L.nthreads = (int)(block[0] * block[1] * block[2]);
+  L.dynamic_bytes = dynamic_bytes;
+  L.error = OK;
+  L.message.clear();
+  L.buffers.clear();
+  for (int i = 0; i < nbuffers; ++i) L.buffers.push_back({buffers[2 * i], buffers[2 * i] + buffers[2 * i + 1]});
+  if (!ensure_stacks(L.nthreads)) {
+    snprintf(message, message_len, "cuda_emu: cannot map %d fiber stacks", L.nthreads);
+    return UNSUPPORTED;
+  }
+  g_shadow.assign(static_bytes() + dynamic_bytes, ShadowByte{0, 0, -1, -1, -1});
+  L.fibers.assign(L.nthreads, Fiber{});
+  for (int i = 0; i < L.nthreads; ++i) {
+    const unsigned x = i % block[0], y = (i / block[0]) % block[1], z = i / (block[0] * block[1]);
+    L.fibers[i].tid = {x, y, z};
+    L.fibers[i].linear = i;
+  }
+  L.warps.assign((L.nthreads + 31) / 32, Warp{});
+  for (size_t w = 0; w < L.warps.size(); ++w) L.warps[w].lanes = min(32, L.nthreads - (int)w * 32);
+  int status = OK;
+  for (unsigned z = 0; z < grid[2] && status == OK; ++z)
+    for (unsigned y = 0; y < grid[1] && status == OK; ++y)
+      for (unsigned x = 0; x < grid[0] && status == OK; ++x) {
+        L.block_idx = {x, y, z};
+        status = run_block();
+      }
+  if (status != OK) snprintf(message, message_len, "%s", L.message.c_str());
+  return status;
+}

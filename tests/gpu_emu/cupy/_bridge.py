@@ -1,0 +1,160 @@
+"""Calling NumPy on stand-in arrays the way CuPy would run a kernel.
+
+``call_numpy`` is the one path every array function and method takes: unwrap arguments
+(refusing host arrays as CuPy's ``_preprocess_args`` does), run NumPy on the arrays' pool
+memory, put fresh results in pool memory allocated on the current stream (0-d results stay
+0-d device arrays, as CuPy returns them), and record the op on the current stream with the
+bytes it read and wrote.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _tracker
+from .cuda import memory as _memory
+from .cuda.stream import current_stream_state
+
+# dtype chars CuPy 13's kernels have C types for (cupy/_core/_dtype.pyx ``all_type_chars``)
+KERNEL_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
+
+
+def refuse(x):
+    # cupy/_core/_kernel.pyx _preprocess_arg: "raise TypeError('Unsupported type %s' % type(arg))"
+    return TypeError(f"Unsupported type {type(x)}")
+
+
+def is_host_array(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def unwrap(x, reads: list, writes: list | None = None):
+    """``x`` with stand-in arrays replaced by their NumPy views (noted in ``reads`` or ``writes``);
+    NumPy arrays refused.  Lists and tuples are walked (sequences of arrays)."""
+    from ._ndarray import ndarray
+    if isinstance(x, ndarray):
+        (reads if writes is None else writes).append(x)
+        return x._a
+    if isinstance(x, np.ndarray):
+        raise refuse(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(unwrap(i, reads, writes) for i in x)
+    return x
+
+
+def byte_range(a: np.ndarray) -> tuple[int, int]:
+    """[lo, hi) device addresses a strided view spans."""
+    lo = hi = a.__array_interface__["data"][0]
+    for n, s in zip(a.shape, a.strides):
+        if s >= 0:
+            hi += s * (n - 1)
+        else:
+            lo += s * (n - 1)
+    return lo, hi + a.itemsize
+
+
+def accesses(arrays, write: bool):
+    for x in arrays:
+        mem = x.data.mem
+        if x.size and mem.segment is not None:
+            lo, hi = byte_range(x._a)
+            yield mem, lo, hi, write
+
+
+def record(kind: str, reads=(), writes=(), state=None) -> None:
+    """Record an op on ``state`` (default: the current stream) reading/writing these arrays."""
+    state = current_stream_state() if state is None else state
+    _tracker.record_op(kind, state, [*accesses(reads, False), *accesses(writes, True)])
+
+
+def check_kernel_dtypes(kind: str, arrays) -> None:
+    for x in arrays:
+        dt = np.dtype(x.dtype)
+        if dt.char not in KERNEL_DTYPE_CHARS:
+            raise TypeError(f"{kind}: CuPy 13 has no kernels for dtype {dt} (supported: bool, "
+                            "int8-64, uint8-64, float16/32/64, complex64/128); on a real GPU this "
+                            "call fails.  Move raw bytes with .view()/copies, or cast on the host")
+
+
+def new_device_array(shape, dtype, order: str = "C"):
+    from ._ndarray import ndarray
+    return ndarray(shape, dtype, order=order)
+
+
+def owner_of(res: np.ndarray, inputs):
+    """The input whose allocation ``res`` (a NumPy result) points into, if any: a view."""
+    if res.size == 0:
+        return None
+    addr = res.__array_interface__["data"][0]
+    for x in inputs:
+        mem = x.data.mem
+        if mem.segment is not None and mem.ptr <= addr < mem.ptr + mem.size:
+            return x
+    return None
+
+
+def wrap_result(res, inputs, fresh: list, views: list):
+    """A NumPy result as stand-in arrays: the input itself, a view of an input's memory, or
+    a fresh pool allocation holding a copy (appended to ``fresh``)."""
+    from ._ndarray import ndarray
+    if isinstance(res, np.ndarray):
+        for x in inputs:
+            if res is x._a:
+                return x
+        owner = owner_of(res, inputs)
+        if owner is not None:
+            view = ndarray._view_of(res, owner)
+            views.append(view)
+            return view
+        out = new_device_array(res.shape, res.dtype, order="F" if res.flags.f_contiguous
+                               and not res.flags.c_contiguous else "C")
+        out._a[...] = res
+        fresh.append(out)
+        return out
+    if isinstance(res, np.generic):
+        return wrap_result(np.asarray(res), inputs, fresh, views)
+    if isinstance(res, (tuple, list)):
+        return type(res)(wrap_result(r, inputs, fresh, views) for r in res)
+    return res
+
+
+def call_numpy(kind: str, fn, args: tuple, kwargs: dict, check_dtypes: bool = True):
+    """Run ``fn`` (a NumPy callable) on stand-in arrays as a device op on the current stream."""
+    reads: list = []
+    writes: list = []
+    out = kwargs.get("out")
+    if out is not None:
+        kwargs = dict(kwargs)
+        kwargs["out"] = unwrap(out, reads, writes)
+    np_args = unwrap(args, reads)
+    np_kwargs = {k: (v if k == "out" else unwrap(v, reads)) for k, v in kwargs.items()}
+    if check_dtypes:
+        check_kernel_dtypes(kind, reads + writes)
+    with np.errstate(all="ignore"):   # GPU kernels raise no floating-point warnings
+        res = fn(*np_args, **np_kwargs)
+    fresh: list = []
+    views: list = []
+    result = wrap_result(res, reads + writes, fresh, views)
+    if check_dtypes:
+        check_kernel_dtypes(kind, fresh)
+    if fresh or writes:
+        record(kind, reads, writes + fresh)
+    # else: only views came back (reshape, transpose, ...): no memory was touched
+    return result
+
+
+def host_to_device(kind: str, host: np.ndarray, dst=None, state=None):
+    """Copy a host array into ``dst`` (or a fresh device array) as an op on ``state``."""
+    if dst is None:
+        dst = new_device_array(host.shape, host.dtype)
+    dst._a[...] = host
+    record(kind, (), (dst,), state)
+    return dst
+
+
+def device_to_host(kind: str, src, state) -> np.ndarray:
+    record(kind, (src,), (), state)
+    return np.array(src._a, copy=True)
+
+
+def live_buffers() -> list[tuple[int, int]]:
+    return [(m.ptr, m.size) for m in _memory.live_allocations()]
