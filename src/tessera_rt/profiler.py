@@ -43,6 +43,8 @@ import os
 import time
 from collections import defaultdict
 
+from ._format import human_bytes
+
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio"]
 
 _COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
@@ -175,14 +177,6 @@ def overlap_ratio(collective: list, compute: list) -> float | None:
             hidden += max(0.0, min(b, pu[k][1]) - max(a, pu[k][0]))
             k += 1
     return hidden / total
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 # --------------------------------------------------------------------------- the profile
@@ -383,10 +377,7 @@ class Profile:
                 calls = max(p[k]["calls"] if k in p else 0 for p in per)
                 lines.append(f"{k[1]:<16} {k[2][:24]:<24} {k[3][:16]:<16} {calls:>6} {min(ts):>9.3f} "
                              f"{sum(ts) / len(ts):>9.3f} {max(ts):>9.3f}")
-        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
-        if ov:
-            lines.append(f"\noverlap ratio (collective time hidden under compute): "
-                         f"min {min(ov):.2f}, mean {sum(ov) / len(ov):.2f} over {len(ov)} rank(s) (goal >= 0.6)")
+        lines += self._overlap_lines("\n")
         return "\n".join(lines)
 
     def _short_table(self, top: int) -> str:
@@ -421,16 +412,20 @@ class Profile:
         for axis, (calls, t, nbytes, kinds) in sorted(axes.items(), key=lambda kv: -kv[1][1]):
             what = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
             lines.append(f"  axis {axis:<17} {calls:>6} {t * 1e3:>10.3f} {t / total if total else 0:>6.0%}  "
-                         f"{_size(nbytes)}: {what}")
+                         f"{human_bytes(nbytes)}: {what}")
         if self.all_events and len(self.all_events) > 1:
             per = [sum(r["total_s"] for r in self.rows(ev)) * 1e3 for ev in self.all_events]
             lines.append(f"  measured time over {len(per)} ranks: min {min(per):.1f} / mean "
                          f"{sum(per) / len(per):.1f} / max {max(per):.1f} ms")
-        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
-        if ov:
-            lines.append(f"  overlap ratio (collective time hidden under compute): min {min(ov):.2f}, "
-                         f"mean {sum(ov) / len(ov):.2f} (goal >= 0.6)")
+        lines += self._overlap_lines("  ")
         return "\n".join(lines)
+
+    def _overlap_lines(self, prefix: str) -> list[str]:
+        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
+        if not ov:
+            return []
+        return [f"{prefix}overlap ratio (collective time hidden under compute): min {min(ov):.2f}, "
+                f"mean {sum(ov) / len(ov):.2f} over {len(ov)} rank(s) (goal >= 0.6)"]
 
     def chrome_trace(self) -> dict:
         """The Chrome/Perfetto trace of every rank (rank 0, after exit) or of this rank."""

@@ -42,6 +42,7 @@ from itertools import product
 
 import numpy as np
 
+from .._format import human_bytes
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from .dtensor import DTensor, from_local
@@ -177,21 +178,13 @@ class SaveInfo(str):
     left_bytes: int
 
     def summary(self) -> str:
-        out = f"{_human(self.bytes)} in {self.files} files at {os.path.dirname(self)}"
+        out = f"{human_bytes(self.bytes)} in {self.files} files at {os.path.dirname(self)}"
         if self.leftovers:
-            out += (f"; removed {_human(self.leftover_bytes)} left by killed saves "
+            out += (f"; removed {human_bytes(self.leftover_bytes)} left by killed saves "
                     f"({', '.join(self.leftovers[:3])}{', ...' if len(self.leftovers) > 3 else ''})")
         if self.left_bytes:
-            out += f"; {_human(self.left_bytes)} of leftovers could not be removed (dist.checkpoint.cleanup)"
+            out += f"; {human_bytes(self.left_bytes)} of leftovers could not be removed (dist.checkpoint.cleanup)"
         return out
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def _bytes_under(p: str) -> int:
@@ -344,7 +337,7 @@ def _left_note(path: str, data_dir: str):
     """For a failed save's error: what it left on disk (read after every rank stopped writing)."""
     def note() -> str:
         left = _bytes_under(os.path.join(path, data_dir))
-        return (f" [this save left {_human(left)} in {os.path.join(path, data_dir)}; the previous checkpoint "
+        return (f" [this save left {human_bytes(left)} in {os.path.join(path, data_dir)}; the previous checkpoint "
                 "is unchanged; the next dist.save or dist.load(path, cleanup=True) removes it]")
     return note
 
