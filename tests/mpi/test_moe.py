@@ -195,3 +195,45 @@ def test_errors_before_any_collective():
             with pytest.raises(ValueError, match="rows must be sharded over 'ep'"):
                 m(P, dist.distribute(rand(24, 16), mesh=mesh))
     assert log.count() == 0
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _train_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_script_moe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path.parents[1] / "tests" / "data" / "tiny_corpus.txt"
+
+
+TRAIN_ARGS = ["--steps", "3", "--batch", "12", "--seq", "8", "--d-model", "16", "--heads", "2", "--layers", "2",
+              "--lr", "1e-2", "--quiet", "--no-plot", "--no-checkpoint", "--experts", "5", "--top-k", "2"]
+TRAIN_MESHES = ([["--ep", str(SIZE)]] +
+                ([["--ep", "2", "--tp", "2"], ["--ep", "2", "--dp", "2"]] if SIZE == 4 else []))
+
+
+@pytest.mark.parametrize("mesh_args", TRAIN_MESHES)
+def test_train_moe_loss_matches_single_rank(mesh_args):
+    from tessera_rt import nn, optim
+    train, corpus = _train_module()
+    args = train.parse_args(TRAIN_ARGS + ["--data", str(corpus)] + mesh_args)
+    out = train.train(args)
+    # the same loop on plain arrays in this process: the single-rank reference
+    text = train.load_text(args.data)
+    chars = sorted(set(text))
+    data = np.array([chars.index(c) for c in text], np.int32)
+    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, moe=train.moe_config(args))
+    params = model.init(args.seed)
+    opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    ref = []
+    for step in range(args.steps):
+        x, y = train.get_batch(data, step, args.batch, args.seq, args.seed)
+        loss, grads = ts.value_and_grad(model.loss)(params, x, y)
+        grads, _ = optim.clip_grad_norm(grads, args.clip)
+        params = opt.step(params, grads)
+        ref.append(float(loss))
+    np.testing.assert_allclose(out["losses"], ref, rtol=1e-4)
+    assert out["moe"]["dropped"] == 0 and len(out["moe"]["load_cv"]) == 2

@@ -256,6 +256,8 @@ def _moe_vjp(g, out, args, kw, needs):
     layer = kw["layer"]
     r, cnt, e_idx, m_idx, xe, h1, h3, o, recv_rows = kw["_saved"]
     xp = get_backend().xp
+    if type(g) is DTensor and g.layout != x.layout:
+        g = g.redistribute(x.layout)          # e.g. a pending sum over tp from a row-parallel layer
     gy = g._local if type(g) is DTensor else g
     t, d = gy.shape
     k = layer.top_k
