@@ -19,6 +19,7 @@ backward pass needs are fresh arrays (a later call must not overwrite them).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from ..dist.shard import dim_extent
 from ..dtypes import resolve_dtype
 from .routing import capacity, route
 
-__all__ = ["DispatchBuffers", "moe_ffn"]
+__all__ = ["DispatchBuffers", "Clock", "moe_ffn"]
 
 _E4M3 = resolve_dtype("fp8_e4m3")
 
@@ -68,6 +69,24 @@ class DispatchBuffers:
     def ids(self) -> list[set]:
         """The identities of each set's buffers (tests check that the two sets alternate)."""
         return [{id(b) for b in s.values()} for s in self._sets]
+
+
+class Clock:
+    """Phase times (seconds, host clock) added into ``layer.timings`` when it is a dict
+    (scripts/bench_moe.py); free when it is None.  On a GPU the host clock sees issue time
+    unless the caller synchronizes."""
+
+    __slots__ = ("t", "last")
+
+    def __init__(self, layer):
+        self.t = layer.timings
+        self.last = time.perf_counter() if self.t is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.t is not None:
+            now = time.perf_counter()
+            self.t[name] = self.t.get(name, 0.0) + now - self.last
+            self.last = now
 
 
 class _A2A:
@@ -117,8 +136,8 @@ def _a2a(buf, layer, split, recv, out):
 
 
 def _rows_index(xp, cnt):
-    """For recv rows (ordered sender-major, then local expert), their (expert, row) in the
-    expert-major batch, and the batch's row count M (the largest expert's load)."""
+    """For recv rows (ordered sender-major, then local expert), their row in the expert-major
+    batch flattened to (experts * M, d), and M (the largest local expert's load)."""
     n, nle = cnt.shape
     per_e = cnt.sum(axis=0)
     m = int(per_e.max()) if per_e.size else 0
@@ -126,9 +145,8 @@ def _rows_index(xp, cnt):
     sizes = cnt.reshape(-1)
     block = np.repeat(np.arange(n * nle), sizes)
     within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    e_idx = block % nle
-    m_idx = off.reshape(-1)[block] + within
-    return xp.asarray(e_idx), xp.asarray(m_idx), m
+    flat = (block % nle) * m + off.reshape(-1)[block] + within
+    return xp.asarray(flat), m
 
 
 def _to_wire(rows, layer, name: str):
@@ -175,6 +193,7 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
     t, d = xl.shape
     k, nle = layer.top_k, w1l.shape[0]
     src = _source_tokens(x, layer)
+    clock = Clock(layer)
     cf = layer.capacity_factor
     cap = capacity(cf, t, k, layer.num_experts)
     with _A2A():
@@ -197,30 +216,40 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
                 C.all_to_all(xp.ascontiguousarray(mine), layer.axis, mesh=layer.mesh,
                              split_sizes=[h - l_ for l_, h in layer.ranges], recv_sizes=[nle] * n, out=cnt)
             cnt = np.asarray(get_backend().to_host(cnt)).reshape(n, nle)
+        clock.lap("route")
         kept = r.kept
         tok = xp.arange(t * k) // k
         send = bufs.get("send", (r.send_rows, d), xl.dtype, zero=cap is not None)
         send[r.slot[kept]] = xl[tok[kept]]
+        clock.lap("pack")
     recv_rows = [int(c) for c in cnt.sum(axis=1)]
     got = _exchange(send, layer, r.split, recv_rows, "recv", layer.quantize_fp8)
+    clock.lap("exchange")
     with _A2A():
-        e_idx, m_idx, m = _rows_index(xp, cnt)
+        rows_at, m = _rows_index(xp, cnt)
         xe = xp.zeros((nle, m, d), xl.dtype) if save else bufs.get("xe", (nle, m, d), xl.dtype, zero=True)
-        xe[e_idx, m_idx] = got
+        xe.reshape(-1, d)[rows_at] = got
+        clock.lap("pack")
     mm = get_backend().kernel("matmul", like=xe)
     h1, h3 = mm(xe, w1l), mm(xe, w3l)
-    a = h1 / (1 + xp.exp(-h1)) * h3
+    sig = 1 / (1 + xp.exp(-h1))
+    act = h1 * sig                                         # silu(h1)
+    a = act * h3
     ye = mm(a, w2l)
+    clock.lap("experts")
     with _A2A():
-        back_send = bufs.get("back_send", (int(e_idx.size), d), xl.dtype)
-        back_send[...] = ye[e_idx, m_idx]
+        back_send = bufs.get("back_send", (int(rows_at.size), d), xl.dtype)
+        xp.take(ye.reshape(-1, d), rows_at, axis=0, out=back_send)
+        clock.lap("pack")
     back = _exchange(back_send, layer, recv_rows, r.split, "back", layer.quantize_fp8)
+    clock.lap("exchange")
     with _A2A():
         o = back[r.slot]                                   # (T*k, d): a fresh gather
         wk = (r.weight.reshape(-1) * kept).astype(xl.dtype)
         y = (o * wk[:, None]).reshape(t, k, d).sum(axis=1)
+        clock.lap("combine")
     info = {"route": r, "counts": cnt, "tokens": t}
-    saved = (r, cnt, e_idx, m_idx, xe, h1, h3, o, recv_rows) if save else None
+    saved = (r, cnt, rows_at, xe, h1, h3, sig, act, a, o, recv_rows) if save else None
     return (_wrap_like(x, y), info), saved
 
 
@@ -254,8 +283,9 @@ def _grad_like(ref, g, partial_axes=()):
 def _moe_vjp(g, out, args, kw, needs):
     x, probs, w1, w3, w2 = args
     layer = kw["layer"]
-    r, cnt, e_idx, m_idx, xe, h1, h3, o, recv_rows = kw["_saved"]
+    r, cnt, rows_at, xe, h1, h3, sig, act, a, o, recv_rows = kw["_saved"]
     xp = get_backend().xp
+    clock = Clock(layer)
     if type(g) is DTensor and g.layout != x.layout:
         g = g.redistribute(x.layout)          # e.g. a pending sum over tp from a row-parallel layer
     gy = g._local if type(g) is DTensor else g
@@ -264,7 +294,7 @@ def _moe_vjp(g, out, args, kw, needs):
     kept = r.kept
     gdt = layer.grad_dtype(gy.dtype)
     # combine: y_t = sum_j w_tj o_tj, w = top / sum(top)
-    gw = (o.reshape(t, k, d) * gy[:, None, :]).sum(axis=2) * kept.reshape(t, k)
+    gw = xp.matmul(o.reshape(t, k, d), gy[:, :, None])[..., 0] * kept.reshape(t, k)
     gtop = (gw - (gw * r.weight).sum(axis=1, keepdims=True)) / r.denom
     pl = probs._local if type(probs) is DTensor else probs
     gp = xp.zeros(pl.shape, pl.dtype)
@@ -274,28 +304,33 @@ def _moe_vjp(g, out, args, kw, needs):
     wk = r.weight.reshape(-1)[kept].astype(gy.dtype)
     gsend = layer.buffers.get("gsend", (r.send_rows, d), gdt, zero=True)
     gsend[r.slot[kept]] = (gy[tok[kept]] * wk[:, None]).astype(gdt)
+    clock.lap("bwd_combine")
     grecv = _exchange(gsend, layer, r.split, recv_rows, "grecv", False)
+    clock.lap("bwd_exchange")
     nle, m = xe.shape[0], xe.shape[1]
     gye = xp.zeros((nle, m, d), gy.dtype)
-    gye[e_idx, m_idx] = grecv
+    gye.reshape(-1, d)[rows_at] = grecv
     lo, hi = layer.ranges[layer.ep_index]
     w1l, w3l, w2l = _local(w1, lo, hi), _local(w3, lo, hi), _local(w2, lo, hi)
     mm = get_backend().kernel("matmul", like=xe)
-    sig = 1 / (1 + xp.exp(-h1))
-    act = h1 * sig
-    a = act * h3
-    tr = (0, 2, 1)
-    gw2 = mm(xp.ascontiguousarray(a.transpose(tr)), gye)
-    da = mm(gye, xp.ascontiguousarray(w2l.transpose(tr)))
+    tr = (0, 2, 1)                       # transposed views: BLAS reads them with its trans flags
+    gw2 = mm(a.transpose(tr), gye)
+    da = mm(gye, w2l.transpose(tr))
     dh3 = da * act
-    dh1 = da * h3 * sig * (1 + h1 * (1 - sig))
-    xet = xp.ascontiguousarray(xe.transpose(tr))
+    da *= h3
+    da *= sig * (1 + h1 * (1 - sig))     # d silu / d h1
+    dh1 = da
+    xet = xe.transpose(tr)
     gw1, gw3 = mm(xet, dh1), mm(xet, dh3)
-    dxe = mm(dh1, xp.ascontiguousarray(w1l.transpose(tr))) + mm(dh3, xp.ascontiguousarray(w3l.transpose(tr)))
-    dsend = layer.buffers.get("dsend", (int(e_idx.size), d), gdt)
-    dsend[...] = dxe[e_idx, m_idx]
+    dxe = mm(dh1, w1l.transpose(tr))
+    dxe += mm(dh3, w3l.transpose(tr))
+    dsend = layer.buffers.get("dsend", (int(rows_at.size), d), gdt)
+    dsend[...] = xp.take(dxe.reshape(-1, d), rows_at, axis=0)
+    clock.lap("bwd_experts")
     dback = _exchange(dsend, layer, recv_rows, r.split, "dback", False)
-    dx = (dback[r.slot].astype(gy.dtype) * kept[:, None]).reshape(t, k, d).sum(axis=1)
+    clock.lap("bwd_exchange")
+    dx = (dback[r.slot].astype(gy.dtype, copy=False) * kept[:, None]).reshape(t, k, d).sum(axis=1)
+    clock.lap("bwd_combine")
     part = layer.token_axes_besides_ep(x)
     grads = []
     for ref, gl in ((w1, gw1), (w3, gw3), (w2, gw2)):
@@ -303,5 +338,5 @@ def _moe_vjp(g, out, args, kw, needs):
             full = xp.zeros(ref.shape, gl.dtype)
             full[lo:hi] = gl
             gl = full
-        grads.append(_grad_like(ref, gl.astype(ref.dtype), part))
-    return (_grad_like(x, dx.astype(gy.dtype)), _grad_like(probs, gp), *grads)
+        grads.append(_grad_like(ref, gl.astype(ref.dtype, copy=False), part))
+    return (_grad_like(x, dx.astype(gy.dtype, copy=False)), _grad_like(probs, gp), *grads)

@@ -28,7 +28,7 @@ from ..dist.layout import ShardSpec
 from ..dist.process_group import world
 from ..dist.shard import dim_extent
 from ..dtypes import resolve_dtype
-from .dispatch import DispatchBuffers, moe_ffn
+from .dispatch import Clock, DispatchBuffers, moe_ffn
 from .routing import expert_ranges, gate_noise, remote_mask
 
 __all__ = ["MoE", "MoEAux", "GATES"]
@@ -82,6 +82,7 @@ class MoE:
         self.regularizer: dict | None = None
         self.prefetch = None
         self.groups = groups
+        self.timings: dict | None = None        # phase -> seconds, when a dict (scripts/bench_moe.py)
         if groups is not None and len(groups) != self.ep_size:
             raise ValueError(f"{where}: groups={groups} must give one group id per {self.axis} position "
                              f"({self.ep_size})")
@@ -216,8 +217,10 @@ class MoE:
             params = {k: self._placed(k, v) for k, v in params.items()}
         if self.prefetch is not None:
             params = self.prefetch.resident(params)
+        clock = Clock(self)
         logits, penalty = self.gate_logits(params, x)
         probs = op.softmax(logits, axis=-1)
+        clock.lap("gate")
         y, info = moe_ffn(x, probs, params["w1"], params["w3"], params["w2"], layer=self)
         self.step += 1
         if self.prefetch is not None:
