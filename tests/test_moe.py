@@ -162,3 +162,11 @@ def test_bad_params_and_tokens():
         m({"gate": p["gate"]}, tokens())
     with pytest.raises(ValueError, match=r"expected \(tokens, 16\)"):
         m(p, tokens(d=8))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_gpu_path_on_the_standin():
+    """The cuda backend's MoE path (CuPy calls, the FP8 RawKernels) at 2 ranks on the stand-in."""
+    from conftest import run_mpi_suite, standin_env
+    run_mpi_suite("test_moe_gpu_path.py", 2, env={**standin_env(2), "TESSERA_STANDIN_MPI": "1"}, folder="mpi_cuda")

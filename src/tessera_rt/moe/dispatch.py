@@ -30,12 +30,9 @@ from ..backend import get_backend
 from ..dist import collectives as C
 from ..dist.dtensor import DTensor, meta_of
 from ..dist.shard import dim_extent
-from ..dtypes import resolve_dtype
 from .routing import capacity, route
 
 __all__ = ["DispatchBuffers", "Clock", "moe_ffn"]
-
-_E4M3 = resolve_dtype("fp8_e4m3")
 
 
 class DispatchBuffers:
@@ -150,23 +147,23 @@ def _rows_index(xp, cnt):
 
 
 def _to_wire(rows, layer, name: str):
-    """rows (N, d) -> uint8 (N, d + 4): e4m3 values then the row's f32 scale (the sideband
-    travels in the same message, so FP8 costs no extra collective)."""
-    from ..kernels.fp8 import quantize_fp8
-    q, s = quantize_fp8(rows, "fp8_e4m3", scale="per_channel", axis=0)
+    """rows (N, d) -> uint8 (N, d + 4): e4m3 bit patterns then the row's f32 scale (the
+    sideband travels in the same message, so FP8 costs no extra collective)."""
+    b = get_backend()
+    q, s = b.kernel("quantize_fp8", like=rows)(rows, "fp8_e4m3", scale="per_channel", axis=0)
     n, d = rows.shape
     wire = layer.buffers.get(name, (n, d + 4), np.uint8)
     wire[:, :d] = q.view(np.uint8)
-    wire[:, d:] = s.reshape(n, 1).astype(np.float32).view(np.uint8).reshape(n, 4)
+    wire[:, d:] = b.xp.ascontiguousarray(s.reshape(n, 1).astype(np.float32)).view(np.uint8).reshape(n, 4)
     return wire
 
 
 def _from_wire(wire, d: int, dtype):
+    b = get_backend()
     n = wire.shape[0]
-    xp = get_backend().xp
-    q = xp.ascontiguousarray(wire[:, :d]).view(_E4M3)
-    s = xp.ascontiguousarray(wire[:, d:]).view(np.float32).reshape(n, 1)
-    return (q.astype(np.float32) * s).astype(dtype)
+    bits = b.xp.ascontiguousarray(wire[:, :d])
+    s = b.xp.ascontiguousarray(wire[:, d:]).view(np.float32).reshape(n, 1)
+    return b.kernel("dequantize_fp8_bits", like=bits)(bits, s, "fp8_e4m3", axis=0).astype(dtype, copy=False)
 
 
 def _exchange(rows, layer, split, recv, name: str, fp8: bool):
@@ -298,7 +295,8 @@ def _moe_vjp(g, out, args, kw, needs):
     gtop = (gw - (gw * r.weight).sum(axis=1, keepdims=True)) / r.denom
     pl = probs._local if type(probs) is DTensor else probs
     gp = xp.zeros(pl.shape, pl.dtype)
-    xp.put_along_axis(gp, r.idx, gtop.astype(pl.dtype), axis=1)
+    e_all = pl.shape[1]                   # put_along_axis, spelled with a flat index (CuPy has no put_along_axis)
+    gp.reshape(-1)[(xp.arange(t)[:, None] * e_all + r.idx).reshape(-1)] = gtop.astype(pl.dtype).reshape(-1)
     # the cotangent of each kept pair's expert output goes back where the pair came from
     tok = xp.arange(t * k) // k
     wk = r.weight.reshape(-1)[kept].astype(gy.dtype)

@@ -262,8 +262,9 @@ class MoEAux(Mapping):
             xv = detach(self._x)
             if lay.mesh is not None:
                 axes = xv.layout.dims[0] if type(xv) is DTensor else (lay.axis,)
-                if axes:
-                    v = C.all_reduce(v, axes if len(axes) > 1 else axes[0], mesh=lay.mesh)
+                if axes:             # collectives take the backend's arrays
+                    v = C.all_reduce(get_backend().xp.asarray(v), axes if len(axes) > 1 else axes[0], mesh=lay.mesh)
+                    v = np.asarray(get_backend().to_host(v))
             self._cache["_stats"] = v
         return self._cache["_stats"]
 

@@ -72,7 +72,8 @@ def route(xp, probs, k: int, cap: int | None, ranges: list[tuple[int, int]]) -> 
     weight = top / denom
     flat = idx.reshape(-1)
     routed = xp.bincount(flat, minlength=e).astype(np.int64)
-    order = xp.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)   # expert-major, token order
+    # expert-major, token order within an expert: unique keys make any sort give this order
+    order = xp.argsort(flat.astype(np.int64) * flat.size + xp.arange(flat.size))
     starts = xp.cumsum(routed) - routed
     pos = xp.empty_like(flat)
     pos[order] = xp.arange(flat.size) - starts[flat[order]]
