@@ -170,3 +170,41 @@ def test_gpu_path_on_the_standin():
     """The cuda backend's MoE path (CuPy calls, the FP8 RawKernels) at 2 ranks on the stand-in."""
     from conftest import run_mpi_suite, standin_env
     run_mpi_suite("test_moe_gpu_path.py", 2, env={**standin_env(2), "TESSERA_STANDIN_MPI": "1"}, folder="mpi_cuda")
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, 8])
+def test_expert_tiers_leave_outputs_and_gradients_unchanged(budget):
+    from tessera_rt import runtime as rt
+    plain, tiered = layer(e=8, k=1), layer(e=8, k=1)
+    tiers = rt.register_prefetch(tiered, window=2, tier_order=["HBM", "Grace"], policy="lru_hotness",
+                                 stream="io", budget=budget)
+    p = plain.init(0)
+    bias = np.array([2.5, 2.0, 0, 0, 0, 0, 0, 0], np.float32)     # a skewed router: experts 0, 1 hot
+    for m in (plain, tiered):
+        op.set_router(m, lambda logits, meta: op.add(logits, bias))
+    for step in range(4):
+        x = tokens(12, seed=step)
+        y0, _ = plain(p, x)
+        y1, _ = tiered(p, x)
+        np.testing.assert_array_equal(y0, y1)
+        g0 = ts.grad(lambda w: op.sum(plain(w, x)[0]))(p)
+        g1 = ts.grad(lambda w: op.sum(tiered(w, x)[0]))(p)
+        for k in p:
+            np.testing.assert_allclose(g1[k], g0[k], rtol=1e-6, atol=1e-7)
+    st = tiers.stats()
+    assert len(st["resident"]) <= budget and st["hits"] + st["misses"] > 0
+    if budget == 0:
+        assert st["hits"] == 0
+    if budget == 8:
+        assert st["hit_ratio"] > 0.5                  # after the first call everything hot stays
+
+
+def test_register_prefetch_errors():
+    from tessera_rt import runtime as rt
+    m = layer()
+    with pytest.raises(ValueError, match="policy"):
+        rt.register_prefetch(m, policy="fifo")
+    with pytest.raises(ValueError, match="tier_order"):
+        rt.register_prefetch(m, tier_order=["HBM"])
+    with pytest.raises(ValueError, match="stream"):
+        rt.register_prefetch(m, stream="disk")

@@ -197,6 +197,22 @@ def test_errors_before_any_collective():
     assert log.count() == 0
 
 
+def test_expert_tiers_leave_outputs_unchanged():
+    from tessera_rt import runtime as rt
+    mesh = mesh_of("ep")
+    plain, tiered = layer(mesh, e=8, k=1), layer(mesh, e=8, k=1)
+    tiers = rt.register_prefetch(tiered, window=2, budget=1)
+    P = plain.shard(plain.init(0))
+    for step in range(3):
+        X = dist.distribute(rand(24, 16, seed=step), layout=rows(mesh), mesh=mesh)
+        np.testing.assert_array_equal(plain(P, X)[0].to_local(), tiered(P, X)[0].to_local())
+        g0 = ts.grad(lambda w: op.sum(plain(w, X)[0]))(P)
+        g1 = ts.grad(lambda w: op.sum(tiered(w, X)[0]))(P)
+        for k in P:
+            np.testing.assert_allclose(g1[k].to_local(), g0[k].to_local(), rtol=1e-6, atol=1e-7)
+    assert len(tiers.stats()["resident"]) <= 1
+
+
 # ----------------------------------------------------------------------------- the model
 
 def _train_module():

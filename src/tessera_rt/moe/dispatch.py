@@ -222,8 +222,13 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
     recv_rows = [int(c) for c in cnt.sum(axis=1)]
     got = _exchange(send, layer, r.split, recv_rows, "recv", layer.quantize_fp8)
     clock.lap("exchange")
+    active = None
+    if layer.prefetch is not None:             # tiers: only the experts that got rows, from the cache
+        active = np.nonzero(cnt.sum(axis=0))[0]
+        w1l, w3l, w2l = layer.prefetch.gather(active, w1, w3, w2)
+        nle = len(active)
     with _A2A():
-        rows_at, m = _rows_index(xp, cnt)
+        rows_at, m = _rows_index(xp, cnt if active is None else cnt[:, active])
         xe = xp.zeros((nle, m, d), xl.dtype) if save else bufs.get("xe", (nle, m, d), xl.dtype, zero=True)
         xe.reshape(-1, d)[rows_at] = got
         clock.lap("pack")
@@ -246,7 +251,7 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
         y = (o * wk[:, None]).reshape(t, k, d).sum(axis=1)
         clock.lap("combine")
     info = {"route": r, "counts": cnt, "tokens": t}
-    saved = (r, cnt, rows_at, xe, h1, h3, sig, act, a, o, recv_rows) if save else None
+    saved = (r, rows_at, xe, h1, h3, sig, act, a, o, recv_rows, active, (w1l, w3l, w2l)) if save else None
     return (_wrap_like(x, y), info), saved
 
 
@@ -280,7 +285,7 @@ def _grad_like(ref, g, partial_axes=()):
 def _moe_vjp(g, out, args, kw, needs):
     x, probs, w1, w3, w2 = args
     layer = kw["layer"]
-    r, cnt, rows_at, xe, h1, h3, sig, act, a, o, recv_rows = kw["_saved"]
+    r, rows_at, xe, h1, h3, sig, act, a, o, recv_rows, active, (w1l, w3l, w2l) = kw["_saved"]
     xp = get_backend().xp
     clock = Clock(layer)
     if type(g) is DTensor and g.layout != x.layout:
@@ -309,7 +314,6 @@ def _moe_vjp(g, out, args, kw, needs):
     gye = xp.zeros((nle, m, d), gy.dtype)
     gye.reshape(-1, d)[rows_at] = grecv
     lo, hi = layer.ranges[layer.ep_index]
-    w1l, w3l, w2l = _local(w1, lo, hi), _local(w3, lo, hi), _local(w2, lo, hi)
     mm = get_backend().kernel("matmul", like=xe)
     tr = (0, 2, 1)                       # transposed views: BLAS reads them with its trans flags
     gw2 = mm(a.transpose(tr), gye)
@@ -332,6 +336,10 @@ def _moe_vjp(g, out, args, kw, needs):
     part = layer.token_axes_besides_ep(x)
     grads = []
     for ref, gl in ((w1, gw1), (w3, gw3), (w2, gw2)):
+        if active is not None:                           # tiers: rows of the active experts only
+            full = xp.zeros((hi - lo,) + gl.shape[1:], gl.dtype)
+            full[xp.asarray(active)] = gl
+            gl = full
         if type(ref) is not DTensor:                     # a global array: zeros off this rank's experts
             full = xp.zeros(ref.shape, gl.dtype)
             full[lo:hi] = gl

@@ -215,16 +215,14 @@ class MoE:
         self._check(params, x)
         if type(detach(x)) is DTensor:            # plain x: this rank's tokens, global weights
             params = {k: self._placed(k, v) for k, v in params.items()}
-        if self.prefetch is not None:
-            params = self.prefetch.resident(params)
         clock = Clock(self)
         logits, penalty = self.gate_logits(params, x)
         probs = op.softmax(logits, axis=-1)
         clock.lap("gate")
         y, info = moe_ffn(x, probs, params["w1"], params["w3"], params["w2"], layer=self)
         self.step += 1
-        if self.prefetch is not None:
-            self.prefetch.observe(info["route"].routed)
+        if self.prefetch is not None:         # this rank's experts' received rows: their hotness
+            self.prefetch.observe(info["counts"].sum(axis=0))
         return y, MoEAux(self, info, probs, logits, penalty, x)
 
 
