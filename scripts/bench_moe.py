@@ -10,7 +10,7 @@ all-reduced over ep, as training needs).  tessera_rt runs ``op.moe`` under ``ts.
 (dropless routing: a counts exchange and two payload all_to_alls each way).  The peer is
 plain NumPy and mpi4py: an Alltoall of per-expert counts, Alltoallv of the sorted rows, one
 matmul per local expert on its exact rows, Alltoallv back, and the hand-derived backward.
-Times are medians over repetitions of the slowest rank; ratio = peer time / tessera_rt
+Times are medians over repetitions (the two sides interleaved) of the slowest rank; ratio = peer time / tessera_rt
 time (>= 1: tessera_rt is as fast).  The phase split is tessera_rt's host clock per phase
 (``layer.timings``).  The FP8 line compares the bytes the payload all_to_alls send
 (trace records) with and without ``quantize_fp8=True``.
@@ -130,15 +130,19 @@ class Peer:
         return y, dx, ggate
 
 
-def timed(fn, reps: int, comm) -> float:
-    fn()                                                # warm up (buffers, communicators)
-    out = []
+def timed(fns, reps: int, comm) -> list[float]:
+    """Median time of each function (slowest rank), the functions interleaved rep by rep so
+    that load from other processes falls on both sides alike."""
+    for fn in fns:
+        fn()                                            # warm up (buffers, communicators)
+    out = [[] for _ in fns]
     for _ in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        out.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return statistics.median(out)
+        for i, fn in enumerate(fns):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            out[i].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return [statistics.median(o) for o in out]
 
 
 def main() -> None:
@@ -177,8 +181,7 @@ def main() -> None:
     assert np.allclose(grads[1].to_local(), dx_peer, rtol=1e-3, atol=1e-3), "disagree on dx"
     assert np.allclose(grads[0]["gate"].to_local(), ggate_peer, rtol=1e-3, atol=1e-3), "disagree on dgate"
 
-    t_ts = timed(lambda: step(P, X), a.reps, comm)
-    t_peer = timed(lambda: peer.step(xl, gl), a.reps, comm)
+    t_ts, t_peer = timed([lambda: step(P, X), lambda: peer.step(xl, gl)], a.reps, comm)
     layer.timings = {}
     for _ in range(a.reps):
         step(P, X)

@@ -182,7 +182,7 @@ def train(args: argparse.Namespace) -> dict:
     if rank0 and not args.quiet:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}", unit="step")
+            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else ""), unit="step")
         except ImportError:
             print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
     losses, times = [], []
