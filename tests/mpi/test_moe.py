@@ -52,12 +52,15 @@ def test_forward_matches_dense_reference(kind, e, k, cf):
         assert dropped == 0
 
 
-def test_uneven_tokens_and_experts():
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_uneven_tokens_and_experts(cf):
     mesh = mesh_of("ep")                            # 22 tokens and 7 experts over 3 ranks: 8/7/7, 3/2/2
-    m = layer(mesh, e=7, k=2, cf=None)
+    m = layer(mesh, e=7, k=2, cf=cf)                # cf: each sender's capacity follows its token count
     p, x = m.init(0), rand(22, 16)
-    y, _ = m(m.shard(p), dist.distribute(x, layout=rows(mesh), mesh=mesh))
-    np.testing.assert_allclose(y.full_tensor(), dense_reference(p, x, 2, None)[0], rtol=1e-5, atol=2e-5)
+    y, aux = m(m.shard(p), dist.distribute(x, layout=rows(mesh), mesh=mesh))
+    yr, _, dropped = dense_reference(p, x, 2, cf, sources=SIZE)
+    np.testing.assert_allclose(y.full_tensor(), yr, rtol=1e-5, atol=2e-5)
+    assert aux["dropped"] == dropped
 
 
 def test_plain_array_tokens_per_rank():
