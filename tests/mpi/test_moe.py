@@ -92,6 +92,18 @@ def test_at_most_three_collectives_on_ep(kind):
         assert log.count("all_to_all") == log.count()
 
 
+def test_all_to_all_into_a_given_buffer():
+    mesh = mesh_of("ep")
+    me = mesh.coordinate("ep")
+    x = np.arange(2 * SIZE, dtype=np.float64) + 100 * me          # two rows for every peer
+    out = np.empty(2 * SIZE)
+    got = dist.all_to_all(x, "ep", mesh=mesh, split_sizes=[2] * SIZE, recv_sizes=[2] * SIZE, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, [100 * s + 2 * me + i for s in range(SIZE) for i in range(2)])
+    with pytest.raises(ValueError, match="out= must be a contiguous float64"):
+        dist.all_to_all(x, "ep", mesh=mesh, split_sizes=[2] * SIZE, recv_sizes=[2] * SIZE, out=np.empty(3))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_allocation_per_step(kind):
     mesh = mesh_of(kind)
