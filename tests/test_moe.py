@@ -208,3 +208,30 @@ def test_register_prefetch_errors():
         rt.register_prefetch(m, tier_order=["HBM"])
     with pytest.raises(ValueError, match="stream"):
         rt.register_prefetch(m, stream="disk")
+
+
+def test_prefetch_ahead_over_a_chain_of_layers():
+    """Three layers with different hot experts share a budget of 4: looking one layer ahead
+    prefetches the next layer's hot experts on io, which then hit; outputs never change."""
+    from tessera_rt import runtime as rt
+
+    def run(window):
+        tiered = [layer(e=8, k=1) for _ in range(3)]
+        plain = [layer(e=8, k=1) for _ in range(3)]
+        tiers = rt.register_prefetch(tiered, window=window, budget=4)
+        ps = [m.init(i) for i, m in enumerate(tiered)]
+        for i, (m, q) in enumerate(zip(tiered, plain)):
+            bias = np.zeros(8, np.float32)
+            bias[[2 * i, 2 * i + 1]] = 4.0                # layer i's hot experts: 2i, 2i+1
+            for mm in (m, q):
+                op.set_router(mm, lambda logits, meta, b=bias: op.add(logits, b))
+        for step in range(6):
+            x = tokens(32, seed=step)
+            for m, q, p in zip(tiered, plain, ps):
+                np.testing.assert_array_equal(m(p, x)[0], q(p, x)[0])
+        return tiers.stats()
+
+    blind, ahead = run(0), run(1)
+    assert blind["prefetched"] == 0 and blind["hit_ratio"] == 0.0    # each layer evicts the last one's
+    assert ahead["prefetched"] > 0 and ahead["hits"] > 0 and ahead["hit_ratio"] > blind["hit_ratio"]
+    assert len(ahead["resident"]) <= 4
