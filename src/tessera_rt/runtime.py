@@ -126,7 +126,8 @@ def reset() -> None:
 
 def register_prefetch(layer, window: int = 2, tier_order=("HBM", "Grace"), policy: str = "lru_hotness",
                       stream: str = "io", budget: int | None = None):
-    """Expert tiers for an ``op.moe`` layer: at most ``budget`` experts resident on the device,
+    """Expert tiers for an ``op.moe`` layer (or a list run in order, sharing the budget): at most
+    ``budget`` experts resident on the device,
     the rest in the host tier, prefetched on ``stream`` by router hotness
     (``tessera_rt.moe.tiers``; returns the tiers, whose ``stats()`` gives the hit ratio)."""
     from .moe.tiers import register_prefetch as _register
