@@ -57,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=["none", "all", "every_other"],
                    help="recompute activations in the backward pass instead of keeping them")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (with --experts; tokens shard over dp x ep)")
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE block (0: dense MLP blocks)")
+    p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="GShard capacity factor (0: dropless routing)")
+    p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the MoE balance loss")
     p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint at the end")
@@ -125,6 +131,14 @@ def _plot(path: Path, losses: list, title: str) -> str:
     return f"wrote {path}"
 
 
+def moe_config(args: argparse.Namespace) -> dict | None:
+    """The Transformer's moe= from the MoE flags (None: dense MLP blocks)."""
+    if not args.experts:
+        return None
+    return {"num_experts": args.experts, "top_k": args.top_k, "aux_coef": args.aux_coef,
+            "capacity_factor": args.capacity_factor or None}
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank."""
     import tessera_rt as ts
@@ -133,11 +147,17 @@ def train(args: argparse.Namespace) -> dict:
     world = dist.init()
     n = world.size
     tp = args.tp
-    dp = args.dp or max(n // tp, 1)
-    if tp * dp != n:
-        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} = {tp * dp} ranks but the job has {n}; launch with "
-                         f"tessera-run -n {tp * dp} or change --tp/--dp")
-    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
+    ep = args.ep if args.experts else 1
+    if args.ep > 1 and not args.experts:
+        raise SystemExit("train.py: --ep needs --experts N (the MoE blocks are what ep shards)")
+    dp = args.dp or max(n // (tp * ep), 1)
+    if tp * dp * ep != n:
+        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} = {tp * dp * ep} ranks but the job has {n}; "
+                         f"launch with tessera-run -n {tp * dp * ep} or change --tp/--dp/--ep")
+    if args.experts:
+        mesh = dist.Mesh(axes=["dp", "ep", "tp"], shape={"dp": dp, "ep": ep, "tp": tp})
+    else:
+        mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
     rank0 = world.rank == 0
 
     text = load_text(args.data)
@@ -148,7 +168,7 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
     model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
-                           dtype=args.dtype, remat=args.remat)
+                           dtype=args.dtype, remat=args.remat, moe=moe_config(args))
     params = model.init(args.seed)
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
@@ -162,7 +182,7 @@ def train(args: argparse.Namespace) -> dict:
     if rank0 and not args.quiet:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}", unit="step")
+            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else ""), unit="step")
         except ImportError:
             print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
     losses, times = [], []
@@ -189,6 +209,10 @@ def train(args: argparse.Namespace) -> dict:
             print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
     if bar is not None:
         bar.close()
+    moe_stats = model.moe_stats()           # collective: every rank reads it
+    if moe_stats is not None and rank0 and not args.quiet:
+        cvs = ", ".join(f"{v:.3f}" for v in moe_stats["load_cv"])
+        print(f"MoE load std/mean per block (last step): {cvs}; dropped pairs {moe_stats['dropped']}", flush=True)
 
     out = Path(args.out)
     meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
@@ -204,7 +228,8 @@ def train(args: argparse.Namespace) -> dict:
               flush=True)
         if saved is not None:
             print(f"checkpoint: {saved.summary()} (dist.load reads it onto any mesh)", flush=True)
-    return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "params": params}
+    return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "params": params,
+            "moe": moe_stats}
 
 
 def main(argv=None) -> int:

@@ -215,12 +215,16 @@ class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, d_model: int, n_heads: int, hidden: int, *, mesh=None, tp_axis: str = "tp",
-                 dtype="float32"):
+                 dtype="float32", moe: dict | None = None, ep_axis: str = "ep"):
         super().__init__(mesh, tp_axis, dtype)
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
         self.attn = Attention(d_model, n_heads, **kw)
-        self.mlp = SwiGLUMLP(d_model, hidden, **kw)
+        if moe:                                # routed experts over ep instead of the dense MLP
+            from .moe.model import MoEMLP
+            self.mlp = MoEMLP(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
+        else:
+            self.mlp = SwiGLUMLP(d_model, hidden, **kw)
 
     def init(self, seed: int, name: str = "block") -> dict:
         return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("norm1", "attn", "norm2", "mlp")}
@@ -237,15 +241,21 @@ class Transformer(Module):
 
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int, *,
                  hidden: int | None = None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
-                 dtype="float32", remat: str = "none"):
+                 dtype="float32", remat: str = "none", moe: dict | None = None, ep_axis: str = "ep"):
         super().__init__(mesh, tp_axis, dtype)
         if remat not in ("none", "all", "every_other"):
             raise ValueError(f"Transformer(remat={remat!r}): use 'none', 'all' or 'every_other'")
+        if moe and remat != "none":
+            raise ValueError("Transformer(moe=..., remat=...): rematerializing MoE blocks is not supported; "
+                             "use remat='none'")
+        # tokens are sharded over dp and ep together; the experts over ep (seed 000 §2.2)
+        self.ep = ep_axis if mesh is not None and ep_axis in mesh.axes else None
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.vocab, self.d, self.seq_len, self.remat = vocab, d_model, seq_len, remat
         self.dp = dp_axis if mesh is not None and dp_axis in mesh.axes else None
         self.embed = Embedding(vocab, d_model, **kw)
-        self.blocks = [TransformerBlock(d_model, n_heads, hidden or 4 * d_model, **kw) for _ in range(n_layers)]
+        bkw = dict(kw, moe=moe, ep_axis=ep_axis) if moe else kw
+        self.blocks = [TransformerBlock(d_model, n_heads, hidden or 4 * d_model, **bkw) for _ in range(n_layers)]
         self.norm = RMSNorm(d_model, **kw)
         self.head = Linear(d_model, vocab, parallel="column", **kw)
 
@@ -264,6 +274,9 @@ class Transformer(Module):
         if self.mesh is None:
             return tokens
         spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
+        batch_axes = tuple(a for a in (self.dp, getattr(self, "ep", None)) if a)
+        if len(batch_axes) > 1 or (batch_axes and not self.dp):
+            spec = ShardSpec(partition=(0,), mesh_axes=(batch_axes,))
         return distribute(tokens, layout=spec, mesh=self.mesh)
 
     def logits(self, p: dict, tokens):
@@ -273,6 +286,9 @@ class Transformer(Module):
         if pos is None:
             raise ValueError(f"Transformer: sequence length {s} != seq_len {self.seq_len}")
         x = op.add(x, pos)
+        for blk in self.blocks:
+            if hasattr(blk.mlp, "auxes"):
+                blk.mlp.auxes.clear()
         for i, (blk, bp) in enumerate(zip(self.blocks, p["blocks"])):
             remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
             x = checkpoint(blk)(bp, x) if remat else blk(bp, x)
@@ -282,4 +298,17 @@ class Transformer(Module):
         logits = self.logits(p, tokens)
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")      # the loss in f32 for bf16/fp16 compute
-        return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
+        loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
+        for blk in self.blocks:                  # MoE blocks: the balance (and z) losses
+            extra = blk.mlp.aux_loss() if hasattr(blk.mlp, "aux_loss") else None
+            if extra is not None:
+                loss = op.add(loss, extra)
+        return loss
+
+    def moe_stats(self) -> dict | None:
+        """Load std/mean per MoE block and dropped pairs of the latest forward (collective:
+        call on every rank), or None without MoE blocks."""
+        auxes = [blk.mlp.auxes[-1] for blk in self.blocks if getattr(blk.mlp, "auxes", None)]
+        if not auxes:
+            return None
+        return {"load_cv": [a["load_cv"] for a in auxes], "dropped": sum(a["dropped"] for a in auxes)}

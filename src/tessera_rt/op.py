@@ -31,6 +31,7 @@ __all__ = [
     "greater_equal", "equal", "not_equal",
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "square", "relu", "sigmoid", "silu",
     "astype", "sum", "mean", "max", "min", "transpose", "reshape", "getitem", "flash_attention", "swiglu",
+    "moe", "set_router", "set_router_regularizer",
 ]
 
 
@@ -211,6 +212,26 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out=None, stream=None, policy: NumericPo
         _no_extras("swiglu", out=out, stream=stream)
         return _d.binary("mul", _d.unary("silu", _d.matmul(x, w1, None, policy)), _d.matmul(x, w3, None, policy))
     return get_backend().kernel("swiglu", like=x)(x, w1, w3, out=out, stream=stream, policy=policy)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+def moe(num_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25, **kw):
+    """A mixture-of-experts layer over the ``ep`` mesh axis (``tessera_rt.moe.MoE``)."""
+    from .moe import MoE
+    return MoE(num_experts, top_k, capacity_factor, **kw)
+
+
+def set_router(layer, fn):
+    """Route ``layer`` with ``fn(logits, meta) -> logits`` (``tessera_rt.moe.set_router``)."""
+    from .moe import set_router as _set
+    return _set(layer, fn)
+
+
+def set_router_regularizer(layer, kind: str = "topology_distance", weight: float = 0.05, **kw):
+    """Locality-aware gating for ``layer`` (``tessera_rt.moe.set_router_regularizer``)."""
+    from .moe import set_router_regularizer as _set
+    return _set(layer, kind, weight, **kw)
 
 
 # --------------------------------------------------------------------------- kernels re-exported

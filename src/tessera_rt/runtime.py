@@ -19,7 +19,7 @@ from .backend import get_backend
 
 __all__ = [
     "ROLES", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
-    "disable_overlap", "overlaps", "synchronize", "reset",
+    "disable_overlap", "overlaps", "synchronize", "reset", "register_prefetch",
 ]
 
 ROLES = ("compute", "tp_collective", "a2a", "io")
@@ -122,3 +122,13 @@ def reset() -> None:
         # a fresh compute stream, current at once: work issued from now on (even before
         # the next collective creates its own stream) must be on the stream collectives wait for
         stream("compute")
+
+
+def register_prefetch(layer, window: int = 2, tier_order=("HBM", "Grace"), policy: str = "lru_hotness",
+                      stream: str = "io", budget: int | None = None):
+    """Expert tiers for an ``op.moe`` layer (or a list run in order, sharing the budget): at most
+    ``budget`` experts resident on the device,
+    the rest in the host tier, prefetched on ``stream`` by router hotness
+    (``tessera_rt.moe.tiers``; returns the tiers, whose ``stats()`` gives the hit ratio)."""
+    from .moe.tiers import register_prefetch as _register
+    return _register(layer, window, tier_order, policy, stream, budget)

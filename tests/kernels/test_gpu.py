@@ -131,6 +131,17 @@ def test_fp8_quantize_matches_cpu(fmt, scale):
     np.testing.assert_allclose(vals.mean(), 1 + 1 / 32, rtol=3e-3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_dequantize_bits_matches_cpu(fmt):
+    from tessera_rt.kernels.fp8 import dequantize_fp8_bits
+    from tessera_rt.kernels.rows_cuda import dequantize_fp8_bits_cuda, quantize_fp8_cuda
+    x = rnd((40, 48), np.float32, scale=10)
+    q, s = quantize_fp8_cuda(cp.asarray(x), fmt, scale="per_channel", axis=0)     # one scale per row
+    got = dequantize_fp8_bits_cuda(q, s, fmt, axis=0).get()
+    np.testing.assert_array_equal(got, dequantize_fp8_bits(q.get(), s.get(), fmt, axis=0))
+    assert np.abs(got - x).max() <= np.abs(x).max(axis=1).max() * 2 ** -3
+
+
 def test_tile_saxpy_on_gpu():
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
     x, y = cp.arange(10_000, dtype=cp.float32), cp.ones(10_000, cp.float32)

@@ -464,13 +464,14 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
                split_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None,
-               mesh=None, async_op: bool = False, role: str = "a2a"):
+               mesh=None, async_op: bool = False, role: str = "a2a", out=None):
     """Split ``x`` along ``split_dim`` into one part per rank, send part i to rank i, and
     concatenate what arrives along ``concat_dim`` (default: ``split_dim``).
 
     ``split_sizes`` gives uneven parts (zeros allowed).  ``recv_sizes[j]`` is the length
     along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
-    exchanged first (one small extra all_to_all).
+    exchanged first (one small extra all_to_all).  ``out=`` (dim 0 only) receives into a
+    caller-owned buffer, so a persistent dispatch buffer needs no allocation per call.
     """
     if x.__class__ in _ROUTES:
         return _ROUTES[x.__class__]["all_to_all"](x, axis, split_dim=split_dim, concat_dim=concat_dim, split_sizes=split_sizes,
@@ -487,9 +488,11 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     info = ("all_to_all", g, x, x.nbytes, mesh, tuple(-1 if i in (split_dim, concat_dim) else s
                                                       for i, s in enumerate(x.shape)),
             (split_dim, concat_dim)) if _HOOKS else None
+    if out is not None and (split_dim != 0 or concat_dim != 0):
+        raise ValueError(f"{_where('all_to_all', g, x)}: out= needs split_dim=concat_dim=0")
     if split_sizes is None and recv_sizes is None and concat_dim == split_dim and not x.shape[split_dim] % n:
         # equal parts along one dim (the common case, kept cheap): the result has x's shape
-        out = _backend().empty_like(x)
+        out = _backend().empty_like(x) if out is None else _out("all_to_all", g, x, out, x.shape, x.dtype)
         if split_dim == 0 or math.prod(x.shape[:split_dim]) == 1:
             if info is None:
                 return _issue(role, async_op, g.comm.all_to_all, (x, out, None, None), out)
@@ -519,7 +522,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     fixed = _even(send_counts) and send_counts == recv_counts
     counts = (None, None) if fixed else (send_counts, recv_counts)
     send = _pack(x, split_dim, split_sizes, _even(split_sizes))
-    out = _backend().empty(shape, x.dtype)
+    out = _backend().empty(shape, x.dtype) if out is None else _out("all_to_all", g, x, out, shape, x.dtype)
     if concat_dim == 0 or math.prod(shape[:concat_dim]) == 1:
         return _run(info, role, async_op, g.comm.all_to_all, (send, out, *counts), out)
     recv = _backend().empty((out.size,), x.dtype)

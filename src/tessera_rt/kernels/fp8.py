@@ -18,7 +18,7 @@ from ..dtypes import dtype_name, resolve_dtype
 from ._common import array_module, check_float, check_out, check_stream
 from .numerics import FP8_DTYPES, NumericPolicy
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "fake_quantize_fp8", "fp8_max", "compute_scale"]
+__all__ = ["quantize_fp8", "dequantize_fp8", "dequantize_fp8_bits", "fake_quantize_fp8", "fp8_max", "compute_scale"]
 
 _E4M3 = resolve_dtype("fp8_e4m3")
 _E5M2 = resolve_dtype("fp8_e5m2")
@@ -130,6 +130,24 @@ def dequantize_fp8(q: Any, scale: Any, *, dtype="f32", out: Any | None = None,
     return r
 
 
+def dequantize_fp8_bits(bits: Any, scale: Any, dtype="fp8_e4m3", *, axis: int = -1, out: Any | None = None,
+                        stream: Any | None = None):
+    """f32 values of FP8 bit patterns (uint8, as they travel on a wire or come from the GPU
+    quantize kernel): ``bits`` read as ``dtype`` times ``scale`` (one value, or one per index
+    of ``axis`` in ``quantize_fp8``'s keepdims shape)."""
+    op = "dequantize_fp8_bits"
+    check_stream(op, stream)
+    dt = _fp8(op, dtype)
+    if bits.dtype != np.uint8:
+        raise TypeError(f"{op}: bits must be uint8 FP8 bit patterns, got {dtype_name(bits.dtype)}")
+    r = bits.view(dt).astype(np.float32) * scale
+    check_out(op, out, r.shape, np.float32)
+    if out is not None:
+        out[...] = r
+        return out
+    return r
+
+
 def fake_quantize_fp8(x: Any, policy: NumericPolicy, axis: int = -1, seed: int = 0):
     """Round-trip ``x`` through the policy's FP8 format, returning f32 (how GEMMs see FP8 operands)."""
     q, s = quantize_fp8(x, policy.dtype, scale=policy.scale or "per_tensor", axis=axis,
@@ -139,3 +157,4 @@ def fake_quantize_fp8(x: Any, policy: NumericPolicy, axis: int = -1, seed: int =
 
 register_kernel("quantize_fp8", "cpu", quantize_fp8)
 register_kernel("dequantize_fp8", "cpu", dequantize_fp8)
+register_kernel("dequantize_fp8_bits", "cpu", dequantize_fp8_bits)

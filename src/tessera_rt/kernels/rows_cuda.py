@@ -21,7 +21,7 @@ from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
 
 __all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda",
-           "bias_act_cuda", "quantize_fp8_cuda", "ROW_MAX"]
+           "bias_act_cuda", "quantize_fp8_cuda", "dequantize_fp8_bits_cuda", "ROW_MAX"]
 
 ROW_THREADS = 256
 PER_THREAD = 16
@@ -320,3 +320,30 @@ for _n in ("rmsnorm", "rmsnorm_safe"):
     register_kernel(_n, "cuda", rmsnorm_cuda)
 register_kernel("bias_act", "cuda", bias_act_cuda)
 register_kernel("quantize_fp8", "cuda", quantize_fp8_cuda)
+
+
+def dequantize_fp8_bits_cuda(bits: Any, scale: Any, dtype="fp8_e4m3", *, axis: int = -1, out: Any = None,
+                             stream: Any = None):
+    """f32 values of FP8 bit patterns on the GPU (``ts_dequantize_fp8``); NumPy reference:
+    ``kernels.fp8.dequantize_fp8_bits``.  ``scale``: one value or one per index of ``axis``."""
+    import cupy
+    dt = resolve_dtype(dtype)
+    check_stream("dequantize_fp8_bits", stream)
+    if bits.dtype != np.uint8:
+        raise TypeError(f"dequantize_fp8_bits: bits must be uint8 FP8 bit patterns, got {bits.dtype}")
+    check_out("dequantize_fp8_bits", out, bits.shape, np.float32, xp=cupy)
+    with launch_stream(stream):
+        q = cupy.ascontiguousarray(bits)
+        s = cupy.ascontiguousarray(cupy.asarray(scale, np.float32).ravel())
+        channels = int(s.size)
+        ax = axis % max(bits.ndim, 1)
+        inner = int(np.prod(bits.shape[ax + 1:])) if channels > 1 else 1
+        y = out if out is not None else cupy.empty(bits.shape, np.float32)
+        fn = get_function("fp8", "ts_dequantize_fp8", dict(e5m2=dt == resolve_dtype("fp8_e5m2"), sr=False),
+                          render_fp8)
+        fn((min(65535, (q.size + 255) // 256),), (256,),
+           (q, s, y, np.int64(q.size), np.int64(inner), np.int32(channels)))
+    return y
+
+
+register_kernel("dequantize_fp8_bits", "cuda", dequantize_fp8_bits_cuda)

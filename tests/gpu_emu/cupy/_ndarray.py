@@ -226,7 +226,8 @@ class ndarray:
         if _is_basic(np_key) and Ellipsis not in _as_tuple(np_key):
             # ``a[0]`` is a 0-d *view* in CuPy; NumPy copies to a scalar unless an Ellipsis is there
             np_key = _as_tuple(np_key) + (Ellipsis,)
-        return _bridge.call_numpy("ndarray.__getitem__", lambda a, k: a[k], (self, np_key), {},
+        # the key rides in the closure: an index array (unwrapped above) is not an operand
+        return _bridge.call_numpy("ndarray.__getitem__", lambda a: a[np_key], (self,), {},
                                   check_dtypes=False)
 
     def __setitem__(self, key, value):

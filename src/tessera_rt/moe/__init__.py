@@ -1,0 +1,40 @@
+"""tessera_rt.moe: mixture of experts over the ``ep`` mesh axis (seed 000 §3.1, §10).
+
+``layer`` holds the ``op.moe`` layer and its statistics, ``routing`` the per-rank routing
+decision (top-k, capacity, noise, locality), ``dispatch`` the fused pack -> all_to_all ->
+experts -> all_to_all -> combine op and its VJP, ``reference`` a dense NumPy oracle, and
+``tiers`` expert residency and prefetch.  ``op.moe``, ``op.set_router``,
+``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
+"""
+from .dispatch import DispatchBuffers, moe_ffn
+from .layer import GATES, MoE, MoEAux
+from .reference import dense_reference
+
+__all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "moe_ffn", "dense_reference", "set_router",
+           "set_router_regularizer"]
+
+
+def set_router(layer: MoE, fn) -> MoE:
+    """Route with ``fn(logits, meta) -> logits`` (traced op.* code; seed 000 §10.1)."""
+    if not callable(fn):
+        raise TypeError(f"op.set_router: fn must be callable (logits, meta) -> logits, got {type(fn).__name__}")
+    layer.router = fn
+    return layer
+
+
+def set_router_regularizer(layer: MoE, kind: str = "topology_distance", weight: float = 0.05, *,
+                           groups: list | None = None, scale: float = 10.0) -> MoE:
+    """Penalize experts outside the token's locality group: ``weight * scale`` is subtracted
+    from their logits, and ``aux["router_reg"]`` (``weight`` times the expected remote share)
+    joins the gating loss.  ``groups``: a group id per ep position (default: by host)."""
+    if kind != "topology_distance":
+        raise ValueError(f"op.set_router_regularizer: kind={kind!r}; the one kind is 'topology_distance'")
+    if not float(weight) >= 0:
+        raise ValueError(f"op.set_router_regularizer: weight={weight} must be >= 0")
+    if groups is not None:
+        if len(groups) != layer.ep_size:
+            raise ValueError(f"op.set_router_regularizer: groups={groups} needs one id per "
+                             f"{layer.axis} position ({layer.ep_size})")
+        layer.groups = list(groups)
+    layer.regularizer = {"kind": kind, "weight": float(weight), "scale": float(scale)}
+    return layer
