@@ -57,8 +57,8 @@ def _table(cands: list) -> str:
     for c in cands:
         t, mem = c.step_time, c.memory
         rows.append(f"{c.label[:24]:24} {c.tp:>3} {c.ep:>3} {c.pp:>3} {c.dp:>3}  {'yes' if c.feasible else 'no':4} "
-                    f"{mem['total'] / GB:7.1f} {t['total'] * 1e3:9.3f} {t['compute'] * 1e3:8.3f} "
-                    f"{t['exposed'] * 1e3:8.3f} {t['pp_bubble'] * 1e3:7.3f}  {c.layout.remat}/{t['micro_batch']}")
+                    f"{mem['total'] / GB:7.3g} {t['total'] * 1e3:9.4g} {t['compute'] * 1e3:8.4g} "
+                    f"{t['exposed'] * 1e3:8.4g} {t['pp_bubble'] * 1e3:7.4g}  {c.layout.remat}/{t['micro_batch']}")
     return "\n".join(rows)
 
 

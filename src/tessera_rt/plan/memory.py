@@ -68,9 +68,11 @@ def param_counts(m: ModelSpec, lay: Layout) -> dict:
     tp, d, hd = lay.tp, m.d_model, m.head_dim
     layers = _ceil_div(m.n_layers, lay.pp)
     moe_layers = _ceil_div(m.n_moe_layers, lay.pp) if m.n_experts else 0
-    q_heads = _ceil_div(m.n_heads, tp)
-    kv_heads = _ceil_div(m.kv_heads, tp) if tp <= m.kv_heads else 1     # replicated kv heads
-    attn = 2 * d * q_heads * hd + 2 * d * kv_heads * hd
+    # columns split evenly over tp (the runtime's uneven shard math: ceil on the busiest
+    # rank); kv heads replicated once tp exceeds them
+    q_cols = _ceil_div(m.n_heads * hd, tp)
+    kv_cols = _ceil_div(m.kv_heads * hd, tp) if tp <= m.kv_heads else hd
+    attn = 2 * d * q_cols + 2 * d * kv_cols
     mlp = 3 * d * _ceil_div(m.ffn_hidden, tp)
     router = d * m.n_experts
     dense = layers * (attn + 2 * d) + (layers - moe_layers) * mlp + moe_layers * router
@@ -80,7 +82,7 @@ def param_counts(m: ModelSpec, lay: Layout) -> dict:
     last = (0 if m.tied_embeddings else v_local * d) + d
     dense += first + last if lay.pp == 1 else max(first, last)
     expert = moe_layers * _ceil_div(m.n_experts, lay.ep) * 3 * d * _ceil_div(m.f_expert, tp) if m.n_experts else 0
-    largest = max(d * _ceil_div(m.ffn_hidden, tp), v_local * d, d * q_heads * hd,
+    largest = max(d * _ceil_div(m.ffn_hidden, tp), v_local * d, d * q_cols,
                   _ceil_div(m.n_experts, lay.ep) * d * _ceil_div(m.f_expert, tp) if m.n_experts else 0)
     return {"dense": dense, "expert": expert, "total": dense + expert, "largest": largest}
 

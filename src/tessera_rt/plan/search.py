@@ -91,13 +91,13 @@ def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str) -> l
         bad.append(f"E/ep = {m.n_experts}/{lay.ep} = {m.n_experts / lay.ep:.0f} < {MIN_EXPERTS_PER_GPU} "
                    "(seed 000 §6 rule 2)")
     if workload == "train" and lay.remat == "none" and mem["activations"] > REMAT_RATIO * mem["params"]:
-        bad.append(f"activations {mem['activations'] / GB:.2f} GB > {REMAT_RATIO} x parameter shard "
-                   f"{mem['params'] / GB:.2f} GB without remat (seed 000 §6 rule 3)")
+        bad.append(f"activations {mem['activations'] / GB:.3g} GB > {REMAT_RATIO} x parameter shard "
+                   f"{mem['params'] / GB:.3g} GB without remat (seed 000 §6 rule 3)")
     return bad
 
 
 def _why(m: ModelSpec, lay: Layout, mem: dict, t: dict) -> list[str]:
-    g = lambda x: f"{x / GB:.1f}"                                       # noqa: E731
+    g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
     ms = lambda x: f"{x * 1e3:.3g} ms"                                  # noqa: E731
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
            f"{g(mem['optimizer'])}" + (f" (+{g(mem['host_tier'])} in host tier)" if mem["host_tier"] else "")

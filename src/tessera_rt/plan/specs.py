@@ -63,6 +63,10 @@ class ModelSpec:
     act_outside: tuple = (2.0, 2.0, 0.0)       # (x d, x vocab/tp, x 1) per token: embedding, head, loss
     ops_per_layer: int = 12                # forward kernels per block
     ops_outside: int = 8                   # forward kernels outside the blocks
+    bwd_ops_per_layer: int = 24            # backward kernels per block (dgrad + wgrad per GEMM)
+    bwd_ops_outside: int = 16
+    tp_ar_per_layer: int = 4               # tp all-reduces per block, forward + backward (Megatron: 2 + 2)
+    tp_ar_outside: int = 2                 # big ones outside the blocks (embedding, head input)
     batch: int = 8                         # default global batch (sequences)
     notes: str = ""
 
@@ -183,6 +187,10 @@ class Cluster:
     op_overhead_s: float = 4e-6             # fixed cost per kernel (launch, eager dispatch)
     cores: int = 0                          # CPU ranks: cores shared by the ranks (0: one per rank)
     overlap: float = 0.6                    # share of tp/ep/dp collective time hidden behind compute
+    share: float = 1.0                      # CPU ranks: share of a core each gets (other load on the machine)
+    dp_overlap: float | None = None         # share of the dp gradient all-reduce hidden behind the backward
+                                            # (None: ``overlap``); tessera_rt issues each one async
+    op_rates: dict = field(default_factory=dict)   # FLOP/s per op class ("gemm", "attention"), calibrated
     measured: dict = field(default_factory=dict)
     calibrated: bool = False
     notes: str = ""
@@ -247,10 +255,14 @@ MODELS: dict[str, ModelSpec] = {
     # activation count of tessera_rt's tape, read off nn.py: every op output is kept, so a
     # block keeps norm1, o, add, norm2, w2, add (d each, replicated), q, k, v, attention out
     # and its reshape (d/tp), swiglu (f/tp) and the logsumexp (heads/tp); outside: embedding,
-    # +pos, final norm (d), two one-hots, logits, shifted, exp, picked (vocab/tp).
+    # +pos, final norm (d), two one-hots, logits, shifted, exp, picked (vocab/tp).  Kernel
+    # and all-reduce counts per step are the profiler's and dist.trace_collectives' counts
+    # of one train.py step (forward 22 ops per block, backward 95; tp: 6 all-reduces of the
+    # block's activations per block).
     "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                       dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
-                      act_outside=(3.0, 6.0, 3.0), ops_per_layer=17, ops_outside=14, notes="scripts/train.py defaults"),
+                      act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
+                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, notes="scripts/train.py defaults"),
 }
 
 
@@ -264,7 +276,7 @@ def local_cluster_path() -> Path:
 def _local_default() -> Cluster:
     n = os.cpu_count() or 1
     return Cluster("local", n_gpus=4, hbm_bytes=24 * GB, hbm_bw=10 * GB, flops={"f32": 20e9, "bf16": 2e9},
-                   link_bw=2 * GB, alpha=30e-6, topology="host", op_overhead_s=60e-6, cores=n, overlap=0.0,
+                   link_bw=2 * GB, alpha=30e-6, topology="host", op_overhead_s=60e-6, cores=n, overlap=0.0, dp_overlap=1.0,
                    bw_efficiency=1.0, notes="uncalibrated defaults: run tessera-plan --calibrate")
 
 

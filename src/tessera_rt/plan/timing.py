@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .memory import Layout, _ceil_div, param_counts
+from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .specs import Cluster, ModelSpec
 
 __all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS"]
@@ -30,8 +30,8 @@ BUS_FACTOR = {
 }
 ALGORITHMS = ("ring", "tree", "line", "hierarchical")
 _STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send": 1}
-# tessera_rt.optim.AdamW issues about 16 ops per parameter tensor, clip_grad_norm 3
-OPT_OPS_PER_TENSOR = 19
+# tessera_rt.optim.AdamW issues 15 ops per parameter tensor, clip_grad_norm 1 (the profiler's count)
+OPT_OPS_PER_TENSOR = 16
 
 
 def _measured(cluster: Cluster, op: str, n: int):
@@ -112,7 +112,8 @@ def compute_ops(m: ModelSpec, lay: Layout, tokens: float, ctx: float, *, causal:
         ("attention", 4 * tokens * ctx * qh * hd * causal,
          b * (2 * tokens * qh * hd + 2 * kvh * hd * tokens * (1 if causal < 1 else ctx))),   # decode reads the cache
         ("o_proj", 2 * tokens * qh * hd * d, b * (tokens * qh * hd + qh * hd * d + tokens * d)),
-        ("norms_residual", 10 * tokens * d, b * 6 * tokens * d),
+        # norms, residual adds, activations, reshapes: each kept tensor written once, read once
+        ("elementwise", 10 * tokens * d, 2 * b * tokens * _layer_act_elems(m, tp, False)),
     ]
     return ops
 
@@ -130,9 +131,23 @@ def _mlp_ops(m: ModelSpec, lay: Layout, tokens: float, moe: bool) -> list[tuple]
             ("experts", 6 * slots * d * f, b * (e_local * 3 * d * f + 4 * slots * d + 3 * slots * f))]
 
 
-def _roofline(cluster: Cluster, ops: list, dtype: str, slow: float) -> float:
-    rate, bw = cluster.rate(dtype), cluster.hbm_bw
-    return sum(max(fl / rate, by / bw) * slow for _, fl, by in ops)
+_OP_CLASS = {"qkv": "gemm", "o_proj": "gemm", "mlp_w13": "gemm", "mlp_w2": "gemm", "router": "gemm",
+             "experts": "gemm", "head": "gemm", "attention": "attention", "elementwise": "elementwise"}
+
+
+def _roofline(cluster: Cluster, ops: list, dtype: str, slow: float, bwd: bool = False) -> float:
+    """max(FLOPs / rate, bytes / bandwidth) per op; a calibrated rate for the op's class
+    (cluster.op_rates, "<class>_bwd" for the backward) replaces the dtype's peak.  The
+    backward of an op does twice its forward's FLOPs and moves twice its bytes."""
+    peak, bw, rates = cluster.rate(dtype), cluster.hbm_bw, cluster.op_rates
+    total = 0.0
+    k = 2.0 if bwd else 1.0
+    for name, fl, by in ops:
+        fl, by = fl * k, by * k
+        cls = _OP_CLASS.get(name, "")
+        rate = ((rates.get(cls + "_bwd") if bwd else None) or rates.get(name) or rates.get(cls, 0) or peak)
+        total += max(fl / rate if _OP_CLASS.get(name) != "elementwise" else 0.0, by / bw) * slow
+    return total
 
 
 def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, batch: int, seq: int,
@@ -142,8 +157,9 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     dtype = dtype or m.dtype
     train = workload == "train"
     slow = 1.0
-    if cluster.topology == "host" and cluster.cores:
-        slow = max(1.0, lay.n / cluster.cores)               # CPU ranks share the cores
+    if cluster.topology == "host":
+        # CPU ranks share the cores with each other (n / cores) and with other jobs (share)
+        slow = (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3)
     seqs = _ceil_div(batch, lay.data_ranks)
     if train:
         mb = min(lay.micro_batch, seqs)
@@ -159,16 +175,20 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
                  for i in range(layers)]
     v_local = _ceil_div(m.vocab, lay.tp)
     b = m.dtype_bytes
-    head = [("head", 2 * tokens * m.d_model * v_local, b * (tokens * m.d_model + m.d_model * v_local)
-             + 4 * tokens * v_local * 3)]
-    fwd = sum(_roofline(cluster, ops, dtype, slow) for ops in fwd_layer) + _roofline(cluster, head, dtype, slow)
-    n_ops = layers * m.ops_per_layer + m.ops_outside
-    fwd += n_ops * cluster.op_overhead_s * slow
+    rep, voc, one = (tuple(m.act_outside) + (0.0,) * 3)[:3]
+    head = [("head", 2 * tokens * m.d_model * v_local, b * (tokens * m.d_model + m.d_model * v_local)),
+            ("elementwise", 0, 2 * b * tokens * (rep * m.d_model + voc * v_local + one))]
+    fwd_math = sum(_roofline(cluster, ops, dtype, slow) for ops in fwd_layer) + _roofline(cluster, head, dtype, slow)
+    over = cluster.op_overhead_s * slow
+    fwd = fwd_math + (layers * m.ops_per_layer + m.ops_outside) * over
     if train:
         remat_layers = {"none": 0, "every": layers, "every_other": _ceil_div(layers, 2)}[lay.remat]
         recompute = sum(_roofline(cluster, fwd_layer[i], dtype, slow) for i in range(remat_layers))
-        recompute += remat_layers * m.ops_per_layer * cluster.op_overhead_s * slow
-        bwd = 2 * fwd + recompute
+        recompute += remat_layers * m.ops_per_layer * over
+        # the backward does twice the forward's arithmetic (dgrad and wgrad per GEMM)
+        bwd_math = (sum(_roofline(cluster, ops, dtype, slow, bwd=True) for ops in fwd_layer)
+                    + _roofline(cluster, head, dtype, slow, bwd=True))
+        bwd = bwd_math + (layers * m.bwd_ops_per_layer + m.bwd_ops_outside) * over + recompute
     else:
         bwd = 0.0
     per_mb = fwd + bwd
@@ -176,7 +196,7 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     p = param_counts(m, lay)
     if train:
         # AdamW: read/write params, grads, masters and moments (memory-bound), per tensor ops
-        n_tensors = layers * 9 + 4
+        n_tensors = layers * 9 + 3 + (1 if m.learned_pos else 0)
         opt = (p["total"] * (2 * b + 2 * 12)) / cluster.hbm_bw * slow
         opt += n_tensors * OPT_OPS_PER_TENSOR * cluster.op_overhead_s * slow
         if lay.offload:
@@ -184,10 +204,12 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         compute += opt
     # communication --------------------------------------------------------------
     msg = tokens * m.d_model * b
-    tp_per_layer = 4 if train else 2                       # Megatron: 2 all-reduces fwd, 2 bwd
     ar, tp_algo = collective_time(cluster, "all_reduce", msg, lay.tp, span=_span(cluster, lay, "tp"))
     small, _ = collective_time(cluster, "all_reduce", 4 * tokens, lay.tp, span=_span(cluster, lay, "tp"))
-    tp_comm = n_micro * ((layers * tp_per_layer + (2 if train else 1)) * ar + (6 if train else 0) * small)
+    if train:      # + the vocab-parallel loss: max, sum of exponentials, picked logit and their grads
+        tp_comm = n_micro * ((layers * m.tp_ar_per_layer + m.tp_ar_outside) * ar + 4 * small)
+    else:          # decode: the forward's half
+        tp_comm = n_micro * ((layers * m.tp_ar_per_layer // 2 + 1) * ar)
     ep_comm, ep_algo = 0.0, "none"
     if m.n_experts and lay.ep > 1:
         a2a, ep_algo = collective_time(cluster, "all_to_all", msg * m.top_k * m.capacity_factor, lay.ep)
@@ -199,7 +221,6 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     dp_comm, dp_algo = 0.0, "none"
     if train and lay.data_ranks > 1:
         dense_b = p["dense"] * b
-        n_tensors = layers * 9 + 4
         t_dense, dp_algo = collective_time(cluster, "all_reduce", dense_b / n_tensors, lay.data_ranks)
         dp_comm = n_tensors * t_dense
         if p["expert"] and lay.dp > 1:
@@ -215,7 +236,8 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     ov = cluster.overlap
     exposed = (tp_comm + ep_comm) * (1 - ov) + pp_comm
     bwd_total = bwd * n_micro
-    exposed += max(dp_comm * (1 - ov), dp_comm - ov * bwd_total) if dp_comm else 0.0
+    ov_dp = ov if cluster.dp_overlap is None else cluster.dp_overlap
+    exposed += max(dp_comm * (1 - ov_dp), dp_comm - ov_dp * bwd_total) if dp_comm else 0.0
     total = compute + bubble + exposed
     return {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "pp_bubble": bubble,
             "dp_comm": dp_comm, "exposed": exposed, "total": total, "n_micro": n_micro, "micro_batch": mb,
