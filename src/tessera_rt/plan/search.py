@@ -134,8 +134,10 @@ def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int =
     for lay in _settings(m, c, (tp, ep, pp, dp), workload, seqs, knobs or {}):
         n_micro = -(-seqs // lay.micro_batch)
         mem = memory_per_gpu(m, c, lay, workload=workload, batch=batch, seq=seq, n_micro=n_micro)
-        t = step_time(m, c, lay, workload=workload, batch=batch, seq=seq, dtype=dtype)
         bad = _check(m, c, lay, mem, workload)
+        if bad and best is not None and (not best[4] or mem["total"] >= best[2]["total"]):
+            continue                                   # cannot beat what we have: skip its timing
+        t = step_time(m, c, lay, workload=workload, batch=batch, seq=seq, dtype=dtype)
         key = (bool(bad), t["total"] if not bad else mem["total"])
         if best is None or key < best[0]:
             best = (key, lay, mem, t, bad)

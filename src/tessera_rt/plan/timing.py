@@ -220,9 +220,13 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         pp_comm = n_micro * (2 if train else 1) * p2p
     dp_comm, dp_algo = 0.0, "none"
     if train and lay.data_ranks > 1:
+        # gradient all-reduces are issued without waiting, so their latencies overlap: on
+        # CPU ranks every one is in flight at once (one latency for all the bytes); GPUs
+        # bucket them (25 MB, as DDP does) and pay one latency per bucket
         dense_b = p["dense"] * b
-        t_dense, dp_algo = collective_time(cluster, "all_reduce", dense_b / n_tensors, lay.data_ranks)
-        dp_comm = n_tensors * t_dense
+        buckets = 1 if cluster.topology == "host" else max(1, math.ceil(dense_b / 25e6))
+        t_dense, dp_algo = collective_time(cluster, "all_reduce", dense_b / buckets, lay.data_ranks)
+        dp_comm = buckets * t_dense
         if p["expert"] and lay.dp > 1:
             t_exp, _ = collective_time(cluster, "all_reduce", p["expert"] * b, lay.dp)
             dp_comm += t_exp
