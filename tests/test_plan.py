@@ -114,6 +114,11 @@ def test_pipeline_bubble_per_schedule():
     assert one["pp_bubble"] == pytest.approx(one["per_microbatch"])     # (pp - 1) micro-batch slots
     assert one["compute"] > one["n_micro"] * one["per_microbatch"]      # + the optimizer
     assert inter["pp_bubble"] == pytest.approx(one["pp_bubble"] / 2)
+    # memory: 1F1B keeps pp micro-batches in flight on stage 0, GPipe all of them
+    n = one["n_micro"]
+    mem = {s: plan.memory_per_gpu(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1, schedule=s), workload="train",
+                                  batch=64, seq=2048, n_micro=n)["activations"] for s in ("1f1b", "gpipe")}
+    assert mem["gpipe"] == pytest.approx(mem["1f1b"] * n / 2)
 
 
 def test_sr_moe_recipes_ranked_with_reasons():

@@ -113,18 +113,18 @@ def _elementwise_bw(rates: dict, reps: int) -> float:
     256, 4 x 64 tokens) is timed forward + backward on plain arrays, the time the model
     gives the GEMMs, attention and op costs is taken off, and the rest is divided by the
     model's elementwise bytes.  Falls back to op.add's bandwidth if the rest is negative."""
+    import dataclasses
+
     from .. import nn, op
     from ..autodiff import value_and_grad
     from .memory import Layout
-    from .specs import MODELS
+    from .specs import MODELS, Cluster
     from .timing import _mlp_ops, _roofline, compute_ops
-    import dataclasses
     block = nn.TransformerBlock(64, 4, 256)
     params = block.init(0)
     x = np.random.default_rng(2).standard_normal((4, 64, 64)).astype(np.float32)
     t = _cpu_time(lambda: value_and_grad(lambda p: op.sum(block(p, x)))(params), reps)
     ref = dataclasses.replace(MODELS["char"], n_layers=1)
-    from .specs import Cluster
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
                     alpha=0.0, topology="host", op_rates={k: rates[k] for k in ("gemm", "gemm_bwd", "attention",
                                                                                  "attention_bwd")})

@@ -21,7 +21,6 @@ Where the bytes come from (Megatron's accounting, ZeRO paper's notation):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .specs import Cluster, ModelSpec

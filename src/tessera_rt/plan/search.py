@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from .memory import REMATS, Layout, activation_bytes, memory_per_gpu
+from .memory import REMATS, Layout, memory_per_gpu
 from .specs import Cluster, ModelSpec, get_cluster, get_model
 from .timing import step_time
 
