@@ -1,0 +1,20 @@
+"""Mesh planner and cost model: memory and step time per (tp, ep, pp, dp), calibrated on
+this machine's collectives and kernels, ranking the seeds' recipes (seed 000 §2.1, §6, §9;
+seed 001 §7.5, §7.8; seed 004).
+
+    from tessera_rt import plan
+    cands = plan.search(model="llama3-70b", cluster="nvl72", workload="train", batch=32, seq=8192)
+    cands[0].mesh_shape, cands[0].memory, cands[0].step_time, cands[0].why
+
+The planner sits above the runtime: it reads collectives and kernels only to calibrate.
+"""
+from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
+from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
+from .specs import CLUSTERS, MODELS, Cluster, ModelSpec, get_cluster, get_model, local_cluster_path
+from .timing import BUS_FACTOR, collective_time, step_time
+
+__all__ = [
+    "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",
+    "Layout", "memory_per_gpu", "param_counts", "activation_bytes", "collective_time", "step_time", "BUS_FACTOR",
+    "Candidate", "search", "evaluate", "factorizations", "recipes", "RECIPES",
+]

@@ -1,0 +1,117 @@
+"""``tessera-plan``: which mesh factorization to launch, with numbers.
+
+    tessera-plan --model llama3-70b --cluster nvl72 --workload train --json
+    tessera-plan --model sr-moe --cluster nvl72 --recipes --plot moe.png
+    tessera-plan --model llama3-70b --cluster galaxy --workload decode --dtype fp8_e4m3 --recipes
+    tessera-plan --model char --cluster local --mesh tp=2,dp=2 --remat none --batch 8
+    tessera-plan --calibrate            # measure this machine, save the `local` cluster
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .search import GB, evaluate, recipes, search
+from .specs import CLUSTERS, MODELS, get_cluster, get_model
+
+__all__ = ["main", "parse_mesh"]
+
+
+def parse_mesh(text: str) -> dict:
+    """"tp=8,ep=9" -> {"tp": 8, "ep": 9, "pp": 1, "dp": 1}."""
+    out = {"tp": 1, "ep": 1, "pp": 1, "dp": 1}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        k, _, v = part.partition("=")
+        if k not in out or not v.isdigit() or int(v) < 1:
+            raise ValueError(f"--mesh {text!r}: write axis=N pairs over tp, ep, pp, dp (e.g. tp=8,ep=9), "
+                             f"got {part!r}")
+        out[k] = int(v)
+    return out
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="tessera-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    p.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or a JSON file")
+    p.add_argument("--cluster", default="nvl72", help=f"a preset ({', '.join(CLUSTERS)}, local) or a JSON file")
+    p.add_argument("--workload", default="train", choices=["train", "decode"])
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the model's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length; decode: context length")
+    p.add_argument("--dtype", default=None, help="compute policy dtype (op.numeric), e.g. fp8_e4m3")
+    p.add_argument("--mesh", default=None, help="price one factorization, e.g. tp=8,ep=9,pp=1,dp=1")
+    p.add_argument("--remat", default=None, choices=["none", "every_other", "every"], help="fix remat (with --mesh)")
+    p.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (with --mesh)")
+    p.add_argument("--recipes", action="store_true", help="add the seed's recipes for this cluster, labelled")
+    p.add_argument("--top", type=int, default=10, help="candidates to print (0: all)")
+    p.add_argument("--json", action="store_true", help="print the candidates as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="memory vs step time for every candidate")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and save the `local` cluster")
+    p.add_argument("--ranks", default="2,3,4", help="--calibrate: group sizes to measure")
+    return p.parse_args(argv)
+
+
+def _table(cands: list) -> str:
+    rows = [f"{'':24} {'tp':>3} {'ep':>3} {'pp':>3} {'dp':>3}  {'fits':4} {'GB/GPU':>7} {'step ms':>9} "
+            f"{'compute':>8} {'exposed':>8} {'bubble':>7}  remat/mb"]
+    for c in cands:
+        t, mem = c.step_time, c.memory
+        rows.append(f"{c.label[:24]:24} {c.tp:>3} {c.ep:>3} {c.pp:>3} {c.dp:>3}  {'yes' if c.feasible else 'no':4} "
+                    f"{mem['total'] / GB:7.3g} {t['total'] * 1e3:9.4g} {t['compute'] * 1e3:8.4g} "
+                    f"{t['exposed'] * 1e3:8.4g} {t['pp_bubble'] * 1e3:7.4g}  {c.layout.remat}/{t['micro_batch']}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    try:
+        if a.calibrate:
+            from .calibrate import calibrate
+            path = calibrate(ranks=[int(x) for x in a.ranks.split(",") if x])
+            print(f"saved the calibrated `local` cluster to {path}")
+            return 0
+        m, c = get_model(a.model), get_cluster(a.cluster)
+        policy = None
+        if a.dtype:
+            from ..kernels.numerics import numeric
+            policy = numeric(dtype=a.dtype)
+        kw = dict(workload=a.workload, batch=a.batch, seq=a.seq, policy=policy)
+        if a.mesh:
+            knobs = {k: v for k, v in (("remat", a.remat), ("micro_batch", a.micro_batch)) if v is not None}
+            cands = [evaluate(m, c, **parse_mesh(a.mesh), knobs=knobs, **kw)]
+        elif a.recipes:
+            everything = search(m, c, require_feasible=False, **kw)
+            labelled = recipes(m, c, **kw)
+            cands = labelled + everything[: (a.top or None)]
+            allc = labelled + everything
+        else:
+            cands = search(m, c, **kw)
+            allc = cands
+            cands = cands[: (a.top or None)]
+        if a.plot:
+            from .plot import plot_candidates
+            plot_candidates(allc if not a.mesh else cands, a.plot, hbm=c.hbm_bytes,
+                            title=f"{m.name} on {c.name} ({a.workload})")
+    except ValueError as e:
+        print(f"tessera-plan: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        try:
+            print(json.dumps([k.to_json() for k in cands], indent=1))
+        except BrokenPipeError:                      # piped into head
+            pass
+    else:
+        print(f"{m.name} ({m.total_params() / 1e9:.3g}B params) on {c.name} ({c.n_gpus} x "
+              f"{c.hbm_bytes / GB:.0f} GB), {a.workload}")
+        print(_table(cands))
+        best = cands[0]
+        print(f"\nbest: {best.label or best.layout.label()}")
+        for w in best.why + best.violations:
+            print(f"  - {w}")
+        if a.plot:
+            print(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""What the planner plans for: a model (:class:`ModelSpec`) and a cluster (:class:`Cluster`),
+with presets and JSON loading.
+
+Counts follow Megatron-LM's accounting (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters"; Korthikanti et al. 2022, "Reducing Activation
+Recomputation"): parameters per layer from the weight shapes, activations per token per
+layer from the tensors the backward pass keeps.  MoE layers follow GShard/Switch: ``top_k``
+experts per token, ``capacity_factor`` padding, experts sharded over ``ep``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",
+           "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"f32": 4, "float32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float16": 2, "bfloat16": 2,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfp8": 1, "fp4": 0.5}
+
+
+def _bytes(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, dense or MoE.
+
+    ``act_coeffs``: the activation elements the backward keeps per token per layer, as
+    multiples of (d_model replicated, d_model / tp, ffn_hidden / tp, heads / tp); the
+    default is Megatron's count for a pre-norm SwiGLU block with flash attention and no
+    sequence parallelism (norm and residual inputs replicated; q, k, v and the attention
+    output sharded; w1, w3 outputs and the w2 input sharded).  ``act_outside``: the same
+    outside the blocks, as multiples of (d_model, vocab / tp, 1).  ``ops_per_layer`` (forward kernels per block) prices the fixed cost per
+    kernel launch in the time model."""
+
+    name: str
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int
+    n_kv_heads: int | None = None
+    seq_len: int = 4096
+    dtype: str = "bf16"                    # parameters, gradients and compute
+    n_experts: int = 0                     # 0: dense
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    expert_hidden: int | None = None
+    moe_every: int = 1                     # every k-th layer is MoE
+    learned_pos: bool = False              # a (seq_len, d_model) position table
+    tied_embeddings: bool = False
+    act_coeffs: tuple = (4.0, 4.0, 3.0, 0.0)   # (x d, x d/tp, x f/tp, x heads/tp) per token per layer
+    act_outside: tuple = (2.0, 2.0, 0.0)       # (x d, x vocab/tp, x 1) per token: embedding, head, loss
+    ops_per_layer: int = 12                # forward kernels per block
+    ops_outside: int = 8                   # forward kernels outside the blocks
+    bwd_ops_per_layer: int = 24            # backward kernels per block (dgrad + wgrad per GEMM)
+    bwd_ops_outside: int = 16
+    tp_ar_per_layer: int = 4               # tp all-reduces per block, forward + backward (Megatron: 2 + 2)
+    tp_ar_outside: int = 2                 # big ones outside the blocks (embedding, head input)
+    batch: int = 8                         # default global batch (sequences)
+    notes: str = ""
+
+    def __post_init__(self):
+        for f in ("vocab", "d_model", "n_layers", "n_heads", "ffn_hidden", "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelSpec({self.name!r}): {f}={v!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"ModelSpec({self.name!r}): d_model={self.d_model} is not a multiple of "
+                             f"n_heads={self.n_heads}")
+        if self.kv_heads > self.n_heads or self.n_heads % self.kv_heads:
+            raise ValueError(f"ModelSpec({self.name!r}): n_kv_heads={self.kv_heads} must divide "
+                             f"n_heads={self.n_heads}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"ModelSpec({self.name!r}): top_k={self.top_k} must be in 1..n_experts="
+                             f"{self.n_experts}")
+        _bytes(self.dtype)
+
+    # shapes ---------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.n_experts else 0
+
+    @property
+    def f_expert(self) -> int:
+        return self.expert_hidden or self.ffn_hidden
+
+    @property
+    def dtype_bytes(self) -> float:
+        return _bytes(self.dtype)
+
+    # parameters -----------------------------------------------------------------
+    def attn_params(self) -> int:
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        return d * d * 2 + 2 * d * kv                     # q, o and k, v
+
+    def mlp_params(self) -> int:
+        return 3 * self.d_model * self.ffn_hidden          # SwiGLU: w1, w3, w2
+
+    def expert_params_per_layer(self) -> int:
+        return self.n_experts * 3 * self.d_model * self.f_expert
+
+    def router_params(self) -> int:
+        return self.d_model * self.n_experts
+
+    def embed_params(self) -> int:
+        pos = self.seq_len * self.d_model if self.learned_pos else 0
+        head = 0 if self.tied_embeddings else self.vocab * self.d_model
+        return self.vocab * self.d_model + head + pos + self.d_model     # + final norm
+
+    def dense_layer_params(self, moe: bool) -> int:
+        """Parameters of one block that are not experts (sharded over tp, replicated over ep)."""
+        return self.attn_params() + 2 * self.d_model + (self.router_params() if moe else self.mlp_params())
+
+    def total_params(self) -> int:
+        n_moe = self.n_moe_layers
+        return (self.embed_params() + self.n_layers * self.attn_params() + 2 * self.n_layers * self.d_model
+                + (self.n_layers - n_moe) * self.mlp_params()
+                + n_moe * (self.router_params() + self.expert_params_per_layer()))
+
+    def active_params_per_token(self) -> int:
+        """Parameters one token touches (the N of training's 6N FLOPs): top_k of the experts."""
+        idle = self.n_experts - self.top_k if self.n_experts else 0
+        return self.total_params() - self.n_moe_layers * idle * 3 * self.d_model * self.f_expert
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model") -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; ModelSpec fields are {sorted(names)}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing} (required: name, vocab, d_model, n_layers, "
+                             "n_heads, ffn_hidden)")
+        d = dict(d)
+        for k in ("act_coeffs", "act_outside"):
+            if k in d:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and their links.  ``topology``: "switch" (every GPU one hop from every other:
+    NVLink Switch), "ring2d" (a ``grid`` of rings, seed 004's 8x4 Galaxy) or "host" (CPU
+    ranks on one machine).  Rates per dtype in FLOP/s; bandwidths in bytes/s per GPU per
+    direction; ``alpha`` in seconds per algorithm step.  ``measured`` holds calibrated
+    alpha/beta per collective and group size ({op: {n: [alpha_s, s_per_byte]}}), which wins
+    over the analytic model where present."""
+
+    name: str
+    n_gpus: int
+    hbm_bytes: float
+    hbm_bw: float
+    flops: dict
+    link_bw: float
+    alpha: float
+    topology: str = "switch"
+    grid: tuple = ()
+    links: int = 1                          # links per neighbour (seed 004: num_links=3)
+    host_tier_bytes: float = 0.0            # Grace LPDDR per GPU (a capacity tier)
+    host_tier_bw: float = 0.0               # C2C bytes/s per GPU
+    bw_efficiency: float = 0.8              # achievable busbw / link bw (nccl-tests)
+    op_overhead_s: float = 4e-6             # fixed cost per kernel (launch, eager dispatch)
+    cores: int = 0                          # CPU ranks: cores shared by the ranks (0: one per rank)
+    overlap: float = 0.6                    # share of tp/ep/dp collective time hidden behind compute
+    share: float = 1.0                      # CPU ranks: share of a core each gets (other load on the machine)
+    dp_overlap: float | None = None         # share of the dp gradient all-reduce hidden behind the backward
+                                            # (None: ``overlap``); tessera_rt issues each one async
+    op_rates: dict = field(default_factory=dict)   # FLOP/s per op class ("gemm", "attention"), calibrated
+    measured: dict = field(default_factory=dict)
+    calibrated: bool = False
+    notes: str = ""
+
+    REQUIRED = ("name", "n_gpus", "hbm_bytes", "hbm_bw", "flops", "link_bw", "alpha")
+
+    def __post_init__(self):
+        for f in ("n_gpus", "hbm_bytes", "hbm_bw", "link_bw"):
+            if not getattr(self, f) or getattr(self, f) <= 0:
+                raise ValueError(f"Cluster({self.name!r}): {f}={getattr(self, f)!r} must be positive")
+        if self.topology not in ("switch", "ring2d", "host"):
+            raise ValueError(f"Cluster({self.name!r}): topology={self.topology!r}; use 'switch', 'ring2d' or 'host'")
+        if self.topology == "ring2d" and math.prod(self.grid or (0,)) != self.n_gpus:
+            raise ValueError(f"Cluster({self.name!r}): grid {self.grid} must multiply to n_gpus={self.n_gpus}")
+        if not isinstance(self.flops, dict) or not self.flops:
+            raise ValueError(f"Cluster({self.name!r}): flops must be a dict dtype -> FLOP/s, e.g. {{'bf16': 2.5e15}}")
+
+    def rate(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``; a dtype the cluster lacks runs at the nearest wider one."""
+        for d in (dtype, {"fp4": "fp8", "fp8": "bf16", "bfp8": "bf16", "fp8_e4m3": "bf16"}.get(dtype, "bf16"),
+                  "bf16", "f32"):
+            if d in self.flops:
+                return float(self.flops[d])
+        return float(next(iter(self.flops.values())))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["grid"] = list(self.grid)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "cluster") -> "Cluster":
+        missing = [k for k in cls.REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"{where}: the cluster description is missing {missing}; a cluster needs "
+                             f"{list(cls.REQUIRED)} (flops: {{dtype: FLOP/s}}, hbm_bw/link_bw: bytes/s per GPU, "
+                             "alpha: seconds per collective step)")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; Cluster fields are {sorted(names)}")
+        d = dict(d)
+        d["grid"] = tuple(d.get("grid", ()))
+        return cls(**d)
+
+
+# ------------------------------------------------------------------------------ presets
+GB = 1e9
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec("llama3-8b", vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                           ffn_hidden=14336, seq_len=8192, batch=64),
+    "llama3-70b": ModelSpec("llama3-70b", vocab=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                            ffn_hidden=28672, seq_len=8192, batch=32),
+    # Seed 000 §9: E=4096, heads=128, d_model=8192, CF=1.25 (top_k=2 from §4.1).  The seed
+    # gives neither depth nor expert width: 24 layers of fine-grained experts (hidden 256)
+    # are our assumption, about 0.63T parameters, sized so a 72-GPU rack can train it.
+    "sr-moe": ModelSpec("sr-moe", vocab=128256, d_model=8192, n_layers=24, n_heads=128, ffn_hidden=28672,
+                        n_experts=4096, top_k=2, capacity_factor=1.25, expert_hidden=256, seq_len=4096,
+                        batch=72, notes="seed 000 §9 SR-MoE; depth 24 and expert hidden 256 assumed"),
+    # scripts/train.py's defaults, as the runtime runs them: f32, learned positions, and the
+    # activation count of tessera_rt's tape, read off nn.py: every op output is kept, so a
+    # block keeps norm1, o, add, norm2, w2, add (d each, replicated), q, k, v, attention out
+    # and its reshape (d/tp), swiglu (f/tp) and the logsumexp (heads/tp); outside: embedding,
+    # +pos, final norm (d), two one-hots, logits, shifted, exp, picked (vocab/tp).  Kernel
+    # and all-reduce counts per step are the profiler's and dist.trace_collectives' counts
+    # of one train.py step (forward 22 ops per block, backward 95; tp: 6 all-reduces of the
+    # block's activations per block).
+    "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
+                      dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
+                      act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
+                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, notes="scripts/train.py defaults"),
+}
+
+
+def local_cluster_path() -> Path:
+    """Where ``tessera-plan --calibrate`` saves the `local` cluster ($TESSERA_PLAN_HOME or
+    ~/.cache/tessera_rt)."""
+    base = os.environ.get("TESSERA_PLAN_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tessera_rt")
+    return Path(base) / "local_cluster.json"
+
+
+def _local_default() -> Cluster:
+    n = os.cpu_count() or 1
+    return Cluster("local", n_gpus=4, hbm_bytes=24 * GB, hbm_bw=10 * GB, flops={"f32": 20e9, "bf16": 2e9},
+                   link_bw=2 * GB, alpha=30e-6, topology="host", op_overhead_s=60e-6, cores=n, overlap=0.0, dp_overlap=1.0,
+                   bw_efficiency=1.0, notes="uncalibrated defaults: run tessera-plan --calibrate")
+
+
+CLUSTERS: dict[str, Cluster] = {
+    # GB200 NVL72: 72 Blackwell GPUs in one NVLink Switch domain, 1.8 TB/s NVLink per GPU
+    # (900 GB/s each way), 186 GB HBM3e at 8 TB/s, dense Tensor Core rates (the spec
+    # sheet's sparse figures / 2 / 72), Grace LPDDR5X 480 GB per 2 GPUs over 900 GB/s C2C.
+    "nvl72": Cluster("nvl72", n_gpus=72, hbm_bytes=186 * GB, hbm_bw=8e12,
+                     flops={"fp4": 10e15, "fp8": 5e15, "bf16": 2.5e15, "tf32": 1.25e15, "f32": 80e12},
+                     link_bw=900 * GB, alpha=3e-6, topology="switch", host_tier_bytes=240 * GB,
+                     host_tier_bw=450 * GB, op_overhead_s=4e-6, notes="GB200 NVL72 (public spec sheet)"),
+    # Seed 004: 32 Wormhole chips as an 8x4 grid of rings, 3 Ethernet links per neighbour.
+    "galaxy": Cluster("galaxy", n_gpus=32, hbm_bytes=12 * GB, hbm_bw=288 * GB,
+                      flops={"bfp8": 262e12, "fp8": 262e12, "bf16": 74e12, "f32": 18e12},
+                      link_bw=12.5 * GB, links=3, alpha=5e-6, topology="ring2d", grid=(8, 4), bw_efficiency=0.7,
+                      op_overhead_s=5e-6, overlap=0.5, notes="Tenstorrent Galaxy (Wormhole), seed 004's 8x4 ring"),
+}
+
+
+def get_model(model: Any) -> ModelSpec:
+    """A preset name, a JSON file path, a dict, or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        return ModelSpec.from_dict(model)
+    if isinstance(model, str):
+        if model in MODELS:
+            return MODELS[model]
+        if model.endswith(".json") or os.path.exists(model):
+            return ModelSpec.from_dict(_read_json(model), where=model)
+        raise ValueError(f"unknown model {model!r}; use a preset ({', '.join(MODELS)}) or a JSON file of "
+                         "ModelSpec fields")
+    raise TypeError(f"model must be a preset name, a JSON path, a dict or a plan.ModelSpec, not {type(model).__name__}")
+
+
+def get_cluster(cluster: Any) -> Cluster:
+    """A preset name ("local" reads the calibrated file when there is one), a JSON path, a dict or a Cluster."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, dict):
+        return Cluster.from_dict(cluster)
+    if isinstance(cluster, str):
+        if cluster == "local":
+            p = local_cluster_path()
+            return Cluster.from_dict(_read_json(str(p)), where=str(p)) if p.exists() else _local_default()
+        if cluster in CLUSTERS:
+            return CLUSTERS[cluster]
+        if cluster.endswith(".json") or os.path.exists(cluster):
+            return Cluster.from_dict(_read_json(cluster), where=cluster)
+        raise ValueError(f"unknown cluster {cluster!r}; use a preset (nvl72, galaxy, local) or a JSON file with "
+                         f"fields {list(Cluster.REQUIRED)}")
+    raise TypeError(f"cluster must be a preset name, a JSON path, a dict or a plan.Cluster, not "
+                    f"{type(cluster).__name__}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object of fields, got {type(d).__name__}")
+    return d

@@ -1,0 +1,36 @@
+"""The planner's memory model against the runtime on every mesh of the job: per-rank
+parameter bytes (exact) and the activation bytes a traced forward keeps (within 10%),
+for train.py's model on dp x tp meshes whose tp splits the 4 heads evenly."""
+import dataclasses
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tessera_rt import dist, nn, optim, plan
+from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
+
+SIZE = MPI.COMM_WORLD.Get_size()
+SHAPES = [(SIZE // tp, tp) for tp in (1, 2, 4) if SIZE % tp == 0]         # (dp, tp); tp=3 splits heads unevenly
+SPEC = plan.get_model("char")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dp,tp", SHAPES)
+def test_bytes_per_rank_match_the_model(dp, tp):
+    dist.init()
+    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
+    model = nn.Transformer(SPEC.vocab, SPEC.d_model, SPEC.n_heads, SPEC.n_layers, SPEC.seq_len, mesh=mesh)
+    params = model.init(0)
+    # the optimizer's copies own their memory (init-time shards can be views of the global array)
+    params = optim.AdamW(params, lr=0.0).masters
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, SPEC.vocab, (SPEC.batch, SPEC.seq_len)) for _ in range(2))
+    lay = plan.Layout(tp=tp, dp=dp, micro_batch=-(-SPEC.batch // dp))
+    mem = plan.memory_per_gpu(SPEC, plan.get_cluster("local"), lay, workload="train", batch=SPEC.batch,
+                              seq=SPEC.seq_len)
+    p_bytes = MPI.COMM_WORLD.allreduce(local_bytes(params), op=MPI.MAX)
+    assert p_bytes == mem["params"]
+    act = traced_activation_bytes(model.loss, model.init(0), model.batch(x), model.batch(y))
+    act = MPI.COMM_WORLD.allreduce(act, op=MPI.MAX)
+    assert act == pytest.approx(mem["activations"], rel=0.10)

@@ -1,0 +1,226 @@
+"""The mesh planner's memory and time models (tessera_rt.plan): hand-computed values on a
+small spec, the runtime's own parameter and activation bytes, the seeds' recipes ranked
+with their reasons, the CLI's JSON, and the errors for bad input."""
+import io
+import json
+import math
+from contextlib import redirect_stderr, redirect_stdout
+
+import numpy as np
+import pytest
+
+from tessera_rt import nn, op, plan
+from tessera_rt.plan import cli
+from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
+from tessera_rt.plan.plot import pareto_frontier
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = plan.ModelSpec("tiny", vocab=10, d_model=8, n_layers=2, n_heads=2, ffn_hidden=16, seq_len=4, dtype="f32",
+                      batch=4, act_coeffs=(1.0, 2.0, 3.0, 0.0), act_outside=(1.0, 1.0, 0.0))
+
+
+def test_tiny_params_by_hand():
+    # per layer: q, o 8x8, k, v 8x8 (kv heads = heads), 2 norms of 8, SwiGLU 3 x 8 x 16
+    layer = 4 * 64 + 2 * 8 + 3 * 8 * 16
+    embed = 10 * 8 + 8 * 10 + 8                 # table, head, final norm
+    assert TINY.total_params() == 2 * layer + embed
+    # tp=2: attention and MLP halve, norms stay; vocab 10 -> 5 rows each
+    got = plan.param_counts(TINY, plan.Layout(tp=2))
+    assert got["total"] == 2 * (4 * 32 + 2 * 8 + 3 * 8 * 8) + 5 * 8 + 8 * 5 + 8
+
+
+def test_tiny_memory_by_hand():
+    c = plan.get_cluster("nvl72")
+    lay = plan.Layout(tp=1, dp=1, micro_batch=4)
+    mem = plan.memory_per_gpu(TINY, c, lay, workload="train", batch=4, seq=4)
+    n = TINY.total_params()
+    assert mem["params"] == n * 4 and mem["grads"] == n * 4
+    assert mem["optimizer"] == n * 8            # f32: masters alias the params; two moments
+    tokens = 16
+    per_layer = 1 * 8 + 2 * 8 + 3 * 16          # act_coeffs against d, d/tp, f/tp
+    outside = 1 * 8 + 1 * 10
+    assert mem["activations"] == tokens * 4 * (2 * per_layer + outside)
+    # remat every block keeps one d-vector per token per layer, plus one block's transient
+    lay_r = plan.Layout(micro_batch=4, remat="every")
+    mem_r = plan.memory_per_gpu(TINY, c, lay_r, workload="train", batch=4, seq=4)
+    assert mem_r["activations"] == tokens * 4 * (2 * 8 + outside)
+    assert mem_r["transient"] == tokens * 4 * per_layer
+    # bf16 training: 2 + 2 bytes of params and grads, 4 + 8 of masters and moments
+    bf = plan.ModelSpec(**{**TINY.to_dict(), "dtype": "bf16"})
+    mem_b = plan.memory_per_gpu(bf, c, lay, workload="train", batch=4, seq=4)
+    assert (mem_b["params"] + mem_b["grads"] + mem_b["optimizer"]) / n == 16
+
+
+def test_decode_kv_cache_by_hand():
+    m = plan.get_model("llama3-70b")
+    c = plan.get_cluster("galaxy")
+    # tp=8: one of the 8 kv heads per GPU; tp=32: kv heads replicated, still one per GPU
+    for tp, dp in ((8, 4), (32, 1)):
+        mem = plan.memory_per_gpu(m, c, plan.Layout(tp=tp, dp=dp), workload="decode", batch=32, seq=1024)
+        assert mem["kv_cache"] == 2 * 80 * 1 * 128 * (32 // dp) * 1024 * 2
+        assert mem["grads"] == mem["optimizer"] == 0
+
+
+def test_presets_match_published_sizes():
+    assert plan.get_model("llama3-8b").total_params() == pytest.approx(8.03e9, rel=0.005)
+    assert plan.get_model("llama3-70b").total_params() == pytest.approx(70.6e9, rel=0.005)
+    moe = plan.get_model("sr-moe")
+    assert (moe.n_experts, moe.n_heads, moe.d_model, moe.capacity_factor) == (4096, 128, 8192, 1.25)
+    assert plan.get_model("char").total_params() == 149_696          # BENCHMARKS.md, issue 6
+    nvl = plan.get_cluster("nvl72")
+    assert nvl.n_gpus == 72 and nvl.link_bw * 2 == pytest.approx(1.8e12) and nvl.host_tier_bytes > 0
+    assert plan.get_cluster("galaxy").grid == (8, 4)
+
+
+@pytest.mark.parametrize("remat", ["none", "every_other", "all"])
+def test_memory_model_matches_the_runtime(remat):
+    """Parameter and activation bytes of the real nn.Transformer (train.py's model) against
+    the `char` preset's prediction, within 10%."""
+    spec = plan.get_model("char")
+    model = nn.Transformer(spec.vocab, spec.d_model, spec.n_heads, spec.n_layers, spec.seq_len, remat=remat)
+    params = model.init(0)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, spec.vocab, (8, spec.seq_len)) for _ in range(2))
+    lay = plan.Layout(micro_batch=8, remat={"all": "every"}.get(remat, remat))
+    mem = plan.memory_per_gpu(spec, plan.get_cluster("local"), lay, workload="train", batch=8, seq=spec.seq_len)
+    assert local_bytes(params) == mem["params"]
+    measured = traced_activation_bytes(model.loss, params, x, y)
+    assert measured == pytest.approx(mem["activations"], rel=0.10), (measured, mem["activations"])
+
+
+def test_bus_factors_and_algorithms():
+    c = plan.get_cluster("nvl72")
+    bw = c.link_bw * c.links * c.bw_efficiency
+    big = 1 << 30
+    for op_, fac in (("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8), ("reduce_scatter", 7 / 8)):
+        t, algo = plan.collective_time(c, op_, big, 8, algorithm="ring")
+        steps = 2 if op_ == "all_reduce" else 1
+        assert t == pytest.approx(steps * 7 * c.alpha + big * fac / bw)
+    assert plan.collective_time(c, "all_reduce", 1 << 10, 64)[1] == "tree"      # latency-bound
+    assert plan.collective_time(c, "all_reduce", 1 << 30, 64)[1] == "ring"      # bandwidth-bound
+    g = plan.get_cluster("galaxy")
+    assert plan.collective_time(g, "all_reduce", 1 << 20, 32, span=2)[1] == "hierarchical"
+    with pytest.raises(ValueError, match="not available"):
+        plan.collective_time(c, "all_gather", 1024, 8, algorithm="tree")
+
+
+def test_pipeline_bubble_per_schedule():
+    m, c = plan.get_model("llama3-8b"), plan.get_cluster("nvl72")
+    kw = dict(workload="train", batch=64, seq=2048)
+    one = plan.step_time(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1), **kw)
+    inter = plan.step_time(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1, schedule="interleaved"), **kw)
+    assert one["n_micro"] == 64 // 9 + 1
+    assert one["pp_bubble"] == pytest.approx(one["per_microbatch"])     # (pp - 1) micro-batch slots
+    assert one["compute"] > one["n_micro"] * one["per_microbatch"]      # + the optimizer
+    assert inter["pp_bubble"] == pytest.approx(one["pp_bubble"] / 2)
+    # memory: 1F1B keeps pp micro-batches in flight on stage 0, GPipe all of them
+    n = one["n_micro"]
+    mem = {s: plan.memory_per_gpu(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1, schedule=s), workload="train",
+                                  batch=64, seq=2048, n_micro=n)["activations"] for s in ("1f1b", "gpipe")}
+    assert mem["gpipe"] == pytest.approx(mem["1f1b"] * n / 2)
+
+
+def test_sr_moe_recipes_ranked_with_reasons():
+    cands = plan.recipes("sr-moe", "nvl72", "train")
+    by = {c.label.split()[0]: c for c in cands}
+    best = next(c for c in cands if c.label == "planner's best")
+    a, b = by["A"], by["B"]
+    assert a.feasible and b.feasible and best.feasible
+    # recipe C as written multiplies to 144 GPUs: named, not silently run on 72
+    c_written = next(c for c in cands if "as written" in c.label)
+    assert not c_written.feasible and "144" in c_written.violations[0]
+    assert any(c.label.startswith("C'") and c.feasible for c in cands)
+    for c in cands:
+        if c.feasible:
+            assert best.step_time["total"] <= c.step_time["total"] + 1e-12
+            assert c.memory["total"] <= 186e9 and 4096 / c.ep >= 128
+    # B beats A: tp=8 splits 128 heads evenly and its tp all-reduces span 8 GPUs, not 12
+    assert b.step_time["total"] < a.step_time["total"]
+    assert b.step_time["tp_comm"] < a.step_time["tp_comm"]
+    assert any("11 heads" in w for w in a.why)
+
+
+def test_galaxy_decode_planner_vs_seed():
+    pol = op.numeric(dtype="fp8_e4m3")
+    cands = plan.recipes("llama3-70b", "galaxy", "decode", batch=32, seq=8192, policy=pol)
+    seed = next(c for c in cands if c.label.startswith("seed 004"))
+    best = next(c for c in cands if c.label == "planner's best")
+    assert seed.mesh_shape == {"tp": 32, "ep": 1, "pp": 1, "dp": 1} and seed.feasible
+    assert best.step_time["total"] <= seed.step_time["total"]
+    # 8 kv heads: beyond tp=8 each GPU keeps a replicated head, so the seed's tp=32 holds
+    # the whole batch's cache on every GPU; a dp split halves it
+    if best.dp > 1:
+        assert best.memory["kv_cache"] < seed.memory["kv_cache"]
+
+
+def test_search_is_sorted_and_frontier():
+    cands = plan.search("llama3-8b", "nvl72", "train", batch=72, seq=4096)
+    feas = [c for c in cands if c.feasible]
+    assert feas and cands[0].feasible
+    assert [c.step_time["total"] for c in feas] == sorted(c.step_time["total"] for c in feas)
+    assert all(c.tp * c.ep * c.pp * c.dp == 72 for c in cands)
+    front = pareto_frontier(cands)
+    assert front[-1].step_time["total"] == feas[0].step_time["total"]
+    assert all(x.memory["total"] <= y.memory["total"] and x.step_time["total"] > y.step_time["total"]
+               for x, y in zip(front, front[1:]))
+
+
+def _run_cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_json_schema():
+    rc, out, _ = _run_cli(["--model", "sr-moe", "--cluster", "nvl72", "--recipes", "--top", "3", "--json"])
+    assert rc == 0
+    rows = json.loads(out)
+    assert len(rows) >= 4
+    for r in rows:
+        for k in ("tp", "ep", "pp", "dp", "feasible", "params_per_gpu", "memory_bytes", "step_time_s"):
+            assert k in r
+        assert set(r["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "kv_cache", "buffers",
+                                          "total"}
+        assert set(r["step_time_s"]) >= {"compute", "tp_comm", "ep_comm", "pp_bubble", "dp_comm", "exposed", "total"}
+        assert r["tp"] * r["ep"] * r["pp"] * r["dp"] in (72, 144)
+        assert math.isclose(r["memory_bytes"]["total"], sum(v for k, v in r["memory_bytes"].items()
+                                                            if k not in ("total", "host_tier")), rel_tol=1e-9)
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    rc, out, _ = _run_cli(["--model", "llama3-8b", "--cluster", "nvl72", "--recipes", "--plot", str(path)])
+    assert rc == 0 and path.stat().st_size > 10_000
+
+
+def test_model_that_cannot_fit():
+    with pytest.raises(ValueError) as e:
+        plan.search("llama3-70b", "galaxy", "train", batch=32, seq=8192)
+    msg = str(e.value)
+    assert "does not fit" in msg and "GB over" in msg and "To fit" in msg and "GPUs" in msg
+    rc, _, err = _run_cli(["--model", "llama3-70b", "--cluster", "galaxy", "--workload", "train"])
+    assert rc == 2 and "does not fit" in err
+
+
+def test_bad_cluster_and_mesh(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"name": "x", "n_gpus": 8, "hbm_bytes": 80e9, "flops": {"bf16": 1e15}}))
+    with pytest.raises(ValueError, match=r"missing \['hbm_bw', 'link_bw', 'alpha'\]"):
+        plan.get_cluster(str(bad))
+    rc, _, err = _run_cli(["--model", "llama3-8b", "--cluster", str(bad)])
+    assert rc == 2 and "missing" in err
+    with pytest.raises(ValueError, match="= 64 GPUs but cluster 'nvl72' has 72"):
+        plan.evaluate("llama3-8b", "nvl72", tp=8, dp=8)
+    rc, _, err = _run_cli(["--model", "llama3-8b", "--cluster", "nvl72", "--mesh", "tp=8,dp=8"])
+    assert rc == 2 and "product is 72" in err
+    with pytest.raises(ValueError, match="has no experts"):
+        plan.evaluate("llama3-8b", "nvl72", tp=8, ep=9)
+    with pytest.raises(ValueError, match="axis=N"):
+        cli.parse_mesh("tp=8,xx=2")
+    with pytest.raises(ValueError, match="must divide"):
+        plan.ModelSpec("m", vocab=8, d_model=8, n_layers=1, n_heads=4, n_kv_heads=3, ffn_hidden=8)
+    with pytest.raises(ValueError, match="unknown model"):
+        plan.get_model("llama9")
