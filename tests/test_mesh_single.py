@@ -53,3 +53,14 @@ def test_collectives_at_world_size_one():
     np.testing.assert_array_equal(dist.all_gather(x, "x", dim=1, mesh=m), x)
     np.testing.assert_array_equal(dist.reduce_scatter(x, "x", mesh=m), x)
     np.testing.assert_array_equal(dist.all_to_all(x, "x", mesh=m), x)
+
+
+@pytest.mark.parametrize("spec", [dist.ShardSpec(partition=("row",), mesh_axes=("tp",)),
+                                  dist.ShardSpec(partition=("col",), mesh_axes=("tp",)),
+                                  dist.ReplicateSpec(mesh_axes=("tp",))])
+def test_distribute_keeps_no_view_of_the_global_array(spec):
+    # a row shard is a contiguous slice: as a view it would keep the whole global array alive
+    g = np.arange(12.0).reshape(4, 3)
+    X = dist.distribute(g, spec, dist.Mesh(axes=["tp"], shape={"tp": 1}))
+    assert not np.shares_memory(X.to_local(), g) and X.to_local().flags.c_contiguous
+    np.testing.assert_array_equal(X.full_tensor(), g)

@@ -298,15 +298,13 @@ def distribute(global_array, layout=None, mesh=None) -> DTensor:
     """Cut the same global array (on every rank) into this rank's piece; no communication."""
     mesh = _mesh(mesh, "dist.distribute")
     backend = get_backend()
-    xp = backend.xp
     g = _as_global(global_array, backend)
     shape = tuple(int(s) for s in g.shape)
     lay = as_layout(layout, shape, mesh)
     offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
-    # g[()] of a 0-d array is a scalar, and ascontiguousarray makes that 1-d: copy 0-d whole
-    local = xp.ascontiguousarray(g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]) if shape else g.copy()
-    if local is g:
-        local = g.copy()
+    # always a copy: a contiguous slice (a row shard) would otherwise be a view that keeps
+    # the whole global array alive on every rank; g[()] of a 0-d array is a scalar, so copy 0-d whole
+    local = g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].copy(order="C") if shape else g.copy()
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, g.dtype, mesh))
 
 
