@@ -1,0 +1,55 @@
+"""dist.ccl's line/ring schedules, simulated on one process for 1..8 ranks and uneven chunks:
+every rank ends with its reduced chunk (reduce-scatter) or every chunk (all-gather), each
+transfer goes between neighbours (the line never uses the wrap-around link), and every
+rank sends the same n-1 chunks' worth of bytes the ring does."""
+import numpy as np
+import pytest
+
+from tessera_rt.dist.ccl.line import _bounds, schedule
+from tessera_rt.dist.comm import _displs
+
+
+def simulate(kind, n, algo, counts, rng):
+    offs, total = _displs(counts), sum(counts)
+    if kind == "reduce_scatter":
+        xs = [rng.integers(-9, 9, total) for _ in range(n)]
+        work = [x.copy() for x in xs]
+    else:
+        ref = rng.integers(-9, 9, total)
+        work = [np.full(total, -999) for _ in range(n)]
+        for r in range(n):
+            work[r][offs[r]:offs[r] + counts[r]] = ref[offs[r]:offs[r] + counts[r]]
+    sent = [0] * n
+    for step in schedule(kind, n, algo):
+        msgs = []
+        for src, dst, c, p in step:
+            assert dst in ((src + 1) % n, (src - 1) % n)
+            if algo == "line":
+                assert abs(src - dst) == 1
+            lo, hi = _bounds(offs, counts, c, p)
+            msgs.append((dst, lo, hi, work[src][lo:hi].copy()))
+            sent[src] += hi - lo
+        for dst, lo, hi, m in msgs:               # all of a step's messages are in flight at once
+            if kind == "reduce_scatter":
+                work[dst][lo:hi] += m
+            else:
+                work[dst][lo:hi] = m
+    for r in range(n):
+        if kind == "reduce_scatter":
+            want = sum(xs)[offs[r]:offs[r] + counts[r]]
+            np.testing.assert_array_equal(work[r][offs[r]:offs[r] + counts[r]], want)
+        else:
+            np.testing.assert_array_equal(work[r], ref)
+    return sent
+
+
+@pytest.mark.parametrize("algo", ["ring", "line"])
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("n", range(1, 9))
+def test_schedules_reduce_and_gather(kind, n, algo):
+    rng = np.random.default_rng(n)
+    for counts in ([4] * n, [i % 3 for i in range(n)], [5 + i for i in range(n)]):
+        sent = simulate(kind, n, algo, counts, rng)
+        assert len(schedule(kind, n, algo)) == max(n - 1, 0)
+        if counts == [4] * n:
+            assert all(s == 4 * (n - 1) for s in sent)       # (n-1)/n of the data per rank, as the ring
