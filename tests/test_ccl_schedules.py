@@ -1,7 +1,7 @@
 """dist.ccl's line/ring schedules, simulated on one process for 1..8 ranks and uneven chunks:
 every rank ends with its reduced chunk (reduce-scatter) or every chunk (all-gather), each
-transfer goes between neighbours (the line never uses the wrap-around link), and every
-rank sends the same n-1 chunks' worth of bytes the ring does."""
+transfer goes between neighbours (the line never uses the wrap-around link), and each rank
+sends n-1 chunks (the line's all-gather forwards every chunk both ways: more)."""
 import numpy as np
 import pytest
 
@@ -52,4 +52,8 @@ def test_schedules_reduce_and_gather(kind, n, algo):
         sent = simulate(kind, n, algo, counts, rng)
         assert len(schedule(kind, n, algo)) == max(n - 1, 0)
         if counts == [4] * n:
-            assert all(s == 4 * (n - 1) for s in sent)       # (n-1)/n of the data per rank, as the ring
+            if algo == "line" and kind == "all_gather":
+                # a line forwards every chunk both ways: an inner rank sends its own twice
+                assert sent == [4 * ((r + 1 if r < n - 1 else 0) + (n - r if r > 0 else 0)) for r in range(n)]
+            else:
+                assert all(s == 4 * (n - 1) for s in sent)   # (n-1)/n of the data per rank

@@ -8,7 +8,8 @@ between neighbours of the cluster axis.  Chunk c is the part rank c ends up owni
   link carry half the data each step (NCCL's ring, on a torus-like Galaxy row).
 * ``line``: no wrap-around link (the ends of a Galaxy line are not neighbours): the part of
   chunk d that ranks < d contribute flows rightward through 0..d-1, the part of ranks > d
-  flows leftward; rank r sends n-1 chunks in all, the same bytes as the ring.
+  flows leftward; in a reduce-scatter rank r sends n-1 chunks, the same bytes as the ring
+  (an all-gather forwards every chunk both ways, so a line moves more than a ring there).
 
 Every rank walks the same transfer list in the same order, so messages between a pair
 match in issue order (NCCL has no tags).  Reduce-scatter receives into a slot and reduces
