@@ -214,3 +214,64 @@ def test_bad_input_errors_before_anything_is_sent(world):
     # every rank raised, nothing is in flight: a collective still matches up
     y = ccl.line_all_reduce(xp.ones(3, np.float32), mesh=mesh, algo="ring")
     check(y, np.full(3, n), np.float32)
+
+
+# --------------------------------------------------------------------------- fused ops
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_double_matmul_line_reduce_scatter(world, algo):
+    for mesh, ca, axis in meshes(world):
+        n = mesh.size(axis)
+        me = mesh.group(axis).index
+        x = xp.asarray(data(world.rank, (2, 3, 8), np.float32, salt=2))
+        w1 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=3))
+        w3 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=4))
+        rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo,
+                                                       buffer_key=f"dm{axis}")
+        want_rs = dist.reduce_scatter(xp.asarray(host(x) @ host(w1)), axis, dim=2, mesh=mesh)
+        check(rs, host(want_rs), np.float32, n)
+        check(y3, host(x) @ host(w3), np.float32)
+        assert rs.shape == (2, 3, 4) and me >= 0
+        if n > 1:
+            with pytest.raises(ValueError, match=r"does not split evenly over the \d ranks"):
+                    ccl.double_matmul_line_reduce_scatter(x, w1[:, :4 * n - 1], w3[:, :4 * n - 1], cluster_axis=ca,
+                                                      mesh=mesh)
+
+
+@pytest.mark.parametrize("algo", ["ring", "library"])
+def test_llama_rs_create_heads(world, algo):
+    for mesh, ca, axis in meshes(world):
+        n = mesh.size(axis)
+        me = mesh.group(axis).index
+        h, hkv, d, b, s = 4 * n, 2 * n, 3, 2, 5
+        everyone = [data(r, (b, s, (h + 2 * hkv) * d), np.float64, salt=5) for r in mesh.group_ranks(axis)]
+        q, k, v = ccl.llama_rs_create_heads(xp.asarray(everyone[me]), n_heads=h, n_kv_heads=hkv, head_dim=d,
+                                            cluster_axis=ca, mesh=mesh, algo=algo, buffer_key=f"qkv{axis}")
+        # unfused: all-reduce the projection, split Q | K | V into heads, keep this rank's
+        full = sum(everyone)
+        def split(lo, nh):
+            return full[..., lo * d:(lo + nh) * d].reshape(b, s, nh, d).transpose(0, 2, 1, 3)
+        qa, ka, va = split(0, h), split(h, hkv), split(h + hkv, hkv)
+        hl, kl = h // n, hkv // n
+        assert q.shape == (b, hl, s, d) and k.shape == v.shape == (b, kl, s, d)
+        check(q, qa[:, me * hl:(me + 1) * hl], np.float64, n)
+        check(k, ka[:, me * kl:(me + 1) * kl], np.float64, n)
+        check(v, va[:, me * kl:(me + 1) * kl], np.float64, n)
+        if n > 1:
+            with pytest.raises(ValueError, match="must both be divisible"):
+                ccl.llama_rs_create_heads(xp.zeros((b, s, (n + 1 + 2 * hkv) * d)), n_heads=n + 1, n_kv_heads=hkv,
+                                          head_dim=d, cluster_axis=ca, mesh=mesh)
+
+
+@pytest.mark.parametrize("algo", ["line", "library"])
+def test_all_gather_concat(world, algo):
+    for mesh, ca, axis in meshes(world):
+        n = mesh.size(axis)
+        me = mesh.group(axis).index
+        everyone = [data(r, (2, 3, 5, 4), np.float32, salt=6) for r in mesh.group_ranks(axis)]
+        y = ccl.all_gather_concat(xp.asarray(everyone[me]), dim=1, cluster_axis=ca, num_heads=3, mesh=mesh,
+                                  algo=algo, buffer_key=f"agc{axis}")
+        gathered = dist.all_gather(xp.asarray(everyone[me]), axis, dim=1, mesh=mesh)
+        np.testing.assert_array_equal(host(y), host(gathered).transpose(0, 2, 1, 3).reshape(2, 5, n * 3 * 4))
+        with pytest.raises(ValueError, match="num_heads=2 but x holds 3 heads"):
+            ccl.all_gather_concat(xp.asarray(everyone[me]), dim=1, cluster_axis=ca, num_heads=2, mesh=mesh)
