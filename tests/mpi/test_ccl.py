@@ -275,3 +275,51 @@ def test_all_gather_concat(world, algo):
         np.testing.assert_array_equal(host(y), host(gathered).transpose(0, 2, 1, 3).reshape(2, 5, n * 3 * 4))
         with pytest.raises(ValueError, match="num_heads=2 but x holds 3 heads"):
             ccl.all_gather_concat(xp.asarray(everyone[me]), dim=1, cluster_axis=ca, num_heads=2, mesh=mesh)
+
+
+# --------------------------------------------------------------------------- ring attention
+
+def _attention_case(world, mesh, axis, seq_len, layout, dtype=np.float64, h=4, hkv=2, d=8):
+    n, me = mesh.size(axis), mesh.group(axis).index
+    rng = np.random.default_rng(7)                     # the same full tensors on every rank
+    Q, K, V, W = (rng.standard_normal(s).astype(dtype) for s in
+                  ((2, h, seq_len, d), (2, hkv, seq_len, d), (2, hkv, seq_len, d), (2, h, seq_len, d)))
+    pos = ccl.sequence_positions(seq_len, n, me, layout)
+    local = [xp.asarray(np.ascontiguousarray(t[:, :, pos])) for t in (Q, K, V, W)]
+    return (Q, K, V, W), local, pos
+
+
+@pytest.mark.parametrize("layout,causal", [("striped", True), ("contiguous", True), ("striped", False)])
+def test_ring_attention_forward_and_backward(world, layout, causal):
+    from tessera_rt import op
+    for mesh, ca, axis in meshes(world):
+        n = mesh.size(axis)
+        for seq_len in (4 * n, 4 * n + (n - 1)):       # even, and uneven at n > 1 (pass seq_len)
+            (Q, K, V, W), (q, k, v, w), pos = _attention_case(world, mesh, axis, seq_len, layout)
+            kw = dict(axis=ca, mesh=mesh, causal=causal, layout=layout, seq_len=seq_len)
+            o = ccl.ring_attention(q, k, v, **kw)
+            want = op.flash_attention(Q, K, V, causal=causal)
+            np.testing.assert_allclose(host(o), want[:, :, pos], rtol=1e-6, atol=1e-6)   # the merge's lse is f32
+
+            def loss(q, k, v):
+                return op.sum(ccl.ring_attention(q, k, v, **kw) * w)
+            dq, dk, dv = ts.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+            def full_loss(Q, K, V):
+                return op.sum(op.flash_attention(Q, K, V, causal=causal) * W)
+            dQ, dK, dV = ts.grad(full_loss, argnums=(0, 1, 2))(Q, K, V)
+            for got, full in ((dq, dQ), (dk, dK), (dv, dV)):
+                np.testing.assert_allclose(host(got), host(full)[:, :, pos], rtol=1e-6, atol=1e-6)
+
+
+def test_ring_attention_errors(world):
+    mesh = meshes(world)[0][0]
+    n = world.size
+    q = xp.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="cluster_axis='dp' is not an axis"):
+        ccl.ring_attention(q, q, q, axis="dp", mesh=mesh)
+    if n > 1:
+        with pytest.raises(ValueError, match=r"q holds 3 tokens .* gives this rank \d+; pass seq_len="):
+            ccl.ring_attention(q, q, q, axis=0, mesh=mesh, seq_len=3 * n + n)
+    with pytest.raises(ValueError, match="layout='blocks'"):
+        ccl.ring_attention(q, q, q, axis=0, mesh=mesh, layout="blocks")
