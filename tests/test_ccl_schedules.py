@@ -57,3 +57,15 @@ def test_schedules_reduce_and_gather(kind, n, algo):
                 assert sent == [4 * ((r + 1 if r < n - 1 else 0) + (n - r if r > 0 else 0)) for r in range(n)]
             else:
                 assert all(s == 4 * (n - 1) for s in sent)   # (n-1)/n of the data per rank
+
+
+def test_comm_algo_reaches_nccl_as_nccl_algo(monkeypatch):
+    from tessera_rt.dist import comm
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    monkeypatch.setenv("TESSERA_COMM_ALGO", "tree")
+    comm._nccl_algo_hint()
+    import os
+    assert os.environ["NCCL_ALGO"] == "Tree"
+    monkeypatch.setenv("TESSERA_COMM_ALGO", "ring")
+    comm._nccl_algo_hint()
+    assert os.environ["NCCL_ALGO"] == "Tree"          # an NCCL_ALGO already set is left alone

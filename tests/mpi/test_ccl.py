@@ -323,3 +323,49 @@ def test_ring_attention_errors(world):
             ccl.ring_attention(q, q, q, axis=0, mesh=mesh, seq_len=3 * n + n)
     with pytest.raises(ValueError, match="layout='blocks'"):
         ccl.ring_attention(q, q, q, axis=0, mesh=mesh, layout="blocks")
+
+
+# --------------------------------------------------------------------------- hierarchical and tags
+
+@pytest.mark.parametrize("algo", ["ring", "library"])
+def test_hierarchical_all_reduce(world, algo):
+    n = world.size
+    line = dist.Mesh(axes=["x"], shape={"x": n})
+    everyone = [data(r, (5, 3), np.int64, salt=8) for r in range(n)]
+    want = np.sum(everyone, axis=0)
+    for local in sorted({1, n} | ({2} if n % 2 == 0 else set())):
+        with dist.trace_collectives() as log:
+            y = ccl.hierarchical_all_reduce(xp.asarray(everyone[world.rank]), mesh=line, local_size=local, algo=algo)
+        np.testing.assert_array_equal(host(y), want)
+        assert [r.op for r in log.records if r.op.startswith("line_")] == \
+            ["line_reduce_scatter", "line_all_reduce", "line_all_gather"]
+    y = ccl.hierarchical_all_reduce(xp.asarray(everyone[world.rank]), mesh=line)      # split by real host
+    np.testing.assert_array_equal(host(y), want)
+    if n == 4:
+        m = dist.Mesh(axes=["row", "col"], shape={"row": 2, "col": 2})
+        y = ccl.hierarchical_all_reduce(xp.asarray(everyone[world.rank]).astype(np.float64), mesh=m, intra="col",
+                                        inter="row", op="avg", algo=algo)
+        check(y, want / 4, np.float64)
+    with pytest.raises(ValueError, match="local_size=5 must divide"):
+        ccl.hierarchical_all_reduce(xp.zeros(3), mesh=line, local_size=5)
+
+
+def test_tags_choose_and_are_recorded(world, monkeypatch):
+    mesh = dist.Mesh(axes=["x"], shape={"x": world.size})
+    x = xp.ones(8, np.float32)
+    with dist.trace_collectives() as log:
+        a = ccl.line_all_reduce(x, mesh=mesh, tag="ring")
+        b = ccl.line_all_reduce(x, mesh=mesh, tag="tree")
+        c = ccl.line_all_reduce(x, mesh=mesh, tag="tree", algo="line")     # an explicit algo wins over a tag
+        monkeypatch.setenv("TESSERA_COMM_ALGO", "tree")
+        d = ccl.line_all_reduce(x, mesh=mesh, tag="ring")                   # the run's override wins over both
+    got = [(r.algo, r.tag) for r in log.records if r.op == "line_all_reduce"]
+    assert got == [("ring", "ring"), ("library", "tree"), ("line", "tree"), ("library", "ring")]
+    assert "tag=tree" in str(log.records[1])
+    for y in (a, b, c, d):
+        check(y, np.full(8, world.size), np.float32)
+    with pytest.raises(ValueError, match="tag='fast'"):
+        ccl.line_all_reduce(x, mesh=mesh, tag="fast")
+    monkeypatch.setenv("TESSERA_COMM_ALGO", "fastest")
+    with pytest.raises(ValueError, match="TESSERA_COMM_ALGO='fastest'"):
+        ccl.line_all_reduce(x, mesh=mesh)

@@ -17,7 +17,7 @@ from ..process_group import world
 
 __all__ = [
     "ALGOS", "resolve", "where", "choose_algo", "algo_table", "set_algo_table", "DEFAULT_TABLE",
-    "check_array", "algo_override",
+    "check_array", "algo_override", "TAGS",
 ]
 
 ALGOS = ("ring", "line", "library", "auto")
@@ -70,15 +70,24 @@ def algo_override() -> str | None:
     return v
 
 
-def choose_algo(op: str, algo: str, nbytes: int, where_: str) -> str:
-    """The algorithm this call runs (the same on every rank: it depends only on arguments)."""
+TAGS = ("tree", "ring")
+
+
+def choose_algo(op: str, algo: str, nbytes: int, where_: str, tag: str | None = None) -> str:
+    """The algorithm this call runs (the same on every rank: it depends only on arguments).
+    Precedence: TESSERA_COMM_ALGO, then an explicit ``algo``, then ``tag`` ("ring": this
+    package's ring; "tree": the library, whose MPI/NCCL pick tree algorithms), then the table."""
     if algo not in ALGOS:
         raise ValueError(f"{where_}: algo={algo!r}; use one of {ALGOS}")
+    if tag is not None and tag not in TAGS:
+        raise ValueError(f"{where_}: tag={tag!r}; use one of {TAGS} (or leave it out)")
     forced = algo_override()
     if forced is not None:
         return forced
     if algo != "auto":
         return algo
+    if tag is not None:
+        return "ring" if tag == "ring" else "library"
     rows = algo_table()[op]
     i = bisect.bisect_left([b for b, _ in rows], nbytes)
     return rows[min(i, len(rows) - 1)][1]

@@ -157,11 +157,11 @@ def _unpack_into(out, work, dim: int, sizes) -> None:
         pos, off = pos + cnt, off + p
 
 
-def _reducing_buffers(name, g, x, key, sig, counts, algo: str, kind: str):
+def _reducing_buffers(name, g, x, key, sig, counts, algo: str, kind: str, tag: str | None):
     """(work, (slot0, slot1), chunk offsets) of a reducing ring/line call, the call recorded."""
     piece = _max_piece(counts, algo)
     bufs = buffers.take(key, sig, lambda: {"work": (x.size,), "slot0": (piece,), "slot1": (piece,)}, x.dtype)
-    _record(name, g, x, int(x.nbytes * C.bus_factor(kind, g.size)), algo)
+    _record(name, g, x, int(x.nbytes * C.bus_factor(kind, g.size)), algo, tag)
     return bufs["work"], (bufs["slot0"], bufs["slot1"]), _offsets(counts)
 
 
@@ -174,17 +174,18 @@ def _common_checks(opname: str, g, x, op: str | None, num_links: int) -> None:
         raise ValueError(f"{where(opname, g, x)}: num_links={num_links!r} must be an int >= 1")
 
 
-def _record(opname: str, g, x, nbytes: int, algo: str, tag: str = "") -> None:
+def _record(opname: str, g, x, nbytes: int, algo: str, tag: str | None = None) -> None:
     """Show the op (not its steps) to dist.trace_collectives, with its algorithm."""
     for h in C._HOOKS:
         if isinstance(h, C.trace_collectives):
             h.records.append(C.CollectiveRecord(opname, g.name, g.size, tuple(x.shape), dtype_name(x.dtype),
-                                                nbytes, algo=algo, tag=tag))
+                                                nbytes, algo=algo, tag=tag or ""))
 
 
 def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
                         sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
-                        algo: str = "auto", role: str = "tp_collective", between: Callable | None = None):
+                        algo: str = "auto", tag: str | None = None, role: str = "tp_collective",
+                        between: Callable | None = None):
     """``dist.reduce_scatter(x, axis, op, dim=dim, sizes=sizes)`` along the cluster axis by a
     line or ring of sends/recvs.  ``dim`` must split evenly over the axis unless ``sizes``
     lists the parts (the plain collective's rule).  With ``buffer_key`` the result is a view
@@ -195,7 +196,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, op, num_links)
     sizes = C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes")
-    algo = choose_algo("reduce_scatter", algo, x.nbytes, where(name, g, x))
+    algo = choose_algo("reduce_scatter", algo, x.nbytes, where(name, g, x), tag)
     n, me = g.size, g.index
     out_shape = C._with_dim(x.shape, dim, sizes[me])
     if C._check is not None:
@@ -205,14 +206,14 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"op={op}, dim={dim}, sizes={sizes}, algo={algo}")
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": out_shape}, x.dtype)
-        _record(name, g, x, int(x.nbytes * C.bus_factor("reduce_scatter", n)), algo)
+        _record(name, g, x, int(x.nbytes * C.bus_factor("reduce_scatter", n)), algo, tag)
         if between is None:
             return C.reduce_scatter(x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=bufs["out"], role=role)
         work = C.reduce_scatter(x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=bufs["out"], role=role,
                                 async_op=True)
         between()
         return work.wait()
-    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "reduce_scatter")
+    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "reduce_scatter", tag)
     with _OnRole(role) as stream:
         _pack_into(work, x, dim, sizes)
         run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots,
@@ -225,7 +226,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
 
 def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None,
                     sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
-                    algo: str = "auto", role: str = "tp_collective"):
+                    algo: str = "auto", tag: str | None = None, role: str = "tp_collective"):
     """``dist.all_gather(x, axis, dim=dim, sizes=sizes)`` along the cluster axis by a line or
     ring.  Ranks may hold different lengths along ``dim`` if ``sizes`` lists all of them."""
     name = "line_all_gather"
@@ -241,14 +242,14 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
         if len(sizes) != n or any(s < 0 for s in sizes) or sizes[me] != x.shape[dim]:
             raise ValueError(f"{where(name, g, x)}: sizes={sizes} must list {n} lengths along dim {dim}, "
                              f"this rank's ({me}) being {x.shape[dim]}")
-    algo = choose_algo("all_gather", algo, x.nbytes * n, where(name, g, x))
+    algo = choose_algo("all_gather", algo, x.nbytes * n, where(name, g, x), tag)
     shape = C._with_dim(x.shape, dim, sum(sizes))
     if C._check is not None:
         C._check(f"ccl.{name}", g, x.dtype, C._with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo))
     sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"dim={dim}, sizes={sizes}, algo={algo}")
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": shape}, x.dtype)
-        _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo)
+        _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
         even = min(sizes) == max(sizes)
         return C.all_gather(x, axis, dim=dim, sizes=None if even else sizes, mesh=mesh, out=bufs["out"],
                             role=role)
@@ -256,7 +257,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
     total = math.prod(shape)
     bufs = buffers.take(buffer_key, sig, lambda: {"work": (total,)} if flat else {"work": (total,), "out": shape},
                         x.dtype)
-    _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo)
+    _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
     inner = math.prod(C._with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
     work, offs = bufs["work"], _offsets(counts)
@@ -271,7 +272,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
 
 def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
                     buffer_key: str | None = None, num_links: int = 1, algo: str = "auto",
-                    role: str = "tp_collective"):
+                    tag: str | None = None, role: str = "tp_collective"):
     """``dist.all_reduce(x, axis, op)`` along the cluster axis: a line/ring reduce-scatter of
     the flattened array (uneven parts when n does not divide its size) then an all-gather,
     in one buffer."""
@@ -279,17 +280,17 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x = check_array(name, g, x)
     _common_checks(name, g, x, op, num_links)
-    algo = choose_algo("all_reduce", algo, x.nbytes, where(name, g, x))
+    algo = choose_algo("all_reduce", algo, x.nbytes, where(name, g, x), tag)
     n, me = g.size, g.index
     if C._check is not None:
         C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, algo))
     sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"op={op}, algo={algo}")
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": tuple(x.shape)}, x.dtype)
-        _record(name, g, x, int(x.nbytes * C.bus_factor("all_reduce", n)), algo)
+        _record(name, g, x, int(x.nbytes * C.bus_factor("all_reduce", n)), algo, tag)
         return C.all_reduce(x, axis, op, mesh=mesh, out=bufs["out"], role=role)
     counts = list(split_sizes(x.size, n))
-    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "all_reduce")
+    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "all_reduce", tag)
     with _OnRole(role) as stream:
         work[...] = x.reshape(-1)
         run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots,
