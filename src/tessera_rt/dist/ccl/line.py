@@ -165,6 +165,21 @@ def _reducing_buffers(name, g, x, key, sig, counts, algo: str, kind: str, tag: s
     return bufs["work"], (bufs["slot0"], bufs["slot1"]), _offsets(counts)
 
 
+# dtypes CuPy has elementwise kernels for: others (bf16, fp8) cannot be reduced by the ring on
+# a GPU, while NCCL reduces bf16 natively, so "auto" picks the library for them there
+_CUPY_KINDS = "biufc"
+
+
+def _reducing_algo(opname: str, g, x, requested: str, algo: str) -> str:
+    if algo == "library" or not C._backend().is_gpu or (x.dtype.kind in _CUPY_KINDS and x.dtype.itemsize > 1
+                                                          or x.dtype.kind in "iub"):
+        return algo
+    if requested == "auto":
+        return "library"
+    raise TypeError(f"{where(opname, g, x)}: algo={algo!r} reduces with CuPy kernels, which have none for "
+                    f"{dtype_name(x.dtype)} on the GPU; use algo='library' (NCCL reduces bf16) or cast to float32")
+
+
 def _common_checks(opname: str, g, x, op: str | None, num_links: int) -> None:
     if op is not None and op not in REDUCE_OPS:
         raise ValueError(f"{where(opname, g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
@@ -196,7 +211,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, op, num_links)
     sizes = C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes")
-    algo = choose_algo("reduce_scatter", algo, x.nbytes, where(name, g, x), tag)
+    algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, where(name, g, x), tag))
     n, me = g.size, g.index
     out_shape = C._with_dim(x.shape, dim, sizes[me])
     if C._check is not None:
@@ -280,7 +295,7 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x = check_array(name, g, x)
     _common_checks(name, g, x, op, num_links)
-    algo = choose_algo("all_reduce", algo, x.nbytes, where(name, g, x), tag)
+    algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, where(name, g, x), tag))
     n, me = g.size, g.index
     if C._check is not None:
         C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, algo))
