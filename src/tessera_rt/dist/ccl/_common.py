@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Any
+from typing import Any, Callable
 
 from .. import collectives as C
 from ..mesh import AxisGroup, Mesh, current_mesh
@@ -60,9 +60,10 @@ def set_algo_table(table: dict[str, list[tuple[float, str]]] | None) -> None:
 
 def algo_override() -> str | None:
     """``TESSERA_COMM_ALGO`` (ring|line|library, or tree|ring tags mapped the same way)."""
-    v = os.environ.get("TESSERA_COMM_ALGO", "").strip().lower()
+    v = os.environ.get("TESSERA_COMM_ALGO")
     if not v:
         return None
+    v = v.strip().lower()
     if v == "tree":
         return "library"      # MPI/NCCL pick their tree algorithms for the library call
     if v not in ALGOS[:3]:
@@ -73,14 +74,14 @@ def algo_override() -> str | None:
 TAGS = ("tree", "ring")
 
 
-def choose_algo(op: str, algo: str, nbytes: int, where_: str, tag: str | None = None) -> str:
+def choose_algo(op: str, algo: str, nbytes: int, where_: Callable[[], str], tag: str | None = None) -> str:
     """The algorithm this call runs (the same on every rank: it depends only on arguments).
     Precedence: TESSERA_COMM_ALGO, then an explicit ``algo``, then ``tag`` ("ring": this
     package's ring; "tree": the library, whose MPI/NCCL pick tree algorithms), then the table."""
     if algo not in ALGOS:
-        raise ValueError(f"{where_}: algo={algo!r}; use one of {ALGOS}")
+        raise ValueError(f"{where_()}: algo={algo!r}; use one of {ALGOS}")
     if tag is not None and tag not in TAGS:
-        raise ValueError(f"{where_}: tag={tag!r}; use one of {TAGS} (or leave it out)")
+        raise ValueError(f"{where_()}: tag={tag!r}; use one of {TAGS} (or leave it out)")
     forced = algo_override()
     if forced is not None:
         return forced
@@ -88,8 +89,10 @@ def choose_algo(op: str, algo: str, nbytes: int, where_: str, tag: str | None = 
         return algo
     if tag is not None:
         return "ring" if tag == "ring" else "library"
-    rows = algo_table()[op]
-    i = bisect.bisect_left([b for b, _ in rows], nbytes)
+    if not _TABLE:
+        algo_table()
+    rows = _TABLE[op]
+    i = bisect.bisect_left(rows, (nbytes, ""))
     return rows[min(i, len(rows) - 1)][1]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import consistency
+from ...dtypes import dtype_name
 from ..process_group import world
 
 __all__ = ["persistent_buffers", "clear_persistent_buffers", "allocations", "take", "NUM_BUFFERS"]
@@ -48,12 +49,13 @@ def _alloc(shapes: dict[str, tuple], dtype) -> dict:
 
 def _describe(sig: tuple) -> str:
     op, axis, shape, dtype, extra = sig
-    return f"{op} over {axis!r} on {dtype}{list(shape)} ({extra})"
+    args = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in extra)
+    return f"{op} over {axis!r} on {dtype_name(dtype)}{list(shape)} ({args})"
 
 
 def take(key: str | None, sig: tuple, shapes: Callable[[], dict[str, tuple]], dtype) -> dict:
     """The buffer set for this call: the next of ``key``'s two sets, or fresh arrays when
-    ``key`` is None.  ``sig`` = (op, axis, shape, dtype name, extra)."""
+    ``key`` is None.  ``sig`` = (op, axis, shape, dtype, ((argument, value), ...))."""
     if key is None:
         return _alloc(shapes(), dtype)
     e = _ENTRIES.get(key)
@@ -75,7 +77,7 @@ def take(key: str | None, sig: tuple, shapes: Callable[[], dict[str, tuple]], dt
 
 def persistent_buffers() -> list[dict[str, Any]]:
     """One row per key: key, op, axis, shape, dtype, bytes (both sets), where first made."""
-    return [{"key": e.key, "op": e.sig[0], "axis": e.sig[1], "shape": e.sig[2], "dtype": e.sig[3],
+    return [{"key": e.key, "op": e.sig[0], "axis": e.sig[1], "shape": tuple(e.sig[2]), "dtype": dtype_name(e.sig[3]),
              "bytes": e.nbytes, "sets": len(e.sets), "made_at": e.site} for e in _ENTRIES.values()]
 
 

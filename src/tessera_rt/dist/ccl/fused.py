@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ... import op
-from ...dtypes import dtype_name
 from .. import collectives as C
 from . import buffers
 from ._common import check_array, resolve, where
@@ -67,7 +66,7 @@ def llama_rs_create_heads(xqkv: Any, n_heads: int, n_kv_heads: int, head_dim: in
     idx = _ORDER.get((n, n_heads, n_kv_heads, d))
     if idx is None:
         idx = _ORDER[(n, n_heads, n_kv_heads, d)] = xp.asarray(_head_order(n, n_heads, n_kv_heads, d))
-    sig = (name, axis, tuple(xqkv.shape), dtype_name(xqkv.dtype), f"heads={n_heads}/{n_kv_heads}x{d}")
+    sig = (name, axis, xqkv.shape, xqkv.dtype, (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dim", d)))
     perm = buffers.take(None if buffer_key is None else buffer_key + "/order", sig,
                         lambda: {"perm": tuple(xqkv.shape)}, xqkv.dtype)["perm"]
     xp.take(xqkv, idx, axis=-1, out=perm)
@@ -109,7 +108,7 @@ def all_gather_concat(x: Any, dim: int = 1, cluster_axis: int | str = 1, *, num_
         raise ValueError(f"{where(name, g, x)}: num_heads={num_heads} but x holds {x.shape[1]} heads on dim 1")
     b, h, s, d = x.shape
     xp = C._backend().xp
-    sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), "features")
+    sig = (name, axis, x.shape, x.dtype, (("dim", dim),))
     feat = buffers.take(None if buffer_key is None else buffer_key + "/features", sig,
                         lambda: {"f": (b, s, h * d)}, x.dtype)["f"]
     feat.reshape(b, s, h, d)[...] = xp.swapaxes(x, 1, 2)

@@ -191,6 +191,8 @@ def _common_checks(opname: str, g, x, op: str | None, num_links: int) -> None:
 
 def _record(opname: str, g, x, nbytes: int, algo: str, tag: str | None = None) -> None:
     """Show the op (not its steps) to dist.trace_collectives, with its algorithm."""
+    if not C._HOOKS:
+        return
     for h in C._HOOKS:
         if isinstance(h, C.trace_collectives):
             h.records.append(C.CollectiveRecord(opname, g.name, g.size, tuple(x.shape), dtype_name(x.dtype),
@@ -210,24 +212,28 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     x = check_array(name, g, x)
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, op, num_links)
-    sizes = C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes")
-    algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, where(name, g, x), tag))
+    given = sizes
+    if sizes is None and not x.shape[dim] % g.size:
+        sizes = (x.shape[dim] // g.size,) * g.size            # the common case, kept cheap
+    else:
+        sizes = tuple(C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes"))
+    algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, lambda: where(name, g, x), tag))
     n, me = g.size, g.index
     out_shape = C._with_dim(x.shape, dim, sizes[me])
-    if C._check is not None:
-        C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, dim, algo))
-    inner = math.prod(C._with_dim(x.shape, dim, 1))
-    counts = [s * inner for s in sizes]
-    sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"op={op}, dim={dim}, sizes={sizes}, algo={algo}")
+    sig = (name, axis, x.shape, x.dtype, (("op", op), ("dim", dim), ("sizes", sizes), ("algo", algo)))
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": out_shape}, x.dtype)
         _record(name, g, x, int(x.nbytes * C.bus_factor("reduce_scatter", n)), algo, tag)
+        work = C.reduce_scatter(x, axis, op, dim=dim, sizes=given, mesh=mesh, out=bufs["out"], role=role,
+                                async_op=between is not None)
         if between is None:
-            return C.reduce_scatter(x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=bufs["out"], role=role)
-        work = C.reduce_scatter(x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=bufs["out"], role=role,
-                                async_op=True)
+            return work
         between()
         return work.wait()
+    if C._check is not None:       # (the library collective runs its own)
+        C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, dim, algo))
+    inner = math.prod(C._with_dim(x.shape, dim, 1))
+    counts = [s * inner for s in sizes]
     work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "reduce_scatter", tag)
     with _OnRole(role) as stream:
         _pack_into(work, x, dim, sizes)
@@ -257,11 +263,11 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
         if len(sizes) != n or any(s < 0 for s in sizes) or sizes[me] != x.shape[dim]:
             raise ValueError(f"{where(name, g, x)}: sizes={sizes} must list {n} lengths along dim {dim}, "
                              f"this rank's ({me}) being {x.shape[dim]}")
-    algo = choose_algo("all_gather", algo, x.nbytes * n, where(name, g, x), tag)
+    algo = choose_algo("all_gather", algo, x.nbytes * n, lambda: where(name, g, x), tag)
     shape = C._with_dim(x.shape, dim, sum(sizes))
-    if C._check is not None:
+    if C._check is not None and algo != "library":
         C._check(f"ccl.{name}", g, x.dtype, C._with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo))
-    sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"dim={dim}, sizes={sizes}, algo={algo}")
+    sig = (name, axis, x.shape, x.dtype, (("dim", dim), ("sizes", tuple(sizes)), ("algo", algo)))
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": shape}, x.dtype)
         _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
@@ -295,11 +301,11 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x = check_array(name, g, x)
     _common_checks(name, g, x, op, num_links)
-    algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, where(name, g, x), tag))
+    algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, lambda: where(name, g, x), tag))
     n, me = g.size, g.index
-    if C._check is not None:
+    if C._check is not None and algo != "library":
         C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, algo))
-    sig = (name, axis, tuple(x.shape), dtype_name(x.dtype), f"op={op}, algo={algo}")
+    sig = (name, axis, x.shape, x.dtype, (("op", op), ("algo", algo)))
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": tuple(x.shape)}, x.dtype)
         _record(name, g, x, int(x.nbytes * C.bus_factor("all_reduce", n)), algo, tag)
