@@ -129,6 +129,20 @@ def test_line_all_reduce(world, op, dtype):
                 np.testing.assert_array_equal(host(y), host(dist.all_reduce(x, axis, op, mesh=mesh)))
 
 
+def test_tune_measures_the_same_table_on_every_rank(world):
+    mesh = meshes(world)[-1][0]
+    try:
+        table = ccl.tune(mesh=mesh, cluster_axis=0, sizes=(64, 4096), reps=1, iters=1)
+        assert table == ccl.algo_table() and set(table) == {"reduce_scatter", "all_gather", "all_reduce"}
+        for rows in table.values():
+            assert [b for b, _ in rows][-1] == float("inf") and all(a in ALGOS for _, a in rows)
+        g = mesh.group(mesh.axes[0])         # the members of a group agree (groups may differ)
+        assert g.comm.mpi.allgather(table) == [table] * g.size
+        assert ccl.persistent_buffers() == []           # tune leaves no buffers behind
+    finally:
+        ccl.set_algo_table(None)
+
+
 def test_auto_and_override(world, monkeypatch):
     mesh = meshes(world)[0][0]
     x = xp.arange(12, dtype=np.float32)

@@ -15,6 +15,7 @@ from .buffers import allocations, clear_persistent_buffers, persistent_buffers
 from .fused import all_gather_concat, double_matmul_line_reduce_scatter, llama_rs_create_heads
 from .ring_attention import ring_attention, sequence_positions, shard_sequence
 from .hierarchical import hierarchical_all_reduce, host_mesh
+from .tune import tune
 from .line import line_all_gather, line_all_reduce, line_reduce_scatter, schedule
 
 __all__ = [
@@ -22,5 +23,5 @@ __all__ = [
     "double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_gather_concat",
     "ring_attention", "sequence_positions", "shard_sequence", "hierarchical_all_reduce", "host_mesh",
     "persistent_buffers", "clear_persistent_buffers", "allocations",
-    "ALGOS", "TAGS", "DEFAULT_TABLE", "algo_table", "set_algo_table",
+    "tune", "ALGOS", "TAGS", "DEFAULT_TABLE", "algo_table", "set_algo_table",
 ]
