@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from ...autodiff.tape import differentiable, vjp_rule
+from ... import runtime as rt
 from ...backend import get_backend
 from .. import collectives as C
 from ..shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
-from .line import _OnRole
 
 __all__ = ["ring_attention", "sequence_positions", "shard_sequence"]
 
@@ -88,6 +88,7 @@ class _Ring:
         self.g, self.q, self.k, self.v, self.causal, self.layout = g, q, k, v, causal, layout
         self.block = (b, hkv, d)
         self.xp = get_backend().xp
+        self.gpu = get_backend().is_gpu
 
     def view(self, buf, s: int, parts: int):
         """Block s (its length) in the flat message buffer ``buf`` of ``parts`` K/V-shaped pieces."""
@@ -99,19 +100,29 @@ class _Ring:
         size = parts * b * hkv * max(self.lens) * d
         return [self.xp.empty((size,), dtype) for _ in range(2)]
 
-    def exchange(self, send, recv, stream) -> list:
-        """Post: send ``send`` to the next rank, receive ``recv`` from the previous one."""
+    def exchange(self, send, recv) -> list:
+        """Post: send ``send`` to the next rank, receive ``recv`` from the previous one, on the
+        ``tp_collective`` stream after the compute work issued so far (which last read ``recv``)."""
         g = self.g
         if g.size == 1:
             return []
-        return [g.comm.recv(recv, (g.index - 1) % g.size, 0, blocking=False, stream=stream),
-                g.comm.send(send, (g.index + 1) % g.size, 0, blocking=False, stream=stream)]
+        tp, compute = rt.stream("tp_collective"), rt.stream("compute")
+        if self.gpu and tp is not compute:
+            tp.wait_event(compute.record())
+        reqs = [g.comm.recv(recv, (g.index - 1) % g.size, 0, blocking=False, stream=tp),
+                g.comm.send(send, (g.index + 1) % g.size, 0, blocking=False, stream=tp)]
+        flush = getattr(g.comm, "flush", None)
+        if flush is not None:
+            flush()                  # NCCL holds grouped p2p until a wait: launch it now, before compute
+        return reqs
 
-    @staticmethod
-    def wait(reqs) -> None:
+    def wait(self, reqs) -> None:
+        """The posted exchange is done (CPU) or launched (GPU); compute's next work runs after it."""
         for r in reqs:
             if r is not None:
                 r.wait_done()
+        if reqs and self.gpu:
+            rt.stream("compute").wait_event(rt.stream("tp_collective").record())
 
 
 def _forward(q, k, v, axis, mesh, causal, scale, layout, seq_len):
@@ -125,25 +136,24 @@ def _forward(q, k, v, axis, mesh, causal, scale, layout, seq_len):
     bufs = ring.buffers(2, ring.k.dtype)
     cur = ring.view(bufs[0], me, 2)
     cur[0], cur[1] = ring.k, ring.v
-    with _OnRole("tp_collective") as stream:
-        for t in range(n):
-            s, nxt = (me - t) % n, (me - t - 1) % n
-            blk = ring.view(bufs[t % 2], s, 2)
-            reqs = ring.exchange(blk.reshape(-1), ring.view(bufs[(t + 1) % 2], nxt, 2).reshape(-1), stream) \
-                if t < n - 1 else []
-            seen, masked = _visible(me, s, ring.lens, layout, causal)
-            if seen:
-                o_b, lse_b = kern(ring.q, xp.ascontiguousarray(blk[0][:, :, :seen]),
-                                  xp.ascontiguousarray(blk[1][:, :, :seen]), causal=masked, scale=scale,
-                                  return_lse=True)
-                new = xp.logaddexp(lse_acc, lse_b)
-                fin = xp.isfinite(new)
-                safe = xp.where(fin, new, 0)
-                w_acc = xp.where(fin, xp.exp(lse_acc - safe), 0)[..., None]
-                w_b = xp.where(fin, xp.exp(lse_b - safe), 0)[..., None]
-                o_acc = o_acc * w_acc + o_b.astype(acc_dt) * w_b
-                lse_acc = new
-            ring.wait(reqs)
+    for t in range(n):
+        s, nxt = (me - t) % n, (me - t - 1) % n
+        blk = ring.view(bufs[t % 2], s, 2)
+        reqs = ring.exchange(blk.reshape(-1), ring.view(bufs[(t + 1) % 2], nxt, 2).reshape(-1)) \
+            if t < n - 1 else []
+        seen, masked = _visible(me, s, ring.lens, layout, causal)
+        if seen:
+            o_b, lse_b = kern(ring.q, xp.ascontiguousarray(blk[0][:, :, :seen]),
+                              xp.ascontiguousarray(blk[1][:, :, :seen]), causal=masked, scale=scale,
+                              return_lse=True)
+            new = xp.logaddexp(lse_acc, lse_b)
+            fin = xp.isfinite(new)
+            safe = xp.where(fin, new, 0)
+            w_acc = xp.where(fin, xp.exp(lse_acc - safe), 0)[..., None]
+            w_b = xp.where(fin, xp.exp(lse_b - safe), 0)[..., None]
+            o_acc = o_acc * w_acc + o_b.astype(acc_dt) * w_b
+            lse_acc = new
+        ring.wait(reqs)
     return o_acc.astype(ring.q.dtype), lse_acc
 
 
@@ -183,23 +193,22 @@ def _ring_attention_vjp(g, out, args, kw, needs):
     first = ring.view(kv[0], me, 2)
     first[0], first[1] = ring.k, ring.v
     ring.view(dkv[0], me, 2)[...] = 0
-    with _OnRole("tp_collective") as stream:
-        for t in range(n):
-            s, nxt = (me - t) % n, (me - t - 1) % n
-            blk, acc = ring.view(kv[t % 2], s, 2), ring.view(dkv[t % 2], s, 2)
-            reqs = ring.exchange(blk.reshape(-1), ring.view(kv[(t + 1) % 2], nxt, 2).reshape(-1), stream) \
-                if t < n - 1 else []
-            seen, masked = _visible(me, s, ring.lens, layout, causal)
-            if seen:
-                dq_b, dk_b, dv_b = bwd(ring.q, xp.ascontiguousarray(blk[0][:, :, :seen]),
-                                       xp.ascontiguousarray(blk[1][:, :, :seen]), out, do, lse, causal=masked,
-                                       scale=kw.get("scale"))
-                dq += dq_b
-                acc[0][:, :, :seen] += dk_b
-                acc[1][:, :, :seen] += dv_b
-            ring.wait(reqs)
-            # this block's dk/dv go on with it; the previous rank's (the next block's) arrive
-            ring.wait(ring.exchange(acc.reshape(-1), ring.view(dkv[(t + 1) % 2], nxt, 2).reshape(-1), stream))
+    for t in range(n):
+        s, nxt = (me - t) % n, (me - t - 1) % n
+        blk, acc = ring.view(kv[t % 2], s, 2), ring.view(dkv[t % 2], s, 2)
+        reqs = ring.exchange(blk.reshape(-1), ring.view(kv[(t + 1) % 2], nxt, 2).reshape(-1)) \
+            if t < n - 1 else []
+        seen, masked = _visible(me, s, ring.lens, layout, causal)
+        if seen:
+            dq_b, dk_b, dv_b = bwd(ring.q, xp.ascontiguousarray(blk[0][:, :, :seen]),
+                                   xp.ascontiguousarray(blk[1][:, :, :seen]), out, do, lse, causal=masked,
+                                   scale=kw.get("scale"))
+            dq += dq_b
+            acc[0][:, :, :seen] += dk_b
+            acc[1][:, :, :seen] += dv_b
+        ring.wait(reqs)
+        # this block's dk/dv go on with it; the previous rank's (the next block's) arrive
+        ring.wait(ring.exchange(acc.reshape(-1), ring.view(dkv[(t + 1) % 2], nxt, 2).reshape(-1)))
     home = ring.view(dkv[n % 2 if n > 1 else 0], me, 2)
     grads = (dq.astype(ring.q.dtype), home[0].astype(ring.k.dtype), home[1].astype(ring.v.dtype))
     return tuple(gr if nd else None for gr, nd in zip(grads, needs[:3])) + (None,) * (len(args) - 3)
