@@ -58,10 +58,13 @@ def group_data(mesh, axis, shape, dtype, salt=0):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_buffers():
+def _fresh_buffers(monkeypatch):
+    monkeypatch.delenv("TESSERA_COMM_ALGO", raising=False)
     ccl.clear_persistent_buffers()
+    ccl.reset_algo_override()
     yield
     ccl.clear_persistent_buffers()
+    ccl.reset_algo_override()
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, ml_dtypes.bfloat16])
@@ -153,6 +156,7 @@ def test_auto_and_override(world, monkeypatch):
             ccl.line_all_reduce(x, mesh=mesh, algo="auto")  # 48 B: ring
             ccl.line_all_reduce(xp.zeros(100, np.float32), mesh=mesh)   # 400 B: library
             monkeypatch.setenv("TESSERA_COMM_ALGO", "line")
+            ccl.reset_algo_override()                                   # read once per run otherwise
             ccl.line_all_reduce(x, mesh=mesh, algo="library")           # the override wins
         algos = [r.algo for r in log.records if r.op == "line_all_reduce"]
         assert algos == ["ring", "ring", "library", "line"]
@@ -383,6 +387,7 @@ def test_tags_choose_and_are_recorded(world, monkeypatch):
         b = ccl.line_all_reduce(x, mesh=mesh, tag="tree")
         c = ccl.line_all_reduce(x, mesh=mesh, tag="tree", algo="line")     # an explicit algo wins over a tag
         monkeypatch.setenv("TESSERA_COMM_ALGO", "tree")
+        ccl.reset_algo_override()
         d = ccl.line_all_reduce(x, mesh=mesh, tag="ring")                   # the run's override wins over both
     got = [(r.algo, r.tag) for r in log.records if r.op == "line_all_reduce"]
     assert got == [("ring", "ring"), ("library", "tree"), ("line", "tree"), ("library", "ring")]
@@ -392,5 +397,6 @@ def test_tags_choose_and_are_recorded(world, monkeypatch):
     with pytest.raises(ValueError, match="tag='fast'"):
         ccl.line_all_reduce(x, mesh=mesh, tag="fast")
     monkeypatch.setenv("TESSERA_COMM_ALGO", "fastest")
+    ccl.reset_algo_override()
     with pytest.raises(ValueError, match="TESSERA_COMM_ALGO='fastest'"):
         ccl.line_all_reduce(x, mesh=mesh)

@@ -10,7 +10,7 @@ Line/ring algorithms run over the axis communicator's send/recv on the ``tp_coll
 stream, beside the library collective (``algo="library"``); ``algo="auto"`` reads a
 per-size table.  This package knows collectives and buffers, never models.
 """
-from ._common import ALGOS, TAGS, DEFAULT_TABLE, algo_table, set_algo_table
+from ._common import ALGOS, TAGS, DEFAULT_TABLE, algo_table, reset_algo_override, set_algo_table
 from .buffers import allocations, clear_persistent_buffers, persistent_buffers
 from .fused import all_gather_concat, double_matmul_line_reduce_scatter, llama_rs_create_heads
 from .ring_attention import ring_attention, sequence_positions, shard_sequence
@@ -23,5 +23,5 @@ __all__ = [
     "double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_gather_concat",
     "ring_attention", "sequence_positions", "shard_sequence", "hierarchical_all_reduce", "host_mesh",
     "persistent_buffers", "clear_persistent_buffers", "allocations",
-    "tune", "ALGOS", "TAGS", "DEFAULT_TABLE", "algo_table", "set_algo_table",
+    "tune", "ALGOS", "TAGS", "DEFAULT_TABLE", "algo_table", "set_algo_table", "reset_algo_override",
 ]

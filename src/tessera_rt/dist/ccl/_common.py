@@ -17,7 +17,7 @@ from ..process_group import world
 
 __all__ = [
     "ALGOS", "resolve", "where", "choose_algo", "algo_table", "set_algo_table", "DEFAULT_TABLE",
-    "check_array", "algo_override", "TAGS",
+    "check_array", "algo_override", "reset_algo_override", "TAGS",
 ]
 
 ALGOS = ("ring", "line", "library", "auto")
@@ -58,17 +58,24 @@ def set_algo_table(table: dict[str, list[tuple[float, str]]] | None) -> None:
         _TABLE.setdefault(op, list(rows))
 
 
+_OVERRIDE: list = []        # [TESSERA_COMM_ALGO's algorithm or None], read once per run
+
+
 def algo_override() -> str | None:
-    """``TESSERA_COMM_ALGO`` (ring|line|library, or tree|ring tags mapped the same way)."""
-    v = os.environ.get("TESSERA_COMM_ALGO")
-    if not v:
-        return None
-    v = v.strip().lower()
-    if v == "tree":
-        return "library"      # MPI/NCCL pick their tree algorithms for the library call
-    if v not in ALGOS[:3]:
+    """``TESSERA_COMM_ALGO`` (ring|line|library, or tree, which means the library), read on
+    first use (os.environ costs microseconds per call); ``reset_algo_override`` re-reads it."""
+    if _OVERRIDE:
+        return _OVERRIDE[0]
+    v = (os.environ.get("TESSERA_COMM_ALGO") or "").strip().lower()
+    if v and v not in ALGOS[:3] + ("tree",):
         raise ValueError(f"TESSERA_COMM_ALGO={v!r}: use one of ring, line, library, tree (or leave it unset)")
-    return v
+    _OVERRIDE.append({"": None, "tree": "library"}.get(v, v))     # tree: MPI/NCCL pick their trees
+    return _OVERRIDE[0]
+
+
+def reset_algo_override() -> None:
+    """Read ``TESSERA_COMM_ALGO`` again at the next call (after changing it in-process)."""
+    _OVERRIDE.clear()
 
 
 TAGS = ("tree", "ring")
