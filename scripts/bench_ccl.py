@@ -64,6 +64,8 @@ def bench_ops(args, w, mesh, xp, sync):
     while s <= parse_size(args.max):
         sizes.append(s)
         s *= args.factor
+    if sizes[-1] != parse_size(args.max):
+        sizes.append(parse_size(args.max))                          # always end at --max
     head = ["op", "size", "plain us", "plain busbw"] + [f"{a} {c}" for a in ALGOS for c in ("us", "ratio")] + ["allocs"]
     widths = [15, 10, 10, 11] + [9, 7] * len(ALGOS) + [6]
     if w.rank == 0:
@@ -144,7 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min", default="8")
     ap.add_argument("--max", default="64M")
-    ap.add_argument("--factor", type=int, default=8, help="size step (default x8)")
+    ap.add_argument("--factor", type=int, default=4, help="size step (default x4)")
     ap.add_argument("--ops", default="reduce_scatter,all_gather,all_reduce")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (median taken)")
     ap.add_argument("--budget-ms", type=float, default=20.0, help="time per repetition and side")
