@@ -71,7 +71,7 @@ def _fresh_buffers(monkeypatch):
 def test_line_reduce_scatter(world, dtype):
     for (mesh, ca, axis), algo in _cases(world):
         n = mesh.size(axis)
-        for shape, dim in (((2, 3, 4 * n), 2), ((4 * n, 5), 0), ((2, 7, 3), 1)):
+        for shape, dim in (((2, 3, 4 * n), 2), ((4 * n, 5), 0), ((2, 7, 3), 1), ((3, 2, 5), 1)):  # 2: zero parts at 3-4
             sizes = split_sizes(shape[dim], n) if shape[dim] % n else None
             everyone, me = group_data(mesh, axis, shape, dtype)
             x = xp.asarray(everyone[me])
@@ -80,7 +80,7 @@ def test_line_reduce_scatter(world, dtype):
                     ccl.line_reduce_scatter(x, dim=dim, cluster_axis=ca, mesh=mesh, sizes=sizes, algo=algo)
                 continue
             y = ccl.line_reduce_scatter(x, dim=dim, cluster_axis=ca, mesh=mesh, sizes=sizes, algo=algo,
-                                        buffer_key=f"rs{axis}{dim}{algo}")
+                                        buffer_key=f"rs{axis}{shape}{algo}")
             plain = dist.reduce_scatter(x, axis, dim=dim, sizes=sizes, mesh=mesh)
             total = np.sum([e.astype(np.float64) for e in everyone], axis=0)
             part = sizes or [shape[dim] // n] * n
@@ -97,7 +97,7 @@ def test_line_all_gather(world, dtype):
     for (mesh, ca, axis), algo in _cases(world):
         n = mesh.size(axis)
         for base, dim, uneven in (((2, 3, 4), 2, False), ((3, 5), 0, False), ((2, 3, 4), 1, True)):
-            sizes = [base[dim] + (i % 2) for i in range(n)] if uneven else None
+            sizes = [(base[dim] + i) % 3 for i in range(n)] if uneven else None    # 1, 2, 0, 1: zero parts
             me = mesh.group(axis).index
             shapes = [tuple(sizes[i] if d == dim else s for d, s in enumerate(base)) for i in range(n)] \
                 if uneven else [base] * n

@@ -171,8 +171,7 @@ _CUPY_KINDS = "biufc"
 
 
 def _reducing_algo(opname: str, g, x, requested: str, algo: str) -> str:
-    if algo == "library" or not C._backend().is_gpu or (x.dtype.kind in _CUPY_KINDS and x.dtype.itemsize > 1
-                                                          or x.dtype.kind in "iub"):
+    if algo == "library" or not C._backend().is_gpu or x.dtype.kind in _CUPY_KINDS:   # bf16/fp8: kind "V"
         return algo
     if requested == "auto":
         return "library"
