@@ -103,7 +103,7 @@ def test_line_all_gather(world, dtype):
                 if uneven else [base] * n
             everyone = [data(r, shapes[i], dtype) for i, r in enumerate(mesh.group_ranks(axis))]
             x = xp.asarray(everyone[me])
-            y = ccl.line_all_gather(x, dim=dim, cluster_axis=ca, mesh=mesh, sizes=sizes, algo=algo,
+            y = ccl.line_all_gather(x, dim=dim, cluster_axis=ca, mesh=mesh, sizes=sizes, algo=algo, num_links=2,
                                     buffer_key=f"ag{axis}{dim}{algo}")
             plain = dist.all_gather(x, axis, dim=dim, sizes=sizes, mesh=mesh)
             np.testing.assert_array_equal(host(y), np.concatenate(everyone, axis=dim))   # a gather is exact
@@ -123,7 +123,7 @@ def test_line_all_reduce(world, op, dtype):
         for shape in ((5, 7), (1,), (2, 0)):       # 35 elements: uneven parts at 2, 3 and 4 ranks
             everyone, me = group_data(mesh, axis, shape, dtype, salt=1)
             x = xp.asarray(everyone[me])
-            y = ccl.line_all_reduce(x, cluster_axis=ca, mesh=mesh, op=op, algo=algo)
+            y = ccl.line_all_reduce(x, cluster_axis=ca, mesh=mesh, op=op, algo=algo, num_links=3)  # 3 sub-messages
             stack = np.stack([e.astype(np.float64) for e in everyone])
             want = {"sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0), "avg": stack.mean(0)}[op]
             assert y.shape == x.shape and y.dtype == x.dtype

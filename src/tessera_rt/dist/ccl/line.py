@@ -76,9 +76,23 @@ def _max_piece(counts: Sequence[int], algo: str) -> int:
 _UFUNC = {"sum": "add", "avg": "add", "max": "maximum", "min": "minimum"}
 
 
-def run_steps(g, steps, work, offs, counts, slots, op: str | None, stream, between: Callable | None = None) -> None:
+def _links(n: int, links: int):
+    """(start, stop) of the ``links`` sub-messages a message of ``n`` elements is cut into."""
+    if links == 1:
+        return ((0, n),)
+    out, acc = [], 0
+    for size in split_sizes(n, links):
+        if size:
+            out.append((acc, acc + size))
+            acc += size
+    return out
+
+
+def run_steps(g, steps, work, offs, counts, slots, op: str | None, stream, between: Callable | None = None,
+              links: int = 1) -> None:
     """Execute ``steps`` on this rank: post this step's recvs then sends (non-blocking), wait,
-    and reduce what arrived (``op``) or leave it in place (``op=None``: a gather).
+    and reduce what arrived (``op``) or leave it in place (``op=None``: a gather).  Each
+    message goes as ``links`` sub-messages, all in flight together (seed 004's num_links).
     ``between`` runs once, after the first step is posted and before it is waited for."""
     me, comm = g.index, g.comm
     ufunc = getattr(C._backend().xp, _UFUNC[op]) if op is not None else None
@@ -91,17 +105,18 @@ def run_steps(g, steps, work, offs, counts, slots, op: str | None, stream, betwe
             if hi == lo:
                 continue
             if ufunc is None:
-                reqs.append(comm.recv(work[lo:hi], src, 0, blocking=False, stream=stream))
+                into = work[lo:hi]
             else:
-                slot = slots[len(reduce_into)][:hi - lo]
-                reduce_into.append((lo, hi, slot))
-                reqs.append(comm.recv(slot, src, 0, blocking=False, stream=stream))
+                into = slots[len(reduce_into)][:hi - lo]
+                reduce_into.append((lo, hi, into))
+            for a, b in _links(hi - lo, links):
+                reqs.append(comm.recv(into[a:b], src, 0, blocking=False, stream=stream))
         for src, dst, c, p in step:
             if src != me:
                 continue
             lo, hi = _bounds(offs, counts, c, p)
-            if hi > lo:
-                reqs.append(comm.send(work[lo:hi], dst, 0, blocking=False, stream=stream))
+            for a, b in (_links(hi - lo, links) if hi > lo else ()):
+                reqs.append(comm.send(work[lo + a:lo + b], dst, 0, blocking=False, stream=stream))
         if between is not None:
             between()
             between = None
@@ -237,7 +252,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     with _OnRole(role) as stream:
         _pack_into(work, x, dim, sizes)
         run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots,
-                  op, stream, between)
+                  op, stream, between, num_links)
         mine = work[offs[me]:offs[me] + counts[me]]
         if op == "avg":
             C._backend().xp.true_divide(mine, n, out=mine)
@@ -283,7 +298,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
     work, offs = bufs["work"], _offsets(counts)
     with _OnRole(role) as stream:
         work[offs[me]:offs[me] + counts[me]] = x.reshape(-1)
-        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream)
+        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream, links=num_links)
         if flat:
             return work.reshape(shape)
         _unpack_into(bufs["out"], work, dim, sizes)
@@ -313,10 +328,9 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "all_reduce", tag)
     with _OnRole(role) as stream:
         work[...] = x.reshape(-1)
-        run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots,
-                  op, stream)
+        run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots, op, stream, links=num_links)
         if op == "avg":
             mine = work[offs[me]:offs[me] + counts[me]]
             C._backend().xp.true_divide(mine, n, out=mine)
-        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream)
+        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream, links=num_links)
     return work.reshape(x.shape)
