@@ -153,7 +153,7 @@ class _Finisher:
             if getattr(g, "dtype", None) != p.dtype or getattr(g, "shape", None) != p.shape:
                 from ..backend import get_backend
                 g = get_backend().xp.asarray(g, dtype=p.dtype).reshape(p.shape)
-            if not g.flags.writeable:
+            if not getattr(g.flags, "writeable", True):   # CuPy flags have no writeable
                 g = g.copy()                     # a broadcast view (the gradient of a sum)
             leaf.grad = g
             return

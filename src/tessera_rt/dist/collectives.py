@@ -47,10 +47,13 @@ class CollectiveRecord:
     shape: tuple
     dtype: str
     bytes_sent: int
+    algo: str = ""          # the algorithm a dist.ccl op ran (ring, line, library, hierarchical)
+    tag: str = ""           # the tree/ring hint the call carried (seed 000 §3.6)
 
     def __str__(self) -> str:
+        how = "".join(f" {k}={v}" for k, v in (("algo", self.algo), ("tag", self.tag)) if v)
         return (f"{self.op}({self.axis}, n={self.group_size}) {self.dtype}{list(self.shape)} "
-                f"sends {self.bytes_sent} B")
+                f"sends {self.bytes_sent} B{how}")
 
 
 # The default cross-rank agreement check (consistency.check), or None when it is off or the

@@ -13,6 +13,8 @@ business of the layer above (``collectives``).  Non-blocking calls return a requ
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -421,6 +423,14 @@ def _gpu_shared(mpi_comm: MPI.Comm, device_id: int) -> bool:
     return len(set(seats)) != len(seats)
 
 
+def _nccl_algo_hint() -> None:
+    """TESSERA_COMM_ALGO=tree|ring reaches NCCL the one way it takes an algorithm: NCCL_ALGO,
+    read when a communicator is made (seed 000 §3.6); an explicit NCCL_ALGO wins."""
+    v = os.environ.get("TESSERA_COMM_ALGO", "").strip().lower()
+    if v in ("tree", "ring") and "NCCL_ALGO" not in os.environ:
+        os.environ["NCCL_ALGO"] = v.capitalize()
+
+
 def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communicator:
     """The communicator kind for ``backend`` on this group (collective over ``mpi_comm``).
 
@@ -443,6 +453,7 @@ def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communic
         raise ValueError("TESSERA_COMM=nccl but NCCL cannot serve this group "
                          f"({'ranks share a GPU' if shared else 'cupy.cuda.nccl is not available'})")
     if use_nccl:
+        _nccl_algo_hint()
         return NcclCommunicator(mpi_comm)
 
     # Only the copy is waited for (the raw CUDA stream), not host work queued on the

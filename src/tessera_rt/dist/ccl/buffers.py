@@ -1,0 +1,89 @@
+"""Persistent, double-buffered buffers by key (seed 004 "Persistent Buffers", "Buffer Cycling").
+
+    y = ccl.line_all_gather(x, dim=3, cluster_axis=1, mesh=mesh, buffer_key="BINARY_MUL")
+    ccl.persistent_buffers()   # [{'key': 'BINARY_MUL', 'op': 'line_all_gather', 'bytes': ..., ...}]
+
+A key names one op signature (op, axis, shape, dtype, dim, algorithm).  Its first call makes
+two sets of buffers; each later call takes the other set (``idx = (idx + 1) % 2``), so the
+result of call k stays valid while call k+1 runs (call k+2 writes over it) and, on a GPU,
+call k+1's communication can start while compute still reads call k's result.  Nothing is
+allocated after the first call.  A key reused with a different signature is an error that
+names both and where the key was first made.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import consistency
+from ...dtypes import dtype_name
+from ..process_group import world
+
+__all__ = ["persistent_buffers", "clear_persistent_buffers", "allocations", "take", "NUM_BUFFERS"]
+
+NUM_BUFFERS = 2          # double buffering
+
+
+class _Entry:
+    __slots__ = ("key", "sig", "site", "sets", "idx", "nbytes")
+
+    def __init__(self, key: str, sig: tuple, site: str, sets: list[dict]):
+        self.key, self.sig, self.site, self.sets, self.idx = key, sig, site, sets, 0
+        self.nbytes = sum(a.nbytes for s in sets for a in s.values())
+
+
+_ENTRIES: dict[str, _Entry] = {}
+_ALLOCS = [0]                      # arrays allocated by ccl (persistent or per call)
+
+
+def allocations() -> int:
+    """How many arrays ccl has allocated so far in this process (persistent sets included)."""
+    return _ALLOCS[0]
+
+
+def _alloc(shapes: dict[str, tuple], dtype) -> dict:
+    xp = world().backend.xp
+    _ALLOCS[0] += len(shapes)
+    # xp.empty, not the pooled allocator: these live for the run and must not be handed out again
+    return {name: xp.empty(shape, dtype) for name, shape in shapes.items()}
+
+
+def _describe(sig: tuple) -> str:
+    op, axis, shape, dtype, extra = sig
+    args = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in extra)
+    return f"{op} over {axis!r} on {dtype_name(dtype)}{list(shape)} ({args})"
+
+
+def take(key: str | None, sig: tuple, shapes: Callable[[], dict[str, tuple]], dtype) -> dict:
+    """The buffer set for this call: the next of ``key``'s two sets, or fresh arrays when
+    ``key`` is None.  ``sig`` = (op, axis, shape, dtype, ((argument, value), ...))."""
+    if key is None:
+        return _alloc(shapes(), dtype)
+    e = _ENTRIES.get(key)
+    if e is None:
+        code, line, _ = consistency.user_frame(1)
+        site = consistency.site_of(code, line)
+        made = shapes()
+        e = _ENTRIES[key] = _Entry(key, sig, site, [_alloc(made, dtype) for _ in range(NUM_BUFFERS)])
+    elif e.sig != sig:
+        diff = [name for name, a, b in zip(("op", "axis", "shape", "dtype", "arguments"), e.sig, sig) if a != b]
+        raise ValueError(
+            f"rank {world().rank}: ccl.{sig[0]}: buffer_key={key!r} was first made at {e.site} for "
+            f"{_describe(e.sig)}; this call is {_describe(sig)} (different {', '.join(diff)}). A key names "
+            f"one shape and dtype: pass another buffer_key, or clear_persistent_buffers() first")
+    s = e.sets[e.idx]
+    e.idx = (e.idx + 1) % NUM_BUFFERS
+    return s
+
+
+def persistent_buffers() -> list[dict[str, Any]]:
+    """One row per key: key, op, axis, shape, dtype, bytes (both sets), where first made."""
+    return [{"key": e.key, "op": e.sig[0], "axis": e.sig[1], "shape": tuple(e.sig[2]), "dtype": dtype_name(e.sig[3]),
+             "bytes": e.nbytes, "sets": len(e.sets), "made_at": e.site} for e in _ENTRIES.values()]
+
+
+def clear_persistent_buffers(key: str | None = None) -> None:
+    """Forget one key's buffers (or all): the next call with it allocates again."""
+    if key is None:
+        _ENTRIES.clear()
+    else:
+        _ENTRIES.pop(key, None)

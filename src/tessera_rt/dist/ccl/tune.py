@@ -1,0 +1,65 @@
+"""Measure the per-size table that ``algo="auto"`` reads, on this job's mesh axis.
+
+    table = ccl.tune(mesh=mesh, cluster_axis="tp")        # collective over the axis group
+    ccl.set_algo_table(table)                               # (tune installs it unless install=False)
+
+For each op and size every algorithm runs on the same buffer, interleaved; the time of a
+repetition is the slowest rank's (an all-reduce of the maxima), so every rank gets the same
+table.  A row's bound is the size measured; the last row extends to every larger size.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import collectives as C
+from ._common import resolve, set_algo_table
+from .buffers import clear_persistent_buffers
+from .line import line_all_gather, line_all_reduce, line_reduce_scatter
+
+__all__ = ["tune"]
+
+_OPS = {
+    "reduce_scatter": lambda x, ax, mesh, algo, key: line_reduce_scatter(x, 0, ax, mesh=mesh, algo=algo, buffer_key=key),
+    "all_gather": lambda x, ax, mesh, algo, key: line_all_gather(x, 0, ax, mesh=mesh, algo=algo, buffer_key=key),
+    "all_reduce": lambda x, ax, mesh, algo, key: line_all_reduce(x, ax, mesh=mesh, algo=algo, buffer_key=key),
+}
+
+
+def tune(mesh=None, cluster_axis: int | str = 0, *, sizes: Sequence[int] = (1 << 10, 64 << 10, 1 << 20),
+         algos: Sequence[str] = ("library", "ring", "line"), reps: int = 3, iters: int = 3,
+         install: bool = True) -> dict[str, list[tuple[float, str]]]:
+    """The fastest algorithm per op at each size in ``sizes`` (bytes each rank contributes)."""
+    mesh, axis, g = resolve("tune", mesh, cluster_axis)
+    xp = C._backend().xp
+    sync = (lambda: __import__("tessera_rt").runtime.synchronize()) if C._backend().is_gpu else (lambda: None)
+    table: dict[str, list[tuple[float, str]]] = {}
+    for op, run in _OPS.items():
+        rows = []
+        for nbytes in sorted(int(s) for s in sizes):
+            count = max(g.size, nbytes // 4 // g.size * g.size)
+            x = xp.ones(count // g.size if op == "all_gather" else count, np.float32)
+            times: dict[str, list[float]] = {a: [] for a in algos}
+            for a in algos:
+                run(x, axis, mesh, a, f"_tune/{op}/{a}")             # warm up: make the buffers
+            for _ in range(reps):
+                for a in algos:
+                    g.comm.mpi.Barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        run(x, axis, mesh, a, f"_tune/{op}/{a}")
+                    sync()
+                    times[a].append(g.comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            best = min(algos, key=lambda a: statistics.median(times[a]))
+            rows.append((float(count * 4 if op != "all_gather" else count // g.size * 4), best))
+            for a in algos:
+                clear_persistent_buffers(f"_tune/{op}/{a}")
+        rows[-1] = (float("inf"), rows[-1][1])
+        table[op] = rows
+    if install:
+        set_algo_table(table)
+    return table
