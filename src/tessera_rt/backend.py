@@ -5,24 +5,34 @@ overrides.  CuPy is imported only when the cuda backend is chosen, so a CPU inst
 needs it.  Everything above this module asks ``get_backend()`` instead of branching on
 "is this a GPU".
 
-A CPU stream is a real object with the GPU stream's API.  Work on it runs in submission
-order: host work runs at once, and non-blocking MPI requests issued on it stay pending
-until something waits on the stream or on an event recorded after them.
+A CPU stream is a real object with the GPU stream's API.  The ``compute`` stream is the
+calling thread: host work runs at once, and non-blocking MPI requests issued on it stay
+pending until something waits on the stream or on an event recorded after them.  Every
+other role's stream (``CpuWorkerStream``) has a worker thread that runs its queue in order,
+so a collective on it runs while the caller computes, and events order streams against
+each other as CUDA events do: ``b.wait_event(a.record())`` holds b's later work until a's
+earlier work is done, ``event.synchronize()`` blocks the caller, ``query()`` does not.
+An exception on a worker is raised again, with its own traceback, by the next wait that
+covers it (``synchronize``, an event's ``synchronize``, a collective's ``wait()``); the
+stream stays failed, as a CUDA context does after a kernel fault.  ``TESSERA_CPU_STREAMS=inorder``
+(or an MPI without MPI_THREAD_MULTIPLE, see ``dist.init``) keeps every stream on the caller.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable
 
 import numpy as np
 
 __all__ = [
     "Backend", "BackendUnavailable", "get_backend", "reset_backend",
-    "CpuStream", "CpuEvent", "HostBufferPool", "register_kernel",
+    "CpuStream", "CpuEvent", "CpuWorkerStream", "HostBufferPool", "register_kernel",
+    "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS",
 ]
 
 
@@ -39,13 +49,16 @@ def _check_timing(start, end) -> None:
 
 
 class CpuEvent:
-    """A point in a CPU stream: done when every request issued before it has finished."""
+    """A point in a CPU stream: done when every request issued before it has finished.
 
-    __slots__ = ("_pending", "time")
+    ``task``: the last worker task it covers (its ``t0``/``t1`` say when it really ran)."""
 
-    def __init__(self, pending: tuple = (), timing: bool = False):
+    __slots__ = ("_pending", "time", "task")
+
+    def __init__(self, pending: tuple = (), timing: bool = False, task=None):
         self._pending = pending
         self.time = time.perf_counter() if timing else None
+        self.task = task
 
     def synchronize(self) -> None:
         for work in self._pending:
@@ -58,6 +71,7 @@ class CpuEvent:
     def elapsed_ms(self, end: "CpuEvent") -> float:
         _check_timing(self, end)
         end.synchronize()
+        self.synchronize()
         return (end.time - self.time) * 1e3
 
 
@@ -105,6 +119,159 @@ class CpuStream:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+# Called as hook(stream, exc) on the worker thread when a task fails (dist.init adds one that
+# ends the job if the caller does not pick the error up within seconds).
+WORKER_ERROR_HOOKS: list = []
+_CPU_WORKERS = [os.environ.get("TESSERA_CPU_STREAMS", "threads").strip().lower() != "inorder"]
+
+
+def cpu_workers() -> bool:
+    """Whether CPU streams other than compute get worker threads (see the module doc)."""
+    return _CPU_WORKERS[0]
+
+
+def set_cpu_workers(on: bool) -> None:
+    """Choose worker-thread CPU streams (True) or in-order streams on the caller (False);
+    affects streams made from now on (``runtime.reset()`` drops the old ones)."""
+    _CPU_WORKERS[0] = bool(on)
+
+
+class _Task:
+    """One function queued on a worker stream; ``t0``/``t1`` (perf_counter) once it ran."""
+
+    __slots__ = ("stream", "seq", "fn", "t0", "t1")
+
+    def __init__(self, stream: "CpuWorkerStream", seq: int, fn: Callable):
+        self.stream, self.seq, self.fn = stream, seq, fn
+        self.t0 = self.t1 = None
+
+    def test(self) -> bool:
+        return self.stream._done >= self.seq
+
+    def wait_done(self) -> None:
+        self.stream._wait(self.seq)
+
+
+class CpuWorkerStream(CpuStream):
+    """A CPU stream with its own worker thread (started on first use) running its queue in order.
+
+    ``submit(fn)`` queues host work (a blocking MPI call releases the GIL, as NumPy's kernels
+    do, so it runs while the caller computes).  Requests ``enqueue``d from the caller are
+    covered by events as on the in-order stream."""
+
+    def __init__(self, name: str = "worker"):
+        super().__init__(name)
+        lock = threading.Lock()
+        self._work_cv = threading.Condition(lock)      # the worker waits here for tasks
+        self._done_cv = threading.Condition(lock)      # waiters wait here for completions
+        self._queue: deque = deque()
+        self._issued = 0          # seq of the last task submitted
+        self._done = 0            # seq of the last task finished (failed or skipped included)
+        self._last: _Task | None = None
+        self._error: tuple | None = None      # (seq, exception) of the first failure
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"CpuWorkerStream({self.name!r}, queued={self._issued - self._done})"
+
+    # the caller's side ------------------------------------------------------
+    def submit(self, fn: Callable) -> _Task:
+        """Queue ``fn()`` after everything already on this stream; returns its task."""
+        if self._error is not None:
+            self._raise()
+        with self._work_cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"tessera-stream-{self.name}", daemon=True)
+                self._thread.start()
+            self._issued += 1
+            task = self._last = _Task(self, self._issued, fn)
+            self._queue.append(task)
+            self._work_cv.notify()
+        return task
+
+    def wait_tasks(self) -> None:
+        """Wait for the submitted tasks (not for requests ``enqueue``d by the caller)."""
+        self._wait(self._issued)
+
+    def record(self, timing: bool = False) -> CpuEvent:
+        last = self._last
+        if last is not None and last.seq <= self._done:
+            last = None
+        pending = tuple(self._pending) + ((last,) if last is not None else ())
+        if timing:
+            # the event's time is when the worker gets to it, as on a GPU
+            ev = CpuEvent((), True, last)
+            stamp = self.submit(lambda: setattr(ev, "time", time.perf_counter()))
+            ev._pending = tuple(self._pending) + (stamp,)
+            return ev
+        return CpuEvent(pending, False, last)
+
+    def wait_event(self, event: CpuEvent) -> None:
+        if event.query():
+            return
+        if all(type(w) is _Task for w in event._pending):
+            self.submit(event.synchronize)      # later work here waits for it, not the caller
+        else:
+            event.synchronize()                 # MPI requests are waited on by the thread that made them
+
+    def synchronize(self) -> None:
+        CpuStream.synchronize(self)
+        self._wait(self._issued)
+
+    def query(self) -> bool:
+        return CpuStream.query(self) and self._done >= self._issued
+
+    def _wait(self, seq: int) -> None:
+        if self._done < seq:
+            with self._done_cv:
+                while self._done < seq:
+                    self._done_cv.wait()
+        err = self._error
+        if err is not None and err[0] <= seq:
+            self._raise()
+
+    def _raise(self) -> None:
+        exc = self._error[1]
+        exc._tessera_seen = True          # picked up: the job-ending timer (dist.init) stands down
+        raise exc
+
+    def close(self) -> None:
+        """Finish the queue and stop the worker (errors are dropped: runtime.reset only)."""
+        with self._work_cv:
+            self._closed = True
+            self._work_cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # the worker's side --------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._work_cv:
+                while not self._queue and not self._closed:
+                    self._work_cv.wait()
+                if not self._queue:
+                    return
+                task = self._queue.popleft()
+            fn, task.fn = task.fn, None
+            if self._error is None:          # after a failure the rest of the queue is skipped
+                task.t0 = time.perf_counter()
+                try:
+                    fn()
+                except BaseException as exc:   # noqa: BLE001 - handed to the caller's next wait
+                    skipped = self._issued - task.seq
+                    exc.add_note(f"(raised on the {self.name!r} stream's worker thread; re-raised at the next "
+                                 f"wait on that stream, which stays failed: {skipped} later task(s) skipped "
+                                 "so far, and later ones too, until runtime.reset())")
+                    self._error = (task.seq, exc)
+                    for hook in tuple(WORKER_ERROR_HOOKS):
+                        hook(self, exc)
+                task.t1 = time.perf_counter()
+            with self._done_cv:
+                self._done = task.seq
+                self._done_cv.notify_all()
 
 
 class CudaEvent:
@@ -228,6 +395,7 @@ class HostBufferPool:
         self.cached_bytes = 0
         self._blocks: dict[int, list[np.ndarray]] = defaultdict(list)
         self._dtypes: dict = {}
+        self._lock = threading.Lock()    # worker streams allocate too (bf16 staging)
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
@@ -255,16 +423,17 @@ class HostBufferPool:
 
     def _take(self, nbytes: int, shape, dtype) -> np.ndarray:
         size = self._size_class(nbytes)
-        blocks = self._blocks[size]
-        for block in blocks:
-            # refs: the list, the loop variable, getrefcount's argument
-            if sys.getrefcount(block) == 3:
-                return block[:nbytes].view(dtype).reshape(shape)
-        block = np.empty(size, np.uint8)
-        if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
-            blocks.append(block)
-            self.cached_bytes += size
-        return block[:nbytes].view(dtype).reshape(shape)
+        with self._lock:
+            blocks = self._blocks[size]
+            for block in blocks:
+                # refs: the list, the loop variable, getrefcount's argument
+                if sys.getrefcount(block) == 3:
+                    return block[:nbytes].view(dtype).reshape(shape)
+            block = np.empty(size, np.uint8)
+            if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
+                blocks.append(block)
+                self.cached_bytes += size
+            return block[:nbytes].view(dtype).reshape(shape)
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -323,7 +492,11 @@ class Backend:
         return self.xp.cuda.runtime.getDeviceCount() if self.is_gpu else 0
 
     # streams -------------------------------------------------------------
-    def new_stream(self, name: str):
+    def new_stream(self, name: str, worker: bool = False):
+        """A stream for ``name``; on the CPU ``worker=True`` gives it a worker thread (unless
+        worker streams are off), on a GPU every stream runs on the device anyway."""
+        if worker and not self.is_gpu and cpu_workers():
+            return CpuWorkerStream(name)
         return self._stream_cls(name)
 
     def synchronize(self) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import runtime as rt
+from ..backend import CpuWorkerStream
 from ..dtypes import dtype_name
 from .comm import REDUCE_OPS
 from .mesh import AxisGroup, current_mesh
@@ -129,6 +130,7 @@ class Work:
             self._keep = None            # compute is ordered after the collective now
             if call is not None:
                 self._call = None
+                call.ran = getattr(self._event, "task", None)     # when a CPU worker really ran it
                 _after(call)
         return self._result
 
@@ -249,9 +251,18 @@ def _out(op, g, x, out, shape, dtype):
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
     on_gpu = _backend().is_gpu
-    if not async_op and not on_gpu:
-        method(*args)                   # CPU, blocking: straight to MPI, nothing to order
-        return then() if then is not None else result
+    if not on_gpu:
+        stream = rt.stream(role)
+        if not async_op:
+            # CPU, blocking: straight to MPI on the caller's communicator, after the tasks
+            # the role's worker still runs (stream order; its pending sends/recvs are MPI's
+            # already, and waiting for them here would hang a ring of irecv-then-send)
+            if type(stream) is CpuWorkerStream and stream._done != stream._issued:
+                stream.wait_tasks()
+            method(*args)
+            return then() if then is not None else result
+        if type(stream) is CpuWorkerStream and method.__name__ not in _P2P:
+            return _on_worker(stream, role, method, args, result, then)
     stream, compute = rt.stream(role), rt.stream("compute")
     if on_gpu and stream is not compute:
         stream.wait_event(compute.record())          # inputs made on compute are ready
@@ -265,6 +276,26 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     work = Work(event, result, then, keep=args)
     if not rt.overlaps(role):
         work.wait()                                  # this role may not overlap compute
+    return work
+
+
+# Sends and receives stay non-blocking MPI requests issued by the caller (on its
+# communicator, tracked by the role's stream): on a worker, a blocking recv would hold the
+# queue before the send its peer waits for (the ring of irecv-then-isend).
+_P2P = frozenset(("send", "recv"))
+
+
+def _on_worker(stream, role: str, method, args: tuple, result, then):
+    """An async collective on a CPU role's worker thread, in its blocking form, on the role's
+    own duplicate of the group's communicator (see MpiCommunicator.for_role)."""
+    compute = rt.stream("compute")
+    if compute._pending:
+        stream.wait_event(compute.record())          # requests compute still owes
+    fn = getattr(method.__self__.for_role(role), method.__name__)
+    stream.submit(lambda: fn(*args))
+    work = Work(stream.record(), result, then, keep=args)
+    if not rt.overlaps(role):
+        work.wait()
     return work
 
 
