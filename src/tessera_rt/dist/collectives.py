@@ -13,6 +13,7 @@ split or gathered; ``sizes``/``split_sizes`` allow uneven parts, zero included.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -285,6 +286,21 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
 _P2P = frozenset(("send", "recv"))
 
 
+def _progress(req) -> None:
+    """Drive a non-blocking MPI request to completion on a worker without holding a core:
+    MPI's blocking calls busy-poll, which starves the caller's compute where ranks x threads
+    exceed the cores; polling with a short, growing sleep leaves the core to compute."""
+    if req is None or req.test():
+        return
+    delay = 2e-6
+    while not req.test():
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+_POLL_MAX_S = 2e-4
+
+
 def _on_worker(stream, role: str, method, args: tuple, result, then):
     """An async collective on a CPU role's worker thread, in its blocking form, on the role's
     own duplicate of the group's communicator (see MpiCommunicator.for_role)."""
@@ -292,7 +308,7 @@ def _on_worker(stream, role: str, method, args: tuple, result, then):
     if compute._pending:
         stream.wait_event(compute.record())          # requests compute still owes
     fn = getattr(method.__self__.for_role(role), method.__name__)
-    stream.submit(lambda: fn(*args))
+    stream.submit(lambda: _progress(fn(*args, blocking=False)))
     work = Work(stream.record(), result, then, keep=args)
     if not rt.overlaps(role):
         work.wait()
