@@ -238,13 +238,13 @@ class CpuWorkerStream(CpuStream):
         exc._tessera_seen = True          # picked up: the job-ending timer (dist.init) stands down
         raise exc
 
-    def close(self) -> None:
-        """Finish the queue and stop the worker (errors are dropped: runtime.reset only)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queue and stop the worker (errors are dropped: runtime.reset and exit only)."""
         with self._work_cv:
             self._closed = True
             self._work_cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
 
     # the worker's side --------------------------------------------------------
     def _run(self) -> None:

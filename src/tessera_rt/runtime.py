@@ -15,6 +15,7 @@ collectives on it run while the caller computes.
 """
 from __future__ import annotations
 
+import atexit
 from typing import Iterable
 
 from .backend import get_backend
@@ -109,6 +110,16 @@ def synchronize() -> None:
     """Wait for all work on every role's stream."""
     for s in list(_slots.values()):
         s.synchronize()
+
+
+@atexit.register
+def _close_workers() -> None:
+    # Before MPI_Finalize (mpi4py's, which runs after Python's exit handlers): let CPU workers
+    # finish what they run, briefly, so none is inside MPI when it shuts down.
+    for s in list(_slots.values()):
+        close = getattr(s, "close", None)
+        if close is not None:
+            close(timeout=5.0)
 
 
 def reset() -> None:
