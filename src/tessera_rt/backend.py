@@ -198,8 +198,7 @@ class CpuWorkerStream(CpuStream):
 
     def record(self, timing: bool = False) -> CpuEvent:
         last = self._last
-        if last is not None and last.seq <= self._done:
-            last = None
+        # the last task even when done: its wait raises if it (or one before it) failed
         pending = tuple(self._pending) + ((last,) if last is not None else ())
         if timing:
             # the event's time is when the worker gets to it, as on a GPU

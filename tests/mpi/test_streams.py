@@ -162,6 +162,12 @@ def test_a_workers_exception_surfaces_at_the_next_wait_with_its_traceback(world)
     tp.submit(lambda: skipped.append(1))
     covered = tp.record()
     before.synchronize()                                  # work before the failure is fine
+    deadline = time.monotonic() + 10
+    while not covered.query() and time.monotonic() < deadline:
+        time.sleep(0.001)                                 # an event recorded after the failure...
+    late = tp.record()
+    with pytest.raises(ZeroDivisionError):                # ...raises too, however late
+        late.synchronize()
     with pytest.raises(ZeroDivisionError, match="the worker's own error") as info:
         covered.synchronize()
     frames = [f.name for f in info.traceback]
