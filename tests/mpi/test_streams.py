@@ -122,6 +122,21 @@ def test_ring_of_async_recv_then_blocking_send(world, line):
     np.testing.assert_array_equal(host(work.wait()), np.full(256, (rank - 1) % n, np.float32))
 
 
+def test_a_send_after_a_collective_on_its_role_sends_the_result(world, line):
+    # stream order across kinds: the send reads what the queued all_reduce writes
+    n, rank = world.size, world.rank
+    if n == 1:
+        pytest.skip("a ring needs two ranks")
+    p = 4096
+    total, got = xp.empty(p, np.float32), xp.zeros(p, np.float32)
+    reduce = dist.all_reduce(xp.asarray(data(rank, p, 5)), "x", mesh=line, out=total, async_op=True)
+    rwork = dist.recv(got, (rank - 1) % n, axis="x", mesh=line, async_op=True)
+    swork = dist.send(total, (rank + 1) % n, axis="x", mesh=line, async_op=True)
+    for w in (rwork, swork, reduce):
+        w.wait()
+    np.testing.assert_allclose(host(got), sum(data(r, p, 5) for r in range(n)), rtol=1e-5, atol=1e-5)
+
+
 def test_collectives_on_every_role_are_seen_by_the_hooks(world, line):
     x = xp.ones(64, np.float32)
     with dist.trace_collectives() as log:

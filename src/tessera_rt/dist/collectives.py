@@ -249,11 +249,14 @@ def _out(op, g, x, out, shape, dtype):
     return out
 
 
+_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
+
+
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
     on_gpu = _backend().is_gpu
     if not on_gpu:
-        stream = rt.stream(role)
+        stream = _ROLE_STREAMS.get(role) or rt.stream(role)
         if not async_op:
             # CPU, blocking: straight to MPI on the caller's communicator, after the tasks
             # the role's worker still runs (stream order; its pending sends/recvs are MPI's
@@ -262,8 +265,11 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
                 stream.wait_tasks()
             method(*args)
             return then() if then is not None else result
-        if type(stream) is CpuWorkerStream and method.__name__ not in _P2P:
-            return _on_worker(stream, role, method, args, result, then)
+        if type(stream) is CpuWorkerStream:
+            if method.__name__ not in _P2P:
+                return _on_worker(stream, role, method, args, result, then)
+            if stream._done != stream._issued:
+                stream.wait_tasks()       # a send may read what a queued collective writes
     stream, compute = rt.stream(role), rt.stream("compute")
     if on_gpu and stream is not compute:
         stream.wait_event(compute.record())          # inputs made on compute are ready
@@ -302,8 +308,9 @@ _POLL_MAX_S = 2e-4
 
 
 def _on_worker(stream, role: str, method, args: tuple, result, then):
-    """An async collective on a CPU role's worker thread, in its blocking form, on the role's
-    own duplicate of the group's communicator (see MpiCommunicator.for_role)."""
+    """An async collective on a CPU role's worker thread (issued there, non-blocking, and
+    driven to completion by ``_progress``), on the role's own duplicate of the group's
+    communicator (see MpiCommunicator.for_role)."""
     compute = rt.stream("compute")
     if compute._pending:
         stream.wait_event(compute.record())          # requests compute still owes
