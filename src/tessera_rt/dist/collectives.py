@@ -292,7 +292,7 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
 _P2P = frozenset(("send", "recv"))
 
 
-def _progress(req) -> None:
+def _progress(req, keep=None) -> None:
     """Drive a non-blocking MPI request to completion on a worker without holding a core:
     MPI's blocking calls busy-poll, which starves the caller's compute where ranks x threads
     exceed the cores; polling with a short, growing sleep leaves the core to compute."""
@@ -308,14 +308,21 @@ _POLL_MAX_S = 2e-4
 
 
 def _on_worker(stream, role: str, method, args: tuple, result, then):
-    """An async collective on a CPU role's worker thread (issued there, non-blocking, and
-    driven to completion by ``_progress``), on the role's own duplicate of the group's
-    communicator (see MpiCommunicator.for_role)."""
+    """An async collective on a CPU role's stream, on the role's own duplicate of the group's
+    communicator (see MpiCommunicator.for_role): started by the caller when the stream has
+    nothing queued, else by the worker in its turn; either way the worker alone tests it
+    to completion (``_progress``; MPI forbids two threads waiting on one request)."""
     compute = rt.stream("compute")
-    if compute._pending:
-        stream.wait_event(compute.record())          # requests compute still owes
     fn = getattr(method.__self__.for_role(role), method.__name__)
-    stream.submit(lambda: _progress(fn(*args, blocking=False)))
+    if not compute._pending and stream._done == stream._issued:
+        # nothing to wait for: start it now, from here (a worker's wake-up can take a
+        # scheduler slice); the worker only drives it to completion
+        req = fn(*args, blocking=False)
+        stream.submit(lambda: _progress(req, args))       # the task keeps the buffers alive
+    else:
+        if compute._pending:
+            stream.wait_event(compute.record())      # requests compute still owes
+        stream.submit(lambda: _progress(fn(*args, blocking=False)))
     work = Work(stream.record(), result, then, keep=args)
     if not rt.overlaps(role):
         work.wait()
