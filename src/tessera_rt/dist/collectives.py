@@ -13,7 +13,6 @@ split or gathered; ``sizes``/``split_sizes`` allow uneven parts, zero included.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +20,7 @@ from .. import runtime as rt
 from ..backend import CpuWorkerStream
 from ..dtypes import dtype_name
 from .comm import REDUCE_OPS
+from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
 from .process_group import world
 
@@ -266,8 +266,11 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
             method(*args)
             return then() if then is not None else result
         if type(stream) is CpuWorkerStream:
-            if method.__name__ not in _P2P:
-                return _on_worker(stream, role, method, args, result, then)
+            if method.__name__ not in P2P:
+                work = Work(start_on_worker(stream, role, method, args), result, then, keep=args)
+                if not rt.overlaps(role):
+                    work.wait()
+                return work
             if stream._done != stream._issued:
                 stream.wait_tasks()       # a send may read what a queued collective writes
     stream, compute = rt.stream(role), rt.stream("compute")
@@ -283,49 +286,6 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     work = Work(event, result, then, keep=args)
     if not rt.overlaps(role):
         work.wait()                                  # this role may not overlap compute
-    return work
-
-
-# Sends and receives stay non-blocking MPI requests issued by the caller (on its
-# communicator, tracked by the role's stream): on a worker, a blocking recv would hold the
-# queue before the send its peer waits for (the ring of irecv-then-isend).
-_P2P = frozenset(("send", "recv"))
-
-
-def _progress(req, keep=None) -> None:
-    """Drive a non-blocking MPI request to completion on a worker without holding a core:
-    MPI's blocking calls busy-poll, which starves the caller's compute where ranks x threads
-    exceed the cores; polling with a short, growing sleep leaves the core to compute."""
-    if req is None or req.test():
-        return
-    delay = 2e-6
-    while not req.test():
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX_S)
-
-
-_POLL_MAX_S = 2e-4
-
-
-def _on_worker(stream, role: str, method, args: tuple, result, then):
-    """An async collective on a CPU role's stream, on the role's own duplicate of the group's
-    communicator (see MpiCommunicator.for_role): started by the caller when the stream has
-    nothing queued, else by the worker in its turn; either way the worker alone tests it
-    to completion (``_progress``; MPI forbids two threads waiting on one request)."""
-    compute = rt.stream("compute")
-    fn = getattr(method.__self__.for_role(role), method.__name__)
-    if not compute._pending and stream._done == stream._issued:
-        # nothing to wait for: start it now, from here (a worker's wake-up can take a
-        # scheduler slice); the worker only drives it to completion
-        req = fn(*args, blocking=False)
-        stream.submit(lambda: _progress(req, args))       # the task keeps the buffers alive
-    else:
-        if compute._pending:
-            stream.wait_event(compute.record())      # requests compute still owes
-        stream.submit(lambda: _progress(fn(*args, blocking=False)))
-    work = Work(stream.record(), result, then, keep=args)
-    if not rt.overlaps(role):
-        work.wait()
     return work
 
 

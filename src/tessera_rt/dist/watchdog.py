@@ -37,7 +37,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
 _WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
-               ("backend.py", "_wait"),
+               ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
                ("collectives.py", "_issue"), ("collectives.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
