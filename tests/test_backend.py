@@ -104,3 +104,21 @@ def test_dtype_map():
     assert dtype_name(resolve_dtype("fp8_e4m3")) == "fp8_e4m3"
     with pytest.raises(TypeError, match="unknown dtype 'float12'"):
         resolve_dtype("float12")
+
+
+def test_without_mpi_thread_multiple_cpu_streams_stay_in_order_and_say_so():
+    # worker streams call MPI from several threads; at a lower thread level dist.init falls
+    # back to the in-order streams (same results, no overlap) with a warning
+    code = ("import mpi4py; mpi4py.rc.thread_level = 'serialized'\n"
+            "import warnings, numpy as np\n"
+            "from tessera_rt import dist, runtime as rt, backend\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); dist.init()\n"
+            "print('WARN', [str(x.message) for x in w])\n"
+            "print('STREAM', type(rt.stream('tp_collective')).__name__, backend.cpu_workers())\n"
+            "print('SUM', dist.all_reduce(np.ones(3, np.float32), async_op=True).wait().tolist())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TESSERA_DEVICE": "cpu"})
+    assert p.returncode == 0, p.stderr
+    assert "not MPI_THREAD_MULTIPLE" in p.stdout and "serialized" in p.stdout, p.stdout
+    assert "STREAM CpuStream False" in p.stdout and "SUM [1.0, 1.0, 1.0]" in p.stdout, p.stdout

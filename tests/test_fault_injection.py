@@ -195,3 +195,28 @@ def test_send_recv_of_another_dtype_and_shape_is_an_error_naming_both_sides(tmp_
     assert "received" not in p.stdout
     assert "rank 1: recv from rank 0" in err and "float64[64]" in err and "float32[128] at p2p_job.py:6" in err, err
     assert "p2p_job.py:9" in err, err
+
+
+def test_a_worker_stream_error_nobody_waits_for_still_ends_the_job(tmp_path):
+    # an exception on a CPU stream's worker is raised at the caller's next wait; a rank that
+    # never waits (here: stuck elsewhere) must not keep the job alive: dist.init's timer ends it
+    s = _script(tmp_path, "worker_job.py", """
+        import time
+        import numpy as np
+        from tessera_rt import dist, runtime as rt
+        w = dist.init()
+        dist.all_reduce(np.ones(2), async_op=True).wait()
+        if w.rank == 1:
+            def failing_step():
+                raise ZeroDivisionError("on the worker")
+            rt.stream("tp_collective").submit(failing_step)
+        time.sleep(60)
+        print("unreachable", flush=True)
+    """)
+    p, took = _run([TESSERA_RUN, "-n", "2", str(s)], mpi_env(2))
+    err = p.stderr
+    assert p.returncode not in (0, 124), p.stdout + err
+    assert took < 30, took
+    assert err.count("Traceback") == 1 and "failing_step" in err and "ZeroDivisionError: on the worker" in err, err
+    assert "unreachable" not in p.stdout
+    assert not _left(str(s))

@@ -15,7 +15,7 @@ import pytest
 from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
 
 # the multi-rank suites written against the backend's array module (tests/mpi), one launch each
-BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py"]
+BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
 
 
 @pytest.mark.mpi

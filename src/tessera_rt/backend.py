@@ -5,24 +5,28 @@ overrides.  CuPy is imported only when the cuda backend is chosen, so a CPU inst
 needs it.  Everything above this module asks ``get_backend()`` instead of branching on
 "is this a GPU".
 
-A CPU stream is a real object with the GPU stream's API.  Work on it runs in submission
-order: host work runs at once, and non-blocking MPI requests issued on it stay pending
-until something waits on the stream or on an event recorded after them.
+CPU streams (the caller's in-order ``compute`` stream and the worker-thread streams of the
+other roles) live in ``cpu_streams``; the names are re-exported here.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
-import time
+import threading
 from collections import defaultdict
 from typing import Any, Callable
 
 import numpy as np
 
+from .cpu_streams import (  # noqa: F401  (re-exported: the backend's stream names)
+    WORKER_ERROR_HOOKS, CpuEvent, CpuStream, CpuWorkerStream, _check_timing, cpu_workers, set_cpu_workers,
+)
+
 __all__ = [
     "Backend", "BackendUnavailable", "get_backend", "reset_backend",
-    "CpuStream", "CpuEvent", "HostBufferPool", "register_kernel",
+    "CpuStream", "CpuEvent", "CpuWorkerStream", "HostBufferPool", "register_kernel",
+    "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS",
 ]
 
 
@@ -30,82 +34,7 @@ class BackendUnavailable(RuntimeError):
     """The requested device cannot be used; the message says why and what to do."""
 
 
-# --------------------------------------------------------------------------- CPU streams
-
-def _check_timing(start, end) -> None:
-    if start.time is None or end.time is None:
-        raise ValueError("elapsed_ms needs events recorded with stream.record(timing=True); plain "
-                         "record() makes ordering-only events, which are cheaper (CUDA refuses to time them)")
-
-
-class CpuEvent:
-    """A point in a CPU stream: done when every request issued before it has finished."""
-
-    __slots__ = ("_pending", "time")
-
-    def __init__(self, pending: tuple = (), timing: bool = False):
-        self._pending = pending
-        self.time = time.perf_counter() if timing else None
-
-    def synchronize(self) -> None:
-        for work in self._pending:
-            work.wait_done()
-        self._pending = ()
-
-    def query(self) -> bool:
-        return all(work.test() for work in self._pending)
-
-    def elapsed_ms(self, end: "CpuEvent") -> float:
-        _check_timing(self, end)
-        end.synchronize()
-        return (end.time - self.time) * 1e3
-
-
-class CpuStream:
-    """In-order CPU work queue with the CUDA stream API (record, wait_event, synchronize)."""
-
-    def __init__(self, name: str = "compute"):
-        self.name = name
-        self._pending: list = []
-
-    def __repr__(self) -> str:
-        return f"CpuStream({self.name!r}, pending={len(self._pending)})"
-
-    @property
-    def ptr(self) -> int:
-        return 0
-
-    def enqueue(self, work) -> None:
-        """Track a request issued on this stream (anything with test() and wait_done())."""
-        if self._pending:
-            self._pending = [w for w in self._pending if not w.test()]
-        self._pending.append(work)
-
-    def record(self, timing: bool = False) -> CpuEvent:
-        """An event after the work issued so far; ``timing=True`` for ``elapsed_ms``."""
-        return CpuEvent(tuple(self._pending), timing)
-
-    def wait_event(self, event: CpuEvent) -> None:
-        # A CPU stream orders work by finishing what the event covers.
-        event.synchronize()
-
-    def synchronize(self) -> None:
-        pending, self._pending = self._pending, []
-        for work in pending:
-            work.wait_done()
-
-    def query(self) -> bool:
-        return all(w.test() for w in self._pending)
-
-    def make_current(self) -> None:
-        return None    # host work always runs in the caller's order
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
+# --------------------------------------------------------------------------- GPU streams
 
 class CudaEvent:
     """A CUDA event, plus the host-side work its stream still owed when it was recorded.
@@ -228,6 +157,7 @@ class HostBufferPool:
         self.cached_bytes = 0
         self._blocks: dict[int, list[np.ndarray]] = defaultdict(list)
         self._dtypes: dict = {}
+        self._lock = threading.Lock()    # worker streams allocate too (bf16 staging)
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
@@ -255,16 +185,17 @@ class HostBufferPool:
 
     def _take(self, nbytes: int, shape, dtype) -> np.ndarray:
         size = self._size_class(nbytes)
-        blocks = self._blocks[size]
-        for block in blocks:
-            # refs: the list, the loop variable, getrefcount's argument
-            if sys.getrefcount(block) == 3:
-                return block[:nbytes].view(dtype).reshape(shape)
-        block = np.empty(size, np.uint8)
-        if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
-            blocks.append(block)
-            self.cached_bytes += size
-        return block[:nbytes].view(dtype).reshape(shape)
+        with self._lock:
+            blocks = self._blocks[size]
+            for block in blocks:
+                # refs: the list, the loop variable, getrefcount's argument
+                if sys.getrefcount(block) == 3:
+                    return block[:nbytes].view(dtype).reshape(shape)
+            block = np.empty(size, np.uint8)
+            if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
+                blocks.append(block)
+                self.cached_bytes += size
+            return block[:nbytes].view(dtype).reshape(shape)
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -323,7 +254,11 @@ class Backend:
         return self.xp.cuda.runtime.getDeviceCount() if self.is_gpu else 0
 
     # streams -------------------------------------------------------------
-    def new_stream(self, name: str):
+    def new_stream(self, name: str, worker: bool = False):
+        """A stream for ``name``; on the CPU ``worker=True`` gives it a worker thread (unless
+        worker streams are off), on a GPU every stream runs on the device anyway."""
+        if worker and not self.is_gpu and cpu_workers():
+            return CpuWorkerStream(name)
         return self._stream_cls(name)
 
     def synchronize(self) -> None:

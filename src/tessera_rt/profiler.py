@@ -30,9 +30,10 @@ is invisible unless marked with ``prof.region(name)`` (counted as compute).
 * ``trace=path``: a Chrome/Perfetto trace (``traceEvents``) of all ranks merged on rank 0, one
   pid per rank, one tid per stream role.
 * ``overlap_ratio``: |collective intervals ∩ compute intervals| / |collective intervals|, from
-  the recorded events (the seeds ask for >= 0.6).  On the CPU an async MPI collective makes
-  progress only inside MPI calls, so this measures how the program schedules its
-  collectives, not the wires.
+  the recorded events (the seeds ask for >= 0.6).  On the CPU an async collective runs on its
+  role's worker thread and its interval is the time the worker really spent in it, so the
+  ratio measures real overlap (given a core for the worker; see the README).  On a GPU the
+  interval is issue to ``wait()`` (host-side; Nsight shows the device timeline).
 
 Entering and leaving a profile is collective (a barrier, then a gather) at world size > 1.
 """
@@ -264,8 +265,12 @@ class Profile:
         n = call.group_size
         busbw = call.nbytes * (2 * (n - 1) / n if call.op == "all_reduce" else (n - 1) / n) \
             if call.op in _COLL_BUS and n > 1 else call.nbytes
-        self.collective.append((p[0], t))
-        self.events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": p[0], "t1": t,
+        t0, ran = p[0], call.ran
+        if ran is not None and ran.t1 is not None:
+            # a CPU worker ran it: count the time it really ran, not issue-to-wait
+            t0, t = ran.t0 - self._epoch, ran.t1 - self._epoch
+        self.collective.append((t0, t))
+        self.events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": t0, "t1": t,
                             "bytes": call.nbytes, "busbytes": busbw, "flops": 0,
                             "key": ("collective", call.op, call.axis, f"{call.dtype}[{','.join(map(str, call.shape))}]"),
                             "async": call.async_op})

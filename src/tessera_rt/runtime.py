@@ -6,13 +6,16 @@ assigns each role a slot; roles that share a slot share one stream.  ``enable_ov
 names the role pairs that may run at the same time; a collective role not paired with
 ``compute`` is serialized with it (compute waits for each of its collectives at once).
 On GPU the compute stream is made CuPy's current stream when it is created (``dist.init``
-does so), so ordinary CuPy calls run on it.
+does so), so ordinary CuPy calls run on it.  On the CPU the compute stream is the calling
+thread and every other slot's stream has a worker thread (``backend.CpuWorkerStream``), so
+collectives on it run while the caller computes.
 
     rt.set_stream_map({"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3})
     rt.enable_overlap([("a2a", "compute"), ("tp_collective", "compute")])
 """
 from __future__ import annotations
 
+import atexit
 from typing import Iterable
 
 from .backend import get_backend
@@ -64,7 +67,8 @@ def stream(role: str = "compute"):
         raise ValueError(f"unknown stream role {role!r}; roles are {sorted(_stream_map)}") from None
     s = _slots.get(slot)
     if s is None:
-        s = _slots[slot] = get_backend().new_stream(role)
+        # every stream but compute's runs beside the caller (a worker thread on the CPU)
+        s = _slots[slot] = get_backend().new_stream(role, worker=slot != _stream_map["compute"])
         if slot == _stream_map["compute"]:
             # plain CuPy calls go to the current stream: make it the compute stream, so
             # collectives ordered against "compute" are ordered against the user's work
@@ -108,10 +112,23 @@ def synchronize() -> None:
         s.synchronize()
 
 
+@atexit.register
+def _close_workers() -> None:
+    # Before MPI_Finalize (mpi4py's, which runs after Python's exit handlers): let CPU workers
+    # finish what they run, briefly, so none is inside MPI when it shuts down.
+    for s in list(_slots.values()):
+        close = getattr(s, "close", None)
+        if close is not None:
+            close(timeout=5.0)
+
+
 def reset() -> None:
-    """Back to the default map and overlap policy, dropping all streams (tests only)."""
+    """Back to the default map and overlap policy, dropping all streams (tests only; a
+    worker stream that failed is dropped without raising again)."""
     global _overlap
-    synchronize()
+    for s in list(_slots.values()):
+        close = getattr(s, "close", None)
+        s.synchronize() if close is None else close()
     had_streams = bool(_slots)
     _stream_map.clear()
     _stream_map.update(_DEFAULT_MAP)

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import runtime as rt
+from ..backend import CpuWorkerStream
 from ..dtypes import dtype_name
 from .comm import REDUCE_OPS
+from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
 from .process_group import world
 
@@ -132,6 +134,7 @@ class Work:
             self._keep = None            # compute is ordered after the collective now
             if call is not None:
                 self._call = None
+                call.ran = getattr(self._event, "task", None)     # when a CPU worker really ran it
                 _after(call)
         return self._result
 
@@ -249,12 +252,30 @@ def _out(op, g, x, out, shape, dtype):
     return out
 
 
+_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
+
+
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
     on_gpu = _backend().is_gpu
-    if not async_op and not on_gpu:
-        method(*args)                   # CPU, blocking: straight to MPI, nothing to order
-        return then() if then is not None else result
+    if not on_gpu:
+        stream = _ROLE_STREAMS.get(role) or rt.stream(role)
+        if not async_op:
+            # CPU, blocking: straight to MPI on the caller's communicator, after the tasks
+            # the role's worker still runs (stream order; its pending sends/recvs are MPI's
+            # already, and waiting for them here would hang a ring of irecv-then-send)
+            if type(stream) is CpuWorkerStream and stream._done != stream._issued:
+                stream.wait_tasks()
+            method(*args)
+            return then() if then is not None else result
+        if type(stream) is CpuWorkerStream:
+            if method.__name__ not in P2P:
+                work = Work(start_on_worker(stream, role, method, args), result, then, keep=args)
+                if not rt.overlaps(role):
+                    work.wait()
+                return work
+            if stream._done != stream._issued:
+                stream.wait_tasks()       # a send may read what a queued collective writes
     stream, compute = rt.stream(role), rt.stream("compute")
     if on_gpu and stream is not compute:
         stream.wait_event(compute.record())          # inputs made on compute are ready

@@ -111,6 +111,17 @@ class MpiCommunicator(Communicator):
     def __init__(self, mpi_comm: MPI.Comm, empty=np.empty):
         super().__init__(mpi_comm)
         self._empty = empty   # the backend's pooled allocator, for float32 staging buffers
+        self._roles: dict[str, MpiCommunicator] = {}
+
+    def for_role(self, role: str) -> "MpiCommunicator":
+        """This group's communicator for collectives run on ``role``'s worker thread: a
+        duplicate per role (made on the role's first one; collective over the group), so
+        messages of roles running at the same time cannot match each other's.  The caller's
+        thread keeps this one."""
+        comm = self._roles.get(role)
+        if comm is None:
+            comm = self._roles[role] = MpiCommunicator(self.mpi.Dup(), self._empty)
+        return comm
 
     @staticmethod
     def _call(blocking, blocking_fn, nonblocking_fn, args, then=None):

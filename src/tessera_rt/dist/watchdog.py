@@ -37,6 +37,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
 _WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
+               ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
                ("collectives.py", "_issue"), ("collectives.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
@@ -52,8 +53,15 @@ def _cfg():
     return debug._cfg
 
 
+_THREADING = threading.__file__
+
+
 def _main_frame():
-    return sys._current_frames().get(threading.main_thread().ident)
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    # a wait on a CPU worker stream blocks in threading's Condition.wait: report its caller
+    while frame is not None and frame.f_code.co_filename == _THREADING:
+        frame = frame.f_back
+    return frame
 
 
 def _in_collective(frame) -> bool:
