@@ -59,7 +59,9 @@ class CollectiveRecord:
 
 
 # The default cross-rank agreement check (consistency.check), or None when it is off or the
-# full TESSERA_DEBUG=collectives check replaces it.  Called before any data moves.
+# full TESSERA_DEBUG=collectives check replaces it.  Called before any data moves.  An async
+# collective's role is part of what must agree: on CPU ranks each role's worker has its own
+# communicator, so ranks issuing one collective on different roles would never match up.
 _check = None
 
 # Everything that watches collectives (trace_collectives, the flight recorder and desync
@@ -353,7 +355,7 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
     out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
     if _check is not None:
-        _check("all_reduce", g, x.dtype, x.shape, op)
+        _check("all_reduce", g, x.dtype, x.shape, (op, role) if async_op else op)
     comm = g.comm
     if _HOOKS:
         return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, op), role, async_op, comm.all_reduce,
@@ -435,7 +437,7 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
     shape = (mine,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
     if _check is not None:
-        _check("reduce_scatter", g, x.dtype, x.shape, (op, dim))
+        _check("reduce_scatter", g, x.dtype, x.shape, (op, dim, role) if async_op else (op, dim))
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
     if _HOOKS:
@@ -471,7 +473,8 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
     shape = (total,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
     if _check is not None:
-        _check("all_gather", g, x.dtype, x.shape if sizes is None else _with_dim(x.shape, dim, -1), dim)
+        _check("all_gather", g, x.dtype, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
+               (dim, role) if async_op else dim)
     info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
             dim) if _HOOKS else None
     # communicators take flat contiguous buffers: shapes do not matter to them
@@ -508,7 +511,8 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     n = g.size
     if _check is not None:
         _check("all_to_all", g, x.dtype, tuple(-1 if i in (split_dim, concat_dim) else s
-                                               for i, s in enumerate(x.shape)), (split_dim, concat_dim))
+                                               for i, s in enumerate(x.shape)),
+               (split_dim, concat_dim, role) if async_op else (split_dim, concat_dim))
     info = ("all_to_all", g, x, x.nbytes, mesh, tuple(-1 if i in (split_dim, concat_dim) else s
                                                       for i, s in enumerate(x.shape)),
             (split_dim, concat_dim)) if _HOOKS else None
@@ -568,7 +572,7 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
     if not 0 <= root < g.size:
         raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     if _check is not None:
-        _check("broadcast", g, x.dtype, x.shape, root)
+        _check("broadcast", g, x.dtype, x.shape, (root, role) if async_op else root)
     comm = g.comm
     if _HOOKS:
         return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, root), role,
@@ -612,7 +616,7 @@ def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_col
     """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
     g = _group(mesh, axis, "barrier")
     if _check is not None:
-        _check("barrier", g, None, (), None)
+        _check("barrier", g, None, (), role if async_op else None)
     comm = g.comm
     if _HOOKS:
         return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
