@@ -43,7 +43,13 @@ import os
 import time
 from collections import defaultdict
 
-__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio"]
+__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles"]
+
+
+def active_profiles() -> list:
+    """The profiles recording now (innermost last)."""
+    from .dist import dispatch as D
+    return [p for p in D._PROF if isinstance(p, Profile)]
 
 _COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
 
@@ -329,6 +335,13 @@ class Profile:
                                     "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
                                     "async": False})
         return _Region()
+
+    def span(self, name: str, role: str, t0: float, t1: float) -> None:
+        """Add a finished span (``time.perf_counter()`` times) on its own trace row ``role``
+        (the pipeline's per-micro-batch stage timeline); not counted as compute."""
+        self.events.append({"name": name, "cat": "pipeline", "role": role, "t0": t0 - self._epoch,
+                            "t1": t1 - self._epoch, "bytes": 0, "busbytes": 0, "flops": 0,
+                            "key": ("pipeline", name, role, ""), "async": False})
 
     # results ------------------------------------------------------------------
     @property
