@@ -142,6 +142,8 @@ class Pipeline:
         kind, c, mb = key
         vs = self.plan.chunks[c]
         src = self.plan.rank_of(vs - 1 if kind == "F" else vs + 1)
+        if src == self.stage:
+            return                                   # a virtual stage of this rank hands it over
         shape, dtype, spec = self.model.stage_boundary(rows)
         smesh = self.model.mesh
         t = zeros(shape, layout=spec, mesh=smesh, dtype=dtype) if smesh is not None else np.zeros(shape, dtype)
@@ -151,15 +153,21 @@ class Pipeline:
         self._recvs[key] = (work, t)
 
     def _take(self, key):
+        if key in self._handed:
+            return self._handed.pop(key)
         work, t = self._recvs.pop(key)
         work.wait()
         return t
 
-    def _send(self, t, like, dst_vs: int, tag: int) -> None:
+    def _send(self, t, like, kind: str, dst_vs: int, mb: int) -> None:
         if type(t) is DTensor and t.layout != like:
             t = t.redistribute(like)                 # e.g. a gradient still pending over tp
-        work = DC.send(t, self.plan.rank_of(dst_vs), axis=self.axis, mesh=self.mesh, tag=tag, async_op=True,
-                       role=ROLE)
+        dst = self.plan.rank_of(dst_vs)
+        if dst == self.stage:
+            self._handed[(kind, dst_vs // self.plan.pp, mb)] = t
+            return
+        work = DC.send(t, dst, axis=self.axis, mesh=self.mesh, tag=0 if kind == "F" else self._btag,
+                       async_op=True, role=ROLE)
         self._sends.append(work)
 
     # ------------------------------------------------------------------ the step
@@ -177,7 +185,7 @@ class Pipeline:
         last_b = {c: max(i for i, a in enumerate(acts) if a[0] == "B" and a[1] == c) for c in range(plan.virtual)}
         need = [(i, a) for i, a in enumerate(acts) if not (a[0] == "F" and plan.chunks[a[1]] == 0)
                 and not (a[0] == "B" and plan.chunks[a[1]] == last_vs)]
-        self._recvs, self._sends = {}, []
+        self._recvs, self._sends, self._handed = {}, [], {}
         live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, [], []
         peak, posted, busy = 0, 0, 0.0
         t_start = time.perf_counter()
@@ -189,7 +197,7 @@ class Pipeline:
                 posted += 1
             vs = plan.chunks[c]
             sl = slice(offs[mb], offs[mb + 1])
-            h = self._take(key) if key in self._recvs else None
+            h = self._take(key) if key in self._recvs or key in self._handed else None
             t0 = time.perf_counter()
             if kind == "F":
                 tg = model.batch(y[sl]) if vs == last_vs else None
@@ -203,7 +211,7 @@ class Pipeline:
                 if vs == last_vs:
                     losses.append(out)
                 else:
-                    self._send(out, getattr(out, "layout", None), vs + 1, 0)
+                    self._send(out, getattr(out, "layout", None), "F", vs + 1, mb)
             else:
                 pb, in_layout = live.pop(key[1:])
                 if vs == last_vs:
@@ -214,13 +222,13 @@ class Pipeline:
                 grads = pb(ct)
                 acc[c] = _accumulate(acc[c], grads[0])
                 if vs != 0:
-                    self._send(grads[1], in_layout, vs - 1, self._btag)
-                if i == last_b[c]:                       # this chunk's gradients are complete
-                    reductions[c] = reduce_grads(chunks[c], acc[c])
-                    spans.append(("R", c, -1, time.perf_counter(), time.perf_counter()))
+                    self._send(grads[1], in_layout, "B", vs - 1, mb)
             t1 = time.perf_counter()
             busy += t1 - t0
             spans.append((kind, c, mb, t0, t1))
+            if kind == "B" and i == last_b[c]:           # this chunk's gradients are complete
+                reductions[c] = reduce_grads(chunks[c], acc[c])
+                spans.append(("R", c, -1, t1, time.perf_counter()))
         t_end = time.perf_counter()
         for w in self._sends:
             w.wait()

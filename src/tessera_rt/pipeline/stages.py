@@ -83,11 +83,11 @@ class StagePlan:
         self.pp = mesh.size(axis)
         self.virtual = virtual_stages
         self.n_virtual = self.pp * virtual_stages
+        self.layers = split_layers(n_layers, self.n_virtual, stage_of, what)
         if virtual_stages > 1 and stage_of is None and n_layers % self.n_virtual:
             raise ValueError(f"{what}: {n_layers} layers do not divide over pp={self.pp} x virtual_stages="
                              f"{virtual_stages} = {self.n_virtual} virtual stages; use a layer count that is a "
                              f"multiple of {self.n_virtual}, another virtual_stages, or an explicit stage_of=")
-        self.layers = split_layers(n_layers, self.n_virtual, stage_of, what)
         self.stage = mesh.coordinate(axis) if mesh.is_member else None
         self.chunks = [c * self.pp + self.stage for c in range(virtual_stages)] if self.stage is not None else []
         self.stage_mesh = stage_meshes(mesh, axis)[self.stage] if self.stage is not None else None
