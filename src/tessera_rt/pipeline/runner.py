@@ -156,6 +156,11 @@ class Pipeline:
         if key in self._handed:
             return self._handed.pop(key)
         work, t = self._recvs.pop(key)
+        kind, c, mb = key
+        vs = self.plan.chunks[c]
+        src = vs - 1 if kind == "F" else vs + 1
+        watchdog_note = (f"pipeline stage {vs} waits for the {'activation' if kind == 'F' else 'gradient'} of "  # noqa: F841
+                         f"micro-batch {mb} from stage {src} (rank {self.mesh.group(self.axis).ranks[src % self.plan.pp]})")
         work.wait()
         return t
 
@@ -163,6 +168,15 @@ class Pipeline:
         if type(t) is DTensor and t.layout != like:
             t = t.redistribute(like)                 # e.g. a gradient still pending over tp
         dst = self.plan.rank_of(dst_vs)
+        shape, dtype, _ = self.model.stage_boundary(t.shape[0])
+        if tuple(t.shape) != shape or np.dtype(t.dtype) != np.dtype(dtype):
+            vs = dst_vs - 1 if kind == "F" else dst_vs + 1
+            what = "activation" if kind == "F" else "gradient"
+            raise ValueError(
+                f"rank {world().rank} (stage {vs}) would send the {what} of micro-batch {mb} as "
+                f"{np.dtype(t.dtype).name}{list(t.shape)} to rank {self.mesh.group(self.axis).ranks[dst]} "
+                f"(stage {dst_vs}), which receives {np.dtype(dtype).name}{list(shape)} (model.stage_boundary): "
+                "the bytes would be misread; make the stage return what stage_boundary describes")
         if dst == self.stage:
             self._handed[(kind, dst_vs // self.plan.pp, mb)] = t
             return
