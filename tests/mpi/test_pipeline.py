@@ -162,3 +162,18 @@ def test_ranks_that_disagree_are_named_before_data_moves(world):
     rows = B + (MPI.COMM_WORLD.rank == SIZE - 1)
     with pytest.raises(ValueError, match=r"\(stage \d\) and rank \d \(stage \d\) disagree on \['batch'\]"):
         pipe.value_and_grad(model.init(1), *batch(rows=rows))
+
+
+TRAIN_CASES = ([["--pp", str(SIZE)]] if SIZE > 1 else []) + (
+    [["--pp", "2", "--dp", "2", "--schedule", "interleaved", "--microbatches", "2", "--remat", "every_other"],
+     ["--pp", "2", "--tp", "2", "--schedule", "gpipe", "--microbatches", "3"]] if SIZE == 4 else [])
+
+
+@pytest.mark.parametrize("extra", TRAIN_CASES, ids=lambda a: "-".join(a).replace("--", ""))
+def test_train_script_with_pp_matches_single_rank(world, extra):
+    from test_train import ARGS, TRAIN, reference_losses
+    args = ARGS + ["--layers", "4"]
+    ref = _REF.get("train") or _REF.setdefault("train", reference_losses(TRAIN.parse_args(args)))
+    out = TRAIN.train(TRAIN.parse_args(args + extra))
+    assert out["pp"] == int(extra[1]) and len(out["bubbles"]) == len(ref)
+    np.testing.assert_allclose(out["losses"], ref, rtol=1e-4)

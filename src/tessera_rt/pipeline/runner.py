@@ -200,7 +200,7 @@ class Pipeline:
         need = [(i, a) for i, a in enumerate(acts) if not (a[0] == "F" and plan.chunks[a[1]] == 0)
                 and not (a[0] == "B" and plan.chunks[a[1]] == last_vs)]
         self._recvs, self._sends, self._handed = {}, [], {}
-        live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, [], []
+        live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, {}, []
         peak, posted, busy = 0, 0, 0.0
         t_start = time.perf_counter()
         for i, (kind, c, mb) in enumerate(acts):
@@ -223,14 +223,14 @@ class Pipeline:
                 live[key[1:]] = (pb, getattr(h, "layout", None))
                 peak = max(peak, len(live))
                 if vs == last_vs:
-                    losses.append(out)
+                    losses[mb] = out
                 else:
                     self._send(out, getattr(out, "layout", None), "F", vs + 1, mb)
             else:
                 pb, in_layout = live.pop(key[1:])
-                if vs == last_vs:
-                    w = rows[mb] / x.shape[0]
-                    ct = full((), w, mesh=smesh, dtype=dtype) if smesh is not None else np.asarray(w, dtype)
+                if vs == last_vs:                        # d(batch mean)/d(micro-batch mean)
+                    w, ldt = rows[mb] / x.shape[0], losses[mb].dtype
+                    ct = full((), w, mesh=smesh, dtype=ldt) if smesh is not None else np.asarray(w, ldt)
                 else:
                     ct = h
                 grads = pb(ct)
@@ -252,10 +252,10 @@ class Pipeline:
         self._finish_stats(loss, busy, t_end - t_start, peak, spans, t_start)
         return self._stats.loss, grads
 
-    def _loss(self, losses: list, rows, batch: int) -> float:
+    def _loss(self, losses: dict, rows, batch: int) -> float:
         """The batch's mean loss on the last stage (micro-batch means weighted by their rows)."""
         total = 0.0
-        for mb, val in enumerate(losses):
+        for mb, val in sorted(losses.items()):
             v = val.full_tensor() if type(val) is DTensor else val
             total += float(v) * rows[mb] / batch
         return total
@@ -268,6 +268,13 @@ class Pipeline:
                                     virtual=self.plan.virtual, loss=float(every[-1, 0]), busy=every[:, 1].tolist(),
                                     wall=every[:, 2].tolist(), peak_live=[int(p) for p in every[:, 3]])
         record_spans(self.stage, spans)
+
+    def grad_norm(self, grads) -> float:
+        """The global L2 norm of the whole model's gradients (every stage's), on every rank:
+        pass it to ``optim.clip_grad_norm(grads, max_norm, norm=...)``."""
+        from ..optim import global_norm
+        sq = np.array([global_norm(grads) ** 2], dtype=np.float64)
+        return float(np.sqrt(C.all_reduce(sq, axis=self.axis, mesh=self.mesh)[0]))
 
     def stats(self) -> PipelineStats:
         """The last step's per-stage busy/idle time, bubble fraction and peak live activations."""
