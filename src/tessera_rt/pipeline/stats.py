@@ -12,7 +12,9 @@ __all__ = ["PipelineStats", "record_spans"]
 @dataclass
 class PipelineStats:
     """``busy[s]``: seconds stage s spent computing its forwards and backwards; ``wall[s]``:
-    its step time (first action to last); idle = wall - busy (waiting on a neighbour);
+    from the step's start (the stages start together, after the signature all_gather) to
+    its last action; the step takes ``max(wall)``, and a stage's idle time is that minus
+    its busy time (waiting on a neighbour, or done early), as in the textbook bubble;
     ``peak_live[s]``: the most micro-batches whose activations it held at once."""
     schedule: str
     pp: int
@@ -24,12 +26,16 @@ class PipelineStats:
     peak_live: list = field(default_factory=list)
 
     @property
+    def step(self) -> float:
+        return max(self.wall)
+
+    @property
     def idle(self) -> list:
-        return [w - b for w, b in zip(self.wall, self.busy)]
+        return [self.step - b for b in self.busy]
 
     @property
     def stage_bubble(self) -> list:
-        return [i / w if w > 0 else 0.0 for i, w in zip(self.idle, self.wall)]
+        return [i / self.step if self.step > 0 else 0.0 for i in self.idle]
 
     @property
     def bubble(self) -> float:
