@@ -40,13 +40,31 @@ from .stats import PipelineStats, record_spans
 __all__ = ["Pipeline", "ROLE"]
 
 ROLE = "pp"          # the stream role of stage-boundary sends and receives
-LOOKAHEAD = 2        # receives are posted this many actions before they are needed
+# Receives are posted this many actions before they are needed (MPI on the CPU: an early
+# Irecv blocks nothing).  On the GPU, send/recv run in order on the pp stream (NCCL groups
+# them): a receive queued early would hold back the sends queued after it, which its
+# sender may be waiting for, so there each receive is queued when it is needed.
+LOOKAHEAD = 2
 
 
 def _ensure_role() -> None:
     m = rt.stream_map()
     if ROLE not in m:
         rt.set_stream_map({ROLE: max(m.values()) + 1})      # a stream of its own
+
+
+def _xp():
+    from ..backend import get_backend
+    return get_backend().xp
+
+
+def _on_device(a: np.ndarray):
+    return _xp().asarray(a)
+
+
+def _to_host(a) -> np.ndarray:
+    from ..backend import get_backend
+    return np.asarray(get_backend().to_host(a))
 
 
 def _accumulate(acc, g):
@@ -57,11 +75,12 @@ def _accumulate(acc, g):
         return {k: _accumulate(acc[k], g[k]) for k in acc}
     if isinstance(acc, list):
         return [_accumulate(a, b) for a, b in zip(acc, g)]
-    if type(acc) is DTensor and type(g) is DTensor and acc.layout == g.layout and acc.to_local().flags.writeable:
+    if type(acc) is DTensor and type(g) is DTensor and acc.layout == g.layout \
+            and getattr(acc.to_local().flags, "writeable", True):
         acc.to_local()[...] += g.to_local()
         return acc
-    if type(acc) is not DTensor and getattr(acc, "flags", None) is not None and acc.flags.writeable \
-            and acc.shape == g.shape:
+    if type(acc) is not DTensor and getattr(getattr(acc, "flags", None), "writeable", True) \
+            and type(acc) is type(g) and acc.shape == g.shape and acc.dtype == g.dtype:
         acc += g
         return acc
     from .. import op
@@ -124,7 +143,7 @@ class Pipeline:
         sig = (x.shape[0], x.shape[1], m, zlib.crc32(self.schedule.encode()), zlib.crc32(str(np.dtype(dtype)).encode()),
                shape[2], zlib.crc32(repr(self.plan.layers).encode()))
         mine = np.array((self.stage,) + sig, dtype=np.int64)
-        every = np.asarray(C.all_gather(mine, axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, -1)
+        every = _to_host(C.all_gather(_on_device(mine), axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, -1)
         names = ["batch", "seq_len", "microbatches", "schedule", "dtype", "d_model", "layer split"]
         ranks = self.mesh.group_ranks(self.axis)
         for s in range(self.plan.pp):
@@ -146,7 +165,7 @@ class Pipeline:
             return                                   # a virtual stage of this rank hands it over
         shape, dtype, spec = self.model.stage_boundary(rows)
         smesh = self.model.mesh
-        t = zeros(shape, layout=spec, mesh=smesh, dtype=dtype) if smesh is not None else np.zeros(shape, dtype)
+        t = zeros(shape, layout=spec, mesh=smesh, dtype=dtype) if smesh is not None else _xp().zeros(shape, dtype)
         buf = t.to_local() if smesh is not None else t
         work = C.recv(buf, src, axis=self.axis, mesh=self.mesh, tag=0 if kind == "F" else self._btag,
                       async_op=True, role=ROLE)
@@ -202,10 +221,12 @@ class Pipeline:
         self._recvs, self._sends, self._handed = {}, [], {}
         live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, {}, []
         peak, posted, busy = 0, 0, 0.0
+        from ..backend import get_backend
+        ahead = 0 if get_backend().is_gpu else LOOKAHEAD
         t_start = time.perf_counter()
         for i, (kind, c, mb) in enumerate(acts):
             key = (kind, c, mb)
-            while posted < len(need) and need[posted][0] <= i + LOOKAHEAD:
+            while posted < len(need) and need[posted][0] <= i + ahead:
                 a = need[posted][1]
                 self._post_recv(a, rows[a[2]])
                 posted += 1
@@ -230,7 +251,7 @@ class Pipeline:
                 pb, in_layout = live.pop(key[1:])
                 if vs == last_vs:                        # d(batch mean)/d(micro-batch mean)
                     w, ldt = rows[mb] / x.shape[0], losses[mb].dtype
-                    ct = full((), w, mesh=smesh, dtype=ldt) if smesh is not None else np.asarray(w, ldt)
+                    ct = full((), w, mesh=smesh, dtype=ldt) if smesh is not None else _xp().asarray(w, ldt)
                 else:
                     ct = h
                 grads = pb(ct)
@@ -257,12 +278,12 @@ class Pipeline:
         total = 0.0
         for mb, val in sorted(losses.items()):
             v = val.full_tensor() if type(val) is DTensor else val
-            total += float(v) * rows[mb] / batch
+            total += float(_to_host(v)) * rows[mb] / batch
         return total
 
     def _finish_stats(self, loss: float, busy: float, wall: float, peak: int, spans: list, t_start: float) -> None:
         mine = np.array([loss, busy, wall, peak], dtype=np.float64)
-        every = np.asarray(C.all_gather(mine, axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, 4)
+        every = _to_host(C.all_gather(_on_device(mine), axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, 4)
         self.timeline = [(k, c, mb, t0 - t_start, t1 - t_start) for k, c, mb, t0, t1 in spans]
         self._stats = PipelineStats(schedule=self.schedule, pp=self.plan.pp, microbatches=self.microbatches,
                                     virtual=self.plan.virtual, loss=float(every[-1, 0]), busy=every[:, 1].tolist(),
@@ -274,7 +295,7 @@ class Pipeline:
         pass it to ``optim.clip_grad_norm(grads, max_norm, norm=...)``."""
         from ..optim import global_norm
         sq = np.array([global_norm(grads) ** 2], dtype=np.float64)
-        return float(np.sqrt(C.all_reduce(sq, axis=self.axis, mesh=self.mesh)[0]))
+        return float(np.sqrt(_to_host(C.all_reduce(_on_device(sq), axis=self.axis, mesh=self.mesh))[0]))
 
     def stats(self) -> PipelineStats:
         """The last step's per-stage busy/idle time, bubble fraction and peak live activations."""

@@ -1,13 +1,18 @@
-"""Pipeline jobs that go wrong end in seconds with one report: a stage that raises, a stage
-that hangs (the watchdog names the stage and micro-batch the others wait on); and a
-TESSERA_DEBUG=collectives run checks every boundary send/recv and passes."""
+"""Pipeline jobs launched whole.  Jobs that go wrong end in seconds with one report: a stage
+that raises, a stage that hangs (the watchdog names the stage and micro-batch the others
+wait on), a boundary tensor of the wrong dtype; a TESSERA_DEBUG=collectives run checks every
+boundary send/recv and passes; and the cuda backend's path (the strict CuPy/NCCL stand-in,
+not a GPU: send/recv in order on the pp stream, grouped as NCCL needs) trains to the
+single-process losses."""
+import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import mpi_env
+from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, standin_env
 from test_fault_injection import _left, _run
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
@@ -79,3 +84,18 @@ def test_a_boundary_tensor_of_another_dtype_is_named_before_it_is_sent(tmp_path)
     assert ("rank 0 (stage 0) would send the activation of micro-batch 0 as float32[2, 5, 8] to rank 1 (stage 1), "
             "which receives float64[2, 5, 8]") in err, err
     assert not _left(str(s))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_pp4_trains_on_the_nccl_standin_to_the_single_process_losses():
+    sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+    from test_train import ARGS, TRAIN, reference_losses
+    args = ARGS + ["--layers", "4", "--steps", "2"]
+    ref = reference_losses(TRAIN.parse_args(args))
+    cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), TESSERA_RUN, "-n", "4", "scripts/train.py"] + \
+        [a for a in args if a != "--quiet"] + ["--pp", "4", "--microbatches", "4"]
+    p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(4, "cpu", standin_env(devices=4)), capture_output=True, text=True)
+    m = re.search(r"final loss ([0-9.]+) after 2 steps", p.stdout)
+    assert p.returncode == 0 and m, p.stdout[-3000:] + p.stderr[-3000:]
+    assert float(m.group(1)) == pytest.approx(ref[-1], rel=1e-4)
