@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (0: world size / (tp * pp))")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (the blocks split over them)")
-    p.add_argument("--microbatches", type=int, default=0, help="micro-batches per step with --pp (0: 2 * pp, at most --batch)")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="micro-batches per step with --pp (0: 2 * pp, at most --batch)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
                    help="pipeline schedule with --pp (interleaved: --virtual-stages chunks per rank)")
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per rank with --schedule interleaved")

@@ -178,8 +178,11 @@ class Pipeline:
         kind, c, mb = key
         vs = self.plan.chunks[c]
         src = vs - 1 if kind == "F" else vs + 1
-        watchdog_note = (f"pipeline stage {vs} waits for the {'activation' if kind == 'F' else 'gradient'} of "  # noqa: F841
-                         f"micro-batch {mb} from stage {src} (rank {self.mesh.group(self.axis).ranks[src % self.plan.pp]})")
+        what = "activation" if kind == "F" else "gradient"
+        peer = self.mesh.group(self.axis).ranks[src % self.plan.pp]
+        # read by the watchdog's report if this wait hangs (dist/watchdog.py, _note_of)
+        watchdog_note = (f"pipeline stage {vs} waits for the {what} of micro-batch {mb} "  # noqa: F841
+                         f"from stage {src} (rank {peer})")
         work.wait()
         return t
 

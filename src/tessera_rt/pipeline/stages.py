@@ -54,7 +54,8 @@ def split_layers(n_layers: int, n_stages: int, stage_of: Sequence[int] | None = 
         return [list(range(int(bounds[s]), int(bounds[s + 1]))) for s in range(n_stages)]
     stage_of = [int(s) for s in stage_of]
     if len(stage_of) != n_layers:
-        raise ValueError(f"{what}: stage_of has {len(stage_of)} entries for {n_layers} layers; give one stage per layer")
+        raise ValueError(f"{what}: stage_of has {len(stage_of)} entries for {n_layers} layers; give one stage "
+                         "per layer")
     if any(not 0 <= s < n_stages for s in stage_of):
         raise ValueError(f"{what}: stage_of={stage_of} names stages outside 0..{n_stages - 1}")
     if any(b < a for a, b in zip(stage_of, stage_of[1:])):
