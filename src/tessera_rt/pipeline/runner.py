@@ -32,6 +32,7 @@ from ..autodiff import reduce_grads, vjp
 from ..dist import collectives as C
 from ..dist import dtensor_collectives as DC
 from ..dist.dtensor import DTensor, full, zeros
+from ..dist.layout import as_layout
 from ..dist.process_group import world
 from ..dist.shard import split_sizes
 from .schedules import schedule_for
@@ -186,11 +187,13 @@ class Pipeline:
         work.wait()
         return t
 
-    def _send(self, t, like, kind: str, dst_vs: int, mb: int) -> None:
-        if type(t) is DTensor and t.layout != like:
-            t = t.redistribute(like)                 # e.g. a gradient still pending over tp
+    def _send(self, t, kind: str, dst_vs: int, mb: int) -> None:
+        shape, dtype, spec = self.model.stage_boundary(t.shape[0])
+        if type(t) is DTensor:
+            like = as_layout(spec, shape, t.mesh) if tuple(t.shape) == shape else t.layout
+            if t.layout != like:
+                t = t.redistribute(like)             # the receiver's layout (a gradient may still be pending over tp)
         dst = self.plan.rank_of(dst_vs)
-        shape, dtype, _ = self.model.stage_boundary(t.shape[0])
         if tuple(t.shape) != shape or np.dtype(t.dtype) != np.dtype(dtype):
             vs = dst_vs - 1 if kind == "F" else dst_vs + 1
             what = "activation" if kind == "F" else "gradient"
@@ -244,14 +247,14 @@ class Pipeline:
                     out, pb = vjp(lambda p: model.stage_forward(p, 0, tokens, tg), chunks[c], reduce=False)
                 else:
                     out, pb = vjp(lambda p, a: model.stage_forward(p, vs, a, tg), chunks[c], h, reduce=False)
-                live[key[1:]] = (pb, getattr(h, "layout", None))
+                live[key[1:]] = pb
                 peak = max(peak, len(live))
                 if vs == last_vs:
                     losses[mb] = out
                 else:
-                    self._send(out, getattr(out, "layout", None), "F", vs + 1, mb)
+                    self._send(out, "F", vs + 1, mb)
             else:
-                pb, in_layout = live.pop(key[1:])
+                pb = live.pop(key[1:])
                 if vs == last_vs:                        # d(batch mean)/d(micro-batch mean)
                     w, ldt = rows[mb] / x.shape[0], losses[mb].dtype
                     ct = full((), w, mesh=smesh, dtype=ldt) if smesh is not None else _xp().asarray(w, ldt)
@@ -260,7 +263,7 @@ class Pipeline:
                 grads = pb(ct)
                 acc[c] = _accumulate(acc[c], grads[0])
                 if vs != 0:
-                    self._send(grads[1], in_layout, "B", vs - 1, mb)
+                    self._send(grads[1], "B", vs - 1, mb)
             t1 = time.perf_counter()
             busy += t1 - t0
             spans.append((kind, c, mb, t0, t1))
