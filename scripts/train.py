@@ -42,7 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=str(DEFAULT_DATA.relative_to(ROOT)), help="a text file, or a directory of .txt files (relative paths: "
                    "from the current directory, else from the repository root)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (0: world size / tp)")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (0: world size / (tp * pp))")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the blocks split over them)")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="micro-batches per step with --pp (0: 2 * pp, at most --batch)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
+                   help="pipeline schedule with --pp (interleaved: --virtual-stages chunks per rank)")
+    p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per rank with --schedule interleaved")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (characters)")
@@ -143,18 +149,26 @@ def train(args: argparse.Namespace) -> dict:
     """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank."""
     import tessera_rt as ts
     from tessera_rt import dist, nn, optim
+    from tessera_rt.dtypes import resolve_dtype
 
     world = dist.init()
     n = world.size
-    tp = args.tp
+    tp, pp = args.tp, args.pp
     ep = args.ep if args.experts else 1
     if args.ep > 1 and not args.experts:
         raise SystemExit("train.py: --ep needs --experts N (the MoE blocks are what ep shards)")
-    dp = args.dp or max(n // (tp * ep), 1)
-    if tp * dp * ep != n:
-        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} = {tp * dp * ep} ranks but the job has {n}; "
-                         f"launch with tessera-run -n {tp * dp * ep} or change --tp/--dp/--ep")
-    if args.experts:
+    if pp > 1 and args.experts:
+        raise SystemExit("train.py: --pp with --experts (pp x ep) is not supported yet; use one of them")
+    dp = args.dp or max(n // (tp * ep * pp), 1)
+    if tp * dp * ep * pp != n:
+        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} x --pp {pp} = {tp * dp * ep * pp} ranks but "
+                         f"the job has {n}; launch with tessera-run -n {tp * dp * ep * pp} or change --tp/--dp/--ep/--pp")
+    if pp > 1 and np.dtype(resolve_dtype(args.dtype)) == np.float16:
+        raise SystemExit("train.py: --pp with fp16 is not supported (the loss scale would have to reach the last "
+                         "stage's loss); use --dtype bf16 or float32")
+    if pp > 1:
+        mesh = dist.Mesh(axes=["pp", "dp", "tp"], shape={"pp": pp, "dp": dp, "tp": tp})
+    elif args.experts:
         mesh = dist.Mesh(axes=["dp", "ep", "tp"], shape={"dp": dp, "ep": ep, "tp": tp})
     else:
         mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
@@ -167,9 +181,12 @@ def train(args: argparse.Namespace) -> dict:
     if len(data) < args.seq + 2:
         raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
+    virtual = args.virtual_stages if pp > 1 and args.schedule == "interleaved" else 1
     model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
-                           dtype=args.dtype, remat=args.remat, moe=moe_config(args))
-    params = model.init(args.seed)
+                           dtype=args.dtype, remat=args.remat, moe=moe_config(args), virtual_stages=virtual)
+    params = model.init(args.seed)            # with --pp: this rank's stage only
+    pipe = dist.Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
+                         schedule=args.schedule) if pp > 1 else None
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
 
@@ -182,24 +199,29 @@ def train(args: argparse.Namespace) -> dict:
     if rank0 and not args.quiet:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else ""), unit="step")
+            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else "")
+                       + (f" pp={pp}" if pp > 1 else ""), unit="step")
         except ImportError:
             print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
-    losses, times = [], []
+    losses, times, bubbles = [], [], []
     for step in range(args.steps):
         xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
         t0 = time.perf_counter()
-        loss, grads = step_fn(params, model.batch(xb), model.batch(yb))
+        if pipe is not None:
+            loss, grads = pipe.value_and_grad(params, xb, yb)
+            bubbles.append(pipe.stats().bubble)
+        else:
+            loss, grads = step_fn(params, model.batch(xb), model.batch(yb))
         finite = True
         if scaler is not None:
             grads, finite = scaler.unscale(grads)
         if args.clip > 0 and finite:
-            grads, _ = optim.clip_grad_norm(grads, args.clip)
+            grads, _ = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None)
         if finite:
             params = opt.step(params, grads)
         if scaler is not None:
             scaler.update(finite)
-        value = float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
+        value = loss if pipe is not None else float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
         times.append(time.perf_counter() - t0)
         losses.append(value)
         if bar is not None:
@@ -218,6 +240,11 @@ def train(args: argparse.Namespace) -> dict:
     meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
             "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
     saved = None
+    if pipe is not None and not args.no_checkpoint:
+        args.no_checkpoint = True
+        if rank0 and not args.quiet:
+            print("train.py: no checkpoint with --pp (each stage holds other parameters; dist.save takes one tree "
+                  "on every rank)", flush=True)
     if not args.no_checkpoint:
         saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
     if rank0 and not args.quiet:
@@ -228,8 +255,10 @@ def train(args: argparse.Namespace) -> dict:
               flush=True)
         if saved is not None:
             print(f"checkpoint: {saved.summary()} (dist.load reads it onto any mesh)", flush=True)
-    return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "params": params,
-            "moe": moe_stats}
+        if pipe is not None:
+            print(f"{pipe.stats()}\nmedian measured bubble over the steps {float(np.median(bubbles)):.1%}", flush=True)
+    return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": bubbles,
+            "params": params, "moe": moe_stats}
 
 
 def main(argv=None) -> int:

@@ -241,7 +241,19 @@ class Transformer(Module):
 
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int, *,
                  hidden: int | None = None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
-                 dtype="float32", remat: str = "none", moe: dict | None = None, ep_axis: str = "ep"):
+                 dtype="float32", remat: str = "none", moe: dict | None = None, ep_axis: str = "ep",
+                 pp_axis: str = "pp", stage_of=None, virtual_stages: int = 1):
+        # a mesh with a pp axis splits the blocks over stages (run with dist.Pipeline): this
+        # rank's modules live on its stage's sub-mesh and it builds only its own parameters
+        self.stage_plan = None
+        if mesh is not None and pp_axis in mesh.axes:
+            if moe:
+                raise ValueError(f"Transformer(moe=..., mesh={mesh!r}): MoE blocks in a pipeline (pp x ep) are not "
+                                 f"supported yet (each stage's balance loss would need its own backward seed); "
+                                 f"drop the {pp_axis!r} axis or the moe= blocks")
+            from .pipeline.stages import StagePlan
+            self.stage_plan = StagePlan(mesh, pp_axis, n_layers, stage_of, virtual_stages)
+            mesh = self.stage_plan.stage_mesh
         super().__init__(mesh, tp_axis, dtype)
         if remat not in ("none", "all", "every_other"):
             raise ValueError(f"Transformer(remat={remat!r}): use 'none', 'all' or 'every_other'")
@@ -260,6 +272,8 @@ class Transformer(Module):
         self.head = Linear(d_model, vocab, parallel="column", **kw)
 
     def init(self, seed: int = 0) -> dict:
+        if self.stage_plan is not None:
+            return self.stage_init(seed)
         return {
             "embed": self.embed.init(seed, "embed"),
             "pos": self._place(_rng_normal(seed, "pos", (self.seq_len, self.d), 0.02), None),
@@ -280,6 +294,9 @@ class Transformer(Module):
         return distribute(tokens, layout=spec, mesh=self.mesh)
 
     def logits(self, p: dict, tokens):
+        if self.stage_plan is not None:
+            raise ValueError(f"Transformer: this model is split over pipeline stages ({self.stage_plan}); "
+                             "run it through dist.Pipeline(model, ...).value_and_grad(params, x, y)")
         s = tokens.shape[1]
         x = self.embed(p["embed"], tokens)
         pos = p["pos"] if s == self.seq_len else None
@@ -312,3 +329,59 @@ class Transformer(Module):
         if not auxes:
             return None
         return {"load_cv": [a["load_cv"] for a in auxes], "dropped": sum(a["dropped"] for a in auxes)}
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    def stage_init(self, seed: int = 0) -> dict:
+        """This rank's parameters only: the embedding on virtual stage 0, its blocks, the
+        final norm and head on the last virtual stage (the same values as ``init`` gives)."""
+        plan, p = self.stage_plan, {}
+        if 0 in plan.chunks:
+            p["embed"] = self.embed.init(seed, "embed")
+            p["pos"] = self._place(_rng_normal(seed, "pos", (self.seq_len, self.d), 0.02), None)
+        p["blocks"] = [self.blocks[i].init(seed, f"blocks.{i}") for i in plan.local_layers]
+        if plan.n_virtual - 1 in plan.chunks:
+            p["norm"] = self.norm.init(seed, "norm")
+            p["head"] = self.head.init(seed, "head")
+        return p
+
+    def split_params(self, params: dict) -> list[dict]:
+        """``stage_init``'s tree as one tree per local chunk (virtual stage), in chunk order."""
+        plan, out, at = self.stage_plan, [], 0
+        for vs in plan.chunks:
+            n = len(plan.layers[vs])
+            cp = {"blocks": params["blocks"][at:at + n]}
+            at += n
+            keys = (["embed", "pos"] if vs == 0 else []) + (["norm", "head"] if vs == plan.n_virtual - 1 else [])
+            cp.update({k: params[k] for k in keys})
+            out.append(cp)
+        return out
+
+    def join_params(self, chunks: list[dict]) -> dict:
+        """The inverse of ``split_params``."""
+        p: dict = {"blocks": [b for cp in chunks for b in cp["blocks"]]}
+        for cp in chunks:
+            p.update({k: v for k, v in cp.items() if k != "blocks"})
+        return {k: p[k] for k in ("embed", "pos", "blocks", "norm", "head") if k in p}
+
+    def stage_boundary(self, rows: int) -> tuple:
+        """(global shape, dtype, spec) of the activation between stages for ``rows`` sequences:
+        the batch over dp, replicated over tp."""
+        spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.mesh is not None and self.dp else None
+        return (rows, self.seq_len, self.d), self.dtype, spec
+
+    def stage_forward(self, p: dict, vs: int, h, targets=None):
+        """Virtual stage ``vs`` on its chunk's parameters: token ids in on stage 0 (else the
+        previous stage's activation), the mean loss out on the last stage (else the activation)."""
+        plan = self.stage_plan
+        if vs == 0:
+            h = op.add(self.embed(p["embed"], h), p["pos"])
+        for i, bp in zip(plan.layers[vs], p["blocks"]):
+            remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
+            h = checkpoint(self.blocks[i])(bp, h) if remat else self.blocks[i](bp, h)
+        if vs != plan.n_virtual - 1:
+            return h
+        logits = self.head(p["head"], self.norm(p["norm"], h))
+        if np.dtype(logits.dtype).itemsize < 4:
+            logits = op.astype(logits, "float32")
+        return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))

@@ -46,7 +46,14 @@ from collections import defaultdict
 
 from ._format import human_bytes
 
-__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio"]
+__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles"]
+
+
+def active_profiles() -> list:
+    """The profiles recording now (innermost last)."""
+    from .dist import dispatch as D
+    return [p for p in D._PROF if isinstance(p, Profile)]
+
 
 _COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
 
@@ -329,6 +336,13 @@ class Profile:
                                     "async": False})
         return _Region()
 
+    def span(self, name: str, role: str, t0: float, t1: float) -> None:
+        """Add a finished span (``time.perf_counter()`` times) on its own trace row ``role``
+        (the pipeline's per-micro-batch stage timeline); in the trace only, not in the tables."""
+        self.events.append({"name": name, "cat": "pipeline", "role": role, "t0": t0 - self._epoch,
+                            "t1": t1 - self._epoch, "bytes": 0, "busbytes": 0, "flops": 0,
+                            "key": ("pipeline", name, role, ""), "async": False})
+
     # results ------------------------------------------------------------------
     @property
     def overlap_ratio(self) -> float | None:
@@ -340,6 +354,8 @@ class Profile:
         events = self.events if events is None else events
         agg: dict = defaultdict(lambda: {"calls": 0, "time": 0.0, "bytes": 0, "busbytes": 0, "flops": 0})
         for e in events:
+            if e["cat"] == "pipeline":     # stage timeline spans enclose the ops: trace rows only
+                continue
             dur = e["t1"] - e["t0"]
             if e["cat"] == "op":           # own time: minus the blocking collectives it issued
                 dur -= sum(c["t1"] - c["t0"] for c in events if c["cat"] == "collective" and not c["async"]

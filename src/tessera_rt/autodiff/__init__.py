@@ -11,10 +11,11 @@ Every public op entry point (``op.*``, DTensor operators, the DTensor-aware coll
 ``X.redistribute``) carries one hook (``differentiable``); VJP rules are a table keyed by
 op name (``vjp_rule``).  A DTensor parameter's gradient comes back in its layout.
 """
-from .engine import GRAD_ROLE, checkpoint, grad, tree_flatten, tree_unflatten, value_and_grad, vjp
+from .engine import GRAD_ROLE, checkpoint, grad, reduce_grads, tree_flatten, tree_unflatten, value_and_grad, vjp
 from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, vjp_rule
 
 __all__ = [
     "grad", "value_and_grad", "vjp", "checkpoint", "no_grad", "detach", "is_traced", "Var", "Tape",
     "differentiable", "vjp_rule", "VJPS", "current_tape", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
+    "reduce_grads",
 ]

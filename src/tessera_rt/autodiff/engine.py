@@ -20,7 +20,8 @@ import numpy as np
 
 from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, no_grad, vjp_rule
 
-__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten"]
+__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
+           "reduce_grads"]
 
 GRAD_ROLE = "grad_reduce"
 _RULES_LOADED = []
@@ -220,7 +221,7 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def _trace(fn: Callable, args: tuple, argnums, fn_name: str):
+def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True):
     """Run ``fn`` with the leaves of ``args[argnums]`` traced; returns the pieces of a pullback."""
     _load_rules()
     if STATE.tape is not None:
@@ -241,7 +242,7 @@ def _trace(fn: Callable, args: tuple, argnums, fn_name: str):
             _check_param(x, p, fn_name)
             v = Var(x, tape)
             v.name = p
-            v.finish = finisher
+            v.finish = finisher if reduce else None
             vs.append(v)
         args[n] = tree_unflatten(struct, vs)
         leaf_groups.append((vs, struct))
@@ -258,7 +259,8 @@ def _collect(tape, finisher, leaf_groups, single, allow_unused: bool, fn_name: s
         for v in vs:
             if v.uses > 0:                       # read only by ops after the output
                 v.uses = 0
-                finisher(v)
+                if v.finish is not None:
+                    finisher(v)
     finisher.wait()
     results = []
     for vs, struct in leaf_groups:
@@ -324,11 +326,13 @@ def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool =
     return wrapped_plain
 
 
-def vjp(fn: Callable, *args, allow_unused: bool = True):
+def vjp(fn: Callable, *args, allow_unused: bool = True, reduce: bool = True):
     """``(out, pullback)``: ``pullback(cotangent)`` gives the gradient of ``<out, cotangent>``
-    with respect to every argument (a tuple, one pytree per argument)."""
+    with respect to every argument (a tuple, one pytree per argument).  ``reduce=False``
+    leaves DTensor gradients raw (pending sums over dp/tp not yet all-reduced), for callers
+    that accumulate several pullbacks and reduce once (``reduce_grads``)."""
     name = getattr(fn, "__name__", "fn")
-    tape, finisher, out, groups, _ = _trace(fn, args, tuple(range(len(args))), name)
+    tape, finisher, out, groups, _ = _trace(fn, args, tuple(range(len(args))), name, reduce)
     used = [False]
 
     def pullback(ct):
@@ -343,6 +347,40 @@ def vjp(fn: Callable, *args, allow_unused: bool = True):
         backward(tape, out, ct)
         return _collect(tape, finisher, groups, False, allow_unused, name)
     return (out.value if type(out) is Var else out), pullback
+
+
+class _Leaf:
+    __slots__ = ("value", "grad", "name")
+
+    def __init__(self, value, grad, name):
+        self.value, self.grad, self.name = value, grad, name
+
+
+class _Reduction:
+    """Handle of ``reduce_grads``: ``wait()`` returns the gradients in their parameters' layouts."""
+
+    def __init__(self, leaves, finisher, struct):
+        self._leaves, self._finisher, self._struct = leaves, finisher, struct
+
+    def wait(self):
+        self._finisher.wait()
+        return tree_unflatten(self._struct, [leaf.grad for leaf in self._leaves])
+
+
+def reduce_grads(params, grads) -> _Reduction:
+    """Start bringing raw gradients (from ``vjp(..., reduce=False)``, possibly summed over
+    micro-batches) into their parameters' layouts: each pending sum becomes one async
+    all-reduce on the ``grad_reduce`` role, issued now; ``wait()`` on the handle returns
+    the finished pytree (the same mechanism ``ts.grad`` uses per parameter)."""
+    ps, paths, struct = tree_flatten(params)
+    gs = tree_flatten(grads)[0]
+    if len(gs) != len(ps):
+        raise ValueError(f"reduce_grads: {len(gs)} gradients for {len(ps)} parameters")
+    finisher = _Finisher()
+    leaves = [_Leaf(p, g, path) for p, g, path in zip(ps, gs, paths)]
+    for leaf in leaves:
+        finisher(leaf)
+    return _Reduction(leaves, finisher, struct)
 
 
 # --------------------------------------------------------------------------- checkpoint

@@ -249,7 +249,8 @@ def check(op: str, g, dtype, shape, extra) -> None:
     else:                                 # called from tessera_rt (a DTensor op): walk out
         code, line, meta = user_frame(2)
         if c.metas:
-            meta, c.metas = (meta, frozenset(c.metas)), set()
+            ms, c.metas = _spanning(c.metas, g), set()
+            meta = (meta, ms) if ms else (None if meta is None else (meta, None))
         elif meta is not None:
             meta = (meta, None)
         key = (code, line, op, dtype, shape, extra, meta)
@@ -262,6 +263,14 @@ def check(op: str, g, dtype, shape, extra) -> None:
 
 
 _getframe = sys._getframe
+
+
+def _spanning(metas, g) -> frozenset:
+    """The DTensor metas on meshes that hold every rank of ``g``: ops on a mesh without some
+    of the group's ranks (a pipeline stage's sub-mesh, seen from the pp group) say nothing
+    about what those ranks must agree on."""
+    ranks = g.ranks
+    return frozenset(m for m in metas if m.mesh is None or all(r in m.mesh.devices for r in ranks))
 
 
 def _desc(st, seq, key) -> tuple:

@@ -112,6 +112,18 @@ def _pending_from_stack(frame) -> str:
     return f"an MPI/NCCL call at {_site_of(frame)}"
 
 
+def _note_of(frame) -> str:
+    """What a waiting frame says it waits for: a layer above dist (the pipeline: its stage and
+    micro-batch) leaves a string in a local named ``watchdog_note`` before it waits."""
+    f = frame
+    while f is not None:
+        note = f.f_locals.get("watchdog_note") if f.f_code.co_name != "<module>" else None
+        if isinstance(note, str):
+            return note
+        f = f.f_back
+    return ""
+
+
 def status(blocked_for: float | None = None) -> dict:
     """What this rank is doing now: pending collective (or main-thread stack), its recent calls
     and its flight recorder."""
@@ -128,6 +140,9 @@ def status(blocked_for: float | None = None) -> dict:
         pend = "PENDING " + what + (f" for {blocked_for:.1f} s" if blocked_for else "")
     else:
         pend = what = None
+    note = _note_of(frame) if busy else ""
+    if note:
+        what, pend = f"{what} ({note})", f"{pend} ({note})"
     return {"rank": world().rank, "host": world().host, "pending": pend, "what": what,
             "stack": _frame_summary(frame), "calls": consistency.recent_calls(),
             "flight": [format_call(c, now) for c in cfg.ring]}

@@ -1,0 +1,109 @@
+"""Micro-batch schedules: the ordered list of forward ("F") and backward ("B") actions each
+pipeline stage runs in one step (seed 000 §5.2's wave).
+
+* ``gpipe``: every forward, then every backward (m micro-batches of activations alive).
+* ``1f1b``: ``pp - s - 1`` warm-up forwards, then one forward / one backward in turn, then
+  the remaining backwards (PipeDream-flush / Megatron): at most ``pp - s`` micro-batches
+  alive on stage ``s``, the same bubble as GPipe, ``(pp-1)/(m+pp-1)`` of the step.
+* ``interleaved``: 1F1B over ``v`` chunks per rank (virtual stages ``c * pp + s``), in
+  Megatron-core's order; the bubble falls to ``(pp-1)/(v*m+pp-1)`` for the price of ``v``
+  times as many boundary messages.  Needs ``m % pp == 0``.
+
+An action is ``(kind, chunk, microbatch)``.  ``simulate`` runs the schedules of all stages
+against each other (a stage blocks on an input that is not there yet; sends never block),
+so tests can prove a schedule deadlock-free and read its bubble and peak live activations.
+"""
+from __future__ import annotations
+
+__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate", "theory_bubble"]
+
+Action = tuple  # (kind "F" | "B", chunk, microbatch)
+
+
+def gpipe(pp: int, stage: int, m: int, v: int = 1) -> list[Action]:
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+
+
+def one_f_one_b(pp: int, stage: int, m: int, v: int = 1) -> list[Action]:
+    warm = min(pp - stage - 1, m)
+    acts = [("F", 0, i) for i in range(warm)]
+    for i in range(m - warm):
+        acts += [("F", 0, warm + i), ("B", 0, i)]
+    return acts + [("B", 0, i) for i in range(m - warm, m)]
+
+
+def interleaved(pp: int, stage: int, m: int, v: int = 2) -> list[Action]:
+    if m % pp:
+        raise ValueError(f"interleaved schedule: microbatches={m} must be a multiple of pp={pp}")
+    total = m * v
+
+    def at(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, pp * v)
+        chunk = within // pp
+        return (v - 1 - chunk if backward else chunk), group * pp + within % pp
+
+    warm = total if m == pp else min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    acts = [("F",) + at(k, False) for k in range(warm)]
+    for i in range(total - warm):
+        acts += [("F",) + at(warm + i, False), ("B",) + at(i, True)]
+    return acts + [("B",) + at(i, True) for i in range(total - warm, total)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def schedule_for(name: str):
+    try:
+        return SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown pipeline schedule {name!r}; the schedules are "
+                         f"{', '.join(repr(k) for k in SCHEDULES)}") from None
+
+
+def theory_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
+    """The textbook idle fraction of a stage (equal forward/backward cost per layer)."""
+    v = v if name == "interleaved" else 1
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def simulate(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0) -> dict:
+    """Run every stage's schedule against the others in simulated time (a forward costs
+    ``t_f`` per chunk, a backward ``t_b``, messages are free).  Returns per-stage finish
+    time, busy time, bubble fraction and peak live activations; raises RuntimeError on a
+    deadlock (no stage can run its next action)."""
+    fn = schedule_for(name)
+    vv = v if name == "interleaved" else 1
+    acts = [fn(pp, s, m, vv) for s in range(pp)]
+    nv = pp * vv
+    done: dict = {}                    # (kind, vs, mb) -> finish time
+    pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    live, peak = [0] * pp, [0] * pp
+    left = sum(len(a) for a in acts)
+    while left:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(acts[s]):
+                kind, c, mb = acts[s][pos[s]]
+                vs = c * pp + s
+                deps = [("F", vs, mb)] if kind == "B" else []
+                if kind == "F" and vs > 0:
+                    deps.append(("F", vs - 1, mb))
+                if kind == "B" and vs < nv - 1:
+                    deps.append(("B", vs + 1, mb))
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[s]] + [done[d] for d in deps])
+                cost = t_f if kind == "F" else t_b
+                clock[s] = start + cost
+                busy[s] += cost
+                done[(kind, vs, mb)] = clock[s]
+                live[s] += 1 if kind == "F" else -1
+                peak[s] = max(peak[s], live[s])
+                pos[s] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            stuck = {s: acts[s][pos[s]] for s in range(pp) if pos[s] < len(acts[s])}
+            raise RuntimeError(f"schedule {name!r} (pp={pp}, m={m}, v={vv}) deadlocks: stages wait on {stuck}")
+    end = max(clock)
+    return {"finish": clock, "busy": busy, "bubble": [1 - b / end for b in busy], "peak_live": peak}
