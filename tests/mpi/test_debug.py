@@ -153,6 +153,20 @@ def test_default_mode_catches_dtensors_of_different_global_shapes(world):
     assert float(Y.sum().full_tensor()) == 0.0
 
 
+def test_ops_on_a_ranks_own_sub_mesh_do_not_crowd_out_what_the_ranks_share(world):
+    # a pipeline stage runs other ops on each rank; the metadata the next shared collective
+    # carries must still be the same on every rank (it was capped across all meshes at once)
+    w = world
+    if w.size < 2:
+        pytest.skip("needs 2 ranks")
+    mine = [dist.Mesh(axes=["s"], shape={"s": 1}, devices=[r]) for r in range(w.size)][w.rank]
+    for i in range(20 if w.rank == 1 else 0):
+        dist.distribute(np.zeros(i + 1, np.float32), mesh=mine) + 1.0
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": w.size})
+    X = dist.distribute(np.ones((8, 6), np.float32), dist.ShardSpec(partition=("col",), mesh_axes=("dp",)), mesh)
+    assert float((X * 2.0).sum().full_tensor()) == 96.0
+
+
 def test_debug_mode_names_the_odd_rank_for_a_different_reduction(desync):
     w = desync
     if w.size < 3:

@@ -166,7 +166,10 @@ def mismatch_message(me: int, where: str, descs: list, ranks: list, fix: str) ->
 
 class _Cfg:
     on = True
-    metas: set = set()                # DTensor (global shape, layout) seen by ops since the last collective
+    # DTensor (global shape, layout) seen by ops since the last collective, per mesh (by id),
+    # at most 16 each: a cap shared by all meshes would let a stage's own ops (a pipeline
+    # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
+    metas: dict = {}
     mask = 1023                       # verify when (call count on the group) & mask == 0
     ring: list = [None] * 64          # the last calls of this rank, for the watchdog
     ri = 0
@@ -211,8 +214,12 @@ class _DTensorOps:
         metas = _cfg.metas
         for a in args:
             m = getattr(a, "_meta", None)
-            if m is not None and len(metas) < 16:
-                metas.add(m)
+            if m is not None:
+                on = metas.get(id(m.mesh))
+                if on is None:
+                    metas[id(m.mesh)] = {m}
+                elif len(on) < 16:
+                    on.add(m)
 
     def op_end(self, dec, args, out) -> None:
         pass
@@ -249,7 +256,7 @@ def check(op: str, g, dtype, shape, extra) -> None:
     else:                                 # called from tessera_rt (a DTensor op): walk out
         code, line, meta = user_frame(2)
         if c.metas:
-            ms, c.metas = _spanning(c.metas, g), set()
+            ms, c.metas = _spanning(c.metas, g), {}
             meta = (meta, ms) if ms else (None if meta is None else (meta, None))
         elif meta is not None:
             meta = (meta, None)
@@ -270,7 +277,8 @@ def _spanning(metas, g) -> frozenset:
     of the group's ranks (a pipeline stage's sub-mesh, seen from the pp group) say nothing
     about what those ranks must agree on."""
     ranks = g.ranks
-    return frozenset(m for m in metas if m.mesh is None or all(r in m.mesh.devices for r in ranks))
+    return frozenset(m for on in metas.values() for m in on
+                     if m.mesh is None or all(r in m.mesh.devices for r in ranks))
 
 
 def _desc(st, seq, key) -> tuple:
