@@ -77,9 +77,18 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
     def finished(i: int) -> bool:
         return len(outs[i]) >= max_new_tokens or (eos_token_id is not None and outs[i][-1] == eos_token_id)
 
+    def pages_for(i: int) -> int:
+        # the pages prompt i holds at its longest (a window caps what a sequence keeps)
+        n = len(ps[i]) + max_new_tokens
+        return cache.blocks_needed(n if cache.window is None else min(n, cache.window + cache.block_size))
+
+    def fits(i: int) -> bool:
+        # admit only what can run to the end: no sequence is ever preempted for pages
+        growth = sum(pages_for(j) - cache.pages_of(running[j]) for j in running)
+        return cache.free_blocks - growth >= pages_for(i)
+
     def admit() -> None:
-        while waiting and (max_batch is None or len(running) < max_batch) and \
-                cache.free_blocks >= cache.blocks_needed(len(ps[waiting[0]]) + 1) + len(running):
+        while waiting and (max_batch is None or len(running) < max_batch) and fits(waiting[0]):
             i = waiting.pop(0)
             sid = cache.add()
             pos = cache.reserve(sid, len(ps[i]))
@@ -91,8 +100,8 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
             else:
                 running[i] = sid
         if waiting and not running:
-            raise ValueError(f"generate: prompt {waiting[0]} ({len(ps[waiting[0]])} tokens) does not fit in the "
-                             f"cache's {cache.free_blocks} free blocks of {cache.block_size}; raise max_tokens")
+            raise ValueError(f"generate: prompt {waiting[0]} ({len(ps[waiting[0]])} tokens) needs {pages_for(waiting[0])} "
+                             f"pages of {cache.block_size} and the cache has {cache.free_blocks}; raise max_tokens")
 
     admit()
     while running:

@@ -73,6 +73,10 @@ class KVCache:
     def length(self, sid: int) -> int:
         return self._seqs[sid].length
 
+    def pages_of(self, sid: int) -> int:
+        """Pages sequence ``sid`` holds now (dropped ones not counted)."""
+        return sum(1 for b in self._seqs[sid].blocks if b >= 0)
+
     def blocks_needed(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 

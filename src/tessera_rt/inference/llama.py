@@ -96,7 +96,8 @@ class Llama:
 
         def w(name, rows=None, cols=None, transpose=True):
             a = reader.read(name, rows, cols)
-            return xp.asarray(np.ascontiguousarray(a.T if transpose else a).astype(dt))
+            a = np.ascontiguousarray(a.T if transpose else a).astype(dt, copy=False)
+            return xp.asarray(a)
 
         layers = []
         for i in range(cfg.num_hidden_layers):

@@ -55,16 +55,22 @@ def _best(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def _local_topk(lg: np.ndarray, k: int, v0: int) -> np.ndarray:
-    k = min(k, lg.shape[-1])
-    idx = np.argpartition(-lg, k - 1, axis=-1)[..., :k] if k < lg.shape[-1] else \
-        np.broadcast_to(np.arange(lg.shape[-1]), lg.shape)
-    vals = np.take_along_axis(lg, idx, -1)
-    return np.stack([vals, idx + v0], axis=-1)
+    """``(B, k, 2)`` (value, id) of this rank's k largest; a slice shorter than k pads with
+    (-inf, id 0) so every rank sends the same shape."""
+    n = lg.shape[-1]
+    idx = np.argpartition(-lg, k - 1, axis=-1)[..., :k] if k < n else np.broadcast_to(np.arange(n), lg.shape)
+    pairs = np.stack([np.take_along_axis(lg, idx, -1), idx + v0], axis=-1)
+    if k > n:
+        pad = np.zeros((lg.shape[0], k - n, 2))
+        pad[..., 0] = -np.inf
+        pairs = np.concatenate([pairs, pad], axis=1)
+    return pairs
 
 
 def _global_topk(model, lg: np.ndarray, k: int) -> tuple:
     """The k largest (values, ids) per row over the whole vocabulary, sorted descending."""
-    cand = _gather(model, _local_topk(lg, k, model.shard.vocab.start))
+    k_local = min(k, max(model.shard.vocab_sizes))
+    cand = _gather(model, _local_topk(lg, k_local, model.shard.vocab.start))
     vals, ids = cand[..., 0], cand[..., 1]
     order = np.lexsort((ids, -vals), axis=-1)[..., :k]
     return np.take_along_axis(vals, order, -1), np.take_along_axis(ids, order, -1).astype(np.int64)

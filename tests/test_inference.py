@@ -1,0 +1,167 @@
+"""Single-process inference: nn.Llama against transformers' LlamaForCausalLM (tiny random
+checkpoints built locally), the paged decode-attention reference, the paged cache (decode ==
+full recompute, continuous batching, window), sampling, and the errors for bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tessera_rt import nn
+from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
+from tessera_rt.inference.generate import _decode_attend, _prefill_attend
+from tessera_rt.inference.sampling import sample
+from tessera_rt.kernels import flash_attention, paged_decode_attention
+
+import llama_tiny as L
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    return L.cached_bundle()
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_logits_and_greedy_tokens_equal_transformers(ckpts, name):
+    path, ref = ckpts[name]
+    model = nn.Llama.from_pretrained(path)
+    np.testing.assert_allclose(model.logits(L.LOGIT_IDS), ref["logits"], rtol=1e-4, atol=1e-4)
+    cache = nn.KVCache(model, max_tokens=256, block_size=4)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+    assert cache.stats()["blocks_device"] == 0            # every finished sequence gave its pages back
+
+
+def test_continuous_batching_gives_the_same_tokens(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path)
+    for max_batch in (1, 2):          # sequences wait, then join as others finish
+        cache = nn.KVCache(model, max_tokens=128, block_size=8)
+        assert model.generate(cache, L.PROMPTS, max_new_tokens=32, max_batch=max_batch) == ref["tokens"]
+    # a cache too small for all three at once still serves them, by admitting them in turn
+    cache = nn.KVCache(model, max_tokens=56, block_size=8)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+
+
+def test_decode_through_the_cache_equals_full_recompute(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["A"][0])
+    cache = nn.KVCache(model, max_tokens=64, block_size=4)
+    seqs = [np.array(p) for p in L.PROMPTS[:2]]
+    sids = []
+    for s in seqs:
+        sid = cache.add()
+        pos = cache.reserve(sid, len(s))
+        model.hidden(s[None], pos[None], _prefill_attend(cache, sid, pos[None]))
+        sids.append(sid)
+    nxt = np.array([[7], [42]])
+    for _ in range(5):                 # several steps, both sequences together, different lengths
+        pos = np.stack([cache.reserve(s, 1) for s in sids])
+        got = model.local_logits(model.hidden(nxt, pos, _decode_attend(model, cache, sids, pos)))[:, -1]
+        seqs = [np.append(s, t) for s, t in zip(seqs, nxt[:, 0])]
+        for g, s in zip(got, seqs):
+            np.testing.assert_allclose(g, model.logits(s[None])[0, -1], rtol=1e-5, atol=1e-5)
+        nxt = got.argmax(-1)[:, None]
+
+
+def _pages(rng, lens, bs, hkv, d, nb=40):
+    perm = rng.permutation(nb)
+    tables = np.full((len(lens), max(-(-n // bs) for n in lens)), -1, np.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k]
+        used += k
+    kp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    vp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    return tables, kp, vp
+
+
+def _gathered(p, table, n, bs):
+    return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
+
+
+@pytest.mark.parametrize("h,hkv,bs", [(4, 4, 4), (8, 2, 16), (6, 1, 3)])
+def test_paged_decode_kernel_reference_matches_flash_attention(h, hkv, bs):
+    rng = np.random.default_rng(h * bs)
+    lens, d = [1, 13, 40], 16
+    tables, kp, vp = _pages(rng, lens, bs, hkv, d)
+    q = rng.standard_normal((3, h, d)).astype(np.float32)
+    starts = np.array([0, 5, 31], np.int32)
+    for st in (None, starts):
+        got = paged_decode_attention(q, kp, vp, tables, np.array(lens, np.int32), seq_starts=st)
+        for i, n in enumerate(lens):
+            lo = 0 if st is None else st[i]
+            k, v = (_gathered(p, tables[i], n, bs)[:, lo:] for p in (kp, vp))
+            want = flash_attention(q[i][None, :, None], k[None], v[None])[0, :, 0]
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_window_drops_stale_pages_and_limits_look_back(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["B"][0])
+    cache = nn.KVCache(model, max_tokens=64, block_size=4, window=6)
+    sid = cache.add()
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((2, 1, model.n_kv, 20, 8)).astype(np.float32)
+    for t in range(20):
+        pos = cache.reserve(sid, 1)[None]
+        cache.write(0, [sid], pos, kv[0][..., t:t + 1, :], kv[1][..., t:t + 1, :])
+    tables, lens, starts = cache.tables([sid])
+    assert int(starts[0]) == 14 and (tables[0, :3] == -1).all()     # positions 0..11 dropped: 3 pages back
+    assert cache.free_blocks == cache.num_blocks - 2
+    q = rng.standard_normal((1, model.n_heads, 8)).astype(np.float32)
+    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, seq_starts=starts)
+    want = flash_attention(q[:, :, None], kv[0][..., 14:, :], kv[1][..., 14:, :])[:, :, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # generation with a window runs past the cache's size: stale pages are recycled
+    out = model.generate(nn.KVCache(model, max_tokens=16, block_size=4, window=8), [[1, 2, 3]], max_new_tokens=40)
+    assert len(out[0]) == 40
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_top_p(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["B"][0])
+    cache = nn.KVCache(model, max_tokens=256)
+    kw = dict(max_new_tokens=12, temperature=0.9, seed=5)
+    a = model.generate(cache, L.PROMPTS, **kw)
+    assert a == model.generate(cache, L.PROMPTS, **kw)
+    assert a != model.generate(cache, L.PROMPTS, **dict(kw, seed=6))
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1) == \
+        model.generate(cache, L.PROMPTS, max_new_tokens=8)
+    # the sampler on fixed logits: frequencies follow softmax(l / T) restricted as asked
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05] + [1e-9] * 92], np.float32))
+    draw = lambda **k: np.array([sample(model, logits, keys=[(0, s)], seed=1, **k)[0] for s in range(3000)])
+    freq = np.bincount(draw(temperature=1.0), minlength=97)[:5] / 3000
+    np.testing.assert_allclose(freq, [0.5, 0.2, 0.15, 0.1, 0.05], atol=0.03)
+    assert set(draw(temperature=1.0, top_k=2)) == {0, 1}
+    assert set(draw(temperature=1.0, top_p=0.8)) == {0, 1, 2}           # 0.5 + 0.2 < 0.8 <= 0.85
+
+
+def test_bad_inputs_raise_clear_errors(ckpts, tmp_path):
+    path = ckpts["B"][0]
+    with pytest.raises(ValueError, match="no config.json"):
+        nn.Llama.from_pretrained(tmp_path)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(path / "config.json", bare)
+    with pytest.raises(ValueError, match="has no weights"):
+        nn.Llama.from_pretrained(bare)
+    cfg = json.loads((path / "config.json").read_text())
+    for field, val, msg in (("model_type", "gpt2", "model_type"), ("hidden_act", "gelu", "hidden_act"),
+                            ("num_key_value_heads", 4, "num_key_value_heads"), ("vocab_size", 0, "vocab_size")):
+        with pytest.raises(ValueError, match=msg):
+            LlamaConfig.from_dict(dict(cfg, **{field: val}))
+    c = LlamaConfig.from_dict(cfg)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by the mesh's tp=4"):
+        TPShard.of(c, 4, 0)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and tp=2"):
+        TPShard.of(c, 2, 0)
+    model = Llama.from_pretrained(path)
+    cache = KVCache(model, max_tokens=32, block_size=4)
+    with pytest.raises(ValueError, match="more than the cache holds"):
+        model.generate(cache, [list(range(30))], max_new_tokens=8)
+    with pytest.raises(ValueError, match="token id 97 is outside the vocabulary"):
+        model.generate(cache, [[1, 97]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(cache, [[1]], max_new_tokens=4, top_p=1.5)
+    with pytest.raises(ValueError, match="non-empty list of ints"):
+        model.generate(cache, [[]], max_new_tokens=4)
