@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def ckpts():
+    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
     return L.cached_bundle()
 
 
@@ -165,3 +166,19 @@ def test_bad_inputs_raise_clear_errors(ckpts, tmp_path):
         model.generate(cache, [[1]], max_new_tokens=4, top_p=1.5)
     with pytest.raises(ValueError, match="non-empty list of ints"):
         model.generate(cache, [[]], max_new_tokens=4)
+
+
+def test_generate_script_prints_the_tokens_last(ckpts):
+    import subprocess
+    import sys
+    from pathlib import Path
+    path, ref = ckpts["A"]
+    root = Path(__file__).resolve().parents[1]
+    cmd = ["timeout", "-k", "5", "150", str(Path(sys.executable).parent / "tessera-run"), "-n", "2",
+           str(root / "scripts" / "generate.py"), "--model", str(path), "--prompt-ids",
+           ",".join(map(str, L.PROMPTS[0])), "--max-new-tokens", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
+    bad = subprocess.run(cmd[:-1] + ["5000"], capture_output=True, text=True, cwd=root)
+    assert bad.returncode != 0 and "more than the cache holds" in bad.stderr

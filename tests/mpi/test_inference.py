@@ -33,8 +33,17 @@ def mesh_for(tp):
 @pytest.fixture(scope="module")
 def ckpts():
     """Rank 0 builds (or finds) the checkpoints and transformers' outputs; only it may import torch."""
-    data = {n: (str(p), r) for n, (p, r) in L.cached_bundle().items()} if RANK == 0 else None
-    return COMM.bcast(data)
+    data = None
+    if RANK == 0:
+        try:
+            import torch  # noqa: F401
+            data = {n: (str(p), r) for n, (p, r) in L.cached_bundle().items()}
+        except ImportError:
+            pass
+    data = COMM.bcast(data)
+    if data is None:          # every rank skips together
+        pytest.skip("the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
+    return data
 
 
 @pytest.mark.parametrize("tp", TPS)
