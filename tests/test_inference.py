@@ -107,11 +107,12 @@ def test_window_drops_stale_pages_and_limits_look_back(ckpts):
     for t in range(20):
         pos = cache.reserve(sid, 1)[None]
         cache.write(0, [sid], pos, kv[0][..., t:t + 1, :], kv[1][..., t:t + 1, :])
-    tables, lens, starts = cache.tables([sid])
-    assert int(starts[0]) == 14 and (tables[0, :3] == -1).all()     # positions 0..11 dropped: 3 pages back
+    step = cache.step([sid])
+    kp, vp, tables = step.layer(0)
+    assert int(step.starts[0]) == 14 and (tables[0, :3] == -1).all()     # positions 0..11 dropped: 3 pages back
     assert cache.free_blocks == cache.num_blocks - 2
     q = rng.standard_normal((1, model.n_heads, 8)).astype(np.float32)
-    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, seq_starts=starts)
+    got = paged_decode_attention(q, kp, vp, tables, step.lens, seq_starts=step.starts)
     want = flash_attention(q[:, :, None], kv[0][..., 14:, :], kv[1][..., 14:, :])[:, :, 0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # generation with a window runs past the cache's size: stale pages are recycled
@@ -182,3 +183,28 @@ def test_generate_script_prints_the_tokens_last(ckpts):
     assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
     bad = subprocess.run(cmd[:-1] + ["5000"], capture_output=True, text=True, cwd=root)
     assert bad.returncode != 0 and "more than the cache holds" in bad.stderr
+
+
+def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path)
+    # 3 prompts, up to 49 positions each, 4-position pages: a device budget of 16 positions holds a
+    # few pages per layer; the rest live on the host and come back through the staging area
+    cache = nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=16)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+    st = cache.stats()
+    assert st["moved_to_host"] > 10 and 0 < st["hit_ratio"] < 0.5, st
+    assert cache.k.shape[0] == model.config.num_hidden_layers * 4 + 2 * (48 - 4)   # budget + two staging layers
+    assert st["blocks_device"] == st["blocks_host"] == 0                          # all pages back in the pool
+    # one sequence, budget a quarter of its context: the hot tier serves the recent quarter
+    cache = nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=32)
+    out = model.generate(cache, [L.PROMPTS[2]], max_new_tokens=100)
+    assert out == model.generate(nn.KVCache(model, max_tokens=128, block_size=4), [L.PROMPTS[2]], max_new_tokens=100)
+    assert 0.25 < cache.stats()["hit_ratio"] < 0.6
+    # with a window inside the budget nothing leaves the device
+    cache = nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=32, window=24)
+    model.generate(cache, [L.PROMPTS[2]], max_new_tokens=100)
+    assert cache.stats()["hit_ratio"] == 1.0 and cache.stats()["moved_to_host"] == 0
+    with pytest.raises(ValueError, match="holds only the last page"):
+        model.generate(nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=4), L.PROMPTS,
+                       max_new_tokens=4)

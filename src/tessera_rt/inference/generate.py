@@ -42,11 +42,12 @@ def check_prompts(model, cache, prompts: Sequence[Sequence[int]], max_new_tokens
 def _decode_attend(model, cache, sids, pos):
     kernel = get_backend().kernel("paged_decode_attention")
 
+    step = cache.step(sids)
+
     def attend(layer, q, k, v):
         cache.write(layer, sids, pos, k, v)
-        tables, lens, starts = cache.tables(sids)
-        o = kernel(model.xp.ascontiguousarray(q[:, :, 0]), cache.k[layer], cache.v[layer], tables, lens,
-                   seq_starts=starts)
+        kp, vp, tables = step.layer(layer)
+        o = kernel(model.xp.ascontiguousarray(q[:, :, 0]), kp, vp, tables, step.lens, seq_starts=step.starts)
         return o[:, :, None]
     return attend
 

@@ -1,34 +1,105 @@
-"""``nn.KVCache``: a paged key/value cache (vLLM's block tables), sharded over tp by kv heads.
+"""``nn.KVCache``: a paged key/value cache (vLLM's block tables), sharded over tp by kv heads,
+with a host tier (seed 000 §3.2: recent chunks on the device, old ones spilled to the host).
 
-Keys and values of every layer live in pages of ``block_size`` positions:
-``k[layer] (num_blocks, kv_heads_local, block_size, head_dim)``.  A sequence owns a list of
-pages (its block table); position ``j`` sits in page ``table[j // block_size]`` at row
-``j % block_size``.  Pages are taken from a free list as a sequence grows and returned when it
-finishes, so sequences of different lengths share one pool and may join or leave between
-decode steps (continuous batching).  Each tp rank holds only its own kv heads (the cache is
-chunked by time into pages and sharded by heads, seed 000 §3.2).
+A sequence owns a list of pages (its block table); position ``j`` sits in page
+``table[j // block_size]`` at row ``j % block_size``.  Pages come from a free list as a
+sequence grows and go back when it finishes, so sequences of different lengths share one
+pool and may join or leave between decode steps (continuous batching).  Each tp rank holds
+only its own kv heads: the cache is chunked by time into pages and sharded by heads.
+
+Tiers.  ``device_budget_tokens`` caps the pages kept on the device.  Beyond it the oldest
+pages move to host memory (pinned on a GPU), every layer of them at once.  A decode step
+reads a host page from a staging area on the device: before layer ``l`` computes, the host
+pages of layer ``l + 1`` are copied into the other half of a double-buffered staging area on
+the ``io`` stream (prefetch one layer ahead, §3.2.4), and layer ``l + 1`` waits on that
+copy's event.  The device holds ``layers x budget`` pages plus two layers' worth of staging,
+instead of ``layers x all`` pages.  ``stats()`` counts page reads served from each tier.
+
+The device pool is one flat array of pages so the paged kernel reads both tiers through one
+table: layer ``l``'s device slot ``s`` is page ``l * n_dev + s``; staging buffer ``b``'s slot
+``h`` is page ``layers * n_dev + b * n_host + h``.
 
 ``window=W`` limits look-back (§3.5.2): a decode query sees the last ``W`` positions, and a
-page whose positions are all older than that is dropped (returned to the pool, its table
-entry set to -1).
+page whose positions are all older than that is dropped (freed, its table entry set to -1).
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["KVCache"]
+from .. import runtime as rt
+
+__all__ = ["KVCache", "DecodeStep"]
 
 
 @dataclass
 class _Seq:
-    blocks: list = field(default_factory=list)   # page ids; -1 where the window dropped a page
+    blocks: list = field(default_factory=list)   # logical page ids; -1 where the window dropped one
     length: int = 0                               # positions written
     start: int = 0                                # first position a query may see
+
+
+def _host_empty(xp, shape, dtype):
+    if xp is np:
+        return np.zeros(shape, dtype)
+    import cupyx                                  # pinned host memory: async copies on the io stream
+    a = cupyx.zeros_pinned(shape, dtype)
+    return a
+
+
+class DecodeStep:
+    """Block tables of one decode step, per layer, with the host pages staged one layer ahead."""
+
+    def __init__(self, cache: "KVCache", sids: Sequence[int]):
+        self.cache, c = cache, cache
+        seqs = [c._seqs[s] for s in sids]
+        mb = max(1, max(len(s.blocks) for s in seqs))
+        logical = np.full((len(seqs), mb), -1, np.int64)
+        for i, s in enumerate(seqs):
+            logical[i, :len(s.blocks)] = s.blocks
+        live = logical >= 0
+        page = np.where(live, logical, 0)
+        self.on_host = live & c._on_host[page]
+        self.slot = c._slot[page]
+        self.live = live
+        self.host_slots = np.unique(self.slot[self.on_host])
+        xp = c.model.xp
+        self.lens = xp.asarray(np.array([s.length for s in seqs], np.int32))
+        self.starts = xp.asarray(np.array([s.start for s in seqs], np.int32))
+        self._events: dict[int, Any] = {}
+        n_live, n_host = int(live.sum()), int(self.on_host.sum())
+        c._reads["pages"] += n_live * c.layers
+        c._reads["device"] += (n_live - n_host) * c.layers
+        self._prefetch(0)
+
+    def _prefetch(self, layer: int) -> None:
+        c = self.cache
+        if layer >= c.layers or not len(self.host_slots) or layer in self._events:
+            return
+        io, compute = rt.stream("io"), rt.stream("compute")
+        io.wait_event(compute.record())            # the staging half was last read by layer - 2
+        with io:
+            base = c.layers * c.n_dev + (layer % 2) * c.n_host
+            dst = base + self.host_slots
+            c.k[dst] = c.model.xp.asarray(c.host_k[layer, self.host_slots])
+            c.v[dst] = c.model.xp.asarray(c.host_v[layer, self.host_slots])
+        self._events[layer] = io.record()
+
+    def layer(self, layer: int) -> tuple:
+        """``(k_pages, v_pages, block_tables)`` for ``layer``; prefetches ``layer + 1``'s host pages."""
+        c = self.cache
+        ev = self._events.pop(layer, None)
+        if ev is not None:
+            rt.stream("compute").wait_event(ev)
+        self._prefetch(layer + 1)
+        t = np.where(self.on_host, c.layers * c.n_dev + (layer % 2) * c.n_host + self.slot,
+                     layer * c.n_dev + self.slot)
+        t = np.where(self.live, t, -1).astype(np.int32)
+        return c.k, c.v, c.model.xp.asarray(t)
 
 
 class KVCache:
@@ -41,21 +112,36 @@ class KVCache:
                 raise ValueError(f"nn.KVCache: {name} must be a positive int, got {val!r}")
         if window is not None and (not isinstance(window, (int, np.integer)) or window <= 0):
             raise ValueError(f"nn.KVCache: window must be a positive int or None, got {window!r}")
-        if device_budget_tokens is not None and device_budget_tokens <= 0:
-            raise ValueError(f"nn.KVCache: device_budget_tokens must be positive or None, got {device_budget_tokens}")
+        if device_budget_tokens is not None and (not isinstance(device_budget_tokens, (int, np.integer))
+                                                 or device_budget_tokens < block_size):
+            raise ValueError(f"nn.KVCache: device_budget_tokens must be an int >= block_size={block_size} or None, "
+                             f"got {device_budget_tokens!r}")
         cfg = model.config
         self.model, self.block_size, self.window = model, int(block_size), window
+        self.layers = cfg.num_hidden_layers
         self.num_blocks = math.ceil(max_tokens / block_size)
         self.max_tokens = self.num_blocks * self.block_size
-        self.device_budget_tokens = device_budget_tokens
+        self.n_dev = self.num_blocks if device_budget_tokens is None else \
+            min(self.num_blocks, device_budget_tokens // self.block_size)
+        self.n_host = self.num_blocks - self.n_dev
+        self.device_budget_tokens = self.n_dev * self.block_size
         self.dtype = np.dtype(model.dtype if dtype is None else dtype)
         xp = model.xp
-        shape = (cfg.num_hidden_layers, self.num_blocks, model.n_kv, self.block_size, cfg.head_dim)
-        self.k, self.v = xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype)
-        self._free: deque = deque(range(self.num_blocks))
+        page = (model.n_kv, self.block_size, cfg.head_dim)
+        flat = self.layers * self.n_dev + 2 * self.n_host           # device pages + two staging layers
+        self.k, self.v = xp.zeros((flat,) + page, self.dtype), xp.zeros((flat,) + page, self.dtype)
+        host = (self.layers, self.n_host) + page
+        self.host_k, self.host_v = _host_empty(xp, host, self.dtype), _host_empty(xp, host, self.dtype)
+        self._on_host = np.zeros(self.num_blocks, bool)
+        self._slot = np.zeros(self.num_blocks, np.int64)
+        self._free: deque = deque(range(self.num_blocks))            # logical pages
+        self._dev_free: deque = deque(range(self.n_dev))
+        self._host_free: deque = deque(range(self.n_host))
+        self._dev_order: OrderedDict = OrderedDict()                 # device pages, oldest first
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
-        self._reads = {"blocks": 0, "hits": 0}
+        self._reads = {"pages": 0, "device": 0}
+        self.moved_to_host = 0
 
     # ---- sequences -------------------------------------------------------------------------
     def add(self) -> int:
@@ -67,8 +153,9 @@ class KVCache:
 
     def free(self, sid: int) -> None:
         """Finish sequence ``sid``: its pages go back to the pool."""
-        s = self._seqs.pop(sid)
-        self._free.extend(b for b in s.blocks if b >= 0)
+        for b in self._seqs.pop(sid).blocks:
+            if b >= 0:
+                self._release(b)
 
     def length(self, sid: int) -> int:
         return self._seqs[sid].length
@@ -92,19 +179,51 @@ class KVCache:
             raise ValueError(f"nn.KVCache: out of pages: sequence {sid} needs {need} more blocks of "
                              f"{self.block_size} and {len(self._free)} are free (max_tokens={self.max_tokens}); "
                              "give the cache more max_tokens or decode fewer sequences at once")
-        s.blocks.extend(self._free.popleft() for _ in range(need))
+        s.blocks.extend(self._allocate() for _ in range(need))
         pos = np.arange(s.length, s.length + n)
         s.length += n
         if self.window is not None:
-            self._drop_stale(s)
+            s.start = max(0, s.length - self.window)
+            for j in range(s.start // self.block_size):
+                if s.blocks[j] >= 0:
+                    self._release(s.blocks[j])
+                    s.blocks[j] = -1
         return pos
 
-    def _drop_stale(self, s: _Seq) -> None:
-        s.start = max(0, s.length - self.window)
-        for j in range(s.start // self.block_size):
-            if s.blocks[j] >= 0:
-                self._free.append(s.blocks[j])
-                s.blocks[j] = -1
+    def _allocate(self) -> int:
+        page = self._free.popleft()
+        if not self._dev_free:
+            self._evict_oldest()
+        self._on_host[page], self._slot[page] = False, self._dev_free.popleft()
+        self._dev_order[page] = None
+        return page
+
+    def _release(self, page: int) -> None:
+        (self._host_free if self._on_host[page] else self._dev_free).append(int(self._slot[page]))
+        self._dev_order.pop(page, None)
+        self._free.append(page)
+
+    def _evict_oldest(self) -> None:
+        """Move the oldest full device page, every layer of it, to a host slot on the io stream.
+        A sequence's last page (the one decode writes into) stays on the device."""
+        tails = {s.blocks[-1] for s in self._seqs.values() if s.blocks}
+        page = next((p for p in self._dev_order if p not in tails), None)
+        if page is None:
+            raise ValueError(f"nn.KVCache: device_budget_tokens={self.device_budget_tokens} holds only the last page "
+                             f"of each of {len(tails)} running sequences; raise the budget to at least "
+                             f"{(len(tails) + 1) * self.block_size} tokens or decode fewer sequences at once")
+        del self._dev_order[page]
+        slot, hslot = int(self._slot[page]), self._host_free.popleft()
+        src = np.arange(self.layers) * self.n_dev + slot
+        io = rt.stream("io")
+        io.wait_event(rt.stream("compute").record())      # after the writes into the page
+        with io:
+            self.host_k[:, hslot] = _to_host(self.k[src])
+            self.host_v[:, hslot] = _to_host(self.v[src])
+        rt.stream("compute").wait_event(io.record())      # before the slot is overwritten
+        self._on_host[page], self._slot[page] = True, hslot
+        self._dev_free.append(slot)
+        self.moved_to_host += 1
 
     # ---- data ------------------------------------------------------------------------------
     def write(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
@@ -114,30 +233,37 @@ class KVCache:
         rows = np.asarray(positions) % bs
         kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)         # (B, S, Hkv_l, D)
         keep = pages >= 0                        # a prefill longer than the window drops its oldest pages
-        self.k[layer, pages[keep], :, rows[keep]] = kk[keep]
-        self.v[layer, pages[keep], :, rows[keep]] = vv[keep]
+        pg, rw = pages[keep], rows[keep]
+        host = self._on_host[pg]
+        slot = self._slot[pg]
+        dev = ~host
+        if dev.all():
+            self.k[layer * self.n_dev + slot, :, rw] = kk[keep]
+            self.v[layer * self.n_dev + slot, :, rw] = vv[keep]
+            return
+        kh, vh = kk[keep], vv[keep]
+        self.k[layer * self.n_dev + slot[dev], :, rw[dev]] = kh[dev]
+        self.v[layer * self.n_dev + slot[dev], :, rw[dev]] = vh[dev]
+        self.host_k[layer, slot[host], :, rw[host]] = _to_host(kh[host])
+        self.host_v[layer, slot[host], :, rw[host]] = _to_host(vh[host])
 
-    def tables(self, sids: Sequence[int]) -> tuple:
-        """``(block_tables (B, max_blocks) int32, seq_lens (B,) int32, seq_starts (B,) int32)``."""
-        seqs = [self._seqs[s] for s in sids]
-        mb = max(1, max(len(s.blocks) for s in seqs))
-        t = np.full((len(seqs), mb), -1, np.int32)
-        for i, s in enumerate(seqs):
-            t[i, :len(s.blocks)] = s.blocks
-            n_read = sum(1 for b in s.blocks if b >= 0)
-            self._reads["blocks"] += n_read
-            self._reads["hits"] += n_read
-        lens = np.array([s.length for s in seqs], np.int32)
-        starts = np.array([s.start for s in seqs], np.int32)
-        xp = self.model.xp
-        return xp.asarray(t), xp.asarray(lens), xp.asarray(starts)
+    def step(self, sids: Sequence[int]) -> DecodeStep:
+        """The tables of a decode step over ``sids`` (call after ``reserve``)."""
+        return DecodeStep(self, sids)
 
     def stats(self) -> dict:
-        """Blocks in use, free blocks, bytes per tier and the hot-tier hit ratio of block reads."""
-        used = self.num_blocks - len(self._free)
-        per_block = 2 * self.k[0, 0].nbytes * self.k.shape[0]
-        reads = self._reads["blocks"]
-        return {"sequences": len(self._seqs), "blocks_device": used, "blocks_host": 0,
-                "blocks_free": len(self._free), "bytes_device": used * per_block, "bytes_host": 0,
-                "bytes_per_token": per_block // self.block_size,
-                "hit_ratio": 1.0 if reads == 0 else self._reads["hits"] / reads}
+        """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer)."""
+        page_bytes = 2 * self.k[0].nbytes
+        dev, host = self.n_dev - len(self._dev_free), self.n_host - len(self._host_free)
+        reads = self._reads["pages"]
+        return {"sequences": len(self._seqs), "blocks_device": dev, "blocks_host": host,
+                "blocks_free": len(self._free), "bytes_device": dev * self.layers * page_bytes,
+                "bytes_host": host * self.layers * page_bytes,
+                "bytes_staging": 2 * self.n_host * page_bytes,
+                "bytes_per_token": self.layers * page_bytes // self.block_size,
+                "moved_to_host": self.moved_to_host,
+                "hit_ratio": 1.0 if reads == 0 else self._reads["device"] / reads}
+
+
+def _to_host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
