@@ -63,7 +63,7 @@ def test_logits_and_greedy_tokens_equal_transformers(ckpts, name, tp):
     assert spill.stats()["moved_to_host"] > 0
 
 
-@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("tp", [t for t in TPS if t > 1] or [1])      # tp=1 is the single-process run itself
 def test_sampled_tokens_are_the_same_on_any_mesh(ckpts, tp):
     name = "A" if tp in ALLOWED["A"] else "B"
     path = ckpts[name][0]
