@@ -208,3 +208,39 @@ def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):
     with pytest.raises(ValueError, match="holds only the last page"):
         model.generate(nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=4), L.PROMPTS,
                        max_new_tokens=4)
+
+
+STANDIN_SCRIPT = """
+import json, sys
+import llama_tiny as L
+from tessera_rt import nn
+from tessera_rt.backend import get_backend
+assert get_backend().is_gpu
+out = {}
+for name in ("A", "big"):          # A: head_dim 8 (the reference kernel); big: head_dim 32 (the RawKernel)
+    m = nn.Llama.from_pretrained(sys.argv[1] if name == "A" else sys.argv[2])
+    c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=16)
+    out[name] = m.generate(c, L.PROMPTS[:2], max_new_tokens=5)
+    assert c.stats()["moved_to_host"] > 0
+print(json.dumps(out))
+"""
+
+
+def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
+    """The cuda backend's path (CuPy arrays, the paged RawKernel run by the emulation harness,
+    pinned-host tier) on the strict CuPy stand-in gives the CPU backend's tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from conftest import mpi_env, standin_env
+    here = Path(__file__).resolve().parent
+    env = mpi_env(1, "cuda", standin_env())
+    env["PYTHONPATH"] = env["PYTHONPATH"] + ":" + str(here)
+    proc = subprocess.run(["timeout", "-k", "5", "170", sys.executable, "-c", STANDIN_SCRIPT, str(ckpts["A"][0]),
+                           str(ckpts["big"][0])], capture_output=True, text=True, env=env, cwd=here)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["A"] == [t[:5] for t in ckpts["A"][1]["tokens"][:2]]
+    big = nn.Llama.from_pretrained(ckpts["big"][0])
+    assert got["big"] == big.generate(nn.KVCache(big, max_tokens=192, block_size=4), L.PROMPTS[:2], max_new_tokens=5)

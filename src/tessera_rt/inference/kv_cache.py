@@ -44,11 +44,14 @@ class _Seq:
 
 
 def _host_empty(xp, shape, dtype):
-    if xp is np:
+    """Host pages: pinned on a GPU (so the io stream's copies are asynchronous); plain memory on
+    the CPU backend, or where the array module has no pinned allocator (the copies then block)."""
+    n = int(np.prod(shape))
+    alloc = getattr(getattr(xp, "cuda", None), "alloc_pinned_memory", None)
+    if xp is np or n == 0 or alloc is None:
         return np.zeros(shape, dtype)
-    import cupyx                                  # pinned host memory: async copies on the io stream
-    a = cupyx.zeros_pinned(shape, dtype)
-    return a
+    mem = alloc(n * np.dtype(dtype).itemsize)
+    return np.frombuffer(mem, dtype, n).reshape(shape)
 
 
 class DecodeStep:
@@ -83,10 +86,10 @@ class DecodeStep:
         io, compute = rt.stream("io"), rt.stream("compute")
         io.wait_event(compute.record())            # the staging half was last read by layer - 2
         with io:
-            base = c.layers * c.n_dev + (layer % 2) * c.n_host
-            dst = base + self.host_slots
-            c.k[dst] = c.model.xp.asarray(c.host_k[layer, self.host_slots])
-            c.v[dst] = c.model.xp.asarray(c.host_v[layer, self.host_slots])
+            dst = c.layers * c.n_dev + (layer % 2) * c.n_host + self.host_slots
+            xp = c.model.xp
+            _put(xp, c.k, dst, xp.asarray(c.host_k[layer, self.host_slots]))
+            _put(xp, c.v, dst, xp.asarray(c.host_v[layer, self.host_slots]))
         self._events[layer] = io.record()
 
     def layer(self, layer: int) -> tuple:
@@ -218,8 +221,8 @@ class KVCache:
         io = rt.stream("io")
         io.wait_event(rt.stream("compute").record())      # after the writes into the page
         with io:
-            self.host_k[:, hslot] = _to_host(self.k[src])
-            self.host_v[:, hslot] = _to_host(self.v[src])
+            self.host_k[:, hslot] = _to_host(_take(self.model.xp, self.k, src))
+            self.host_v[:, hslot] = _to_host(_take(self.model.xp, self.v, src))
         rt.stream("compute").wait_event(io.record())      # before the slot is overwritten
         self._on_host[page], self._slot[page] = True, hslot
         self._dev_free.append(slot)
@@ -228,24 +231,28 @@ class KVCache:
     # ---- data ------------------------------------------------------------------------------
     def write(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
         """Store ``k, v (B, Hkv_l, S, D)`` of sequences ``sids`` at ``positions (B, S)``."""
-        bs = self.block_size
+        bs, xp = self.block_size, self.model.xp
         pages = np.array([[self._seqs[sid].blocks[p // bs] for p in row] for sid, row in zip(sids, positions)])
-        rows = np.asarray(positions) % bs
-        kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)         # (B, S, Hkv_l, D)
+        rows = (np.asarray(positions) % bs).ravel()
+        b, hkv, n, d = k.shape
+        kk = k.transpose(0, 2, 1, 3).reshape(b * n, hkv, d)               # (B*S, Hkv_l, D)
+        vv = v.transpose(0, 2, 1, 3).reshape(b * n, hkv, d)
+        pages = pages.ravel()
         keep = pages >= 0                        # a prefill longer than the window drops its oldest pages
-        pg, rw = pages[keep], rows[keep]
-        host = self._on_host[pg]
-        slot = self._slot[pg]
-        dev = ~host
-        if dev.all():
-            self.k[layer * self.n_dev + slot, :, rw] = kk[keep]
-            self.v[layer * self.n_dev + slot, :, rw] = vv[keep]
-            return
-        kh, vh = kk[keep], vv[keep]
-        self.k[layer * self.n_dev + slot[dev], :, rw[dev]] = kh[dev]
-        self.v[layer * self.n_dev + slot[dev], :, rw[dev]] = vh[dev]
-        self.host_k[layer, slot[host], :, rw[host]] = _to_host(kh[host])
-        self.host_v[layer, slot[host], :, rw[host]] = _to_host(vh[host])
+        host, slot = self._on_host[pages] & keep, self._slot[np.maximum(pages, 0)]
+        dev = keep & ~host
+        # page-row (p, r) of head h: row (p * Hkv + h) * bs + r of the pool seen as (-1, D)
+        for mask, pool, base in ((dev, (self.k, self.v), layer * self.n_dev), (host, None, None)):
+            if not mask.any():
+                continue
+            sel = np.flatnonzero(mask)
+            if pool is None:
+                self.host_k[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, kk, sel))
+                self.host_v[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, vv, sel))
+                continue
+            idx = ((base + slot[sel])[:, None] * hkv + np.arange(hkv)) * bs + rows[sel][:, None]
+            for dst, src in zip(pool, (kk, vv)):
+                _put(xp, dst.reshape(-1, d), idx, _take(xp, src, sel))
 
     def step(self, sids: Sequence[int]) -> DecodeStep:
         """The tables of a decode step over ``sids`` (call after ``reserve``)."""
@@ -267,3 +274,15 @@ class KVCache:
 
 def _to_host(a):
     return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _put(xp, dst, index: np.ndarray, values) -> None:
+    """``dst[index] = values`` along dst's first axis, as a flat ``put`` (element indices made on
+    the host): one scatter that CuPy and NumPy both run in place on a contiguous ``dst``."""
+    inner = int(np.prod(dst.shape[1:]))
+    flat = (np.asarray(index, np.int64).reshape(-1, 1) * inner + np.arange(inner)).ravel()
+    dst.put(xp.asarray(flat), xp.ascontiguousarray(values).ravel())
+
+
+def _take(xp, src, index: np.ndarray):
+    return xp.take(src, xp.asarray(np.asarray(index, np.int64)), axis=0)

@@ -146,7 +146,7 @@ class Llama:
         ids = xp.asarray(ids)
         local = ids - v.start
         mine = (local >= 0) & (local < v.stop - v.start)
-        x = self.params["embed"][xp.where(mine, local, 0)]
+        x = xp.take(self.params["embed"], xp.where(mine, local, 0), axis=0)
         x *= mine[..., None].astype(x.dtype)
         return self._sum_tp(x)
 

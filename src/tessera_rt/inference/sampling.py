@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..backend import get_backend
 from ..dist import collectives as C
 
 __all__ = ["sample", "check_sampling", "gumbel_noise"]
@@ -88,7 +89,7 @@ def sample(model, local_logits: Any, *, temperature: float = 0.0, top_k: int | N
            top_p: float | None = None, seed: int = 0, keys: Sequence[tuple] = ()) -> np.ndarray:
     """Next token ids ``(B,)`` from this rank's f32 logits slice ``(B, V_local)``; ``keys`` gives each
     row's (sequence, step) for the noise.  Every rank returns the same ids."""
-    lg = np.asarray(local_logits, dtype=np.float64)
+    lg = get_backend().to_host(local_logits).astype(np.float64)      # (B, V_local): small next to the weights
     b, v0, vocab = lg.shape[0], model.shard.vocab.start, model.config.vocab_size
     if temperature == 0 or top_k == 1:
         loc = lg.argmax(axis=-1)

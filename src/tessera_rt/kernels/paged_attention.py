@@ -65,8 +65,8 @@ def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_tables: Any
     acc = accum_dtype(q.dtype, policy)
     g = h // hkv
     tables = xp.maximum(block_tables, 0)                         # dropped / unused entries: masked below
-    k = k_pages[tables].transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d)   # (B, Hkv, L, D)
-    v = v_pages[tables].transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d)
+    k = xp.take(k_pages, tables, axis=0).transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d)   # (B, Hkv, L, D)
+    v = xp.take(v_pages, tables, axis=0).transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d)
     qf = widen(q, acc).reshape(b, hkv, g, d)
     s = xp.matmul(qf, xp.swapaxes(widen(k, acc), -1, -2)) * acc.type(scale)   # (B, Hkv, G, L)
     pos = xp.arange(mb * bs)[None, :]
