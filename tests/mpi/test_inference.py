@@ -1,4 +1,5 @@
-"""nn.Llama tensor-parallel on every tp the job's ranks allow (dp takes the rest): logits and
+"""nn.Llama tensor-parallel on every tp the job's ranks allow (dp takes the rest, each replica
+decoding its share of the prompts): logits and
 32 greedy tokens equal transformers' on the same checkpoint, sampled tokens equal the
 single-process ones, heads that the mesh cannot split raise the same clear error on every
 rank, and a rank reads only its slices of the checkpoint (peak memory against the shard)."""
@@ -60,7 +61,7 @@ def test_logits_and_greedy_tokens_equal_transformers(ckpts, name, tp):
     assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
     spill = nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=16)     # the host tier, sharded
     assert model.generate(spill, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
-    assert spill.stats()["moved_to_host"] > 0
+    assert COMM.allreduce(spill.stats()["moved_to_host"], op=MPI.MAX) > 0   # a dp replica may hold no prompt
 
 
 @pytest.mark.parametrize("tp", [t for t in TPS if t > 1] or [1])      # tp=1 is the single-process run itself

@@ -72,7 +72,8 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
     if max_new_tokens == 0:
         return outs
     skw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    waiting = list(range(len(ps)))
+    dp, dp_index = _dp_of(model)
+    waiting = list(range(dp_index, len(ps), dp))     # prompt i decodes on dp replica i % dp
     running: dict[int, int] = {}                 # prompt index -> cache sequence id
 
     def finished(i: int) -> bool:
@@ -88,8 +89,20 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
         growth = sum(pages_for(j) - cache.pages_of(running[j]) for j in running)
         return cache.free_blocks - growth >= pages_for(i)
 
+    # checked here, for every prompt on every rank, so no dp replica fails alone mid-run
+    for i in range(len(ps)):
+        if pages_for(i) > cache.num_blocks:
+            raise ValueError(f"generate: prompt {i} needs {pages_for(i)} pages of {cache.block_size} and the cache "
+                             f"has {cache.num_blocks}; raise max_tokens")
+    if cache.n_host and cache.n_dev < 2:
+        raise ValueError(f"generate: device_budget_tokens={cache.device_budget_tokens} holds only the last page of a "
+                         f"running sequence; give the cache at least {2 * cache.block_size} device tokens")
+    # with a host tier, one device page more than the running sequences' last pages: eviction
+    # always finds a full page to move
+    cap = min(max_batch or len(ps), cache.n_dev - 1 if cache.n_host else len(ps))
+
     def admit() -> None:
-        while waiting and (max_batch is None or len(running) < max_batch) and fits(waiting[0]):
+        while waiting and len(running) < cap and fits(waiting[0]):
             i = waiting.pop(0)
             sid = cache.add()
             pos = cache.reserve(sid, len(ps[i]))
@@ -117,4 +130,23 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
             if finished(i):
                 cache.free(running.pop(i))
         admit()
-    return outs
+    return outs if dp == 1 else _gather_dp(model, outs, max_new_tokens)
+
+
+def _dp_of(model) -> tuple[int, int]:
+    mesh = model.mesh
+    if mesh is None or "dp" not in mesh.axes:
+        return 1, 0
+    return mesh.size("dp"), mesh.coordinate("dp")
+
+
+def _gather_dp(model, outs: list, max_new_tokens: int) -> list[list[int]]:
+    """Every replica's generated ids on every rank: one all_reduce(max) of a -1-padded table
+    (each prompt's row is filled by exactly one dp replica)."""
+    from ..dist import collectives as C
+    table = np.full((len(outs), max_new_tokens), -1, np.int64)
+    for i, o in enumerate(outs):
+        table[i, :len(o)] = o
+    be = get_backend()
+    table = be.to_host(C.all_reduce(be.asarray(table), axis="dp", op="max", mesh=model.mesh))
+    return [[int(t) for t in row if t >= 0] for row in table]

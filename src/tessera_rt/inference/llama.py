@@ -173,22 +173,24 @@ class Llama:
         hd, hl, kvl = cfg.head_dim, self.n_heads, self.n_kv
         cos, sin = self.rope(positions)
         cos, sin = cos[:, None], sin[:, None]               # broadcast over heads
-        x = self.embed(ids).astype(self.dtype)
+        # activations as (B*S, hidden) rows: one GEMM per projection (NumPy runs a (B, 1, K) @ (K, N)
+        # product as B separate GEMVs, reading the weights B times)
+        x = self.embed(ids).astype(self.dtype).reshape(b * s, cfg.hidden_size)
         for i, p in enumerate(self.params["layers"]):
             h = op.rmsnorm(x, p["ln1"], eps=cfg.rms_norm_eps)
-            qkv = op.matmul(h, p["qkv"])
+            qkv = op.matmul(h, p["qkv"]).reshape(b, s, -1)
             q = qkv[..., :hl * hd].reshape(b, s, hl, hd).transpose(0, 2, 1, 3)
             k = qkv[..., hl * hd:(hl + kvl) * hd].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
             v = qkv[..., (hl + kvl) * hd:].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             a = attend(i, q, k, xp.ascontiguousarray(v))
-            a = a.transpose(0, 2, 1, 3).reshape(b, s, hl * hd)
+            a = a.transpose(0, 2, 1, 3).reshape(b * s, hl * hd)
             x = x + self._sum_tp(op.matmul(a, p["o"]))
             h = op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps)
             gu = op.matmul(h, p["gate_up"])
             f = gu.shape[-1] // 2
             x = x + self._sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
-        return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps)
+        return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps).reshape(b, s, cfg.hidden_size)
 
     def local_logits(self, h) -> Any:
         """This rank's vocab slice of the logits, f32 ``(..., V_local)``."""
