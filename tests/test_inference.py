@@ -244,3 +244,15 @@ def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
     assert got["A"] == [t[:5] for t in ckpts["A"][1]["tokens"][:2]]
     big = nn.Llama.from_pretrained(ckpts["big"][0])
     assert got["big"] == big.generate(nn.KVCache(big, max_tokens=192, block_size=4), L.PROMPTS[:2], max_new_tokens=5)
+
+
+def test_bf16_weights_and_cache(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path, dtype="bf16")
+    lg = model.logits(L.LOGIT_IDS)
+    scale = np.abs(ref["logits"]).max()
+    assert np.abs(lg - ref["logits"]).max() < 0.08 * scale          # bf16 rounding through two layers
+    assert (lg.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.9
+    cache = nn.KVCache(model, max_tokens=128)
+    assert cache.k.dtype == model.dtype and cache.stats()["bytes_per_token"] == 2 * 2 * 2 * 8 * 2
+    assert len(model.generate(cache, L.PROMPTS, max_new_tokens=4)[2]) == 4

@@ -182,8 +182,9 @@ class Llama:
             q = qkv[..., :hl * hd].reshape(b, s, hl, hd).transpose(0, 2, 1, 3)
             k = qkv[..., hl * hd:(hl + kvl) * hd].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
             v = qkv[..., (hl + kvl) * hd:].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            a = attend(i, q, k, xp.ascontiguousarray(v))
+            dt = self.dtype               # bf16/fp16 weights: the cache and attention stay in that dtype
+            q, k = self._rotate(q, cos, sin).astype(dt, copy=False), self._rotate(k, cos, sin).astype(dt, copy=False)
+            a = attend(i, q, k, xp.ascontiguousarray(v, dtype=dt))
             a = a.transpose(0, 2, 1, 3).reshape(b * s, hl * hd)
             x = x + self._sum_tp(op.matmul(a, p["o"]))
             h = op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps)
