@@ -4,11 +4,11 @@ generate on the same weights, in the same run (torch on the CPU).
     tessera-run -n 1 scripts/bench_decode.py          # tp = 1 (then -n 2, -n 4 for tp = 2, 4)
 
 Rank 0 builds a random Llama checkpoint with transformers (no download; the size is set by
-the flags), runs transformers' generate on it with ``torch.set_num_threads(1)`` (one core,
-as one rank has) while the other ranks sleep, then every rank runs nn.Llama at tp = world
-size.  Reported: prefill tokens/s and per-token decode latency (the median of the
-difference between generating 1 and N tokens, over repeats) at batch 1 and 8, KV-cache
-bytes per token per rank against theory (2 x layers x kv heads on the rank x head_dim x
+the flags).  Repeat by repeat, rank 0 runs transformers' generate with
+``torch.set_num_threads(1)`` (one core, as one rank has) while the other ranks sleep, then
+every rank runs nn.Llama at tp = world size.  Reported: prefill tokens/s and per-token
+decode latency (the difference of the median times to generate 1 and 1 + N tokens) at
+batch 1 and 8, KV-cache bytes per token per rank against theory (2 x layers x kv heads on the rank x head_dim x
 dtype bytes), and the hot-tier hit ratio of one long sequence with a device budget of a
 quarter of its context.
 """
@@ -58,32 +58,28 @@ def _sleepy_wait(comm, root_done_tag=77):
         time.sleep(0.01)
 
 
-def _median_pair(run, new: int, repeats: int):
-    """(prefill seconds, decode seconds per token): medians of generate(1) and generate(1 + new)."""
-    t1, tn = [], []
-    for _ in range(repeats):
-        t = time.perf_counter(); run(1); t1.append(time.perf_counter() - t)
-        t = time.perf_counter(); run(1 + new); tn.append(time.perf_counter() - t)
-    p = float(np.median(t1))
-    return p, max(float(np.median(tn)) - p, 0.0) / new
+def _time(run, n: int) -> float:
+    t = time.perf_counter()
+    run(n)
+    return time.perf_counter() - t
 
 
-def hf_bench(path: Path, args, batches):
+def hf_runner(path: Path):
+    """transformers' greedy generate on the same weights, one thread (rank 0 only)."""
     import torch
     from transformers import LlamaForCausalLM
     torch.set_num_threads(1)
     model = LlamaForCausalLM.from_pretrained(path).eval()
-    out = {}
-    for b in batches:
-        ids = torch.tensor(np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt)))
+
+    def runner(prompts):
+        ids = torch.tensor(prompts)
 
         def run(n):
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                                pad_token_id=0)
-        run(2)
-        out[b] = _median_pair(run, args.new, args.repeats)
-    return out
+        return run
+    return runner
 
 
 def main(argv=None) -> int:
@@ -103,22 +99,34 @@ def main(argv=None) -> int:
                           num_key_value_heads=args.kv_heads, max_position_embeddings=4096)
         root = Path(tempfile.mkdtemp(prefix="ts_bench_decode_"))
         LlamaForCausalLM(cfg).save_pretrained(root)
-        hf = hf_bench(root, args, batches)
-    _sleepy_wait(comm)
+        hf = hf_runner(root)
     root = comm.bcast(str(root) if root else None)
-    hf = comm.bcast(hf)
     tp = world.size
     mesh = dist.Mesh(axes=["tp"], shape={"tp": tp})
     model = nn.Llama.from_pretrained(root, mesh=mesh)
-    ours = {}
+    # the two sides alternate, repeat by repeat, so a change in the machine's load hits both
+    times = {}                                  # (side, batch, n) -> [seconds]
     for b in batches:
         prompts = np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt)).tolist()
 
-        def run(n):
+        def ours(n):
             cache = nn.KVCache(model, max_tokens=b * (args.prompt + n + 16), block_size=16)
             model.generate(cache, prompts, max_new_tokens=n)
-        run(2)
-        ours[b] = _median_pair(run, args.new, args.repeats)
+        theirs = hf(prompts) if hf is not None else None
+        for r in range(args.repeats + 1):          # the first round warms up and is dropped
+            for n in (1, 1 + args.new):
+                if comm.rank == 0:
+                    t = _time(theirs, n)
+                    if r:
+                        times.setdefault(("hf", b, n), []).append(t)
+                _sleepy_wait(comm)
+                t = _time(ours, n)
+                if r:
+                    times.setdefault(("ts", b, n), []).append(t)
+
+    def pair(side, b):
+        p = float(np.median(times[(side, b, 1)]))
+        return p, max(float(np.median(times[(side, b, 1 + args.new)])) - p, 0.0) / args.new
     cfg = model.config
     cache = nn.KVCache(model, max_tokens=args.prompt * 2, block_size=16, device_budget_tokens=args.prompt // 2)
     model.generate(cache, [prompts[0]], max_new_tokens=args.prompt)
@@ -127,11 +135,12 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(f"# decode: hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads} kv, "
               f"ffn {args.ffn}, vocab {args.vocab}, f32, prompt {args.prompt}, {args.new} timed decode steps, "
-              f"median of {args.repeats}; tp={tp} on {tp} CPU ranks; transformers: torch 1 thread, rank 0")
+              f"median of {args.repeats} alternating repeats; tp={tp} on {tp} CPU ranks; transformers: torch "
+              "1 thread, rank 0")
         print(f"{'batch':>5} {'prefill tok/s':>14} {'HF prefill tok/s':>17} {'decode ms/tok':>14} "
               f"{'HF decode ms/tok':>17} {'decode ratio':>13}")
         for b in batches:
-            (p, d), (hp, hd) = ours[b], hf[b]
+            (p, d), (hp, hd) = pair("ts", b), pair("hf", b)
             print(f"{b:>5} {b * args.prompt / p:>14.0f} {b * args.prompt / hp:>17.0f} {d * 1e3:>14.2f} "
                   f"{hd * 1e3:>17.2f} {d / hd:>12.2f}x")
         print(f"KV bytes/token/rank: {st['bytes_per_token']} (theory {theory}); hit ratio with a device budget "
