@@ -181,8 +181,6 @@ def test_generate_script_prints_the_tokens_last(ckpts):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
-    bad = subprocess.run(cmd[:-1] + ["5000"], capture_output=True, text=True, cwd=root)
-    assert bad.returncode != 0 and "more than the cache holds" in bad.stderr
 
 
 def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):
