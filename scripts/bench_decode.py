@@ -1,7 +1,11 @@
 """Decode benchmark: nn.Llama through the paged KV cache against Hugging Face transformers'
 generate on the same weights, in the same run (torch on the CPU).
 
-    tessera-run -n 1 scripts/bench_decode.py          # tp = 1 (then -n 2, -n 4 for tp = 2, 4)
+    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 tessera-run -n 1 scripts/bench_decode.py   # then -n 2, -n 4
+
+(Set the thread variables on the command line: ``tessera-run`` imports NumPy before this
+script runs, with a BLAS pool of cores // ranks threads unless they are set; the header line
+prints the pool size NumPy got.)
 
 Rank 0 builds a random Llama checkpoint with transformers (no download; the size is set by
 the flags).  Repeat by repeat, rank 0 runs transformers' generate with
@@ -15,15 +19,16 @@ quarter of its context.
 from __future__ import annotations
 
 import os
+import sys
 
-# one thread per process on both sides (torch.set_num_threads(1) below), whatever tessera-run's
-# share of the cores would be: the comparison is per core
+# one thread per process on both sides (torch.set_num_threads(1) below): the comparison is per
+# core.  This only helps when the script is run directly; under tessera-run NumPy is loaded first.
+BLAS_THREADS = os.environ.get("OPENBLAS_NUM_THREADS", "1") if "numpy" in sys.modules else "1"
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -135,14 +140,14 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(f"# decode: hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads} kv, "
               f"ffn {args.ffn}, vocab {args.vocab}, f32, prompt {args.prompt}, {args.new} timed decode steps, "
-              f"median of {args.repeats} alternating repeats; tp={tp} on {tp} CPU ranks; transformers: torch "
-              "1 thread, rank 0")
+              f"median of {args.repeats} alternating repeats; tp={tp} on {tp} CPU ranks, BLAS threads "
+              f"{BLAS_THREADS} per rank; transformers: torch 1 thread, rank 0")
         print(f"{'batch':>5} {'prefill tok/s':>14} {'HF prefill tok/s':>17} {'decode ms/tok':>14} "
               f"{'HF decode ms/tok':>17} {'decode ratio':>13}")
         for b in batches:
             (p, d), (hp, hd) = pair("ts", b), pair("hf", b)
             print(f"{b:>5} {b * args.prompt / p:>14.0f} {b * args.prompt / hp:>17.0f} {d * 1e3:>14.2f} "
-                  f"{hd * 1e3:>17.2f} {d / hd:>12.2f}x")
+                  f"{hd * 1e3:>17.2f} " + (f"{d / hd:>12.2f}x" if hd > 0 else f"{'n/a (noise)':>13}"))
         print(f"KV bytes/token/rank: {st['bytes_per_token']} (theory {theory}); hit ratio with a device budget "
               f"of a quarter of the context ({args.prompt // 2} of {2 * args.prompt} tokens): {st['hit_ratio']:.3f}")
         shutil.rmtree(root, ignore_errors=True)
