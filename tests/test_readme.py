@@ -52,6 +52,8 @@ EXPECT = {
     "scripts/train.py": r"^final loss \d",
     "scripts/demo.py": r"matches NumPy on the full tensors: True",
     "tests/mpi/test_collectives.py": r"passed",
+    "make_tiny_llama.py": r"^saved out/tiny_llama",
+    "scripts/generate.py": r"^tokens: \d+( \d+){7}$",
 }
 
 

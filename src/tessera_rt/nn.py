@@ -385,3 +385,12 @@ class Transformer(Module):
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")
         return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
+
+
+def __getattr__(name: str):
+    # nn.Llama / nn.KVCache live in tessera_rt.inference, which imports nn's siblings: load it
+    # on first use so importing nn never imports inference
+    if name in ("Llama", "KVCache"):
+        from . import inference
+        return getattr(inference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

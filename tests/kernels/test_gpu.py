@@ -115,6 +115,27 @@ def test_row_kernels(dtype, n):
         np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=rtol * 4, atol=atol * 8)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 64), (2, 2, 128)])
+def test_paged_decode_attention(dtype, h, hkv, d):
+    from tessera_rt.kernels.paged_attention_cuda import paged_decode_attention_cuda
+    rng = np.random.default_rng(d + h)
+    lens, bs, nb = np.array([1, 37, 70], np.int32), 16, 12
+    tables = np.full((3, 5), -1, np.int32)
+    perm = rng.permutation(nb)
+    tables[0, :1], tables[1, :3], tables[2, :5] = perm[:1], perm[1:4], perm[4:9]
+    starts = np.array([0, 0, 40], np.int32)                      # a window on the longest: pages 0-1 dropped
+    tables[2, :2] = -1
+    q, kp, vp = rnd((3, h, d), dtype, seed=1), rnd((nb, hkv, bs, d), dtype, seed=2), rnd((nb, hkv, bs, d), dtype, seed=3)
+    got = paged_decode_attention_cuda(cp.asarray(q), cp.asarray(kp), cp.asarray(vp), cp.asarray(tables),
+                                      cp.asarray(lens), seq_starts=cp.asarray(starts))
+    want = K.paged_decode_attention(q.astype(np.float64), kp.astype(np.float64), vp.astype(np.float64), tables, lens,
+                                    seq_starts=starts)
+    assert got.dtype == dtype and got.shape == q.shape
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=rtol * 4, atol=atol * 8)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("scale", ["per_tensor", "per_channel"])
 def test_fp8_quantize_matches_cpu(fmt, scale):

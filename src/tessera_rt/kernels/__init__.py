@@ -12,8 +12,9 @@ from .norms import layernorm, layernorm_safe, rmsnorm, rmsnorm_safe, softmax
 from .fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
 from .mlp import bias_act, bias_gelu, bias_silu, gelu, silu, swiglu
 from .attention import flash_attention, flash_attention_backward
+from .paged_attention import paged_decode_attention
 from .spectral import conv2d_direct, conv2d_fft, fft2d, ifft2d
-from . import gemm_cuda, attention_cuda, rows_cuda  # GPU launchers: register, import CuPy only on call
+from . import gemm_cuda, attention_cuda, rows_cuda, paged_attention_cuda  # GPU launchers: register, import CuPy only on call
 from . import tile
 from .tile_kernels import saxpy
 from .compile import inspect_ir
@@ -24,7 +25,7 @@ __all__ = [
     "matmul", "gemm", "softmax", "layernorm", "layernorm_safe", "rmsnorm", "rmsnorm_safe",
     "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
     "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu",
-    "flash_attention", "flash_attention_backward",
+    "flash_attention", "flash_attention_backward", "paged_decode_attention",
     "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",
     "saxpy", "tile", "inspect_ir", "autotune",
 ]

@@ -207,7 +207,7 @@ def register_source(src: KernelSource) -> KernelSource:
 
 def registered_sources() -> dict[str, KernelSource]:
     """Every RawKernel source the kernels package defines (the *_cuda modules register them)."""
-    from . import attention_cuda, gemm_cuda, rows_cuda  # noqa: F401
+    from . import attention_cuda, gemm_cuda, paged_attention_cuda, rows_cuda  # noqa: F401
     return dict(_SOURCES)
 
 

@@ -1,0 +1,222 @@
+"""A Llama-architecture decoder for inference, tensor-parallel over a mesh's ``tp`` axis.
+
+Megatron layout on local arrays (seed 004's Llama3-70B decode): each tp rank owns
+``num_attention_heads / tp`` query heads and the kv heads they read (kv heads are
+replicated when tp exceeds them), the q/k/v and gate/up projections are column-parallel,
+o_proj and down_proj are row-parallel (one all_reduce each per layer), and the embedding
+and LM head are vocab-parallel (the embedding's rows, the head's output columns; uneven
+splits allowed).  ``from_pretrained`` reads each rank's slices straight from the
+safetensors files, so no rank ever holds the whole model.
+
+Attention runs through a callback so one layer stack serves three uses: a plain causal
+forward (``logits``), prefill that writes K/V into a paged ``KVCache``, and decode that
+reads the cache through block tables with the paged decode-attention kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import op
+from ..backend import get_backend
+from ..dist import collectives as C
+from ..dist.shard import split_offsets, split_sizes
+from ..dtypes import resolve_dtype
+from .checkpoint import CheckpointReader, LlamaConfig, rope_inv_freq
+
+__all__ = ["Llama", "TPShard"]
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What one tp rank owns: its heads, kv heads, MLP columns and vocabulary rows."""
+
+    tp: int
+    index: int
+    heads: slice
+    kv_heads: slice
+    ffn: slice
+    vocab: slice
+    vocab_sizes: tuple
+
+    @classmethod
+    def of(cls, cfg: LlamaConfig, tp: int, index: int, where: str = "nn.Llama") -> "TPShard":
+        h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if h % tp:
+            ok = [t for t in range(1, h + 1) if h % t == 0 and (kv % t == 0 or t % kv == 0)]
+            raise ValueError(f"{where}: num_attention_heads={h} is not divisible by the mesh's tp={tp}; "
+                             f"use a tp size in {ok}")
+        if kv % tp and tp % kv:
+            raise ValueError(f"{where}: num_key_value_heads={kv} and tp={tp}: tp must divide the kv heads or be "
+                             f"a multiple of them (kv heads are replicated when tp exceeds them)")
+        hl = h // tp
+        if tp <= kv:
+            kvl = kv // tp
+            kv_heads = slice(index * kvl, (index + 1) * kvl)
+        else:                                   # tp / kv ranks share (replicate) one kv head
+            k0 = index // (tp // kv)
+            kv_heads = slice(k0, k0 + 1)
+        f0, v0 = split_offsets(cfg.intermediate_size, tp)[index], split_offsets(cfg.vocab_size, tp)[index]
+        fs, vs = split_sizes(cfg.intermediate_size, tp), split_sizes(cfg.vocab_size, tp)
+        return cls(tp, index, slice(index * hl, (index + 1) * hl), kv_heads, slice(f0, f0 + fs[index]),
+                   slice(v0, v0 + vs[index]), tuple(vs))
+
+
+def _cols(sl: slice, d: int) -> slice:
+    return slice(sl.start * d, sl.stop * d)
+
+
+class Llama:
+    """``nn.Llama``: a Llama decoder whose weights live as per-rank shards (plain arrays)."""
+
+    def __init__(self, cfg: LlamaConfig, params: dict, shard: TPShard, *, mesh=None, tp_axis: str = "tp",
+                 dtype="float32"):
+        self.config, self.params, self.shard = cfg, params, shard
+        self.mesh, self.tp_axis = mesh, tp_axis
+        self.dtype = resolve_dtype(dtype)
+        self.xp = get_backend().xp
+        self.inv_freq = self.xp.asarray(rope_inv_freq(cfg))
+        self.n_heads = shard.heads.stop - shard.heads.start
+        self.n_kv = shard.kv_heads.stop - shard.kv_heads.start
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, mesh=None, tp_axis: str = "tp", dtype="float32") -> "Llama":
+        """Read a Hugging Face Llama checkpoint (config.json + safetensors), each rank only its slices."""
+        cfg = LlamaConfig.from_dir(path)
+        tp, index = _tp_of(mesh, tp_axis)
+        shard = TPShard.of(cfg, tp, index, "nn.Llama.from_pretrained")
+        reader = CheckpointReader(path)
+        dt = resolve_dtype(dtype)
+        xp = get_backend().xp
+        hd = cfg.head_dim
+
+        def w(name, rows=None, cols=None, transpose=True):
+            a = reader.read(name, rows, cols)
+            a = np.ascontiguousarray(a.T if transpose else a).astype(dt, copy=False)
+            return xp.asarray(a)
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q = w(p + "self_attn.q_proj.weight", _cols(shard.heads, hd))
+            k = w(p + "self_attn.k_proj.weight", _cols(shard.kv_heads, hd))
+            v = w(p + "self_attn.v_proj.weight", _cols(shard.kv_heads, hd))
+            gate = w(p + "mlp.gate_proj.weight", shard.ffn)
+            up = w(p + "mlp.up_proj.weight", shard.ffn)
+            layers.append({
+                "ln1": w(p + "input_layernorm.weight", transpose=False),
+                "ln2": w(p + "post_attention_layernorm.weight", transpose=False),
+                "qkv": xp.ascontiguousarray(xp.concatenate([q, k, v], axis=1)),
+                "o": w(p + "self_attn.o_proj.weight", None, _cols(shard.heads, hd)),
+                "gate_up": xp.ascontiguousarray(xp.concatenate([gate, up], axis=1)),
+                "down": w(p + "mlp.down_proj.weight", None, shard.ffn),
+            })
+        head_name = "lm_head.weight"
+        if cfg.tie_word_embeddings or not reader.has(head_name):
+            head_name = "model.embed_tokens.weight"
+        params = {
+            "embed": w("model.embed_tokens.weight", shard.vocab, transpose=False),
+            "layers": layers,
+            "norm": w("model.norm.weight", transpose=False),
+            "head": w(head_name, shard.vocab),            # (hidden, V_local): x @ head
+        }
+        return cls(cfg, params, shard, mesh=mesh, tp_axis=tp_axis, dtype=dt)
+
+    # ---- collectives over tp ---------------------------------------------------------------
+    def _sum_tp(self, x):
+        if self.shard.tp == 1:
+            return x
+        return C.all_reduce(x, axis=self.tp_axis, mesh=self.mesh, out=x)
+
+    def check_ids(self, ids, where: str) -> None:
+        a = np.asarray(ids)
+        if a.size and (a.min() < 0 or a.max() >= self.config.vocab_size):
+            bad = int(a.max()) if a.max() >= self.config.vocab_size else int(a.min())
+            raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) "
+                             f"(rank {self.shard.index} of tp={self.shard.tp}); check the tokenizer matches the model")
+
+    # ---- the layer stack -------------------------------------------------------------------
+    def embed(self, ids) -> Any:
+        """Vocab-parallel lookup: this rank's rows, zeros elsewhere, summed over tp."""
+        xp, v = self.xp, self.shard.vocab
+        ids = xp.asarray(ids)
+        local = ids - v.start
+        mine = (local >= 0) & (local < v.stop - v.start)
+        x = xp.take(self.params["embed"], xp.where(mine, local, 0), axis=0)
+        x *= mine[..., None].astype(x.dtype)
+        return self._sum_tp(x)
+
+    def rope(self, positions) -> tuple:
+        """cos, sin of shape ``(..., head_dim)`` for integer positions (f32, as transformers)."""
+        xp = self.xp
+        f = xp.asarray(positions, dtype=np.float32)[..., None] * self.inv_freq
+        emb = xp.concatenate([f, f], axis=-1)
+        return xp.cos(emb).astype(self.dtype), xp.sin(emb).astype(self.dtype)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        h = x.shape[-1] // 2
+        rot = x.copy()
+        rot[..., :h] = -x[..., h:]
+        rot[..., h:] = x[..., :h]
+        return x * cos + rot * sin
+
+    def hidden(self, ids, positions, attend: Callable) -> Any:
+        """Final-normed hidden states ``(B, S, hidden)`` of ids ``(B, S)`` at ``positions (B, S)``;
+        ``attend(layer, q, k, v)`` with q ``(B, Hl, S, D)``, k/v ``(B, Hkv_l, S, D)`` (roped)."""
+        cfg, xp = self.config, self.xp
+        b, s = ids.shape
+        hd, hl, kvl = cfg.head_dim, self.n_heads, self.n_kv
+        cos, sin = self.rope(positions)
+        cos, sin = cos[:, None], sin[:, None]               # broadcast over heads
+        # activations as (B*S, hidden) rows: one GEMM per projection (NumPy runs a (B, 1, K) @ (K, N)
+        # product as B separate GEMVs, reading the weights B times)
+        x = self.embed(ids).astype(self.dtype).reshape(b * s, cfg.hidden_size)
+        for i, p in enumerate(self.params["layers"]):
+            h = op.rmsnorm(x, p["ln1"], eps=cfg.rms_norm_eps)
+            qkv = op.matmul(h, p["qkv"]).reshape(b, s, -1)
+            q = qkv[..., :hl * hd].reshape(b, s, hl, hd).transpose(0, 2, 1, 3)
+            k = qkv[..., hl * hd:(hl + kvl) * hd].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
+            v = qkv[..., (hl + kvl) * hd:].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
+            dt = self.dtype               # bf16/fp16 weights: the cache and attention stay in that dtype
+            q, k = self._rotate(q, cos, sin).astype(dt, copy=False), self._rotate(k, cos, sin).astype(dt, copy=False)
+            a = attend(i, q, k, xp.ascontiguousarray(v, dtype=dt))
+            a = a.transpose(0, 2, 1, 3).reshape(b * s, hl * hd)
+            x = x + self._sum_tp(op.matmul(a, p["o"]))
+            h = op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps)
+            gu = op.matmul(h, p["gate_up"])
+            f = gu.shape[-1] // 2
+            x = x + self._sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
+        return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps).reshape(b, s, cfg.hidden_size)
+
+    def local_logits(self, h) -> Any:
+        """This rank's vocab slice of the logits, f32 ``(..., V_local)``."""
+        return op.matmul(h, self.params["head"]).astype(np.float32, copy=False)
+
+    def logits(self, ids) -> Any:
+        """Full-vocabulary f32 logits ``(B, S, V)`` of a causal forward with no cache (a test and
+        scoring path: it gathers the vocab, which decoding never does)."""
+        ids = np.atleast_2d(np.asarray(ids))
+        self.check_ids(ids, "Llama.logits")
+        pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+        h = self.hidden(ids, pos, lambda i, q, k, v: op.flash_attention(q, k, v, causal=True))
+        lg = self.local_logits(h)
+        if self.shard.tp == 1:
+            return lg
+        return C.all_gather(self.xp.ascontiguousarray(lg), axis=self.tp_axis, mesh=self.mesh, dim=lg.ndim - 1,
+                            sizes=self.shard.vocab_sizes)
+
+    def generate(self, cache, prompts, **kw):
+        """Prefill ``prompts`` into ``cache`` and decode; see ``inference.generate.generate``."""
+        from .generate import generate
+        return generate(self, cache, prompts, **kw)
+
+
+def _tp_of(mesh, tp_axis: str) -> tuple[int, int]:
+    if mesh is None or tp_axis not in mesh.axes:
+        return 1, 0
+    return mesh.size(tp_axis), mesh.coordinate(tp_axis)

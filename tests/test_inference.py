@@ -1,0 +1,256 @@
+"""Single-process inference: nn.Llama against transformers' LlamaForCausalLM (tiny random
+checkpoints built locally), the paged decode-attention reference, the paged cache (decode ==
+full recompute, continuous batching, window), sampling, and the errors for bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tessera_rt import nn
+from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
+from tessera_rt.inference.generate import _decode_attend, _prefill_attend
+from tessera_rt.inference.sampling import sample
+from tessera_rt.kernels import flash_attention, paged_decode_attention
+
+import llama_tiny as L
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
+    return L.cached_bundle()
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_logits_and_greedy_tokens_equal_transformers(ckpts, name):
+    path, ref = ckpts[name]
+    model = nn.Llama.from_pretrained(path)
+    np.testing.assert_allclose(model.logits(L.LOGIT_IDS), ref["logits"], rtol=1e-4, atol=1e-4)
+    cache = nn.KVCache(model, max_tokens=256, block_size=4)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+    assert cache.stats()["blocks_device"] == 0            # every finished sequence gave its pages back
+
+
+def test_continuous_batching_gives_the_same_tokens(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path)
+    for max_batch in (1, 2):          # sequences wait, then join as others finish
+        cache = nn.KVCache(model, max_tokens=128, block_size=8)
+        assert model.generate(cache, L.PROMPTS, max_new_tokens=32, max_batch=max_batch) == ref["tokens"]
+    # a cache too small for all three at once still serves them, by admitting them in turn
+    cache = nn.KVCache(model, max_tokens=56, block_size=8)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+
+
+def test_decode_through_the_cache_equals_full_recompute(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["A"][0])
+    cache = nn.KVCache(model, max_tokens=64, block_size=4)
+    seqs = [np.array(p) for p in L.PROMPTS[:2]]
+    sids = []
+    for s in seqs:
+        sid = cache.add()
+        pos = cache.reserve(sid, len(s))
+        model.hidden(s[None], pos[None], _prefill_attend(cache, sid, pos[None]))
+        sids.append(sid)
+    nxt = np.array([[7], [42]])
+    for _ in range(5):                 # several steps, both sequences together, different lengths
+        pos = np.stack([cache.reserve(s, 1) for s in sids])
+        got = model.local_logits(model.hidden(nxt, pos, _decode_attend(model, cache, sids, pos)))[:, -1]
+        seqs = [np.append(s, t) for s, t in zip(seqs, nxt[:, 0])]
+        for g, s in zip(got, seqs):
+            np.testing.assert_allclose(g, model.logits(s[None])[0, -1], rtol=1e-5, atol=1e-5)
+        nxt = got.argmax(-1)[:, None]
+
+
+def _pages(rng, lens, bs, hkv, d, nb=40):
+    perm = rng.permutation(nb)
+    tables = np.full((len(lens), max(-(-n // bs) for n in lens)), -1, np.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k]
+        used += k
+    kp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    vp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    return tables, kp, vp
+
+
+def _gathered(p, table, n, bs):
+    return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
+
+
+@pytest.mark.parametrize("h,hkv,bs", [(4, 4, 4), (8, 2, 16), (6, 1, 3)])
+def test_paged_decode_kernel_reference_matches_flash_attention(h, hkv, bs):
+    rng = np.random.default_rng(h * bs)
+    lens, d = [1, 13, 40], 16
+    tables, kp, vp = _pages(rng, lens, bs, hkv, d)
+    q = rng.standard_normal((3, h, d)).astype(np.float32)
+    starts = np.array([0, 5, 31], np.int32)
+    for st in (None, starts):
+        got = paged_decode_attention(q, kp, vp, tables, np.array(lens, np.int32), seq_starts=st)
+        for i, n in enumerate(lens):
+            lo = 0 if st is None else st[i]
+            k, v = (_gathered(p, tables[i], n, bs)[:, lo:] for p in (kp, vp))
+            want = flash_attention(q[i][None, :, None], k[None], v[None])[0, :, 0]
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_window_drops_stale_pages_and_limits_look_back(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["B"][0])
+    cache = nn.KVCache(model, max_tokens=64, block_size=4, window=6)
+    sid = cache.add()
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((2, 1, model.n_kv, 20, 8)).astype(np.float32)
+    for t in range(20):
+        pos = cache.reserve(sid, 1)[None]
+        cache.write(0, [sid], pos, kv[0][..., t:t + 1, :], kv[1][..., t:t + 1, :])
+    step = cache.step([sid])
+    kp, vp, tables = step.layer(0)
+    assert int(step.starts[0]) == 14 and (tables[0, :3] == -1).all()     # positions 0..11 dropped: 3 pages back
+    assert cache.free_blocks == cache.num_blocks - 2
+    q = rng.standard_normal((1, model.n_heads, 8)).astype(np.float32)
+    got = paged_decode_attention(q, kp, vp, tables, step.lens, seq_starts=step.starts)
+    want = flash_attention(q[:, :, None], kv[0][..., 14:, :], kv[1][..., 14:, :])[:, :, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # generation with a window runs past the cache's size: stale pages are recycled
+    out = model.generate(nn.KVCache(model, max_tokens=16, block_size=4, window=8), [[1, 2, 3]], max_new_tokens=40)
+    assert len(out[0]) == 40
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_top_p(ckpts):
+    model = nn.Llama.from_pretrained(ckpts["B"][0])
+    cache = nn.KVCache(model, max_tokens=256)
+    kw = dict(max_new_tokens=12, temperature=0.9, seed=5)
+    a = model.generate(cache, L.PROMPTS, **kw)
+    assert a == model.generate(cache, L.PROMPTS, **kw)
+    assert a != model.generate(cache, L.PROMPTS, **dict(kw, seed=6))
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=8, temperature=1.0, top_k=1) == \
+        model.generate(cache, L.PROMPTS, max_new_tokens=8)
+    # the sampler on fixed logits: frequencies follow softmax(l / T) restricted as asked
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05] + [1e-9] * 92], np.float32))
+    draw = lambda **k: np.array([sample(model, logits, keys=[(0, s)], seed=1, **k)[0] for s in range(3000)])
+    freq = np.bincount(draw(temperature=1.0), minlength=97)[:5] / 3000
+    np.testing.assert_allclose(freq, [0.5, 0.2, 0.15, 0.1, 0.05], atol=0.03)
+    assert set(draw(temperature=1.0, top_k=2)) == {0, 1}
+    assert set(draw(temperature=1.0, top_p=0.8)) == {0, 1, 2}           # 0.5 + 0.2 < 0.8 <= 0.85
+
+
+def test_bad_inputs_raise_clear_errors(ckpts, tmp_path):
+    path = ckpts["B"][0]
+    with pytest.raises(ValueError, match="no config.json"):
+        nn.Llama.from_pretrained(tmp_path)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(path / "config.json", bare)
+    with pytest.raises(ValueError, match="has no weights"):
+        nn.Llama.from_pretrained(bare)
+    cfg = json.loads((path / "config.json").read_text())
+    for field, val, msg in (("model_type", "gpt2", "model_type"), ("hidden_act", "gelu", "hidden_act"),
+                            ("num_key_value_heads", 4, "num_key_value_heads"), ("vocab_size", 0, "vocab_size")):
+        with pytest.raises(ValueError, match=msg):
+            LlamaConfig.from_dict(dict(cfg, **{field: val}))
+    c = LlamaConfig.from_dict(cfg)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by the mesh's tp=4"):
+        TPShard.of(c, 4, 0)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and tp=2"):
+        TPShard.of(c, 2, 0)
+    model = Llama.from_pretrained(path)
+    cache = KVCache(model, max_tokens=32, block_size=4)
+    with pytest.raises(ValueError, match="more than the cache holds"):
+        model.generate(cache, [list(range(30))], max_new_tokens=8)
+    with pytest.raises(ValueError, match="token id 97 is outside the vocabulary"):
+        model.generate(cache, [[1, 97]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(cache, [[1]], max_new_tokens=4, top_p=1.5)
+    with pytest.raises(ValueError, match="non-empty list of ints"):
+        model.generate(cache, [[]], max_new_tokens=4)
+
+
+def test_generate_script_prints_the_tokens_last(ckpts):
+    import subprocess
+    import sys
+    from pathlib import Path
+    path, ref = ckpts["A"]
+    root = Path(__file__).resolve().parents[1]
+    cmd = ["timeout", "-k", "5", "150", str(Path(sys.executable).parent / "tessera-run"), "-n", "2",
+           str(root / "scripts" / "generate.py"), "--model", str(path), "--prompt-ids",
+           ",".join(map(str, L.PROMPTS[0])), "--max-new-tokens", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
+
+
+def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path)
+    # 3 prompts, up to 49 positions each, 4-position pages: a device budget of 16 positions holds a
+    # few pages per layer; the rest live on the host and come back through the staging area
+    cache = nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=16)
+    assert model.generate(cache, L.PROMPTS, max_new_tokens=32) == ref["tokens"]
+    st = cache.stats()
+    assert st["moved_to_host"] > 10 and 0 < st["hit_ratio"] < 0.5, st
+    assert cache.k.shape[0] == model.config.num_hidden_layers * 4 + 2 * (48 - 4)   # budget + two staging layers
+    assert st["blocks_device"] == st["blocks_host"] == 0                          # all pages back in the pool
+    # one sequence, budget a quarter of its context: the hot tier serves the recent quarter
+    cache = nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=32)
+    out = model.generate(cache, [L.PROMPTS[2]], max_new_tokens=100)
+    assert out == model.generate(nn.KVCache(model, max_tokens=128, block_size=4), [L.PROMPTS[2]], max_new_tokens=100)
+    assert 0.25 < cache.stats()["hit_ratio"] < 0.6
+    # with a window inside the budget nothing leaves the device
+    cache = nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=32, window=24)
+    model.generate(cache, [L.PROMPTS[2]], max_new_tokens=100)
+    assert cache.stats()["hit_ratio"] == 1.0 and cache.stats()["moved_to_host"] == 0
+    with pytest.raises(ValueError, match="holds only the last page"):
+        model.generate(nn.KVCache(model, max_tokens=192, block_size=4, device_budget_tokens=4), L.PROMPTS,
+                       max_new_tokens=4)
+
+
+STANDIN_SCRIPT = """
+import json, sys
+import llama_tiny as L
+from tessera_rt import nn
+from tessera_rt.backend import get_backend
+assert get_backend().is_gpu
+out = {}
+for name in ("A", "big"):          # A: head_dim 8 (the reference kernel); big: head_dim 32 (the RawKernel)
+    m = nn.Llama.from_pretrained(sys.argv[1] if name == "A" else sys.argv[2])
+    c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=16)
+    out[name] = m.generate(c, L.PROMPTS[:2], max_new_tokens=5)
+    assert c.stats()["moved_to_host"] > 0
+print(json.dumps(out))
+"""
+
+
+def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
+    """The cuda backend's path (CuPy arrays, the paged RawKernel run by the emulation harness,
+    pinned-host tier) on the strict CuPy stand-in gives the CPU backend's tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from conftest import mpi_env, standin_env
+    here = Path(__file__).resolve().parent
+    env = mpi_env(1, "cuda", standin_env())
+    env["PYTHONPATH"] = env["PYTHONPATH"] + ":" + str(here)
+    proc = subprocess.run(["timeout", "-k", "5", "170", sys.executable, "-c", STANDIN_SCRIPT, str(ckpts["A"][0]),
+                           str(ckpts["big"][0])], capture_output=True, text=True, env=env, cwd=here)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["A"] == [t[:5] for t in ckpts["A"][1]["tokens"][:2]]
+    big = nn.Llama.from_pretrained(ckpts["big"][0])
+    assert got["big"] == big.generate(nn.KVCache(big, max_tokens=192, block_size=4), L.PROMPTS[:2], max_new_tokens=5)
+
+
+def test_bf16_weights_and_cache(ckpts):
+    path, ref = ckpts["A"]
+    model = nn.Llama.from_pretrained(path, dtype="bf16")
+    lg = model.logits(L.LOGIT_IDS)
+    scale = np.abs(ref["logits"]).max()
+    assert np.abs(lg - ref["logits"]).max() < 0.08 * scale          # bf16 rounding through two layers
+    assert (lg.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.9
+    cache = nn.KVCache(model, max_tokens=128)
+    assert cache.k.dtype == model.dtype and cache.stats()["bytes_per_token"] == 2 * 2 * 2 * 8 * 2
+    assert len(model.generate(cache, L.PROMPTS, max_new_tokens=4)[2]) == 4
