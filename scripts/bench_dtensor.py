@@ -177,6 +177,84 @@ def run_redistribute(mesh, n, rank, sizes, calls):
     return rows
 
 
+# --------------------------------------------------------------------------- part 3: choices by predicted time
+
+def run_moves(n, sizes, calls):
+    """Layout changes that take several one-axis steps, timed as those steps (before), as one
+    direct all_to_all, and as the cost model chooses (after), interleaved in one run; and a
+    matmul whose operand layouts conflict, decided by the old rule (larger operand wins) and
+    by the model.  2x2 mesh at 4 ranks, 1-D otherwise."""
+    from tessera_rt.dist import cost
+    from tessera_rt.dist.layout import Layout
+    from tessera_rt.dist.redistribute import plan_redistribute
+    shape2 = {"x": 2, "y": 2} if n == 4 else {"x": n, "y": 1}
+    mesh = dist.Mesh(axes=["x", "y"], shape=shape2)
+    cases = [("swap", Layout((("x",), ("y",))), Layout((("y",), ("x",)))),
+             ("S(0)@x.y->S(1)@x.y", Layout((("x", "y"), ())), Layout(((), ("x", "y")))),
+             ("S(0)@x.y->S(0)@y.x", Layout((("x", "y"), ())), Layout((("y", "x"), ())))]
+    rows = []
+    for shape in sizes:
+        g = np.random.RandomState(3).randn(*shape).astype(np.float32)
+        for name, src, dst in cases:
+            loc = np.ascontiguousarray(g[dist.local_slices(shape, src, mesh)])
+            plans = {k: plan_redistribute(shape, src, dst, mesh, g.dtype, direct=d)
+                     for k, d in (("steps", False), ("direct", True), ("model", None))}
+            t = {k: timeit(lambda p=p: p.run(loc), calls=calls, sync=True) for k, p in plans.items()}
+            rows.append(dict(case=name, shape=list(shape), steps=list(plans["steps"].collectives),
+                             chosen="direct" if any("direct" in st.detail for st in plans["model"].steps) else "steps",
+                             steps_us=t["steps"], direct_us=t["direct"], model_us=t["model"],
+                             predicted_steps_us=plans["steps"].predicted_s * 1e6,
+                             predicted_direct_us=plans["direct"].predicted_s * 1e6))
+    mesh1 = dist.Mesh(axes=["x"], shape={"x": n})
+    S1 = dist.ShardSpec((1,), ("x",))
+    model_after = cost.get_cost_model()
+    for m in (256, 1024):
+        A = dist.distribute(np.random.RandomState(4).randn(m, m).astype(np.float32), layout=S1, mesh=mesh1)
+        B = dist.distribute(np.random.RandomState(5).randn(m, m - m // 8).astype(np.float32), layout=S1, mesh=mesh1)
+        for what, fn in (("matmul S(1)@S(1)", lambda: A @ B), ("  + full_tensor", lambda: (A @ B).full_tensor())):
+            t = {}
+            for _ in range(3):                               # interleaved: old, model, old, model, ...
+                for k, model in (("old", _ZeroCost()), ("model", model_after)):
+                    cost.set_cost_model(model)
+                    t.setdefault(k, []).append(timeit(fn, calls=max(3, calls // 2), sync=True))
+            cost.set_cost_model(model_after)
+            rows.append(dict(case=what, shape=[m, m, m - m // 8], old_us=statistics.median(t["old"]),
+                             model_us=statistics.median(t["model"])))
+    return rows
+
+
+def cost_model_name() -> str:
+    from tessera_rt.dist import cost
+    return cost.get_cost_model().name
+
+
+class _ZeroCost:
+    """Every choice ties, so dist's old rules decide (the "before" of part 3)."""
+    name = "zero"
+
+    def collective_time(self, op, size, n):
+        return 0.0
+
+    def copy_time(self, nbytes):
+        return 0.0
+
+
+def report_moves(rows, n) -> None:
+    print(f"\n# choices by predicted time, {n} ranks, float32 (median us/call of the slowest rank; "
+          "steps = one axis per step, direct = one all_to_all)")
+    print(f"{'case':<22}{'shape':<18}{'steps':<24}{'steps':>9}{'direct':>9}{'model':>9}{'chosen':>8}"
+          f"{'pred steps':>11}{'pred direct':>12}")
+    for r in rows:
+        if "steps_us" in r:
+            print(f"{r['case']:<22}{str(tuple(r['shape'])):<18}{','.join(r['steps']) or '-':<24}"
+                  f"{r['steps_us']:>9.1f}{r['direct_us']:>9.1f}{r['model_us']:>9.1f}{r['chosen']:>8}"
+                  f"{r['predicted_steps_us']:>11.1f}{r['predicted_direct_us']:>12.1f}")
+        else:
+            print(f"{r['case']:<32}{str(tuple(r['shape'])):<20} old rule {r['old_us']:>9.1f}  model "
+                  f"{r['model_us']:>9.1f}  ratio {r['old_us'] / r['model_us']:.2f}")
+    sys.stdout.flush()
+
+
 # --------------------------------------------------------------------------- torch peer
 
 def torch_peer(n, rank, sizes, calls):
@@ -233,12 +311,27 @@ def main(argv=None) -> int:
     ap.add_argument("--redis-calls", type=int, default=20, help="calls per repeat (redistribution)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
+    ap.add_argument("--moves", action="store_true", help="only part 3: choices by predicted time")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="part 3 with the planner's `local` calibration as the cost model (else dist's built-in)")
     args = ap.parse_args(argv)
     w = dist.init()
     n, rank = w.size, w.rank
     mesh = dist.Mesh(axes=["tp"], shape={"tp": n})
     sizes = [(256, 256), (1024, 1024), (2048, 2048)]
     res = {"ranks": n, "machine": f"{os.cpu_count()} CPU cores, backend {get_backend().name}"}
+    if args.moves:
+        if args.calibrated:
+            from tessera_rt import plan
+            res["cost_model"] = plan.use_calibrated("local").name
+        res["moves"] = run_moves(n, sizes, args.redis_calls)
+        if rank == 0:
+            print(f"\ncost model: {cost_model_name()}")
+            report_moves(res["moves"], n)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+        return 0
     res["overhead"] = run_overhead(mesh, n, args.calls)
     res["redistribute"] = run_redistribute(mesh, n, rank, sizes, args.redis_calls)
     if not args.no_torch:

@@ -15,6 +15,7 @@ import numpy as np
 from ..backend import get_backend
 from .dtensor import DTensor, TensorMeta, meta_of
 from .process_group import world
+from .cost import on_change
 from .redistribute import plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
 
@@ -164,6 +165,9 @@ def explain(op: str, params: tuple, args: tuple) -> Decision:
 
 def clear_cache() -> None:
     _CACHE.clear()
+
+
+on_change(clear_cache)          # decisions are priced by the cost model: a new model, new decisions
 
 
 # --------------------------------------------------------------------------- op entry points

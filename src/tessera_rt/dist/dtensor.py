@@ -187,7 +187,8 @@ class DTensor:
         return DTensor._wrap(out, meta_of(plan.dst, self._meta.shape, out.dtype, self._meta.mesh))
 
     def explain_redistribute(self, layout) -> Plan:
-        """The plan ``redistribute(layout)`` would run: its steps and what each rank sends."""
+        """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and
+        each step's time as the registered cost model (``dist.cost``) predicts it."""
         m = self._meta
         dst = as_layout(layout, m.shape, m.mesh)
         return plan_redistribute(m.shape, m.layout, dst, m.mesh, m.dtype)

@@ -16,16 +16,25 @@ The planner works on the per-dim axis tuples of a Layout:
 A step over a mesh axis of size 1 moves nothing and is a local "relabel".  Bytes per step
 are counted as ``trace_collectives`` counts them (the nccl-tests bus factor times the data).
 
-Plans are pure functions of (global shape, layouts, mesh, itemsize) and this rank's mesh
-position, so they are cached; ``Plan.run`` only issues the collectives.
+When that plan takes several steps, the same change without a change of pending reductions
+can also run as one direct all_to_all(v) over the group of axes that shard the changed dims
+(each rank sends each peer exactly the part of its piece the peer will hold).  The
+registered cost model (``dist.cost``) picks the cheaper of the two; ties keep the steps.
+Each step's predicted time is part of the plan's printout.
+
+Plans are pure functions of (global shape, layouts, mesh, itemsize, cost model) and this
+rank's mesh position, so they are cached (a new cost model clears the cache); ``Plan.run``
+only issues the collectives.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from itertools import product
 from typing import Callable
 
 from . import collectives as C
+from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
 
@@ -41,11 +50,12 @@ def _identity(x):
 class Step:
     """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``."""
 
-    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run")
+    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run", "copy_bytes")
 
-    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run):
+    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run, copy_bytes=0):
         self.kind, self.axis, self.src, self.dst, self.detail = kind, axis, src, dst, detail
         self.bytes_sent, self.bytes_by_position, self._run = bytes_sent, bytes_by_position, run
+        self.copy_bytes = copy_bytes          # the most any rank copies locally (slices, packing)
 
     @property
     def is_collective(self) -> bool:
@@ -80,6 +90,15 @@ class Plan:
         """Bytes this rank sends over the whole plan."""
         return sum(s.bytes_sent for s in self.steps)
 
+    def step_times(self) -> list[float]:
+        """Seconds the registered cost model (dist.cost) predicts for each step."""
+        return [step_time(s, self.mesh) for s in self.steps]
+
+    @property
+    def predicted_s(self) -> float:
+        """Seconds the registered cost model predicts for the whole plan."""
+        return sum(self.step_times())
+
     @property
     def max_bytes_sent(self) -> int:
         """The most any one rank sends over the whole plan."""
@@ -99,15 +118,22 @@ class Plan:
         if not self.steps:
             return head + "\n  (nothing to do)"
         lines = [head]
-        for i, s in enumerate(self.steps, 1):
+        times = self.step_times()
+        for i, (s, t) in enumerate(zip(self.steps, times), 1):
             lines.append(f"  {i}. {s.kind:<14} over {s.axis:<6} {s.src!r} -> {s.dst!r}  [{s.detail}]  "
-                         f"sends {s.bytes_sent} B (max over ranks {max(s.bytes_by_position)} B)")
+                         f"sends {s.bytes_sent} B (max over ranks {max(s.bytes_by_position)} B)  "
+                         f"predicted {_fmt_s(t)}")
         n = len(self.collectives)
         lines.append(f"  total: {n} collective{'s' * (n != 1)}, {self.bytes_sent} B sent by this rank, "
-                     f"at most {self.max_bytes_sent} B by any rank")
+                     f"at most {self.max_bytes_sent} B by any rank, predicted {_fmt_s(sum(times))} "
+                     f"({get_cost_model().name})")
         return "\n".join(lines)
 
     __str__ = __repr__
+
+
+def _fmt_s(t: float) -> str:
+    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
 # --------------------------------------------------------------------------- step bodies
@@ -188,7 +214,11 @@ class _Planner:
         after = self.cur.layout()
         by_pos = self._bytes(kind, axis, before, after)
         mine = by_pos[self.positions.index(tuple(self.coords[a] for a in self.mesh.axes))]
-        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run))
+        copy = 0
+        if kind == "slice":
+            copy = self.itemsize * max(math.prod(local_shape_at(self.shape, after, self.mesh, p))
+                                       for p in self.positions)
+        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run, copy))
 
     # the five kinds of step ------------------------------------------------------
     def all_reduce(self, a: str) -> None:
@@ -310,16 +340,119 @@ class _Planner:
         return self.steps
 
 
+# --------------------------------------------------------------------------- one direct all_to_all
+# Any change of sharded dims without a change of pending reductions can also run as ONE
+# all_to_all(v) over the group of the mesh axes that shard the changed dims in ``src``:
+# each rank sends every peer the part of its piece that the peer's ``dst`` piece covers.
+# Axes that shard a changed dim only in ``dst`` are outside that group, so a receiver's
+# coordinates on them equal its senders' and the senders' pieces tile its own exactly.
+
+def _box(shape, lay: Layout, mesh, coords: dict) -> list[tuple[int, int]]:
+    return [dim_extent(shape[d], tuple(mesh.size(a) for a in axes), tuple(coords[a] for a in axes))
+            for d, axes in enumerate(lay.dims)]
+
+
+def _meet(b1, b2):
+    """The intersection of two boxes as (offset, length) per dim, or None when empty."""
+    out = []
+    for (o1, n1), (o2, n2) in zip(b1, b2):
+        lo, hi = max(o1, o2), min(o1 + n1, o2 + n2)
+        if hi <= lo:
+            return None
+        out.append((lo, hi - lo))
+    return out
+
+
+def _rel(box, base) -> tuple:
+    return tuple(slice(o - b, o - b + n) for (o, n), (b, _) in zip(box, base))
+
+
+def _direct_step(shape, src: Layout, dst: Layout, mesh, itemsize: int) -> Step | None:
+    if src.partial != dst.partial or src == dst:
+        return None
+    changed = [d for d in range(len(shape)) if src.dims[d] != dst.dims[d]]
+    involved = {a for d in changed for a in src.dims[d] + dst.dims[d]}
+    group = tuple(a for a in mesh.axes if a in involved and src.dim_of(a) is not None)
+    sizes = tuple(mesh.size(a) for a in group)
+    n = math.prod(sizes)
+    if n <= 1:
+        return None
+
+    def peers(coords: dict) -> list[dict]:
+        return [{**coords, **dict(zip(group, idx))} for idx in product(*(range(s) for s in sizes))]
+
+    def counts(coords: dict) -> tuple[list, list]:
+        """(send parts, receive parts) of the rank at ``coords``: (box or None) per peer."""
+        mine_src, mine_dst = _box(shape, src, mesh, coords), _box(shape, dst, mesh, coords)
+        ps = peers(coords)
+        return ([_meet(mine_src, _box(shape, dst, mesh, q)) for q in ps],
+                [_meet(_box(shape, src, mesh, q), mine_dst) for q in ps])
+
+    def numel(box) -> int:
+        return 0 if box is None else math.prod(n for _, n in box)
+
+    f = C.bus_factor("all_to_all", n)
+    by_pos, most = [], 0
+    for pos in product(*(range(s) for s in mesh.sizes)):
+        sent = sum(numel(b) for b in counts(dict(zip(mesh.axes, pos)))[0])
+        by_pos.append(int(round(sent * itemsize * f)))
+        most = max(most, sent * itemsize)
+    me = dict(mesh.coords)
+    send_boxes, recv_boxes = counts(me)
+    src_base, dst_base = _box(shape, src, mesh, me), _box(shape, dst, mesh, me)
+    send = [(_rel(b, src_base), numel(b), tuple(n for _, n in b)) for b in send_boxes if b is not None]
+    recv = [(_rel(b, dst_base), numel(b), tuple(n for _, n in b)) for b in recv_boxes if b is not None]
+    send_counts, recv_counts = [numel(b) for b in send_boxes], [numel(b) for b in recv_boxes]
+    out_shape = tuple(n for _, n in dst_base)
+    axis = ",".join(group)
+
+    def run(x):
+        from ..backend import get_backend
+        xp = get_backend().xp
+        buf = xp.empty(sum(send_counts), x.dtype)
+        at = 0
+        for sl, cnt, shp in send:
+            buf[at:at + cnt].reshape(shp)[...] = x[sl]
+            at += cnt
+        got = C.all_to_all(buf, group, split_dim=0, split_sizes=send_counts, recv_sizes=recv_counts, mesh=mesh)
+        out = xp.empty(out_shape, x.dtype)
+        at = 0
+        for sl, cnt, shp in recv:
+            out[sl] = got[at:at + cnt].reshape(shp)
+            at += cnt
+        return out
+    mine = by_pos[list(product(*(range(s) for s in mesh.sizes))).index(tuple(me[a] for a in mesh.axes))]
+    return Step("all_to_all", axis, src, dst, f"direct: dims {changed} over ({axis}) in one exchange",
+                mine, tuple(by_pos), run, 2 * most)
+
+
 @lru_cache(maxsize=4096)
-def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dtype_name: str) -> Plan:
-    steps = _Planner(shape, src, dst, mesh, itemsize).plan() if src != dst else []
-    return Plan(shape, src, dst, mesh, steps, dtype_name)
+def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dtype_name: str,
+                 direct: bool | None = None) -> Plan:
+    if src == dst:
+        return Plan(shape, src, dst, mesh, [], dtype_name)
+    stepwise = Plan(shape, src, dst, mesh, _Planner(shape, src, dst, mesh, itemsize).plan(), dtype_name)
+    if direct is False or len(stepwise.collectives) == 0 or (direct is None and len(stepwise.steps) < 2):
+        return stepwise
+    one = _direct_step(shape, src, dst, mesh, itemsize)
+    if one is None:
+        return stepwise
+    alt = Plan(shape, src, dst, mesh, [one], dtype_name)
+    # ties keep the one-axis-per-step plan; every rank compares the same numbers
+    return alt if direct or plan_time(alt) < plan_time(stepwise) * (1 - 1e-9) else stepwise
 
 
-def plan_redistribute(shape, src: Layout, dst: Layout, mesh, dtype) -> Plan:
-    """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``."""
+on_change(_plan_cached.cache_clear)
+
+
+def plan_redistribute(shape, src: Layout, dst: Layout, mesh, dtype, *, direct: bool | None = None) -> Plan:
+    """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``.
+
+    ``direct``: None (default) picks, by the registered cost model (``dist.cost``), between
+    the one-axis-per-step plan and one direct all_to_all over the axes involved (ties: the
+    steps); False forces the steps, True the direct all_to_all where one applies (the same
+    pending reductions before and after)."""
     from ..dtypes import dtype_name
     import numpy as np
     dt = np.dtype(dtype)
-    return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt))
-
+    return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt), direct)

@@ -7,10 +7,11 @@ the local pieces.  Rules never look at data and never communicate, so the same i
 the same decision on every rank, a bad input raises the same error on every rank before
 any collective, and the dispatcher caches the decision.
 
-Elementwise ops, unary math and matmul share one solver (``solve``): every tensor dim
-carries a label (an output dim, or matmul's contracted ``k``); per mesh axis the largest
-operand's use wins, the others follow it by a free local slice or give theirs up, and a
-pending reduction survives where the op is linear in it.
+Elementwise ops, unary math and matmul share one solver (``dist.solve``): every tensor dim
+carries a label (an output dim, or matmul's contracted ``k``); per mesh axis one operand's
+use wins (the cheapest by the cost model, the largest operand's on ties), the others follow
+it by a free local slice or give theirs up, and a pending reduction survives where the op
+is linear in it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from . import determinism as _det
 from .layout import Layout
 from .process_group import world
 from .shard import dim_extents_all, local_shape
+from .solve import solve
 
 __all__ = ["Strategy", "RuleError", "RULES", "register_rule", "solve", "ScalarKind", "ConstKind"]
 
@@ -82,53 +84,6 @@ def _xp():
 
 def _kernel(name: str):
     return get_backend().kernel(name)
-
-
-# --------------------------------------------------------------------------- the solver
-
-def solve(operands, contracted: frozenset, partial_rule: Callable, out_labels: tuple):
-    """operands: [(TensorMeta, labels)] with labels[d] a label or None (a broadcast dim).
-    Returns (target layout per operand, output layout)."""
-    mesh = operands[0][0].mesh
-    order = sorted(range(len(operands)), key=lambda i: (-operands[i][0].nbytes, i))
-    label_of: dict[str, Any] = {}
-    kept_partial: dict[str, tuple] = {}
-    for a in mesh.axes:
-        uses = []
-        for meta, labels in operands:
-            d = meta.layout.dim_of(a)
-            uses.append(("L", labels[d]) if d is not None and labels[d] is not None else
-                        ("B",) if d is not None else
-                        ("P", meta.layout.partial_op(a)) if meta.layout.partial_op(a) else None)
-        label = next((uses[i][1] for i in order if uses[i] and uses[i][0] == "L"), None)
-        if label is not None:
-            label_of[a] = label
-            continue
-        ops = tuple(u[1] if u and u[0] == "P" else None for u in uses)
-        if any(ops):
-            out_op = partial_rule(ops)
-            if out_op is not None:
-                kept_partial[a] = (out_op, ops)
-    seq: dict[Any, list[str]] = {}
-    for i in order:
-        meta, labels = operands[i]
-        for d, axes in enumerate(meta.layout.dims):
-            for a in axes:
-                if labels[d] is not None and label_of.get(a) == labels[d]:
-                    s = seq.setdefault(labels[d], [])
-                    if a not in s:
-                        s.append(a)
-    targets = []
-    for i, (meta, labels) in enumerate(operands):
-        dims = tuple(tuple(seq.get(lab, ())) if lab is not None else () for lab in labels)
-        partial = tuple(sorted((a, ops[i]) for a, (_, ops) in kept_partial.items() if ops[i]))
-        targets.append(Layout(dims, partial))
-    out_partial = {a: op for a, (op, _) in kept_partial.items()}
-    for lab in contracted:
-        for a in seq.get(lab, ()):
-            out_partial[a] = "sum"
-    out = Layout(tuple(tuple(seq.get(lab, ())) for lab in out_labels), tuple(sorted(out_partial.items())))
-    return targets, out
 
 
 # --------------------------------------------------------------------------- elementwise

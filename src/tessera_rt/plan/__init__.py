@@ -6,15 +6,21 @@ seed 001 §7.5, §7.8; seed 004).
     cands = plan.search(model="llama3-70b", cluster="nvl72", workload="train", batch=32, seq=8192)
     cands[0].mesh_shape, cands[0].memory, cands[0].step_time, cands[0].why
 
-The planner sits above the runtime: it reads collectives and kernels only to calibrate.
+The planner sits above the runtime: it reads collectives and kernels only to calibrate, and
+lends its time model to the runtime's redistribution choices through ``dist.cost``
+(``use_calibrated``).
 """
 from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
 from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .specs import CLUSTERS, MODELS, Cluster, ModelSpec, get_cluster, get_model, local_cluster_path
 from .timing import BUS_FACTOR, collective_time, step_time
+from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated, _register_local_on_import
 
 __all__ = [
     "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",
     "Layout", "memory_per_gpu", "param_counts", "activation_bytes", "collective_time", "step_time", "BUS_FACTOR",
     "Candidate", "search", "evaluate", "factorizations", "recipes", "RECIPES",
+    "ClusterCostModel", "use_calibrated", "use_builtin",
 ]
+
+_register_local_on_import()       # the runtime's redistribution choices use the calibration when there is one
