@@ -14,7 +14,7 @@ from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
 from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .specs import CLUSTERS, MODELS, Cluster, ModelSpec, get_cluster, get_model, local_cluster_path
 from .timing import BUS_FACTOR, collective_time, step_time
-from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated, _register_local_on_import
+from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
 
 __all__ = [
     "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",
@@ -22,5 +22,3 @@ __all__ = [
     "Candidate", "search", "evaluate", "factorizations", "recipes", "RECIPES",
     "ClusterCostModel", "use_calibrated", "use_builtin",
 ]
-
-_register_local_on_import()       # the runtime's redistribution choices use the calibration when there is one

@@ -6,14 +6,11 @@ model is registered in ``dist.cost``; this registers a cluster's (calibrated) mo
     plan.use_calibrated()            # the `local` cluster from tessera-plan --calibrate
     plan.use_calibrated("nvl72")     # or any cluster: a preset, a JSON file, a plan.Cluster
 
-Importing ``tessera_rt.plan`` registers the `local` calibration when the file exists
-(``TESSERA_COST_MODEL=builtin`` keeps dist's built-in alpha-beta model).  Call it alike on
-every rank: the model decides which collectives run.
+Nothing is registered on import: call it alike on every rank (the model decides which
+collectives run, and a calibration file that differs between hosts must not change that
+behind the program's back).
 """
 from __future__ import annotations
-
-import os
-import warnings
 
 from ..dist import cost as _cost
 from .specs import Cluster, get_cluster, local_cluster_path
@@ -54,13 +51,3 @@ def use_calibrated(cluster="local") -> ClusterCostModel:
 def use_builtin() -> None:
     """Go back to dist's built-in alpha-beta model."""
     _cost.set_cost_model(None)
-
-
-def _register_local_on_import() -> None:
-    if os.environ.get("TESSERA_COST_MODEL", "") == "builtin" or not local_cluster_path().exists():
-        return
-    try:
-        use_calibrated("local")
-    except ValueError as e:             # a broken file must not break `import tessera_rt.plan`
-        warnings.warn(f"tessera_rt.plan: the local calibration was not registered as the runtime's cost "
-                      f"model: {e}", stacklevel=2)
