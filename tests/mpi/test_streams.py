@@ -260,6 +260,6 @@ def test_ranks_that_issue_an_async_collective_on_different_roles_get_an_error(wo
         pytest.skip("needs two ranks to disagree")
     role = "a2a" if world.rank == world.size - 1 else "tp_collective"
     with pytest.raises(dist.CollectiveMismatchError, match=r"all_reduce"):
-        dist.all_reduce(np.ones(4, np.float32), "x", mesh=line, async_op=True, role=role).wait()
-    y = dist.all_reduce(np.ones(4, np.float32), "x", mesh=line, async_op=True).wait()   # still usable
-    np.testing.assert_array_equal(y, np.full(4, world.size, np.float32))
+        dist.all_reduce(xp.ones(4, np.float32), "x", mesh=line, async_op=True, role=role).wait()
+    y = dist.all_reduce(xp.ones(4, np.float32), "x", mesh=line, async_op=True).wait()   # still usable
+    np.testing.assert_array_equal(host(y), np.full(4, world.size, np.float32))
