@@ -118,7 +118,7 @@ def test_without_mpi_thread_multiple_cpu_streams_stay_in_order_and_say_so():
             "print('STREAM', type(rt.stream('tp_collective')).__name__, backend.cpu_workers())\n"
             "print('SUM', dist.all_reduce(np.ones(3, np.float32), async_op=True).wait().tolist())\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "TESSERA_DEVICE": "cpu"})
+                       env={**os.environ, "TESSERA_DEVICE": "cpu", "TESSERA_CPU_STREAMS": "threads"})
     assert p.returncode == 0, p.stderr
     assert "not MPI_THREAD_MULTIPLE" in p.stdout and "serialized" in p.stdout, p.stdout
     assert "STREAM CpuStream False" in p.stdout and "SUM [1.0, 1.0, 1.0]" in p.stdout, p.stdout

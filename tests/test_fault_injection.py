@@ -213,7 +213,7 @@ def test_a_worker_stream_error_nobody_waits_for_still_ends_the_job(tmp_path):
         time.sleep(60)
         print("unreachable", flush=True)
     """)
-    p, took = _run([TESSERA_RUN, "-n", "2", str(s)], mpi_env(2))
+    p, took = _run([TESSERA_RUN, "-n", "2", str(s)], mpi_env(2, extra={"TESSERA_CPU_STREAMS": "threads"}))
     err = p.stderr
     assert p.returncode not in (0, 124), p.stdout + err
     assert took < 30, took

@@ -9,8 +9,9 @@ each other as CUDA events do: ``b.wait_event(a.record())`` holds b's later work 
 earlier work is done, ``event.synchronize()`` blocks the caller, ``query()`` does not.
 An exception on a worker is raised again, with its own traceback, by the next wait that
 covers it (``synchronize``, an event's ``synchronize``, a collective's ``wait()``); the
-stream stays failed, as a CUDA context does after a kernel fault.  ``TESSERA_CPU_STREAMS=inorder``
-(or an MPI without MPI_THREAD_MULTIPLE, see ``dist.init``) keeps every stream on the caller.
+stream stays failed, as a CUDA context does after a kernel fault.  Worker streams are opt-in
+(``TESSERA_CPU_STREAMS=threads`` or ``set_cpu_workers(True)``); by default, and with an MPI
+without MPI_THREAD_MULTIPLE (see ``dist.init``), every stream stays on the caller.
 """
 from __future__ import annotations
 
@@ -105,7 +106,11 @@ class CpuStream:
 # Called as hook(stream, exc) on the worker thread when a task fails (dist.init adds one that
 # ends the job if the caller does not pick the error up within seconds).
 WORKER_ERROR_HOOKS: list = []
-_CPU_WORKERS = [os.environ.get("TESSERA_CPU_STREAMS", "threads").strip().lower() != "inorder"]
+# Off by default: on 2-rank CPU training, worker threads made the step slower (26 vs 18 ms
+# median, quiet 2-core VM, BENCHMARKS.md) -- the many small gradient all-reduces already
+# progress inside the step's later MPI calls, and a worker pays for the GIL on every test.
+# TESSERA_CPU_STREAMS=threads (or set_cpu_workers(True)) turns them on.
+_CPU_WORKERS = [os.environ.get("TESSERA_CPU_STREAMS", "inorder").strip().lower() in ("threads", "workers")]
 
 
 def cpu_workers() -> bool:

@@ -29,6 +29,17 @@ def data(rank, n, salt=0):
     return np.random.default_rng(7919 * salt + rank).standard_normal(n).astype(np.float32)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def worker_streams():
+    # worker streams are opt-in on the CPU (TESSERA_CPU_STREAMS=threads): this file tests them
+    was = ts.backend.cpu_workers()
+    ts.backend.set_cpu_workers(True)
+    rt.reset()
+    yield
+    ts.backend.set_cpu_workers(was)
+    rt.reset()
+
+
 @pytest.fixture
 def line(world):
     return dist.Mesh(axes=["x"], shape={"x": world.size})
