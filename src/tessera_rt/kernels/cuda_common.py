@@ -17,7 +17,22 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "get_function", "launch_stream", "device_key", "aligned", "is_aligned"]
+__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "HALF_IO", "get_function", "launch_stream", "device_key", "aligned", "is_aligned"]
+
+# A kernel's I/O element type: ``in_t`` is __half when compiled with TS_HALF=1, else float;
+# ``to_f``/``from_f`` convert to and from the f32 the kernel computes in.
+HALF_IO = r"""
+#include <cuda_fp16.h>
+#if TS_HALF
+typedef __half in_t;
+__device__ __forceinline__ float to_f(in_t x) { return __half2float(x); }
+__device__ __forceinline__ in_t from_f(float x) { return __float2half(x); }
+#else
+typedef float in_t;
+__device__ __forceinline__ float to_f(in_t x) { return x; }
+__device__ __forceinline__ in_t from_f(float x) { return x; }
+#endif
+"""
 
 MMA_HEADER = r"""
 #include <cuda_fp16.h>

@@ -18,24 +18,14 @@ import numpy as np
 from ..backend import register_kernel
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import MAX_GRID_YZ, get_function, launch_stream
+from .cuda_common import HALF_IO, MAX_GRID_YZ, get_function, launch_stream
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 
 __all__ = ["render_paged", "paged_decode_attention_cuda", "PAGED_HEAD_DIMS"]
 
 PAGED_HEAD_DIMS = (32, 64, 128, 256)
 
-PAGED_SOURCE = r"""
-#include <cuda_fp16.h>
-#if TS_HALF
-typedef __half in_t;
-__device__ __forceinline__ float to_f(in_t x) { return __half2float(x); }
-__device__ __forceinline__ in_t from_f(float x) { return __float2half(x); }
-#else
-typedef float in_t;
-__device__ __forceinline__ float to_f(in_t x) { return x; }
-__device__ __forceinline__ in_t from_f(float x) { return x; }
-#endif
+PAGED_SOURCE = HALF_IO + r"""
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

@@ -16,7 +16,7 @@ from ..backend import register_kernel
 from ..dtypes import resolve_dtype
 from ._common import check_float, check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import get_function, launch_stream
+from .cuda_common import HALF_IO, get_function, launch_stream
 from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
 
@@ -27,17 +27,7 @@ ROW_THREADS = 256
 PER_THREAD = 16
 ROW_MAX = ROW_THREADS * PER_THREAD      # 4096 elements per row held in registers
 
-ROWS_SOURCE = r"""
-#include <cuda_fp16.h>
-#if TS_HALF
-typedef __half in_t;
-__device__ __forceinline__ float to_f(in_t x) { return __half2float(x); }
-__device__ __forceinline__ in_t from_f(float x) { return __float2half(x); }
-#else
-typedef float in_t;
-__device__ __forceinline__ float to_f(in_t x) { return x; }
-__device__ __forceinline__ in_t from_f(float x) { return x; }
-#endif
+ROWS_SOURCE = HALF_IO + r"""
 #define NT 256
 #define PT 16
 
