@@ -45,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (0: world size / (tp * pp))")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (the blocks split over them)")
     p.add_argument("--microbatches", type=int, default=0,
-                   help="micro-batches per step with --pp (0: 2 * pp, at most --batch)")
+                   help="micro-batches per step with --pp (0: 2 * pp, at most --batch); given without --pp, the "
+                   "step runs through the pipeline on one stage (gradient accumulation: with MoE blocks the "
+                   "balance loss is per micro-batch, as with --pp)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
                    help="pipeline schedule with --pp (interleaved: --virtual-stages chunks per rank)")
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per rank with --schedule interleaved")
@@ -157,17 +159,17 @@ def train(args: argparse.Namespace) -> dict:
     ep = args.ep if args.experts else 1
     if args.ep > 1 and not args.experts:
         raise SystemExit("train.py: --ep needs --experts N (the MoE blocks are what ep shards)")
-    if pp > 1 and args.experts:
-        raise SystemExit("train.py: --pp with --experts (pp x ep) is not supported yet; use one of them")
     dp = args.dp or max(n // (tp * ep * pp), 1)
     if tp * dp * ep * pp != n:
         raise SystemExit(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} x --pp {pp} = {tp * dp * ep * pp} ranks but "
                          f"the job has {n}; launch with tessera-run -n {tp * dp * ep * pp} or change --tp/--dp/--ep/--pp")
-    if pp > 1 and np.dtype(resolve_dtype(args.dtype)) == np.float16:
-        raise SystemExit("train.py: --pp with fp16 is not supported (the loss scale would have to reach the last "
-                         "stage's loss); use --dtype bf16 or float32")
-    if pp > 1:
-        mesh = dist.Mesh(axes=["pp", "dp", "tp"], shape={"pp": pp, "dp": dp, "tp": tp})
+    piped = pp > 1 or args.microbatches > 0
+    if piped and np.dtype(resolve_dtype(args.dtype)) == np.float16:
+        raise SystemExit("train.py: --pp/--microbatches with fp16 is not supported (the loss scale would have to "
+                         "reach the last stage's loss); use --dtype bf16 or float32")
+    if piped:                   # pp x ep: each stage's sub-mesh has dp, ep and tp
+        axes = ["pp", "dp"] + (["ep"] if args.experts else []) + ["tp"]
+        mesh = dist.Mesh(axes=axes, shape={a: {"pp": pp, "dp": dp, "ep": ep, "tp": tp}[a] for a in axes})
     elif args.experts:
         mesh = dist.Mesh(axes=["dp", "ep", "tp"], shape={"dp": dp, "ep": ep, "tp": tp})
     else:
@@ -181,12 +183,12 @@ def train(args: argparse.Namespace) -> dict:
     if len(data) < args.seq + 2:
         raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
-    virtual = args.virtual_stages if pp > 1 and args.schedule == "interleaved" else 1
+    virtual = args.virtual_stages if piped and args.schedule == "interleaved" else 1
     model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
                            dtype=args.dtype, remat=args.remat, moe=moe_config(args), virtual_stages=virtual)
     params = model.init(args.seed)            # with --pp: this rank's stage only
     pipe = dist.Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
-                         schedule=args.schedule) if pp > 1 else None
+                         schedule=args.schedule) if piped else None
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
 
@@ -243,8 +245,8 @@ def train(args: argparse.Namespace) -> dict:
     if pipe is not None and not args.no_checkpoint:
         args.no_checkpoint = True
         if rank0 and not args.quiet:
-            print("train.py: no checkpoint with --pp (each stage holds other parameters; dist.save takes one tree "
-                  "on every rank)", flush=True)
+            print("train.py: no checkpoint with --pp/--microbatches (each stage holds other parameters; dist.save "
+                  "takes one tree on every rank)", flush=True)
     if not args.no_checkpoint:
         saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
     if rank0 and not args.quiet:

@@ -73,8 +73,10 @@ def run_mpi_suite(suite, nranks: int, device: str = "cpu", env: dict | None = No
     ``standin_env()``, which also sets the device)."""
     where = ROOT / "tests" / folder
     files = [str(where / s) for s in ([suite] if isinstance(suite, str) else suite)]
+    # the hypothesis and anyio pytest plugins cost ~1.2 s of CPU per rank at start-up and no
+    # multi-rank test needs them (@given runs without the plugin); 10 ranks per suite, 2 cores
     pytest_cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-x", "--tb=short", "-p", "no:cacheprovider",
-                             "--rootdir", str(where), *files])
+                             "-p", "no:hypothesispytest", "-p", "no:anyio", "--rootdir", str(where), *files])
     # only rank 0 prints progress (MPICH sets PMI_RANK, Open MPI OMPI_COMM_WORLD_RANK)
     quiet = 'if [ "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}" != 0 ]; then exec >/dev/null; fi; exec '
     cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), MPIEXEC, "-n", str(nranks),

@@ -246,6 +246,20 @@ def test_vjp_non_scalar():
     np.testing.assert_allclose(gx, ct * (1 - np.tanh(x) ** 2), rtol=1e-12)
 
 
+def test_vjp_tuple_outputs_seed_every_output_in_one_sweep():
+    # a pipeline stage's (activation, own loss term): the gradient of <h, ct> + w * aux
+    x = rand(3, 4)
+    (h, aux), pull = ts.vjp(lambda x: (op.tanh(x), op.sum(op.mul(x, x))), x)
+    ct, w = rand(3, 4), np.asarray(0.25)
+    (gx,) = pull((ct, w))
+    np.testing.assert_allclose(gx, ct * (1 - np.tanh(x) ** 2) + 0.5 * x, rtol=1e-12)
+    (_, _), pull = ts.vjp(lambda x: (op.tanh(x), op.sum(op.mul(x, x))), x)
+    np.testing.assert_allclose(pull((None, w))[0], 0.5 * x, rtol=1e-12)       # None: no cotangent
+    (_, _), pull = ts.vjp(lambda x: (op.tanh(x), op.sum(x)), x)
+    with pytest.raises(ValueError, match="2 outputs; pass a tuple of 2 cotangents"):
+        pull(ct)
+
+
 # --------------------------------------------------------------------------- errors
 
 def test_error_non_scalar_output():

@@ -247,10 +247,6 @@ class Transformer(Module):
         # rank's modules live on its stage's sub-mesh and it builds only its own parameters
         self.stage_plan = None
         if mesh is not None and pp_axis in mesh.axes:
-            if moe:
-                raise ValueError(f"Transformer(moe=..., mesh={mesh!r}): MoE blocks in a pipeline (pp x ep) are not "
-                                 f"supported yet (each stage's balance loss would need its own backward seed); "
-                                 f"drop the {pp_axis!r} axis or the moe= blocks")
             from .pipeline.stages import StagePlan
             self.stage_plan = StagePlan(mesh, pp_axis, n_layers, stage_of, virtual_stages)
             mesh = self.stage_plan.stage_mesh
@@ -265,6 +261,8 @@ class Transformer(Module):
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.vocab, self.d, self.seq_len, self.remat = vocab, d_model, seq_len, remat
         self.dp = dp_axis if mesh is not None and dp_axis in mesh.axes else None
+        # MoE blocks keep tokens sharded only when dp x ep divides the rows (pipeline checks it)
+        self.rows_multiple = math.prod(mesh.size(a) for a in (self.dp, self.ep) if a) if moe and mesh is not None else 1
         self.embed = Embedding(vocab, d_model, **kw)
         bkw = dict(kw, moe=moe, ep_axis=ep_axis) if moe else kw
         self.blocks = [TransformerBlock(d_model, n_heads, hidden or 4 * d_model, **bkw) for _ in range(n_layers)]
@@ -287,11 +285,25 @@ class Transformer(Module):
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if self.mesh is None:
             return tokens
+        return distribute(tokens, layout=self._batch_spec(), mesh=self.mesh)
+
+    def _batch_spec(self):
+        """The batch dim over dp (and ep with MoE blocks: tokens over dp x ep), else None."""
         spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
         batch_axes = tuple(a for a in (self.dp, getattr(self, "ep", None)) if a)
         if len(batch_axes) > 1 or (batch_axes and not self.dp):
             spec = ShardSpec(partition=(0,), mesh_axes=(batch_axes,))
-        return distribute(tokens, layout=spec, mesh=self.mesh)
+        return spec
+
+    def _moe_aux(self, layers):
+        """The MoE balance (and z) loss terms of ``layers``' latest forward, summed (None
+        without MoE blocks among them)."""
+        total = None
+        for i in layers:
+            extra = self.blocks[i].mlp.aux_loss() if hasattr(self.blocks[i].mlp, "aux_loss") else None
+            if extra is not None:
+                total = extra if total is None else op.add(total, extra)
+        return total
 
     def logits(self, p: dict, tokens):
         if self.stage_plan is not None:
@@ -316,11 +328,8 @@ class Transformer(Module):
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")      # the loss in f32 for bf16/fp16 compute
         loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
-        for blk in self.blocks:                  # MoE blocks: the balance (and z) losses
-            extra = blk.mlp.aux_loss() if hasattr(blk.mlp, "aux_loss") else None
-            if extra is not None:
-                loss = op.add(loss, extra)
-        return loss
+        extra = self._moe_aux(range(len(self.blocks)))      # MoE blocks: the balance (and z) losses
+        return loss if extra is None else op.add(loss, extra)
 
     def moe_stats(self) -> dict | None:
         """Load std/mean per MoE block and dropped pairs of the latest forward (collective:
@@ -366,25 +375,32 @@ class Transformer(Module):
 
     def stage_boundary(self, rows: int) -> tuple:
         """(global shape, dtype, spec) of the activation between stages for ``rows`` sequences:
-        the batch over dp, replicated over tp."""
-        spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.mesh is not None and self.dp else None
+        the batch over dp (and ep), replicated over tp."""
+        spec = self._batch_spec() if self.mesh is not None else None
         return (rows, self.seq_len, self.d), self.dtype, spec
 
     def stage_forward(self, p: dict, vs: int, h, targets=None):
         """Virtual stage ``vs`` on its chunk's parameters: token ids in on stage 0 (else the
-        previous stage's activation), the mean loss out on the last stage (else the activation)."""
+        previous stage's activation), the mean loss out on the last stage (else the activation).
+        MoE blocks add their balance/z terms: to the loss on the last stage, else returned as
+        ``(activation, aux)`` so the stage's backward seeds its own term (pipeline/runner)."""
         plan = self.stage_plan
         if vs == 0:
             h = op.add(self.embed(p["embed"], h), p["pos"])
+        for i in plan.layers[vs]:
+            if hasattr(self.blocks[i].mlp, "auxes"):
+                self.blocks[i].mlp.auxes.clear()        # keep only this micro-batch's
         for i, bp in zip(plan.layers[vs], p["blocks"]):
             remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
             h = checkpoint(self.blocks[i])(bp, h) if remat else self.blocks[i](bp, h)
+        aux = self._moe_aux(plan.layers[vs])
         if vs != plan.n_virtual - 1:
-            return h
+            return h if aux is None else (h, aux)
         logits = self.head(p["head"], self.norm(p["norm"], h))
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")
-        return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
+        loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
+        return loss if aux is None else op.add(loss, aux)
 
 
 def __getattr__(name: str):

@@ -1,5 +1,6 @@
 """scripts/train.py: the loss after N steps on every dp x tp mesh of the job equals the
 loss of the same loop run on plain arrays in one process (float tolerance)."""
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import tessera_rt as ts
-from tessera_rt import dist, nn, optim
+from tessera_rt import dist, nn, op, optim
 
 SIZE = MPI.COMM_WORLD.Get_size()
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,17 +32,28 @@ TRAIN = load_train()
 
 
 def reference_losses(args):
-    """The same loop on arrays, one process: the single-rank reference."""
+    """The same loop on arrays, one process: the single-rank reference.  With MoE blocks and
+    micro-batches (--pp/--microbatches) the loss is accumulated per micro-batch, as the
+    pipeline computes it (the balance loss is not linear in the batch)."""
     text = TRAIN.load_text(args.data)
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], np.int32)
-    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq)
+    moe = TRAIN.moe_config(args)
+    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, moe=moe)
     params = model.init(args.seed)
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    m = (args.microbatches or min(2 * args.pp, args.batch)) if moe and (args.pp > 1 or args.microbatches) else 1
+    parts = np.array_split(np.arange(args.batch), m)
+
+    def loss_fn(p, x, y):
+        if m == 1:
+            return model.loss(p, x, y)
+        terms = [op.mul(model.loss(p, x[i], y[i]), len(i) / args.batch) for i in parts]
+        return functools.reduce(op.add, terms)
     losses = []
     for step in range(args.steps):
         x, y = TRAIN.get_batch(data, step, args.batch, args.seq, args.seed)
-        loss, grads = ts.value_and_grad(model.loss)(params, x, y)
+        loss, grads = ts.value_and_grad(loss_fn)(params, x, y)
         grads, _ = optim.clip_grad_norm(grads, args.clip)
         params = opt.step(params, grads)
         losses.append(float(loss))

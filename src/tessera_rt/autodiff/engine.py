@@ -328,25 +328,39 @@ def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool =
 
 def vjp(fn: Callable, *args, allow_unused: bool = True, reduce: bool = True):
     """``(out, pullback)``: ``pullback(cotangent)`` gives the gradient of ``<out, cotangent>``
-    with respect to every argument (a tuple, one pytree per argument).  ``reduce=False``
-    leaves DTensor gradients raw (pending sums over dp/tp not yet all-reduced), for callers
-    that accumulate several pullbacks and reduce once (``reduce_grads``)."""
+    with respect to every argument (a tuple, one pytree per argument).  ``fn`` may return a
+    tuple: ``pullback`` then takes a tuple of cotangents, one per output (None: zero), and
+    sweeps once for their sum (a pipeline stage seeds its activation and its own loss term
+    together).  ``reduce=False`` leaves DTensor gradients raw (pending sums over dp/tp not
+    yet all-reduced), for callers that accumulate several pullbacks and reduce once
+    (``reduce_grads``)."""
     name = getattr(fn, "__name__", "fn")
     tape, finisher, out, groups, _ = _trace(fn, args, tuple(range(len(args))), name, reduce)
     used = [False]
+    many = type(out) is tuple
+    outs = out if many else (out,)
 
     def pullback(ct):
         if used[0]:
             raise RuntimeError(f"ts.vjp({name}): the pullback can run once (the tape is freed as it sweeps)")
         used[0] = True
-        if type(out) is not Var:
+        cts = ct if many else (ct,)
+        if many and (type(cts) is not tuple or len(cts) != len(outs)):
+            raise ValueError(f"ts.vjp({name}): the function returned {len(outs)} outputs; pass a tuple of "
+                             f"{len(outs)} cotangents (None for an output that gets none)")
+        seeds = [(o, c) for o, c in zip(outs, cts) if c is not None]
+        if not seeds or any(type(o) is not Var for o, _ in seeds):
             raise ValueError(f"ts.vjp({name}): the output does not depend on the arguments")
-        if getattr(ct, "shape", None) != out.value.shape:
-            raise ValueError(f"ts.vjp({name}): the cotangent has shape {getattr(ct, 'shape', None)}, the output "
-                             f"{tuple(out.value.shape)}; pass one of the output's shape")
-        backward(tape, out, ct)
+        for o, c in seeds:
+            if getattr(c, "shape", None) != o.value.shape:
+                raise ValueError(f"ts.vjp({name}): the cotangent has shape {getattr(c, 'shape', None)}, the "
+                                 f"output {tuple(o.value.shape)}; pass one of the output's shape")
+        for o, c in seeds:                     # the sweep starts with every output seeded
+            o.grad = c if o.grad is None else _add(o.grad, c)
+        backward(tape, seeds[0][0], seeds[0][0].grad)
         return _collect(tape, finisher, groups, False, allow_unused, name)
-    return (out.value if type(out) is Var else out), pullback
+    values = tuple(o.value if type(o) is Var else o for o in outs)
+    return (values if many else values[0]), pullback
 
 
 class _Leaf:

@@ -18,7 +18,14 @@ moment its last backward is done and is waited for at the end of the step.
 
 The model protocol (nn.Transformer implements it): ``stage_plan`` (pipeline.stages),
 ``split_params``/``join_params``, ``stage_forward(p, vs, h, targets)``, ``stage_boundary(rows)``,
-``batch(tokens)``, ``seq_len`` and ``dtype``.
+``batch(tokens)``, ``seq_len`` and ``dtype``.  A non-last stage may return ``(activation,
+aux)``, a scalar loss term of its own (an MoE block's balance loss): its backward seeds
+``aux`` with the micro-batch's weight in the batch mean alongside the received activation
+gradient, and the reported loss adds every stage's terms (the per-stage sums travel in the
+all_gather over pp that the stats make anyway).  The step computes the gradient of
+``sum_mb rows_mb / batch * loss(micro-batch mb)``, which for losses that are means over
+tokens (cross-entropy) is the batch mean, and for MoE balance losses is the per-micro-batch
+loss that gradient accumulation on one rank computes.
 """
 from __future__ import annotations
 
@@ -140,6 +147,13 @@ class Pipeline:
         if m > x.shape[0]:
             raise ValueError(f"rank {rank}: Pipeline(microbatches={m}) is larger than the batch ({x.shape[0]} "
                              f"sequences); use microbatches <= {x.shape[0]}")
+        k = getattr(self.model, "rows_multiple", 1)
+        sizes = split_sizes(x.shape[0], m)
+        if any(r % k for r in sizes):
+            raise ValueError(f"rank {rank}: Pipeline: {m} micro-batches of the batch of {x.shape[0]} have "
+                             f"{sorted(set(sizes))} sequences, but the model's MoE blocks shard each micro-batch's "
+                             f"tokens over dp x ep = {k} ranks and need a multiple of {k}; use a batch of "
+                             f"microbatches x {k} * n sequences (e.g. {m * k}), or fewer micro-batches")
         shape, dtype, _ = self.model.stage_boundary(1)
         sig = (x.shape[0], x.shape[1], m, zlib.crc32(self.schedule.encode()), zlib.crc32(str(np.dtype(dtype)).encode()),
                shape[2], zlib.crc32(repr(self.plan.layers).encode()))
@@ -219,13 +233,13 @@ class Pipeline:
         offs = np.concatenate([[0], np.cumsum(rows)]).astype(int)
         last_vs = plan.n_virtual - 1
         chunks = model.split_params(params)
-        smesh, dtype = model.mesh, model.stage_boundary(1)[1]
         acts = self.actions
         last_b = {c: max(i for i, a in enumerate(acts) if a[0] == "B" and a[1] == c) for c in range(plan.virtual)}
         need = [(i, a) for i, a in enumerate(acts) if not (a[0] == "F" and plan.chunks[a[1]] == 0)
                 and not (a[0] == "B" and plan.chunks[a[1]] == last_vs)]
         self._recvs, self._sends, self._handed = {}, [], {}
         live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, {}, []
+        auxes = {}                                       # (chunk, mb) -> a non-last stage's own loss term
         peak, posted, busy = 0, 0, 0.0
         from ..backend import get_backend
         ahead = 0 if get_backend().is_gpu else LOOKAHEAD
@@ -252,14 +266,16 @@ class Pipeline:
                 if vs == last_vs:
                     losses[mb] = out
                 else:
+                    if type(out) is tuple:               # (activation, this stage's loss term)
+                        out, auxes[(c, mb)] = out
                     self._send(out, "F", vs + 1, mb)
             else:
                 pb = live.pop(key[1:])
-                if vs == last_vs:                        # d(batch mean)/d(micro-batch mean)
-                    w, ldt = rows[mb] / x.shape[0], losses[mb].dtype
-                    ct = full((), w, mesh=smesh, dtype=ldt) if smesh is not None else _xp().asarray(w, ldt)
+                w = rows[mb] / x.shape[0]                # d(batch mean)/d(micro-batch mean)
+                if vs == last_vs:
+                    ct = self._weight(w, losses[mb])
                 else:
-                    ct = h
+                    ct = (h, self._weight(w, auxes[(c, mb)])) if (c, mb) in auxes else h
                 grads = pb(ct)
                 acc[c] = _accumulate(acc[c], grads[0])
                 if vs != 0:
@@ -275,14 +291,22 @@ class Pipeline:
             w.wait()
         self._sends = []
         grads = model.join_params([r.wait() for r in reductions])
-        loss = self._loss(losses, rows, x.shape[0])
+        loss = self._loss(list(losses.items()) + [(mb, v) for (_, mb), v in auxes.items()], rows, x.shape[0])
         self._finish_stats(loss, busy, t_end - t_start, peak, spans, t_start)
         return self._stats.loss, grads
 
-    def _loss(self, losses: dict, rows, batch: int) -> float:
-        """The batch's mean loss on the last stage (micro-batch means weighted by their rows)."""
+    @staticmethod
+    def _weight(w: float, like):
+        """The scalar cotangent ``w`` for the loss value ``like`` (a DTensor on the stage mesh)."""
+        if type(like) is DTensor:
+            return full((), w, mesh=like.mesh, dtype=like.dtype)
+        return _xp().asarray(w, like.dtype)
+
+    def _loss(self, values: list, rows, batch: int) -> float:
+        """This rank's share of the batch's loss: its (micro-batch, value) pairs weighted by
+        the micro-batches' rows (the last stage's losses, other stages' own terms)."""
         total = 0.0
-        for mb, val in sorted(losses.items()):
+        for mb, val in sorted(values, key=lambda t: t[0]):
             v = val.full_tensor() if type(val) is DTensor else val
             total += float(_to_host(v)) * rows[mb] / batch
         return total
@@ -292,7 +316,7 @@ class Pipeline:
         every = _to_host(C.all_gather(_on_device(mine), axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, 4)
         self.timeline = [(k, c, mb, t0 - t_start, t1 - t_start) for k, c, mb, t0, t1 in spans]
         self._stats = PipelineStats(schedule=self.schedule, pp=self.plan.pp, microbatches=self.microbatches,
-                                    virtual=self.plan.virtual, loss=float(every[-1, 0]), busy=every[:, 1].tolist(),
+                                    virtual=self.plan.virtual, loss=float(every[:, 0].sum()), busy=every[:, 1].tolist(),
                                     wall=every[:, 2].tolist(), peak_live=[int(p) for p in every[:, 3]])
         record_spans(self.stage, spans)
 
