@@ -400,3 +400,40 @@ def test_tags_choose_and_are_recorded(world, monkeypatch):
     ccl.reset_algo_override()
     with pytest.raises(ValueError, match="TESSERA_COMM_ALGO='fastest'"):
         ccl.line_all_reduce(x, mesh=mesh)
+
+
+def test_plain_collectives_take_tags(world):
+    """dist.all_reduce/reduce_scatter/all_gather/broadcast with tag=: the same results, the tag
+    in the trace records; on NCCL a tagged all-reduce runs on a communicator made with NCCL_ALGO."""
+    import os
+    n = world.size
+    mesh = dist.Mesh(axes=["x"], shape={"x": n})
+    everyone = [data(r, (2 * n, 3), np.int64) for r in range(n)]
+    x = xp.asarray(everyone[world.rank])
+    with dist.trace_collectives() as log:
+        for tag in ("tree", "ring"):
+            np.testing.assert_array_equal(host(dist.all_reduce(x, "x", mesh=mesh, tag=tag)), sum(everyone))
+            np.testing.assert_array_equal(host(dist.reduce_scatter(x, "x", dim=0, mesh=mesh, tag=tag)),
+                                          sum(everyone)[2 * world.rank:2 * world.rank + 2])
+            np.testing.assert_array_equal(host(dist.all_gather(x, "x", dim=1, mesh=mesh, tag=tag)),
+                                          np.concatenate(everyone, axis=1))
+            b = x.copy()
+            np.testing.assert_array_equal(host(dist.broadcast(b, "x", root=n - 1, mesh=mesh, tag=tag)), everyone[-1])
+        dist.all_reduce(x, "x", mesh=mesh)
+    got = [(r.op, r.tag) for r in log.records]
+    assert got == [(o, t) for t in ("tree", "ring") for o in ("all_reduce", "reduce_scatter", "all_gather",
+                                                              "broadcast")] + [("all_reduce", "")]
+    assert "tag=ring" in str(log.records[4]) and "tag" not in str(log.records[-1])
+    comm = mesh.group("x").comm
+    tree = comm.tagged("all_reduce", "tree")
+    if comm.kind == "nccl":     # a second communicator, made with NCCL_ALGO=Tree; the env is left as it was
+        assert tree is not comm and tree.algo_env == "Tree" and comm.tagged("all_reduce", "tree") is tree
+        assert comm.tagged("all_gather", "tree") is comm
+    else:                       # MPI: no per-call algorithm choice, the tag is only recorded
+        assert tree is comm
+    assert os.environ.get("NCCL_ALGO") is None
+    with pytest.raises(ValueError, match="tag='fast'"):
+        dist.all_reduce(x, "x", mesh=mesh, tag="fast")
+    X = dist.distribute(xp.zeros((n, 2)), layout=dist.ReplicateSpec(mesh_axes=("x",)), mesh=mesh)
+    with pytest.raises(ValueError, match="tag applies to arrays"):
+        dist.all_gather(X, "x", tag="ring")

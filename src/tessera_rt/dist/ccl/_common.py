@@ -78,7 +78,7 @@ def reset_algo_override() -> None:
     _OVERRIDE.clear()
 
 
-TAGS = ("tree", "ring")
+TAGS = C.TAGS          # one list of hints, the plain collectives' (dist.collectives)
 
 
 def choose_algo(op: str, algo: str, nbytes: int, where_: Callable[[], str], tag: str | None = None) -> str:

@@ -239,7 +239,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         bufs = buffers.take(buffer_key, sig, lambda: {"out": out_shape}, x.dtype)
         _record(name, g, x, int(x.nbytes * C.bus_factor("reduce_scatter", n)), algo, tag)
         work = C.reduce_scatter(x, axis, op, dim=dim, sizes=given, mesh=mesh, out=bufs["out"], role=role,
-                                async_op=between is not None)
+                                async_op=between is not None, tag=tag)
         if between is None:
             return work
         between()
@@ -287,7 +287,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
         _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
         even = min(sizes) == max(sizes)
         return C.all_gather(x, axis, dim=dim, sizes=None if even else sizes, mesh=mesh, out=bufs["out"],
-                            role=role)
+                            role=role, tag=tag)
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1
     total = math.prod(shape)
     bufs = buffers.take(buffer_key, sig, lambda: {"work": (total,)} if flat else {"work": (total,), "out": shape},
@@ -323,7 +323,7 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     if algo == "library":
         bufs = buffers.take(buffer_key, sig, lambda: {"out": tuple(x.shape)}, x.dtype)
         _record(name, g, x, int(x.nbytes * C.bus_factor("all_reduce", n)), algo, tag)
-        return C.all_reduce(x, axis, op, mesh=mesh, out=bufs["out"], role=role)
+        return C.all_reduce(x, axis, op, mesh=mesh, out=bufs["out"], role=role, tag=tag)
     counts = list(split_sizes(x.size, n))
     work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "all_reduce", tag)
     with _OnRole(role) as stream:
