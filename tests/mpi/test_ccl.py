@@ -167,6 +167,27 @@ def test_auto_and_override(world, monkeypatch):
         ccl.set_algo_table({"all_reduce": [(64, "ring")]})
 
 
+def test_cached_plans_follow_the_table_and_the_override(world, monkeypatch):
+    """A repeated call reuses its plan; a new table or TESSERA_COMM_ALGO re-plans it."""
+    mesh = meshes(world)[0][0]
+    x = xp.ones(6 * world.size, np.float32)
+    try:
+        with dist.trace_collectives() as log:
+            for table in ("ring", "line", "ring"):
+                ccl.set_algo_table({"reduce_scatter": [(float("inf"), table)]})
+                for _ in range(2):
+                    check(ccl.line_reduce_scatter(x, 0, mesh=mesh), np.full(6, world.size), np.float32)
+            monkeypatch.setenv("TESSERA_COMM_ALGO", "library")
+            ccl.reset_algo_override()
+            ccl.line_reduce_scatter(x, 0, mesh=mesh)
+        assert [r.algo for r in log.records if r.op == "line_reduce_scatter"] == \
+            ["ring", "ring", "line", "line", "ring", "ring", "library"]
+    finally:
+        monkeypatch.delenv("TESSERA_COMM_ALGO")
+        ccl.reset_algo_override()
+        ccl.set_algo_table(None)
+
+
 # --------------------------------------------------------------------------- persistent buffers
 
 @pytest.mark.parametrize("algo", ["ring", "line"])
@@ -410,6 +431,7 @@ def test_plain_collectives_take_tags(world):
     mesh = dist.Mesh(axes=["x"], shape={"x": n})
     everyone = [data(r, (2 * n, 3), np.int64) for r in range(n)]
     x = xp.asarray(everyone[world.rank])
+    env = os.environ.get("NCCL_ALGO")
     with dist.trace_collectives() as log:
         for tag in ("tree", "ring"):
             np.testing.assert_array_equal(host(dist.all_reduce(x, "x", mesh=mesh, tag=tag)), sum(everyone))
@@ -431,7 +453,7 @@ def test_plain_collectives_take_tags(world):
         assert comm.tagged("all_gather", "tree") is comm
     else:                       # MPI: no per-call algorithm choice, the tag is only recorded
         assert tree is comm
-    assert os.environ.get("NCCL_ALGO") is None
+    assert os.environ.get("NCCL_ALGO") == env
     with pytest.raises(ValueError, match="tag='fast'"):
         dist.all_reduce(x, "x", mesh=mesh, tag="fast")
     X = dist.distribute(xp.zeros((n, 2)), layout=dist.ReplicateSpec(mesh_axes=("x",)), mesh=mesh)
