@@ -276,12 +276,19 @@ def test_double_matmul_line_reduce_scatter(world, algo):
         x = xp.asarray(data(world.rank, (2, 3, 8), np.float32, salt=2))
         w1 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=3))
         w3 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=4))
-        rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo,
-                                                       buffer_key=f"dm{axis}")
         want_rs = dist.reduce_scatter(xp.asarray(host(x) @ host(w1)), axis, dim=2, mesh=mesh)
-        check(rs, host(want_rs), np.float32, n)
-        check(y3, host(x) @ host(w3), np.float32)
-        assert rs.shape == (2, 3, 4) and me >= 0
+        # the default (6 rows <= 2F: overlapped on the CPU), one pass over x, overlapped
+        for overlap in (None, False, True):
+            rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh,
+                                                           algo=algo, buffer_key=f"dm{axis}", overlap=overlap)
+            check(rs, host(want_rs), np.float32, n)
+            check(y3, host(x) @ host(w3), np.float32)
+            assert rs.shape == (2, 3, 4) and me >= 0
+        # many rows: the CPU default is the one pass, x @ [w1 | w3]
+        xl = xp.asarray(data(world.rank, (5, 8 * n + 1, 8), np.float32, salt=5))
+        rs, y3 = ccl.double_matmul_line_reduce_scatter(xl, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo)
+        check(rs, host(dist.reduce_scatter(xp.asarray(host(xl) @ host(w1)), axis, dim=2, mesh=mesh)), np.float32, n)
+        check(y3, host(xl) @ host(w3), np.float32)
         if n > 1:
             with pytest.raises(ValueError, match=r"does not split evenly over the \d ranks"):
                     ccl.double_matmul_line_reduce_scatter(x, w1[:, :4 * n - 1], w3[:, :4 * n - 1], cluster_axis=ca,
