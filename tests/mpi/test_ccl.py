@@ -289,6 +289,12 @@ def test_double_matmul_line_reduce_scatter(world, algo):
         rs, y3 = ccl.double_matmul_line_reduce_scatter(xl, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo)
         check(rs, host(dist.reduce_scatter(xp.asarray(host(xl) @ host(w1)), axis, dim=2, mesh=mesh)), np.float32, n)
         check(y3, host(xl) @ host(w3), np.float32)
+        # fp16: on a GPU (and the stand-in) the DUAL_OUT tile kernel, one pass over x
+        h = [a.astype(np.float16) for a in (x, w1, w3)]
+        rs, y3 = ccl.double_matmul_line_reduce_scatter(*h, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo)
+        hx, h1, h3 = (host(a).astype(np.float64) for a in h)
+        check(rs, host(dist.reduce_scatter(xp.asarray(hx @ h1), axis, dim=2, mesh=mesh)), np.float16, n)
+        check(y3, hx @ h3, np.float16)
         if n > 1:
             with pytest.raises(ValueError, match=r"does not split evenly over the \d ranks"):
                     ccl.double_matmul_line_reduce_scatter(x, w1[:, :4 * n - 1], w3[:, :4 * n - 1], cluster_axis=ca,
