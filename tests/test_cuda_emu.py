@@ -307,10 +307,12 @@ def test_mma_m16n8k16_matches_numpy(dtype):
 
 # ------------------------------------------------------------------------------ real kernels
 
-def run_gemm(a, b, tile, *, b2=None, out_dtype=np.float16, source_edit=None):
-    """Launch ts_gemm like gemm_cuda.tile_gemm; returns (C, seconds)."""
+def run_gemm(a, b, tile, *, b2=None, out_dtype=np.float16, source_edit=None, dual_out=False):
+    """Launch ts_gemm like gemm_cuda.tile_gemm; returns (C, seconds), or ((C, C2), seconds)
+    with ``dual_out``."""
     bm, bn, bk = tile
-    cfg = dict(BM=bm, BN=bn, BK=bk, dtype="f16", out_f32=out_dtype == np.float32, dual=b2 is not None)
+    cfg = dict(BM=bm, BN=bn, BK=bk, dtype="f16", out_f32=out_dtype == np.float32, dual=b2 is not None,
+               dual_out=dual_out)
     src = emulated(render_gemm(**cfg))
     if source_edit:
         src = source_edit(src)
@@ -320,12 +322,13 @@ def run_gemm(a, b, tile, *, b2=None, out_dtype=np.float16, source_edit=None):
     nb = int(np.prod(batch)) if batch else 1
     dev = Device()
     c = dev.empty(tuple(batch) + (m, n), out_dtype)
+    c2 = dev.empty(tuple(batch) + (m, n), out_dtype) if dual_out else c
     wm, wn = GEMM_CONFIGS[tile]
     ga, gb = dev.put(a), dev.put(b)
     seconds = dev.launch(fn, ((n + bn - 1) // bn, (m + bm - 1) // bm, nb), wm * wn * 32,
-                         ga, gb, dev.put(b2) if b2 is not None else gb, c, np.int32(m), np.int32(n), np.int32(k),
+                         ga, gb, dev.put(b2) if b2 is not None else gb, c, c2, np.int32(m), np.int32(n), np.int32(k),
                          np.int64(m * k if a.ndim > 2 else 0), np.int64(k * n if b.ndim > 2 else 0), np.int64(m * n))
-    return c, seconds
+    return ((c, c2) if dual_out else c), seconds
 
 
 @pytest.mark.parametrize("tile,shape,out_dtype", [
@@ -348,6 +351,17 @@ def test_swiglu_dual_gemm_matches_reference(request):
     request.node.user_properties.append(("emulation_seconds", seconds))
     want = K.swiglu(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
     np.testing.assert_allclose(c.astype(np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+def test_dual_output_gemm_matches_reference(request):
+    """DUAL_OUT: one pass over x, both products written (ccl's double matmul on the GPU)."""
+    x, w1, w3 = rnd((50, 64)), rnd((64, 72), seed=3, scale=0.2), rnd((64, 72), seed=4, scale=0.2)
+    (c1, c3), seconds = run_gemm(x, w1, (64, 64, 32), b2=w3, dual_out=True)
+    request.node.user_properties.append(("emulation_seconds", seconds))
+    want1, want3 = K.dual_matmul(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
+    rtol, atol = tolerance(np.float16)
+    for got, want in ((c1, want1), (c3, want3)):
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(64))
 
 
 def test_wrong_fragment_layout_is_caught():

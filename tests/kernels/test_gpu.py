@@ -56,6 +56,17 @@ def test_swiglu_dual_gemm():
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-2, atol=2e-2)
 
 
+def test_dual_matmul_one_pass_kernel():
+    """The DUAL_OUT tile kernel: (x @ w1, x @ w3) from one pass over x, against NumPy."""
+    from tessera_rt.kernels.gemm_cuda import dual_matmul_cuda
+    x, w1, w3 = rnd((2, 50, 64)), rnd((64, 96), seed=3, scale=0.2), rnd((64, 96), seed=4, scale=0.2)
+    y1, y3 = dual_matmul_cuda(cp.asarray(x), cp.asarray(w1), cp.asarray(w3))
+    rtol, atol = tolerance(np.float16)
+    for got, w in ((y1, w1), (y3, w3)):
+        assert got.shape == (2, 50, 96)
+        np.testing.assert_allclose(got.get().astype(np.float64), x.astype(np.float64) @ w, rtol=rtol, atol=atol * 8)
+
+
 ATTN = [(2, 4, 4, 128, 128, 64, False), (1, 8, 2, 100, 130, 64, True), (1, 4, 1, 64, 256, 128, True),
         (2, 2, 2, 77, 77, 128, False), (1, 2, 2, 200, 50, 64, True)]
 

@@ -167,6 +167,27 @@ def test_auto_and_override(world, monkeypatch):
         ccl.set_algo_table({"all_reduce": [(64, "ring")]})
 
 
+def test_cached_plans_follow_the_table_and_the_override(world, monkeypatch):
+    """A repeated call reuses its plan; a new table or TESSERA_COMM_ALGO re-plans it."""
+    mesh = meshes(world)[0][0]
+    x = xp.ones(6 * world.size, np.float32)
+    try:
+        with dist.trace_collectives() as log:
+            for table in ("ring", "line", "ring"):
+                ccl.set_algo_table({"reduce_scatter": [(float("inf"), table)]})
+                for _ in range(2):
+                    check(ccl.line_reduce_scatter(x, 0, mesh=mesh), np.full(6, world.size), np.float32)
+            monkeypatch.setenv("TESSERA_COMM_ALGO", "library")
+            ccl.reset_algo_override()
+            ccl.line_reduce_scatter(x, 0, mesh=mesh)
+        assert [r.algo for r in log.records if r.op == "line_reduce_scatter"] == \
+            ["ring", "ring", "line", "line", "ring", "ring", "library"]
+    finally:
+        monkeypatch.delenv("TESSERA_COMM_ALGO")
+        ccl.reset_algo_override()
+        ccl.set_algo_table(None)
+
+
 # --------------------------------------------------------------------------- persistent buffers
 
 @pytest.mark.parametrize("algo", ["ring", "line"])
@@ -255,12 +276,25 @@ def test_double_matmul_line_reduce_scatter(world, algo):
         x = xp.asarray(data(world.rank, (2, 3, 8), np.float32, salt=2))
         w1 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=3))
         w3 = xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=4))
-        rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo,
-                                                       buffer_key=f"dm{axis}")
         want_rs = dist.reduce_scatter(xp.asarray(host(x) @ host(w1)), axis, dim=2, mesh=mesh)
-        check(rs, host(want_rs), np.float32, n)
-        check(y3, host(x) @ host(w3), np.float32)
-        assert rs.shape == (2, 3, 4) and me >= 0
+        # the default (6 rows <= 2F: overlapped on the CPU), one pass over x, overlapped
+        for overlap in (None, False, True):
+            rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh,
+                                                           algo=algo, buffer_key=f"dm{axis}", overlap=overlap)
+            check(rs, host(want_rs), np.float32, n)
+            check(y3, host(x) @ host(w3), np.float32)
+            assert rs.shape == (2, 3, 4) and me >= 0
+        # many rows: the CPU default is the one pass, x @ [w1 | w3]
+        xl = xp.asarray(data(world.rank, (5, 8 * n + 1, 8), np.float32, salt=5))
+        rs, y3 = ccl.double_matmul_line_reduce_scatter(xl, w1, w3, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo)
+        check(rs, host(dist.reduce_scatter(xp.asarray(host(xl) @ host(w1)), axis, dim=2, mesh=mesh)), np.float32, n)
+        check(y3, host(xl) @ host(w3), np.float32)
+        # fp16: on a GPU (and the stand-in) the DUAL_OUT tile kernel, one pass over x
+        h = [a.astype(np.float16) for a in (x, w1, w3)]
+        rs, y3 = ccl.double_matmul_line_reduce_scatter(*h, cluster_axis=ca, dim=-1, mesh=mesh, algo=algo)
+        hx, h1, h3 = (host(a).astype(np.float64) for a in h)
+        check(rs, host(dist.reduce_scatter(xp.asarray(hx @ h1), axis, dim=2, mesh=mesh)), np.float16, n)
+        check(y3, hx @ h3, np.float16)
         if n > 1:
             with pytest.raises(ValueError, match=r"does not split evenly over the \d ranks"):
                     ccl.double_matmul_line_reduce_scatter(x, w1[:, :4 * n - 1], w3[:, :4 * n - 1], cluster_axis=ca,
@@ -400,3 +434,41 @@ def test_tags_choose_and_are_recorded(world, monkeypatch):
     ccl.reset_algo_override()
     with pytest.raises(ValueError, match="TESSERA_COMM_ALGO='fastest'"):
         ccl.line_all_reduce(x, mesh=mesh)
+
+
+def test_plain_collectives_take_tags(world):
+    """dist.all_reduce/reduce_scatter/all_gather/broadcast with tag=: the same results, the tag
+    in the trace records; on NCCL a tagged all-reduce runs on a communicator made with NCCL_ALGO."""
+    import os
+    n = world.size
+    mesh = dist.Mesh(axes=["x"], shape={"x": n})
+    everyone = [data(r, (2 * n, 3), np.int64) for r in range(n)]
+    x = xp.asarray(everyone[world.rank])
+    env = os.environ.get("NCCL_ALGO")
+    with dist.trace_collectives() as log:
+        for tag in ("tree", "ring"):
+            np.testing.assert_array_equal(host(dist.all_reduce(x, "x", mesh=mesh, tag=tag)), sum(everyone))
+            np.testing.assert_array_equal(host(dist.reduce_scatter(x, "x", dim=0, mesh=mesh, tag=tag)),
+                                          sum(everyone)[2 * world.rank:2 * world.rank + 2])
+            np.testing.assert_array_equal(host(dist.all_gather(x, "x", dim=1, mesh=mesh, tag=tag)),
+                                          np.concatenate(everyone, axis=1))
+            b = x.copy()
+            np.testing.assert_array_equal(host(dist.broadcast(b, "x", root=n - 1, mesh=mesh, tag=tag)), everyone[-1])
+        dist.all_reduce(x, "x", mesh=mesh)
+    got = [(r.op, r.tag) for r in log.records]
+    assert got == [(o, t) for t in ("tree", "ring") for o in ("all_reduce", "reduce_scatter", "all_gather",
+                                                              "broadcast")] + [("all_reduce", "")]
+    assert "tag=ring" in str(log.records[4]) and "tag" not in str(log.records[-1])
+    comm = mesh.group("x").comm
+    tree = comm.tagged("all_reduce", "tree")
+    if comm.kind == "nccl":     # a second communicator, made with NCCL_ALGO=Tree; the env is left as it was
+        assert tree is not comm and tree.algo_env == "Tree" and comm.tagged("all_reduce", "tree") is tree
+        assert comm.tagged("all_gather", "tree") is comm
+    else:                       # MPI: no per-call algorithm choice, the tag is only recorded
+        assert tree is comm
+    assert os.environ.get("NCCL_ALGO") == env
+    with pytest.raises(ValueError, match="tag='fast'"):
+        dist.all_reduce(x, "x", mesh=mesh, tag="fast")
+    X = dist.distribute(xp.zeros((n, 2)), layout=dist.ReplicateSpec(mesh_axes=("x",)), mesh=mesh)
+    with pytest.raises(ValueError, match="tag applies to arrays"):
+        dist.all_gather(X, "x", tag="ring")

@@ -9,6 +9,17 @@ Each call checks its input on this rank before any communication, runs on its ro
 stream (``tp_collective`` for most, ``a2a`` for all_to_all; ``role=`` overrides), and is
 ordered against the ``compute`` stream with events.  ``dim`` picks the tensor dim that is
 split or gathered; ``sizes``/``split_sizes`` allow uneven parts, zero included.
+
+``tag="tree"|"ring"`` (seed 000 §3.6) is an algorithm hint, recorded in the trace records
+and checked to agree across the group.  What it can change depends on the library, which
+picks its algorithm itself: NCCL reads ``NCCL_ALGO`` once, when a communicator is created,
+and takes no per-call choice, so a tagged ``all_reduce`` on NCCL runs on a second
+communicator of the same group made with ``NCCL_ALGO=Tree`` (or ``Ring``), created on the
+first call with that tag (collective over the group, once).  NCCL has no tree algorithm for
+reduce-scatter, all-gather, broadcast or all-to-all (it runs rings, PAT or NVLS there), and
+MPI has no per-call algorithm choice at all (MPICH reads ``MPIR_CVAR_<OP>_INTRA_ALGORITHM``
+from the environment for the whole run): there the tag is recorded and changes nothing.
+``dist.ccl`` ops take the same tag and run their own ring for ``tag="ring"``.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ from .process_group import world
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
-    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group", "route",
+    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group", "route", "TAGS",
 ]
 
 
@@ -56,6 +67,10 @@ class CollectiveRecord:
         how = "".join(f" {k}={v}" for k, v in (("algo", self.algo), ("tag", self.tag)) if v)
         return (f"{self.op}({self.axis}, n={self.group_size}) {self.dtype}{list(self.shape)} "
                 f"sends {self.bytes_sent} B{how}")
+
+
+# The algorithm hints a collective may carry (see the module docstring for their effect).
+TAGS = ("tree", "ring")
 
 
 # The default cross-rank agreement check (consistency.check), or None when it is off or the
@@ -92,7 +107,8 @@ class trace_collectives:
         if call.op == "barrier":
             return
         sent = int(round(call.nbytes * bus_factor(call.op, call.group_size)))
-        self.records.append(CollectiveRecord(call.op, call.axis, call.group_size, call.shape, call.dtype, sent))
+        self.records.append(CollectiveRecord(call.op, call.axis, call.group_size, call.shape, call.dtype, sent,
+                                             tag=call.tag))
 
     def count(self, op: str | None = None) -> int:
         return sum(1 for r in self.records if op is None or r.op == op)
@@ -294,13 +310,16 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     return work
 
 
-def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None):
+def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None,
+            tag: str | None = None):
     """_issue with the hooks around it.  ``info`` = (op, group, x, data bytes, mesh as given,
     shape that must match within the group, arguments that must match mesh-wide)."""
     op, g, x, nbytes, mesh, gshape, extra = info
     if mesh is None and not (_WORLD_GROUP and g is _WORLD_GROUP[0]):
         mesh = current_mesh()
     call = _Call(op, g, x, nbytes, mesh, gshape, extra, role, async_op)
+    if tag is not None:
+        call.tag = tag
     try:
         for h in tuple(_HOOKS):
             h.before(call)                            # may raise (a desync): after() still runs
@@ -321,11 +340,27 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
     return r
 
 
-def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None):
+def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None, tag: str | None = None):
     """_issue, or _hooked when something watches collectives (``info`` is None otherwise)."""
     if info is None:
         return _issue(role, async_op, method, args, result, then)
-    return _hooked(info, role, async_op, method, args, result, then)
+    return _hooked(info, role, async_op, method, args, result, then, tag=tag)
+
+
+def _tagged(op: str, g: AxisGroup, x, tag: str, extra):
+    """(the communicator that serves ``tag``, ``extra`` with the tag in it for the agreement
+    check).  Only reached when a tag is given: the untagged path pays one ``is None`` test."""
+    if tag not in TAGS:
+        raise ValueError(f"{_where(op, g, x) if x is not None else f'rank {world().rank}: {op}'}: "
+                         f"tag={tag!r}; use one of {TAGS} (or leave it out)")
+    return g.comm.tagged(op, tag), (extra, ("tag", tag))
+
+
+def _untaggable(op: str, x, tag) -> None:
+    if tag is not None:
+        raise ValueError(f"rank {world().rank}: dist.{op}(tag={tag!r}) on a {type(x).__name__}: the tag applies to "
+                         "arrays (a DTensor's collectives come from its redistribution plan); pass x.to_local() "
+                         "or leave tag out")
 
 
 def _after(call) -> None:
@@ -342,10 +377,11 @@ _DET: list = []
 # --------------------------------------------------------------------------- collectives
 
 def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
-               role: str = "tp_collective"):
+               role: str = "tp_collective", tag: str | None = None):
     """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
-    ``out=x`` reduces in place."""
+    ``out=x`` reduces in place.  ``tag="tree"|"ring"``: see the module docstring."""
     if x.__class__ in _ROUTES:
+        _untaggable("all_reduce", x, tag)
         return _ROUTES[x.__class__]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "all_reduce", x)
     x = _check_array("all_reduce", g, x)
@@ -354,12 +390,16 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
     out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
+    extra = op
+    if tag is None:
+        comm = g.comm
+    else:
+        comm, extra = _tagged("all_reduce", g, x, tag, op)
     if _check is not None:
-        _check("all_reduce", g, x.dtype, x.shape, (op, role) if async_op else op)
-    comm = g.comm
+        _check("all_reduce", g, x.dtype, x.shape, (extra, role) if async_op else extra)
     if _HOOKS:
-        return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, op), role, async_op, comm.all_reduce,
-                       (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None)
+        return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, extra), role, async_op, comm.all_reduce,
+                       (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None, tag=tag)
     return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
 
 
@@ -416,10 +456,12 @@ def _even(sizes) -> bool:
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
-                   mesh=None, out=None, async_op: bool = False, role: str = "tp_collective"):
+                   mesh=None, out=None, async_op: bool = False, role: str = "tp_collective",
+                   tag: str | None = None):
     """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
-    ``sizes`` says otherwise)."""
+    ``sizes`` says otherwise).  ``tag``: see the module docstring."""
     if x.__class__ in _ROUTES:
+        _untaggable("reduce_scatter", x, tag)
         return _ROUTES[x.__class__]["reduce_scatter"](x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "reduce_scatter", x)
     x = _check_array("reduce_scatter", g, x)
@@ -436,23 +478,30 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
     shape = (mine,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, mine)
     out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
+    extra = (op, dim)
+    if tag is None:
+        comm = g.comm
+    else:
+        comm, extra = _tagged("reduce_scatter", g, x, tag, extra)
     if _check is not None:
-        _check("reduce_scatter", g, x.dtype, x.shape, (op, dim, role) if async_op else (op, dim))
+        _check("reduce_scatter", g, x.dtype, x.shape, (extra, role) if async_op else extra)
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
     if _HOOKS:
         flat = out.reshape(-1) if dim else out
-        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, x.shape, (op, dim)), role, async_op,
-                       g.comm.reduce_scatter, (send, flat, counts, op), out,
-                       det=(g, send, flat, counts, op, out) if op in ("sum", "avg") else None)
-    return _issue(role, async_op, g.comm.reduce_scatter, (send, out, counts, op), out)
+        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, x.shape, extra), role, async_op,
+                       comm.reduce_scatter, (send, flat, counts, op), out,
+                       det=(g, send, flat, counts, op, out) if op in ("sum", "avg") else None, tag=tag)
+    return _issue(role, async_op, comm.reduce_scatter, (send, out, counts, op), out)
 
 
 def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | None = None, mesh=None,
-               out=None, async_op: bool = False, role: str = "tp_collective"):
+               out=None, async_op: bool = False, role: str = "tp_collective", tag: str | None = None):
     """Concatenate every rank's ``x`` along ``dim`` (None: 0) in group order.  Ranks may hold
-    different lengths along ``dim`` if ``sizes`` lists them (the same list on every rank)."""
+    different lengths along ``dim`` if ``sizes`` lists them (the same list on every rank).
+    ``tag``: see the module docstring."""
     if x.__class__ in _ROUTES:
+        _untaggable("all_gather", x, tag)
         return _ROUTES[x.__class__]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
     g = _group(mesh, axis, "all_gather", x)
     x = _check_array("all_gather", g, x)
@@ -472,21 +521,26 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
         counts = None if even else [s * inner for s in sizes]
     shape = (total,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, total)
     out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
+    extra = dim
+    if tag is None:
+        comm = g.comm
+    else:
+        comm, extra = _tagged("all_gather", g, x, tag, dim)
     if _check is not None:
         _check("all_gather", g, x.dtype, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
-               (dim, role) if async_op else dim)
+               (extra, role) if async_op else extra)
     info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
-            dim) if _HOOKS else None
+            extra) if _HOOKS else None
     # communicators take flat contiguous buffers: shapes do not matter to them
     if dim == 0 or math.prod(x.shape[:dim]) == 1:
         if info is None:
-            return _issue(role, async_op, g.comm.all_gather, (x, out, counts), out)
-        return _hooked(info, role, async_op, g.comm.all_gather, (x, out, counts), out)
+            return _issue(role, async_op, comm.all_gather, (x, out, counts), out)
+        return _hooked(info, role, async_op, comm.all_gather, (x, out, counts), out, tag=tag)
     recv = _backend().empty((out.size,), x.dtype)
 
     def then():
         return _unpack(recv, shape, dim, [x.shape[dim]] * g.size if even else sizes, even, out)
-    return _run(info, role, async_op, g.comm.all_gather, (x, recv, counts), out, then)
+    return _run(info, role, async_op, comm.all_gather, (x, recv, counts), out, then, tag=tag)
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
@@ -560,10 +614,12 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     return _run(info, role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
 
 
-def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective"):
+def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective",
+              tag: str | None = None):
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
-    ``root`` is a position in the group, not a world rank."""
+    ``root`` is a position in the group, not a world rank.  ``tag``: see the module docstring."""
     if x.__class__ in _ROUTES:
+        _untaggable("broadcast", x, tag)
         return _ROUTES[x.__class__]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
     g = _group(mesh, axis, "broadcast", x)
     if not _backend().is_array(x) or not x.flags.c_contiguous:
@@ -571,12 +627,16 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
                         f"{_backend().xp.__name__} array, got {type(x).__name__}")
     if not 0 <= root < g.size:
         raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
+    extra = root
+    if tag is None:
+        comm = g.comm
+    else:
+        comm, extra = _tagged("broadcast", g, x, tag, root)
     if _check is not None:
-        _check("broadcast", g, x.dtype, x.shape, (root, role) if async_op else root)
-    comm = g.comm
+        _check("broadcast", g, x.dtype, x.shape, (extra, role) if async_op else extra)
     if _HOOKS:
-        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, root), role,
-                       async_op, comm.broadcast, (x, root), x)
+        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, extra), role,
+                       async_op, comm.broadcast, (x, root), x, tag=tag)
     return _issue(role, async_op, comm.broadcast, (x, root,), x)
 
 

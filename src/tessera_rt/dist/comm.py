@@ -86,6 +86,12 @@ class Communicator:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
+    def tagged(self, op: str, tag: str) -> "Communicator":
+        """The communicator that runs ``op`` with the ``tag`` ("tree"/"ring") hint.  MPI has no
+        per-call algorithm choice (MPICH reads MPIR_CVAR_<OP>_INTRA_ALGORITHM for the run), so
+        by default the hint is only recorded and this communicator serves it."""
+        return self
+
 
 def _buf(a):
     """The mpi4py buffer for ``a``: typed where MPI knows the dtype, raw bytes otherwise
@@ -318,6 +324,30 @@ class NcclCommunicator(Communicator):
         self.raw = nccl.NcclCommunicator(self.size, uid, self.rank)
         from .debug import register_nccl
         register_nccl(self)            # the watchdog aborts it (ncclCommAbort) before MPI_Abort
+
+    _ALGO_NAMES = {"tree": "Tree", "ring": "Ring"}
+
+    def tagged(self, op: str, tag: str) -> "Communicator":
+        """NCCL reads NCCL_ALGO once, when a communicator is created, and takes no per-call
+        choice; so a tagged all-reduce runs on a second communicator of this group created
+        (on first use, collectively, like the group's first) with NCCL_ALGO=Tree or Ring.
+        NCCL has no tree for the other collectives: they keep this communicator."""
+        if op != "all_reduce":
+            return self
+        cache = self.__dict__.setdefault("_by_tag", {})
+        comm = cache.get(tag)
+        if comm is None:
+            old = os.environ.get("NCCL_ALGO")
+            os.environ["NCCL_ALGO"] = self._ALGO_NAMES[tag]
+            try:
+                comm = cache[tag] = NcclCommunicator(self.mpi)
+            finally:
+                if old is None:
+                    os.environ.pop("NCCL_ALGO", None)
+                else:
+                    os.environ["NCCL_ALGO"] = old
+            comm.algo_env = self._ALGO_NAMES[tag]      # what it was made with (for tests and traces)
+        return comm
 
     @staticmethod
     def _reduce_type(a) -> int:

@@ -55,7 +55,7 @@ class Call:
     """One collective as issued on this rank (what hooks, the recorder and profiler see)."""
 
     __slots__ = ("seq", "op", "group", "shape", "_dt", "site", "t0", "t1", "async_op", "role", "nbytes", "mesh",
-                 "gshape", "extra", "waiting", "prof", "nvtx", "meta", "hdr", "ran")
+                 "gshape", "extra", "waiting", "prof", "nvtx", "meta", "hdr", "ran", "tag")
 
     def __init__(self, op, g, x, nbytes, mesh, gshape, extra, role, async_op):
         self.op, self.group, self.nbytes, self.mesh, self.gshape, self.extra = op, g, nbytes, mesh, gshape, extra
@@ -69,6 +69,7 @@ class Call:
         self.t0 = self.t1 = 0.0
         self.waiting = False
         self.prof = self.nvtx = self.meta = self.hdr = self.ran = None
+        self.tag = ""                  # the tree/ring hint, when the call carried one
 
     axis = property(lambda self: self.group.name)
     group_size = property(lambda self: self.group.size)

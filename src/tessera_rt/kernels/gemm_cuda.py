@@ -25,7 +25,7 @@ from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_alig
 from .gemm import check_tile_shape, matmul as matmul_reference, matmul_shapes
 
 __all__ = ["GEMM_CONFIGS", "DUAL_CONFIGS", "render_gemm", "gemm_smem_bytes", "tile_gemm", "matmul_cuda", "swiglu_cuda",
-           "tuned_matmul"]
+           "dual_matmul_cuda", "tuned_matmul"]
 
 # (BM, BN, BK) -> warps (WM, WN).  Warp tiles are multiples of 16x8.
 GEMM_CONFIGS = {(128, 128, 32): (2, 4), (128, 64, 32): (2, 2), (64, 128, 32): (2, 2),
@@ -58,7 +58,7 @@ __device__ __forceinline__ unsigned ld_pair(const elem_t* p, int row, int col, i
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 ts_gemm(const elem_t* __restrict__ A, const elem_t* __restrict__ B0, const elem_t* __restrict__ B1,
-        void* __restrict__ C, int M, int N, int K,
+        void* __restrict__ C, void* __restrict__ C2, int M, int N, int K,
         long long a_batch, long long b_batch, long long c_batch) {
   __shared__ __align__(16) elem_t sA[2][BM * LDS];
   __shared__ __align__(16) elem_t sB[2][NB][BN * LDS];
@@ -146,14 +146,20 @@ ts_gemm(const elem_t* __restrict__ A, const elem_t* __restrict__ B0, const elem_
         const int col = n0 + wn0 + j * 8 + 2 * t + (h & 1);
         if (row < M && col < N) {
           float v = acc[0][i][j][h];
-#if DUAL
+#if DUAL && !DUAL_OUT
           v = v / (1.f + __expf(-v)) * acc[NB - 1][i][j][h];
 #endif
           const long long off = blockIdx.z * c_batch + (long long)row * N + col;
 #if OUT_F32
           reinterpret_cast<float*>(C)[off] = v;
+#if DUAL_OUT
+          reinterpret_cast<float*>(C2)[off] = acc[NB - 1][i][j][h];
+#endif
 #else
           reinterpret_cast<elem_t*>(C)[off] = ts_elem(v);
+#if DUAL_OUT
+          reinterpret_cast<elem_t*>(C2)[off] = ts_elem(acc[NB - 1][i][j][h]);
+#endif
 #endif
         }
       }
@@ -162,11 +168,13 @@ ts_gemm(const elem_t* __restrict__ A, const elem_t* __restrict__ B0, const elem_
 
 
 def render_gemm(BM: int = 128, BN: int = 128, BK: int = 32, dtype: str = "f16", out_f32: bool = False,
-                dual: bool = False) -> str:
-    """CUDA C for one GEMM config; the macros are the compile-time tile."""
+                dual: bool = False, dual_out: bool = False) -> str:
+    """CUDA C for one GEMM config; the macros are the compile-time tile.  ``dual_out`` (with
+    ``dual``) writes both products, ``A@B1`` to C and ``A@B2`` to C2, instead of SwiGLU."""
     wm, wn = GEMM_CONFIGS[(BM, BN, BK)]
     defs = (f"#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define WM {wm}\n#define WN {wn}\n"
             f"#define PAD {_PAD}\n#define OUT_F32 {int(out_f32)}\n#define DUAL {int(dual)}\n"
+            f"#define DUAL_OUT {int(dual and dual_out)}\n"
             f"#define TS_BF16 {int(dtype == 'bf16')}\n")
     return defs + MMA_HEADER + GEMM_SOURCE
 
@@ -179,7 +187,8 @@ register_source(KernelSource(
     "tile_gemm", render_gemm, ("ts_gemm",),
     configs=[dict(BM=bm, BN=bn, BK=bk) for (bm, bn, bk) in GEMM_CONFIGS]
     + [dict(BM=128, BN=128, BK=32, dtype="bf16"), dict(BM=128, BN=128, BK=32, out_f32=True)]
-    + [dict(BM=bm, BN=bn, BK=bk, dual=True) for (bm, bn, bk) in DUAL_CONFIGS],
+    + [dict(BM=bm, BN=bn, BK=bk, dual=True) for (bm, bn, bk) in DUAL_CONFIGS]
+    + [dict(BM=bm, BN=bn, BK=bk, dual=True, dual_out=True) for (bm, bn, bk) in DUAL_CONFIGS],
     smem_dynamic=lambda **cfg: 0))
 
 
@@ -205,10 +214,14 @@ def _batch_stride(a: Any, batch: tuple, rows: int, cols: int) -> int:
 
 
 def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | None = None,
-              stream: Any | None = None, out_dtype: Any = np.float16, b2: Any | None = None):
-    """Launch the tensor-core tile GEMM on CuPy float16 arrays (``b2`` selects the SwiGLU form)."""
+              stream: Any | None = None, out_dtype: Any = np.float16, b2: Any | None = None,
+              dual_out: bool = False):
+    """Launch the tensor-core tile GEMM on CuPy float16 arrays (``b2`` selects the SwiGLU form;
+    ``b2`` with ``dual_out=True`` returns ``(a @ b, a @ b2)`` from one pass over ``a``)."""
     import cupy
-    op = "swiglu" if b2 is not None else "tile_gemm"
+    if dual_out and (b2 is None or out is not None):
+        raise ValueError("tile_gemm: dual_out=True needs b2= and makes its own two outputs (no out=)")
+    op = ("dual_matmul" if dual_out else "swiglu") if b2 is not None else "tile_gemm"
     tile = check_tile_shape(op, tile_shape)
     allowed = DUAL_CONFIGS if b2 is not None else tuple(GEMM_CONFIGS)
     if tile not in allowed:
@@ -227,7 +240,7 @@ def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | 
     nb = int(np.prod(batch)) if batch else 1
     a_stride, b_stride = _batch_stride(a, batch, m, k), _batch_stride(b, batch, k, n)
     cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], dtype="f16", out_f32=out_dt == np.float32,
-               dual=b2 is not None)
+               dual=b2 is not None, dual_out=dual_out)
     fn = get_function("tile_gemm", "ts_gemm", cfg, render_gemm)
     wm, wn = GEMM_CONFIGS[tile]
     with launch_stream(stream):     # allocations and copies on the launch's stream
@@ -235,20 +248,21 @@ def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | 
         a, b = aligned(a, 4), aligned(b, 4)
         b2 = aligned(b2, 4) if b2 is not None else b
         c = out if out is not None and is_aligned(out, 4) else cupy.empty(shape, out_dt)
+        c2 = cupy.empty(shape, out_dt) if dual_out else c
         a3, b3, b23 = (x.reshape((-1,) + x.shape[-2:]) for x in (a, b, b2))
-        c3 = c.reshape((nb, m, n))
+        c3, c23 = c.reshape((nb, m, n)), c2.reshape((nb, m, n))
         # the batch rides on grid.z, which CUDA caps at 65535: launch in slices of that many
         for z0 in range(0, nb, MAX_GRID_YZ):
             z1 = min(nb, z0 + MAX_GRID_YZ)
             pick = (lambda x, stride: x[z0:z1] if stride else x)
             grid = ((n + tile[1] - 1) // tile[1], (m + tile[0] - 1) // tile[0], z1 - z0)
             fn(grid, (wm * wn * 32,), (pick(a3, a_stride), pick(b3, b_stride), pick(b23, b_stride), c3[z0:z1],
-                                        np.int32(m), np.int32(n), np.int32(k), np.int64(a_stride),
+                                        c23[z0:z1], np.int32(m), np.int32(n), np.int32(k), np.int64(a_stride),
                                         np.int64(b_stride), np.int64(m * n)))
         if out is not None and c is not out:
             out[...] = c
             c = out
-    return c
+    return (c, c2) if dual_out else c
 
 
 def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
@@ -289,6 +303,21 @@ def swiglu_cuda(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any
         return swiglu_reference(x, w1, w3, out=out, policy=policy)
 
 
+def dual_matmul_cuda(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: Any = None):
+    """``(x @ w1, x @ w3)`` on the GPU: the DUAL_OUT tile kernel (one pass over x, two weight
+    tiles per block) for fp16, else the xp reference (cuBLAS products)."""
+    from .mlp import dual_matmul as dual_reference, dual_reads_x_once
+    if dual_reads_x_once(x, w1, w3, policy, on_gpu=True):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        with launch_stream(stream):
+            y1, y3 = tile_gemm(x2, w1, DUAL_CONFIGS[0], b2=w3, stream=stream, out_dtype=np.float16,
+                               dual_out=True)
+        return y1.reshape(lead + (w1.shape[1],)), y3.reshape(lead + (w1.shape[1],))
+    with launch_stream(stream):
+        return dual_reference(x, w1, w3, policy=policy)
+
+
 def _tuned_matmul():
     from .autotuner import autotune
     # cuBLAS (None) competes with every tile config; the tile kernel is used only where it wins.
@@ -300,3 +329,4 @@ tuned_matmul = _tuned_matmul()
 register_kernel("matmul", "cuda", matmul_cuda)
 register_kernel("gemm", "cuda", matmul_cuda)
 register_kernel("swiglu", "cuda", swiglu_cuda)
+register_kernel("dual_matmul", "cuda", dual_matmul_cuda)

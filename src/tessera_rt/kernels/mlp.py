@@ -91,10 +91,8 @@ def bias_silu(x: Any, bias: Any | None = None, *, out: Any | None = None, stream
     return bias_act(x, bias, act="silu", out=out, stream=stream, policy=policy)
 
 
-def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | None = None,
-           policy: NumericPolicy | None = None):
-    """``silu(x @ w1) * (x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)``; one pass over ``x``."""
-    op = "swiglu"
+def _check_pair(op: str, x: Any, w1: Any, w3: Any, stream: Any, policy: Any) -> None:
+    """x (..., D) times two (D, F) weights of x's dtype (swiglu, dual_matmul)."""
     for name, t in (("x", x), ("w1", w1), ("w3", w3)):
         check_float(op, name, t, NORM_DTYPES)
     check_policy(op, policy)
@@ -105,6 +103,13 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
     matmul_shapes(op, x, w1)
     if not (x.dtype == w1.dtype == w3.dtype):
         raise TypeError(f"{op}: x, w1, w3 must share a dtype, got {x.dtype}, {w1.dtype}, {w3.dtype}")
+
+
+def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | None = None,
+           policy: NumericPolicy | None = None):
+    """``silu(x @ w1) * (x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)``; one pass over ``x``."""
+    op = "swiglu"
+    _check_pair(op, x, w1, w3, stream, policy)
     xp = array_module(x, w1, w3)
     acc = accum_dtype(x.dtype, policy)
     f = w1.shape[1]
@@ -112,6 +117,33 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
     return finish(op, silu(both[..., :f]) * both[..., f:], out, result_dtype(x.dtype, policy))
 
 
+def dual_reads_x_once(x: Any, w1: Any, w3: Any, policy: Any = None, *, on_gpu: bool = False) -> bool:
+    """Whether ``dual_matmul`` computes both products in one pass over x: on the GPU the
+    DUAL_OUT tile kernel takes fp16 (2-D or more, no policy); on the CPU ``x @ [w1 | w3]``
+    pays for copying both weights only when x has more rows than 2F."""
+    if on_gpu:
+        return x.ndim >= 2 and x.dtype == w1.dtype == w3.dtype == np.float16 and policy is None
+    return x.ndim >= 1 and x.size // max(x.shape[-1], 1) > 2 * w1.shape[-1]
+
+
+def dual_matmul(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: NumericPolicy | None = None):
+    """``(x @ w1, x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)`` (seed 004's double matmul).
+    One product ``x @ [w1 | w3]``, split after, when x has more than 2F rows: it reads x once
+    but copies both weights into the concatenation, which only pays when x is the larger
+    operand; two products otherwise (decode-sized x)."""
+    op = "dual_matmul"
+    _check_pair(op, x, w1, w3, stream, policy)
+    xp = array_module(x, w1, w3)
+    acc, res = accum_dtype(x.dtype, policy), result_dtype(x.dtype, policy)
+    f = w1.shape[1]
+    xa = widen(x, acc)
+    if dual_reads_x_once(x, w1, w3):
+        both = xp.matmul(xa, xp.concatenate([widen(w1, acc), widen(w3, acc)], axis=1))
+        return finish(op, both[..., :f], None, res), finish(op, both[..., f:], None, res)
+    return (finish(op, xp.matmul(xa, widen(w1, acc)), None, res),
+            finish(op, xp.matmul(xa, widen(w3, acc)), None, res))
+
+
 for _name, _fn in (("bias_act", bias_act), ("bias_gelu", bias_gelu), ("bias_silu", bias_silu),
-                   ("swiglu", swiglu)):
+                   ("swiglu", swiglu), ("dual_matmul", dual_matmul)):
     register_kernel(_name, "cpu", _fn)

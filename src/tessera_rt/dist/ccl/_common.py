@@ -17,7 +17,7 @@ from ..process_group import world
 
 __all__ = [
     "ALGOS", "resolve", "where", "choose_algo", "algo_table", "set_algo_table", "DEFAULT_TABLE",
-    "check_array", "algo_override", "reset_algo_override", "TAGS",
+    "check_array", "algo_override", "reset_algo_override", "TAGS", "plan", "clear_plans",
 ]
 
 ALGOS = ("ring", "line", "library", "auto")
@@ -44,6 +44,7 @@ def algo_table() -> dict[str, list[tuple[float, str]]]:
 def set_algo_table(table: dict[str, list[tuple[float, str]]] | None) -> None:
     """Install a measured table (``None``: back to the default).  Rows are (max_bytes, algo)."""
     _TABLE.clear()
+    clear_plans()                       # plans hold the algorithm the old table chose
     if table is None:
         return
     for op, rows in table.items():
@@ -76,9 +77,10 @@ def algo_override() -> str | None:
 def reset_algo_override() -> None:
     """Read ``TESSERA_COMM_ALGO`` again at the next call (after changing it in-process)."""
     _OVERRIDE.clear()
+    clear_plans()
 
 
-TAGS = ("tree", "ring")
+TAGS = C.TAGS          # one list of hints, the plain collectives' (dist.collectives)
 
 
 def choose_algo(op: str, algo: str, nbytes: int, where_: Callable[[], str], tag: str | None = None) -> str:
@@ -138,3 +140,28 @@ def check_array(op: str, g: AxisGroup, x: Any):
         raise TypeError(f"rank {world().rank}: ccl.{op} takes this rank's local array; pass x.to_local() "
                         "(or use dist.reduce_scatter/all_gather on the DTensor for a layout change)")
     return C._check_array(f"ccl.{op}", g, x)
+
+
+# Per-call plans: everything a ccl op works out from its arguments alone (the group, the
+# normalized dim and part sizes, the algorithm, buffer shapes, this rank's message program)
+# keyed by those arguments, so a repeated call does one dict lookup instead of the checks
+# and arithmetic (seed 004 ops are called with the same shapes every layer and step).  A
+# plan is built only when every check passed, so a bad call never reaches the cache.
+_PLANS: dict = {}
+_MAX_PLANS = 4096          # a bound: plans keep their mesh alive
+
+
+def plan(key: tuple, build: Callable[[], Any]):
+    """The plan cached under ``key`` (made by ``build()`` on first use)."""
+    p = _PLANS.get(key)
+    if p is None:
+        p = build()
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = p
+    return p
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (the algorithm table or TESSERA_COMM_ALGO changed)."""
+    _PLANS.clear()

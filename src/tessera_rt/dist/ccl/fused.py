@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ... import op
+from ...kernels.mlp import dual_reads_x_once
 from .. import collectives as C
 from . import buffers
 from ._common import check_array, resolve, where
@@ -16,11 +17,18 @@ __all__ = ["double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_ga
 
 def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: int | str = 1, dim: int = -1, *,
                                       mesh=None, sizes: Sequence[int] | None = None, buffer_key: str | None = None,
-                                      num_links: int = 1, algo: str = "auto"):
-    """``(line_reduce_scatter(x @ w1, dim), x @ w3)``: the reduce-scatter of the first product
-    is posted before the second matmul runs, so the exchange overlaps it (on a GPU the
-    ring runs on the ``tp_collective`` stream while the matmul runs on ``compute``; on the
-    CPU the first step's messages are in flight during the matmul)."""
+                                      num_links: int = 1, algo: str = "auto", overlap: bool | None = None):
+    """``(line_reduce_scatter(x @ w1, dim), x @ w3)`` in one of two ways:
+
+    * one pass (``overlap=False``): the ``dual_matmul`` kernel makes both products reading x
+      once (on a GPU one tile kernel holding a w1 and a w3 tile per block, fp16; on the CPU
+      ``x @ [w1 | w3]``), then the reduce-scatter runs;
+    * overlapped (``overlap=True``): ``x @ w1``, then the reduce-scatter is posted and
+      ``x @ w3`` runs while it is in flight (x is read twice).
+    ``None`` takes the one pass wherever the kernel really reads x once
+    (``kernels.mlp.dual_reads_x_once``: fp16 on a GPU; on the CPU when x has more rows than
+    2F, below which concatenating the weights costs more than reading x twice) and overlaps
+    otherwise."""
     name = "double_matmul_line_reduce_scatter"
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x, w1, w3 = (check_array(name, g, a) for a in (x, w1, w3))
@@ -36,6 +44,13 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
         raise ValueError(f"{where(name, g, x)}: x @ w1 has shape {list(out_shape)}, whose dim {dim} ({length}) "
                          f"does not split evenly over the {n} ranks of {axis!r}; pass sizes= with {n} part "
                          f"sizes adding up to {length}")
+    backend = C._backend()
+    if overlap is None:
+        overlap = not dual_reads_x_once(x, w1, w3, on_gpu=backend.is_gpu)
+    if not overlap:
+        y1, y3 = backend.kernel("dual_matmul")(x, w1, w3)
+        return line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key,
+                                   num_links=num_links, algo=algo), y3
     y1 = op.matmul(x, w1)
     y3 = []
     rs = line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key, num_links=num_links,

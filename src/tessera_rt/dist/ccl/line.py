@@ -28,9 +28,11 @@ from .. import collectives as C
 from ..comm import REDUCE_OPS, _displs as _offsets
 from ..shard import split_sizes
 from . import buffers
-from ._common import check_array, choose_algo, resolve, where
+from ..mesh import current_mesh
+from ._common import check_array, choose_algo, plan, resolve, where
 
-__all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer"]
+__all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer", "compile_steps",
+           "run_steps"]
 
 Transfer = tuple  # (src, dst, chunk, piece): piece 0/1 = half of the chunk, None = all of it
 
@@ -88,43 +90,56 @@ def _links(n: int, links: int):
     return out
 
 
-def run_steps(g, steps, work, offs, counts, slots, op: str | None, stream, between: Callable | None = None,
-              links: int = 1) -> None:
-    """Execute ``steps`` on this rank: post this step's recvs then sends (non-blocking), wait,
-    and reduce what arrived (``op``) or leave it in place (``op=None``: a gather).  Each
-    message goes as ``links`` sub-messages, all in flight together (seed 004's num_links).
-    ``between`` runs once, after the first step is posted and before it is waited for."""
-    me, comm = g.index, g.comm
-    ufunc = getattr(C._backend().xp, _UFUNC[op]) if op is not None else None
+def compile_steps(steps, me: int, offs: Sequence[int], counts: Sequence[int], reducing: bool,
+                  links: int = 1) -> tuple:
+    """This rank's part of ``steps`` as a program: per step (recvs, sends, reductions) with
+    every bound and link split worked out, so running it only makes views and posts messages.
+    recv (src, slot, a, b): into ``slots[slot][a:b]`` (slot -1: ``work[a:b]``); send (dst, a, b)
+    of ``work[a:b]``; reduction (lo, hi, slot): ``work[lo:hi] op= slots[slot][:hi - lo]``."""
+    prog = []
     for step in steps:
-        reqs, reduce_into = [], []
+        recvs, sends, reduces = [], [], []
         for src, dst, c, p in step:
             if dst != me:
                 continue
             lo, hi = _bounds(offs, counts, c, p)
             if hi == lo:
                 continue
-            if ufunc is None:
-                into = work[lo:hi]
+            if reducing:
+                k = len(reduces)
+                reduces.append((lo, hi, k))
+                recvs += [(src, k, a, b) for a, b in _links(hi - lo, links)]
             else:
-                into = slots[len(reduce_into)][:hi - lo]
-                reduce_into.append((lo, hi, into))
-            for a, b in _links(hi - lo, links):
-                reqs.append(comm.recv(into[a:b], src, 0, blocking=False, stream=stream))
+                recvs += [(src, -1, lo + a, lo + b) for a, b in _links(hi - lo, links)]
         for src, dst, c, p in step:
             if src != me:
                 continue
             lo, hi = _bounds(offs, counts, c, p)
-            for a, b in (_links(hi - lo, links) if hi > lo else ()):
-                reqs.append(comm.send(work[lo + a:lo + b], dst, 0, blocking=False, stream=stream))
+            sends += [(dst, lo + a, lo + b) for a, b in (_links(hi - lo, links) if hi > lo else ())]
+        prog.append((tuple(recvs), tuple(sends), tuple(reduces)))
+    return tuple(prog)
+
+
+def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | None = None) -> None:
+    """Execute ``prog`` (``compile_steps``) on this rank: post each step's recvs then sends
+    (non-blocking; a message goes as ``links`` sub-messages, all in flight together: seed
+    004's num_links), wait, and reduce what arrived (``op``) or leave it in place (a gather).
+    ``between`` runs once, after the first step is posted and before it is waited for."""
+    comm = g.comm
+    recv, send = comm.recv, comm.send
+    ufunc = getattr(C._backend().xp, _UFUNC[op]) if op is not None else None
+    for recvs, sends, reduces in prog:
+        reqs = [recv(work[a:b] if k < 0 else slots[k][a:b], src, 0, blocking=False, stream=stream)
+                for src, k, a, b in recvs]
+        reqs += [send(work[a:b], dst, 0, blocking=False, stream=stream) for dst, a, b in sends]
         if between is not None:
             between()
             between = None
         for req in reqs:
             if req is not None:
                 req.wait_done()
-        for lo, hi, slot in reduce_into:
-            ufunc(work[lo:hi], slot, out=work[lo:hi])
+        for lo, hi, k in reduces:
+            ufunc(work[lo:hi], slots[k][:hi - lo], out=work[lo:hi])
     if between is not None:
         between()
 
@@ -172,14 +187,6 @@ def _unpack_into(out, work, dim: int, sizes) -> None:
         pos, off = pos + cnt, off + p
 
 
-def _reducing_buffers(name, g, x, key, sig, counts, algo: str, kind: str, tag: str | None):
-    """(work, (slot0, slot1), chunk offsets) of a reducing ring/line call, the call recorded."""
-    piece = _max_piece(counts, algo)
-    bufs = buffers.take(key, sig, lambda: {"work": (x.size,), "slot0": (piece,), "slot1": (piece,)}, x.dtype)
-    _record(name, g, x, int(x.nbytes * C.bus_factor(kind, g.size)), algo, tag)
-    return bufs["work"], (bufs["slot0"], bufs["slot1"]), _offsets(counts)
-
-
 # dtypes CuPy has elementwise kernels for: others (bf16, fp8) cannot be reduced by the ring on
 # a GPU, while NCCL reduces bf16 natively, so "auto" picks the library for them there
 _CUPY_KINDS = "biufc"
@@ -205,12 +212,56 @@ def _common_checks(opname: str, g, x, op: str | None, num_links: int) -> None:
 
 def _record(opname: str, g, x, nbytes: int, algo: str, tag: str | None = None) -> None:
     """Show the op (not its steps) to dist.trace_collectives, with its algorithm."""
-    if not C._HOOKS:
-        return
     for h in C._HOOKS:
         if isinstance(h, C.trace_collectives):
             h.records.append(C.CollectiveRecord(opname, g.name, g.size, tuple(x.shape), dtype_name(x.dtype),
                                                 nbytes, algo=algo, tag=tag or ""))
+
+
+class _Plan:
+    """What a ccl call works out from its arguments (see ``_common.plan``)."""
+
+    __slots__ = ("mesh", "axis", "g", "dim", "sizes", "given", "algo", "shape", "sig", "shapes", "counts", "offs",
+                 "progs", "nbytes", "flat", "check")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
+def _array(name: str, mesh, cluster_axis, x):
+    """x itself when it is a contiguous array of the backend (the cheap test every call
+    makes); otherwise the full checks (errors, a contiguous copy)."""
+    if type(x) is C._backend().xp.ndarray and x.flags.c_contiguous:
+        return x
+    return check_array(name, resolve(name, mesh, cluster_axis)[2], x)
+
+
+def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag) -> _Plan:
+    mesh, axis, g = resolve(name, mesh, cluster_axis)
+    dim = C._norm_dim(f"ccl.{name}", g, x, dim)
+    _common_checks(name, g, x, op, num_links)
+    given = sizes
+    if sizes is None and not x.shape[dim] % g.size:
+        sizes = (x.shape[dim] // g.size,) * g.size
+    else:
+        sizes = tuple(C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes"))
+    algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, lambda: where(name, g, x), tag))
+    n, me = g.size, g.index
+    out_shape = C._with_dim(x.shape, dim, sizes[me])
+    sig = (name, axis, x.shape, x.dtype, (("op", op), ("dim", dim), ("sizes", sizes), ("algo", algo)))
+    nbytes = int(x.nbytes * C.bus_factor("reduce_scatter", n))
+    if algo == "library":
+        return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=given, algo=algo, shape=out_shape, sig=sig,
+                     shapes=lambda: {"out": out_shape}, nbytes=nbytes)
+    inner = math.prod(C._with_dim(x.shape, dim, 1))
+    counts = [s * inner for s in sizes]
+    offs = _offsets(counts)
+    piece, size = _max_piece(counts, algo), x.size      # (the plan keeps no reference to x)
+    prog = compile_steps(schedule("reduce_scatter", n, algo), me, offs, counts, True, num_links)
+    return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, sizes=sizes, algo=algo, shape=out_shape, sig=sig,
+                 shapes=lambda: {"work": (size,), "slot0": (piece,), "slot1": (piece,)}, counts=counts, offs=offs,
+                 progs=(prog,), nbytes=nbytes, check=(op, dim, algo))
 
 
 def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
@@ -222,51 +273,38 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     lists the parts (the plain collective's rule).  With ``buffer_key`` the result is a view
     into the key's persistent buffer: valid until the call after next with that key."""
     name = "line_reduce_scatter"
-    mesh, axis, g = resolve(name, mesh, cluster_axis)
-    x = check_array(name, g, x)
-    dim = C._norm_dim(f"ccl.{name}", g, x, dim)
-    _common_checks(name, g, x, op, num_links)
-    given = sizes
-    if sizes is None and not x.shape[dim] % g.size:
-        sizes = (x.shape[dim] // g.size,) * g.size            # the common case, kept cheap
-    else:
-        sizes = tuple(C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes"))
-    algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, lambda: where(name, g, x), tag))
-    n, me = g.size, g.index
-    out_shape = C._with_dim(x.shape, dim, sizes[me])
-    sig = (name, axis, x.shape, x.dtype, (("op", op), ("dim", dim), ("sizes", sizes), ("algo", algo)))
-    if algo == "library":
-        bufs = buffers.take(buffer_key, sig, lambda: {"out": out_shape}, x.dtype)
-        _record(name, g, x, int(x.nbytes * C.bus_factor("reduce_scatter", n)), algo, tag)
-        work = C.reduce_scatter(x, axis, op, dim=dim, sizes=given, mesh=mesh, out=bufs["out"], role=role,
-                                async_op=between is not None)
+    if mesh is None:
+        mesh = current_mesh()
+    x = _array(name, mesh, cluster_axis, x)
+    key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, op, sizes if sizes is None else tuple(sizes),
+           num_links, algo, tag)
+    p = plan(key, lambda: _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag))
+    g = p.g
+    bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
+    if C._HOOKS:
+        _record(name, g, x, p.nbytes, p.algo, tag)
+    if p.algo == "library":
+        work = C.reduce_scatter(x, p.axis, op, dim=p.dim, sizes=p.given, mesh=p.mesh, out=bufs["out"], role=role,
+                                async_op=between is not None, tag=tag)
         if between is None:
             return work
         between()
         return work.wait()
     if C._check is not None:       # (the library collective runs its own)
-        C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, dim, algo))
-    inner = math.prod(C._with_dim(x.shape, dim, 1))
-    counts = [s * inner for s in sizes]
-    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "reduce_scatter", tag)
+        C._check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
+    work, me = bufs["work"], g.index
     with _OnRole(role) as stream:
-        _pack_into(work, x, dim, sizes)
-        run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots,
-                  op, stream, between, num_links)
-        mine = work[offs[me]:offs[me] + counts[me]]
+        _pack_into(work, x, p.dim, p.sizes)
+        run_steps(g, p.progs[0], work, (bufs["slot0"], bufs["slot1"]), op, stream, between)
+        lo = p.offs[me]
+        mine = work[lo:lo + p.counts[me]]
         if op == "avg":
-            C._backend().xp.true_divide(mine, n, out=mine)
-    return mine.reshape(out_shape)
+            C._backend().xp.true_divide(mine, g.size, out=mine)
+    return mine.reshape(p.shape)
 
 
-def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None,
-                    sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
-                    algo: str = "auto", tag: str | None = None, role: str = "tp_collective"):
-    """``dist.all_gather(x, axis, dim=dim, sizes=sizes)`` along the cluster axis by a line or
-    ring.  Ranks may hold different lengths along ``dim`` if ``sizes`` lists all of them."""
-    name = "line_all_gather"
+def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
-    x = check_array(name, g, x)
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, None, num_links)
     n, me = g.size, g.index
@@ -279,30 +317,72 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
                              f"this rank's ({me}) being {x.shape[dim]}")
     algo = choose_algo("all_gather", algo, x.nbytes * n, lambda: where(name, g, x), tag)
     shape = C._with_dim(x.shape, dim, sum(sizes))
-    if C._check is not None and algo != "library":
-        C._check(f"ccl.{name}", g, x.dtype, C._with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo))
     sig = (name, axis, x.shape, x.dtype, (("dim", dim), ("sizes", tuple(sizes)), ("algo", algo)))
+    nbytes = int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n))
     if algo == "library":
-        bufs = buffers.take(buffer_key, sig, lambda: {"out": shape}, x.dtype)
-        _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
         even = min(sizes) == max(sizes)
-        return C.all_gather(x, axis, dim=dim, sizes=None if even else sizes, mesh=mesh, out=bufs["out"],
-                            role=role)
+        return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=None if even else sizes, algo=algo, shape=shape,
+                     sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes)
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1
     total = math.prod(shape)
-    bufs = buffers.take(buffer_key, sig, lambda: {"work": (total,)} if flat else {"work": (total,), "out": shape},
-                        x.dtype)
-    _record(name, g, x, int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n)), algo, tag)
     inner = math.prod(C._with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
-    work, offs = bufs["work"], _offsets(counts)
+    offs = _offsets(counts)
+    prog = compile_steps(schedule("all_gather", n, algo), me, offs, counts, False, num_links)
+    return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, sizes=sizes, algo=algo, shape=shape, sig=sig,
+                 shapes=lambda: {"work": (total,)} if flat else {"work": (total,), "out": shape}, counts=counts,
+                 offs=offs, progs=(prog,), nbytes=nbytes, flat=flat,
+                 check=(C._with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo)))
+
+
+def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None,
+                    sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
+                    algo: str = "auto", tag: str | None = None, role: str = "tp_collective"):
+    """``dist.all_gather(x, axis, dim=dim, sizes=sizes)`` along the cluster axis by a line or
+    ring.  Ranks may hold different lengths along ``dim`` if ``sizes`` lists all of them."""
+    name = "line_all_gather"
+    if mesh is None:
+        mesh = current_mesh()
+    x = _array(name, mesh, cluster_axis, x)
+    key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, sizes if sizes is None else tuple(sizes),
+           num_links, algo, tag)
+    p = plan(key, lambda: _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag))
+    g = p.g
+    bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
+    if C._HOOKS:
+        _record(name, g, x, p.nbytes, p.algo, tag)
+    if p.algo == "library":
+        return C.all_gather(x, p.axis, dim=p.dim, sizes=p.given, mesh=p.mesh, out=bufs["out"], role=role, tag=tag)
+    if C._check is not None:
+        C._check(f"ccl.{name}", g, x.dtype, *p.check)
+    work, me, offs = bufs["work"], g.index, p.offs
     with _OnRole(role) as stream:
-        work[offs[me]:offs[me] + counts[me]] = x.reshape(-1)
-        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream, links=num_links)
-        if flat:
-            return work.reshape(shape)
-        _unpack_into(bufs["out"], work, dim, sizes)
+        work[offs[me]:offs[me] + p.counts[me]] = x.reshape(-1)
+        run_steps(g, p.progs[0], work, (), None, stream)
+        if p.flat:
+            return work.reshape(p.shape)
+        _unpack_into(bufs["out"], work, p.dim, p.sizes)
     return bufs["out"]
+
+
+def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag) -> _Plan:
+    mesh, axis, g = resolve(name, mesh, cluster_axis)
+    _common_checks(name, g, x, op, num_links)
+    algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, lambda: where(name, g, x), tag))
+    n, me = g.size, g.index
+    sig = (name, axis, x.shape, x.dtype, (("op", op), ("algo", algo)))
+    nbytes = int(x.nbytes * C.bus_factor("all_reduce", n))
+    shape, size = tuple(x.shape), x.size                  # (the plan keeps no reference to x)
+    if algo == "library":
+        return _Plan(mesh=mesh, axis=axis, g=g, algo=algo, sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes)
+    counts = list(split_sizes(size, n))
+    offs = _offsets(counts)
+    piece = _max_piece(counts, algo)
+    progs = (compile_steps(schedule("reduce_scatter", n, algo), me, offs, counts, True, num_links),
+             compile_steps(schedule("all_gather", n, algo), me, offs, counts, False, num_links))
+    return _Plan(mesh=mesh, axis=axis, g=g, algo=algo, shape=shape, sig=sig,
+                 shapes=lambda: {"work": (size,), "slot0": (piece,), "slot1": (piece,)}, counts=counts, offs=offs,
+                 progs=progs, nbytes=nbytes, check=(op, algo))
 
 
 def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
@@ -312,25 +392,26 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     the flattened array (uneven parts when n does not divide its size) then an all-gather,
     in one buffer."""
     name = "line_all_reduce"
-    mesh, axis, g = resolve(name, mesh, cluster_axis)
-    x = check_array(name, g, x)
-    _common_checks(name, g, x, op, num_links)
-    algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, lambda: where(name, g, x), tag))
-    n, me = g.size, g.index
-    if C._check is not None and algo != "library":
-        C._check(f"ccl.{name}", g, x.dtype, x.shape, (op, algo))
-    sig = (name, axis, x.shape, x.dtype, (("op", op), ("algo", algo)))
-    if algo == "library":
-        bufs = buffers.take(buffer_key, sig, lambda: {"out": tuple(x.shape)}, x.dtype)
-        _record(name, g, x, int(x.nbytes * C.bus_factor("all_reduce", n)), algo, tag)
-        return C.all_reduce(x, axis, op, mesh=mesh, out=bufs["out"], role=role)
-    counts = list(split_sizes(x.size, n))
-    work, slots, offs = _reducing_buffers(name, g, x, buffer_key, sig, counts, algo, "all_reduce", tag)
+    if mesh is None:
+        mesh = current_mesh()
+    x = _array(name, mesh, cluster_axis, x)
+    key = (name, id(mesh), cluster_axis, x.shape, x.dtype, op, num_links, algo, tag)
+    p = plan(key, lambda: _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag))
+    g = p.g
+    bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
+    if C._HOOKS:
+        _record(name, g, x, p.nbytes, p.algo, tag)
+    if p.algo == "library":
+        return C.all_reduce(x, p.axis, op, mesh=p.mesh, out=bufs["out"], role=role, tag=tag)
+    if C._check is not None:
+        C._check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
+    work, me = bufs["work"], g.index
     with _OnRole(role) as stream:
         work[...] = x.reshape(-1)
-        run_steps(g, schedule("reduce_scatter", n, algo), work, offs, counts, slots, op, stream, links=num_links)
+        run_steps(g, p.progs[0], work, (bufs["slot0"], bufs["slot1"]), op, stream)
         if op == "avg":
-            mine = work[offs[me]:offs[me] + counts[me]]
-            C._backend().xp.true_divide(mine, n, out=mine)
-        run_steps(g, schedule("all_gather", n, algo), work, offs, counts, (), None, stream, links=num_links)
-    return work.reshape(x.shape)
+            lo = p.offs[me]
+            mine = work[lo:lo + p.counts[me]]
+            C._backend().xp.true_divide(mine, g.size, out=mine)
+        run_steps(g, p.progs[1], work, (), None, stream)
+    return work.reshape(p.shape)
