@@ -99,3 +99,35 @@ def test_each_rank_reads_only_its_slices(ckpts):
     peak, held = _peak_load(path, mesh_for(tp))
     assert held < 0.6 * full
     assert peak < full / tp + 0.3 * full, (peak, held, full)     # the shard and one tensor's temporaries
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_decode_steps_ask_the_runtime_for_no_buffers(ckpts, tp):
+    """On CPU ranks: 5 decode steps more ask the backend for no array (every collective of a step,
+    the tp all_reduces and the sampling all_gathers, writes into a persistent out=) and make no
+    ccl buffer.  The CPU reference kernels' own NumPy temporaries are not counted here; the
+    device-allocator count is tests/test_inference.py's stand-in test."""
+    from tessera_rt.backend import get_backend
+    from tessera_rt.dist import ccl
+    name = "A" if tp in ALLOWED["A"] else "B"
+    model = nn.Llama.from_pretrained(ckpts[name][0], mesh=mesh_for(tp))
+    be, calls = get_backend(), [0]
+    real = be.empty, be.empty_like
+
+    def counted(fn):
+        def f(*a, **k):
+            calls[0] += 1
+            return fn(*a, **k)
+        return f
+    counts = []
+    model.generate(nn.KVCache(model, max_tokens=128), L.PROMPTS[:2], max_new_tokens=2, temperature=0.7, top_k=5)
+    be.empty, be.empty_like = counted(real[0]), counted(real[1])
+    try:
+        for new in (4, 9):
+            calls[0], a0 = 0, ccl.allocations()
+            model.generate(nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=16), L.PROMPTS[:2],
+                           max_new_tokens=new, temperature=0.7, top_k=5)
+            counts.append((calls[0], ccl.allocations() - a0))
+    finally:
+        be.empty, be.empty_like = real
+    assert counts[1] == counts[0], counts
