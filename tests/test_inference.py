@@ -317,3 +317,45 @@ def test_decode_steps_allocate_no_device_memory_after_the_first(ckpts, ranks):
         assert n9 == n4, (budget, n4, n9)
         assert t9 == want and t4 == want[:4]
         assert (moved > 0) == (budget == "16")
+
+
+def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
+    """train.py --arch llama's model (RoPE, GQA, RMSNorm, SwiGLU) after a few AdamW steps, exported
+    as a Hugging Face checkpoint: nn.Llama and transformers give the training model's logits; the
+    character tokenizer round-trips; --export-hf without --arch llama is refused."""
+    import tessera_rt as ts
+    from tessera_rt import optim
+    from tessera_rt.inference.llama_train import LlamaLM, export_hf
+    chars = list("abcdefgh ij\nklmnop")
+    model = LlamaLM(len(chars), 32, 4, 2, 16, n_kv_heads=2)
+    params = model.init(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, len(chars), (4, 16))
+    step = ts.value_and_grad(lambda p, a, b: model.loss(p, a, b))
+    opt = optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss, grads = step(params, x, np.roll(x, -1, 1))
+        params = opt.step(params, grads)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5, losses
+    out = export_hf(model, params, tmp_path / "hf", chars)
+    want = np.asarray(model.logits(params, x[:2]))
+    np.testing.assert_allclose(nn.Llama.from_pretrained(out).logits(x[:2]), want, rtol=1e-4, atol=1e-5)
+    pytest.importorskip("torch")
+    import torch
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.tensor(x[:2])).logits.numpy(), want, rtol=1e-4, atol=1e-5)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "abc ij\nkp"
+    assert tok.encode(text).ids == [chars.index(c) for c in text] and tok.decode(tok.encode(text).ids) == text
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    proc = subprocess.run([sys.executable, str(script), "--export-hf", str(tmp_path / "x"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--export-hf needs --arch llama" in proc.stderr

@@ -7,7 +7,7 @@ prompts and settings), so a bad prompt is one clear ValueError rather than a han
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
