@@ -60,15 +60,20 @@ class DecodeBuffers:
 
 
     def fit_tables(self, width: int) -> None:
-        """Tables at least ``width`` pages wide.  Without a window that is the pool (made once);
+        """Room for tables ``width`` pages wide.  Without a window the pool's width is made once;
         a windowed sequence may outgrow it (its dropped pages keep their table entries), and
-        then the tables double: one allocation per doubling."""
-        have = getattr(self, "host_tables", None)
-        if have is not None and have.shape[-1] >= width:
+        then the room doubles: one allocation per doubling."""
+        cap = getattr(self, "_cap", 0)
+        if cap >= width:
             return
-        w = width if have is None else max(width, 2 * have.shape[-1])
-        self.tables = self.xp.empty((self.layers, self.b, w), np.int32)
-        self.host_tables = np.full((self.layers, self.b, w), -1, np.int32)
+        self._cap = width if not cap else max(width, 2 * cap)
+        self._flat = self.xp.empty(self.layers * self.b * self._cap, np.int32)
+
+    def tables(self, width: int):
+        """``(layers, b, width)`` block tables: a contiguous view of the persistent array, as wide
+        as this step's longest sequence (a reference kernel's work grows with the width)."""
+        self.fit_tables(width)
+        return self._flat[:self.layers * self.b * width].reshape(self.layers, self.b, width)
 
 
 def _rotate(xp, x, cos, sin, rot, out) -> None:

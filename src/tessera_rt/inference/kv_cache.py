@@ -62,8 +62,8 @@ class DecodeStep:
     def __init__(self, cache: "KVCache", sids: Sequence[int], buf):
         self.cache, c = cache, cache
         seqs = [c._seqs[s] for s in sids]
-        buf.fit_tables(max(len(s.blocks) for s in seqs))
-        logical = np.full((len(seqs), buf.tables.shape[-1]), -1, np.int64)
+        width = max(1, max(len(s.blocks) for s in seqs))
+        logical = np.full((len(seqs), width), -1, np.int64)
         for i, s in enumerate(seqs):
             logical[i, :len(s.blocks)] = s.blocks
         live = logical >= 0
@@ -72,14 +72,14 @@ class DecodeStep:
         self.host_slots = np.unique(slot[on_host])
         xp = c.model.xp
         # every layer's table at once, one copy to the device per step
-        t = buf.host_tables
-        t[...] = np.where(on_host, c.layers * c.n_dev + self._staging(np.arange(c.layers))[:, None, None] + slot,
-                          np.arange(c.layers)[:, None, None] * c.n_dev + slot)
+        t = np.where(on_host, c.layers * c.n_dev + self._staging(np.arange(c.layers))[:, None, None] + slot,
+                     np.arange(c.layers)[:, None, None] * c.n_dev + slot).astype(np.int32)
         t[:, ~live] = -1
-        upload(xp, buf.tables, t)
+        self.tables = buf.tables(width)
+        upload(xp, self.tables, t)
         upload(xp, buf.lens, np.array([s.length for s in seqs], np.int32))
         upload(xp, buf.starts, np.array([s.start for s in seqs], np.int32))
-        self.tables, self.lens, self.starts = buf.tables, buf.lens, buf.starts
+        self.lens, self.starts = buf.lens, buf.starts
         self._events: dict[int, Any] = {}
         n_live, n_host = int(live.sum()), int(on_host.sum())
         c._reads["pages"] += n_live * c.layers
