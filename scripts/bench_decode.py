@@ -136,6 +136,12 @@ def main(argv=None) -> int:
     cache = nn.KVCache(model, max_tokens=args.prompt * 2, block_size=16, device_budget_tokens=args.prompt // 2)
     model.generate(cache, [prompts[0]], max_new_tokens=args.prompt)
     st = cache.stats()
+    # the seed's >= 0.9 (seed 000 §7) with full attention is out of reach at any residency policy:
+    # every step reads every page and the device holds a quarter of them.  With look-back inside
+    # the budget (§3.5.2 windowing) the reads stay on the device:
+    win = nn.KVCache(model, max_tokens=args.prompt * 2, block_size=16, device_budget_tokens=args.prompt // 2,
+                     window=args.prompt // 2 - 16)
+    model.generate(win, [prompts[0]], max_new_tokens=args.prompt)
     theory = 2 * cfg.num_hidden_layers * model.n_kv * cfg.head_dim * np.dtype(model.dtype).itemsize
     if comm.rank == 0:
         print(f"# decode: hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads} kv, "
@@ -149,7 +155,9 @@ def main(argv=None) -> int:
             print(f"{b:>5} {b * args.prompt / p:>14.0f} {b * args.prompt / hp:>17.0f} {d * 1e3:>14.2f} "
                   f"{hd * 1e3:>17.2f} " + (f"{d / hd:>12.2f}x" if hd > 0 else f"{'n/a (noise)':>13}"))
         print(f"KV bytes/token/rank: {st['bytes_per_token']} (theory {theory}); hit ratio with a device budget "
-              f"of a quarter of the context ({args.prompt // 2} of {2 * args.prompt} tokens): {st['hit_ratio']:.3f}")
+              f"of a quarter of the context ({args.prompt // 2} of {2 * args.prompt} tokens): {st['hit_ratio']:.3f} "
+              f"(full attention; bound: device pages / pages read); with window={args.prompt // 2 - 16}: "
+              f"{win.stats()['hit_ratio']:.3f}")
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

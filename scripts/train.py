@@ -71,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=0.0,
                    help="GShard capacity factor (0: dropless routing)")
     p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the MoE balance loss")
+    p.add_argument("--arch", default="transformer", choices=["transformer", "llama"],
+                   help="transformer: learned positions; llama: RoPE, GQA (--kv-heads), exportable with --export-hf")
+    p.add_argument("--kv-heads", type=int, default=0, help="--arch llama: key/value heads (0: as many as --heads)")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="--arch llama: save the trained model as a Hugging Face Llama checkpoint in DIR "
+                        "(scripts/generate.py --model DIR reads it)")
     p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint at the end")
@@ -147,12 +153,25 @@ def moe_config(args: argparse.Namespace) -> dict | None:
             "capacity_factor": args.capacity_factor or None}
 
 
+def llama_model(args: argparse.Namespace, vocab: int, mesh):
+    """train.py --arch llama: a Llama-shaped model (tessera_rt.inference.llama_train.LlamaLM)."""
+    from tessera_rt.inference.llama_train import LlamaLM
+    if args.pp > 1 or args.microbatches or args.experts or args.remat != "none":
+        raise SystemExit("train.py: --arch llama trains a dense model without --pp, --microbatches, --experts or --remat; "
+                         "drop those flags or use --arch transformer")
+    return LlamaLM(vocab, args.d_model, args.heads, args.layers, args.seq, n_kv_heads=args.kv_heads or None,
+                   mesh=mesh, dtype=args.dtype)
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank."""
     import tessera_rt as ts
     from tessera_rt import dist, nn, optim
     from tessera_rt.dtypes import resolve_dtype
 
+    if args.export_hf and args.arch != "llama":
+        raise SystemExit("train.py: --export-hf needs --arch llama (the default model has learned positions, "
+                         "which a Hugging Face Llama checkpoint cannot hold)")
     world = dist.init()
     n = world.size
     tp, pp = args.tp, args.pp
@@ -184,8 +203,11 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
     virtual = args.virtual_stages if piped and args.schedule == "interleaved" else 1
-    model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
-                           dtype=args.dtype, remat=args.remat, moe=moe_config(args), virtual_stages=virtual)
+    if args.arch == "llama":
+        model = llama_model(args, len(chars), mesh)
+    else:
+        model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
+                               dtype=args.dtype, remat=args.remat, moe=moe_config(args), virtual_stages=virtual)
     params = model.init(args.seed)            # with --pp: this rank's stage only
     pipe = dist.Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
                          schedule=args.schedule) if piped else None
@@ -249,6 +271,11 @@ def train(args: argparse.Namespace) -> dict:
                   "takes one tree on every rank)", flush=True)
     if not args.no_checkpoint:
         saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
+    if args.export_hf:                      # collective (each parameter gathered); rank 0 writes
+        from tessera_rt.inference.llama_train import export_hf
+        hf_dir = export_hf(model, params, args.export_hf, chars, rank=world.rank)
+        if rank0 and not args.quiet:
+            print(f"Hugging Face Llama checkpoint: {hf_dir} (scripts/generate.py --model {hf_dir})", flush=True)
     if rank0 and not args.quiet:
         if not args.no_plot:
             print(_plot(out / "loss.png", losses, f"char LM, dp={dp} tp={tp}"), flush=True)

@@ -9,7 +9,8 @@ import pytest
 
 from tessera_rt import nn
 from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
-from tessera_rt.inference.generate import _decode_attend, _prefill_attend
+from tessera_rt.inference.decode import decode_hidden
+from tessera_rt.inference.generate import _prefill_attend
 from tessera_rt.inference.sampling import sample
 from tessera_rt.kernels import flash_attention, paged_decode_attention
 
@@ -58,7 +59,7 @@ def test_decode_through_the_cache_equals_full_recompute(ckpts):
     nxt = np.array([[7], [42]])
     for _ in range(5):                 # several steps, both sequences together, different lengths
         pos = np.stack([cache.reserve(s, 1) for s in sids])
-        got = model.local_logits(model.hidden(nxt, pos, _decode_attend(model, cache, sids, pos)))[:, -1]
+        got = model.local_logits(decode_hidden(model, cache, sids, nxt[:, 0], pos)).copy()
         seqs = [np.append(s, t) for s, t in zip(seqs, nxt[:, 0])]
         for g, s in zip(got, seqs):
             np.testing.assert_allclose(g, model.logits(s[None])[0, -1], rtol=1e-5, atol=1e-5)
@@ -254,3 +255,107 @@ def test_bf16_weights_and_cache(ckpts):
     cache = nn.KVCache(model, max_tokens=128)
     assert cache.k.dtype == model.dtype and cache.stats()["bytes_per_token"] == 2 * 2 * 2 * 8 * 2
     assert len(model.generate(cache, L.PROMPTS, max_new_tokens=4)[2]) == 4
+
+
+ALLOC_SCRIPT = """
+import json, sys
+import cupy
+import llama_tiny as L
+from mpi4py import MPI
+from tessera_rt import dist, nn
+dist.init()
+n = MPI.COMM_WORLD.Get_size()
+mesh = dist.Mesh(axes=["tp"], shape={"tp": n}) if n > 1 else None
+pool = cupy.get_default_memory_pool()          # every device array comes from this pool
+malloc, count = pool.malloc, [0]
+def counting(size):
+    count[0] += 1
+    return malloc(size)
+pool.malloc = counting
+m = nn.Llama.from_pretrained(sys.argv[1], mesh=mesh)
+out = {}
+for budget in (None, 16):                      # 16: the host tier evicts and prefetches every step
+    m.generate(nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=budget), [L.PROMPTS[2]],
+               max_new_tokens=2)               # ccl's sampling buffers are made once per process
+    row = []
+    for new in (4, 9):
+        c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=budget)
+        count[0] = 0
+        toks = m.generate(c, [L.PROMPTS[2]], max_new_tokens=new)
+        row.append([count[0], c.stats()["moved_to_host"], toks[0]])
+    out[str(budget)] = row
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_decode_steps_allocate_no_device_memory_after_the_first(ckpts, ranks):
+    """Seed 004's persistent buffers, counted at the device allocator: on the CUDA path (the strict
+    CuPy/NCCL stand-in, whose pool every device array comes from) a generate with 9 new tokens
+    allocates exactly as much as one with 4 (same prefill, same first step), so the 5 extra decode
+    steps allocate nothing: activations, tables, the tp all_reduces (in place) and the sampling
+    all_gathers (ccl buffers), with and without host-tier eviction and prefetch.  tp = ranks."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from conftest import MPIEXEC, mpi_env, standin_env
+    here = Path(__file__).resolve().parent
+    env = mpi_env(ranks, "cuda", standin_env(ranks))
+    env["PYTHONPATH"] = env["PYTHONPATH"] + ":" + str(here)
+    cmd = ["timeout", "-k", "5", "250"] + ([MPIEXEC, "-n", str(ranks)] if ranks > 1 else [])
+    proc = subprocess.run(cmd + [sys.executable, "-c", ALLOC_SCRIPT, str(ckpts["big"][0])], capture_output=True,
+                          text=True, env=env, cwd=here)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    big = nn.Llama.from_pretrained(ckpts["big"][0])
+    want = big.generate(nn.KVCache(big, max_tokens=192, block_size=4), [L.PROMPTS[2]], max_new_tokens=9)[0]
+    for budget, ((n4, _, t4), (n9, moved, t9)) in got.items():
+        assert n4 > 0, "the counter sees the prefill's allocations"
+        assert n9 == n4, (budget, n4, n9)
+        assert t9 == want and t4 == want[:4]
+        assert (moved > 0) == (budget == "16")
+
+
+def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
+    """train.py --arch llama's model (RoPE, GQA, RMSNorm, SwiGLU) after a few AdamW steps, exported
+    as a Hugging Face checkpoint: nn.Llama and transformers give the training model's logits; the
+    character tokenizer round-trips; --export-hf without --arch llama is refused."""
+    import tessera_rt as ts
+    from tessera_rt import optim
+    from tessera_rt.inference.llama_train import LlamaLM, export_hf
+    chars = list("abcdefgh ij\nklmnop")
+    model = LlamaLM(len(chars), 32, 4, 2, 16, n_kv_heads=2)
+    params = model.init(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, len(chars), (4, 16))
+    step = ts.value_and_grad(lambda p, a, b: model.loss(p, a, b))
+    opt = optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss, grads = step(params, x, np.roll(x, -1, 1))
+        params = opt.step(params, grads)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5, losses
+    out = export_hf(model, params, tmp_path / "hf", chars)
+    want = np.asarray(model.logits(params, x[:2]))
+    np.testing.assert_allclose(nn.Llama.from_pretrained(out).logits(x[:2]), want, rtol=1e-4, atol=1e-5)
+    pytest.importorskip("torch")
+    import torch
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.tensor(x[:2])).logits.numpy(), want, rtol=1e-4, atol=1e-5)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "abc ij\nkp"
+    assert tok.encode(text).ids == [chars.index(c) for c in text] and tok.decode(tok.encode(text).ids) == text
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    proc = subprocess.run([sys.executable, str(script), "--export-hf", str(tmp_path / "x"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--export-hf needs --arch llama" in proc.stderr

@@ -99,3 +99,70 @@ def test_each_rank_reads_only_its_slices(ckpts):
     peak, held = _peak_load(path, mesh_for(tp))
     assert held < 0.6 * full
     assert peak < full / tp + 0.3 * full, (peak, held, full)     # the shard and one tensor's temporaries
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_decode_steps_ask_the_runtime_for_no_buffers(ckpts, tp):
+    """On CPU ranks: 5 decode steps more ask the backend for no array (every collective of a step,
+    the tp all_reduces and the sampling all_gathers, writes into a persistent out=) and make no
+    ccl buffer.  The CPU reference kernels' own NumPy temporaries are not counted here; the
+    device-allocator count is tests/test_inference.py's stand-in test."""
+    from tessera_rt.backend import get_backend
+    from tessera_rt.dist import ccl
+    name = "A" if tp in ALLOWED["A"] else "B"
+    model = nn.Llama.from_pretrained(ckpts[name][0], mesh=mesh_for(tp))
+    be, calls = get_backend(), [0]
+    real = be.empty, be.empty_like
+
+    def counted(fn):
+        def f(*a, **k):
+            calls[0] += 1
+            return fn(*a, **k)
+        return f
+    counts = []
+    model.generate(nn.KVCache(model, max_tokens=128), L.PROMPTS[:2], max_new_tokens=2, temperature=0.7, top_k=5)
+    be.empty, be.empty_like = counted(real[0]), counted(real[1])
+    try:
+        for new in (4, 9):
+            calls[0], a0 = 0, ccl.allocations()
+            model.generate(nn.KVCache(model, max_tokens=128, block_size=4, device_budget_tokens=16), L.PROMPTS[:2],
+                           max_new_tokens=new, temperature=0.7, top_k=5)
+            counts.append((calls[0], ccl.allocations() - a0))
+    finally:
+        be.empty, be.empty_like = real
+    assert counts[1] == counts[0], counts
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_llama_training_model_on_the_mesh_equals_single_process(tp):
+    """train.py --arch llama's model (RoPE, GQA) on tp x dp: loss, gradients and the exported
+    Hugging Face tensors equal the single-process model's; heads the mesh cannot split raise."""
+    import tessera_rt as ts
+    from tessera_rt.dist.dtensor import DTensor
+    from tessera_rt.inference.llama_train import LlamaLM, hf_state_dict
+    kv = 4 if tp == 4 else 6
+    mesh = mesh_for(tp)
+    single, model = (LlamaLM(29, 48, 12, 2, 8, n_kv_heads=kv, mesh=m) for m in (None, mesh))
+    x = np.random.default_rng(1).integers(0, 29, (12, 8))
+    y = np.roll(x, -1, 1)
+    f1, f2 = (ts.value_and_grad(lambda p, a, b, m=m: m.loss(p, a, b)) for m in (single, model))
+    p1, p2 = single.init(3), model.init(3)
+    l1, g1 = f1(p1, x, y)
+    l2, g2 = f2(p2, model.batch(x), model.batch(y))
+    np.testing.assert_allclose(float(l2.full_tensor()), float(l1), rtol=1e-5)
+    full = (lambda a: a.full_tensor() if isinstance(a, DTensor) else a)
+    for a, b in zip(_leaves(g2), _leaves(g1)):
+        np.testing.assert_allclose(full(a), b, rtol=1e-4, atol=1e-6)
+    want, got = hf_state_dict(single, p1), hf_state_dict(model, p2)
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    if tp > 1:
+        with pytest.raises(ValueError, match=f"tp={tp}"):
+            LlamaLM(29, 48, 12, 2, 8, n_kv_heads=1, mesh=mesh)
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree) for x in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [x for t in tree for x in _leaves(t)]
+    return [tree]

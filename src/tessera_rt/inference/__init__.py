@@ -10,5 +10,7 @@ from .llama import Llama, TPShard
 from .kv_cache import KVCache
 from .sampling import sample
 from .generate import generate
+from .llama_train import LlamaLM, export_hf
 
-__all__ = ["Llama", "KVCache", "generate", "sample", "LlamaConfig", "TPShard", "CheckpointReader", "rope_inv_freq"]
+__all__ = ["Llama", "KVCache", "generate", "sample", "LlamaConfig", "TPShard", "CheckpointReader", "rope_inv_freq",
+           "LlamaLM", "export_hf"]

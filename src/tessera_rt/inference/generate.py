@@ -7,12 +7,13 @@ prompts and settings), so a bad prompt is one clear ValueError rather than a han
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from .. import op
 from ..backend import get_backend
+from .decode import decode_hidden
 from .sampling import check_sampling, sample
 
 __all__ = ["generate", "check_prompts"]
@@ -37,19 +38,6 @@ def check_prompts(model, cache, prompts: Sequence[Sequence[int]], max_new_tokens
                              "nn.KVCache more max_tokens or shorten the prompt")
         out.append(a.astype(np.int64))
     return out
-
-
-def _decode_attend(model, cache, sids, pos):
-    kernel = get_backend().kernel("paged_decode_attention")
-
-    step = cache.step(sids)
-
-    def attend(layer, q, k, v):
-        cache.write(layer, sids, pos, k, v)
-        kp, vp, tables = step.layer(layer)
-        o = kernel(model.xp.ascontiguousarray(q[:, :, 0]), kp, vp, tables, step.lens, seq_starts=step.starts)
-        return o[:, :, None]
-    return attend
 
 
 def _prefill_attend(cache, sid, pos):
@@ -123,8 +111,10 @@ def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: fl
         sids = [running[i] for i in idx]
         pos = np.stack([cache.reserve(s, 1) for s in sids])                # (B, 1)
         ids = np.array([[outs[i][-1]] for i in idx])
-        h = model.hidden(ids, pos, _decode_attend(model, cache, sids, pos))
-        toks = sample(model, model.local_logits(h[:, -1]), keys=[(i, len(outs[i])) for i in idx], **skw)
+        # persistent buffers from the second step at this batch size on: nothing is allocated
+        h = decode_hidden(model, cache, sids, ids[:, 0], pos)
+        logits = op.matmul(h, model.params["head"], out=cache.decode_buffers(len(sids)).logits)
+        toks = sample(model, logits, keys=[(i, len(outs[i])) for i in idx], **skw)
         for i, t in zip(idx, toks):
             outs[i].append(int(t))
             if finished(i):

@@ -9,10 +9,10 @@ only its own kv heads: the cache is chunked by time into pages and sharded by he
 
 Tiers.  ``device_budget_tokens`` caps the pages kept on the device.  Beyond it the oldest
 pages move to host memory (pinned on a GPU), every layer of them at once.  A decode step
-reads a host page from a staging area on the device: before layer ``l`` computes, the host
-pages of layer ``l + 1`` are copied into the other half of a double-buffered staging area on
-the ``io`` stream (prefetch one layer ahead, §3.2.4), and layer ``l + 1`` waits on that
-copy's event.  The device holds ``layers x budget`` pages plus two layers' worth of staging,
+reads a host page from a staging area on the device: once layer ``l``'s attention is issued,
+the host pages of layer ``l + 1`` are copied into the other half of a double-buffered staging area on
+the ``io`` stream (prefetch one layer ahead, §3.2.4, overlapping layer ``l``'s projections and MLP), and
+layer ``l + 1`` waits on that copy's event.  The device holds ``layers x budget`` pages plus two layers' worth of staging,
 instead of ``layers x all`` pages.  ``stats()`` counts page reads served from each tier.
 
 The device pool is one flat array of pages so the paged kernel reads both tiers through one
@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import runtime as rt
+from .decode import DecodeBuffers, upload
 
 __all__ = ["KVCache", "DecodeStep"]
 
@@ -55,54 +56,63 @@ def _host_empty(xp, shape, dtype):
 
 
 class DecodeStep:
-    """Block tables of one decode step, per layer, with the host pages staged one layer ahead."""
+    """Block tables of one decode step, per layer, with the host pages staged one layer ahead.
+    Tables, lengths and starts are written into ``buf``'s persistent arrays (no allocation)."""
 
-    def __init__(self, cache: "KVCache", sids: Sequence[int]):
+    def __init__(self, cache: "KVCache", sids: Sequence[int], buf):
         self.cache, c = cache, cache
         seqs = [c._seqs[s] for s in sids]
-        mb = max(1, max(len(s.blocks) for s in seqs))
-        logical = np.full((len(seqs), mb), -1, np.int64)
+        width = max(1, max(len(s.blocks) for s in seqs))
+        logical = np.full((len(seqs), width), -1, np.int64)
         for i, s in enumerate(seqs):
             logical[i, :len(s.blocks)] = s.blocks
         live = logical >= 0
         page = np.where(live, logical, 0)
-        self.on_host = live & c._on_host[page]
-        self.slot = c._slot[page]
-        self.live = live
-        self.host_slots = np.unique(self.slot[self.on_host])
+        on_host, slot = live & c._on_host[page], c._slot[page]
+        self.host_slots = np.unique(slot[on_host])
         xp = c.model.xp
-        self.lens = xp.asarray(np.array([s.length for s in seqs], np.int32))
-        self.starts = xp.asarray(np.array([s.start for s in seqs], np.int32))
+        # every layer's table at once, one copy to the device per step
+        t = np.where(on_host, c.layers * c.n_dev + self._staging(np.arange(c.layers))[:, None, None] + slot,
+                     np.arange(c.layers)[:, None, None] * c.n_dev + slot).astype(np.int32)
+        t[:, ~live] = -1
+        self.tables = buf.tables(width)
+        upload(xp, self.tables, t)
+        upload(xp, buf.lens, np.array([s.length for s in seqs], np.int32))
+        upload(xp, buf.starts, np.array([s.start for s in seqs], np.int32))
+        self.lens, self.starts = buf.lens, buf.starts
         self._events: dict[int, Any] = {}
-        n_live, n_host = int(live.sum()), int(self.on_host.sum())
+        n_live, n_host = int(live.sum()), int(on_host.sum())
         c._reads["pages"] += n_live * c.layers
         c._reads["device"] += (n_live - n_host) * c.layers
-        self._prefetch(0)
+        self.prefetch(0)
 
-    def _prefetch(self, layer: int) -> None:
+    def _staging(self, layer):
+        """Offset of ``layer``'s staging half (double buffered: layer l+1 fills while l reads)."""
+        return (layer % 2) * self.cache.n_host
+
+    def prefetch(self, layer: int) -> None:
+        """Copy ``layer``'s host pages into its staging half on the io stream (call it once the
+        compute stream has issued the reads of layer - 1, which used the other half)."""
         c = self.cache
         if layer >= c.layers or not len(self.host_slots) or layer in self._events:
             return
         io, compute = rt.stream("io"), rt.stream("compute")
-        io.wait_event(compute.record())            # the staging half was last read by layer - 2
+        io.wait_event(compute.record())            # after the reads of the other half's last user
         with io:
-            dst = c.layers * c.n_dev + (layer % 2) * c.n_host + self.host_slots
-            xp = c.model.xp
-            _put(xp, c.k, dst, xp.asarray(c.host_k[layer, self.host_slots]))
-            _put(xp, c.v, dst, xp.asarray(c.host_v[layer, self.host_slots]))
+            base = c.layers * c.n_dev + self._staging(layer)
+            for h in self.host_slots:              # page by page into the staging slots: no index arrays
+                upload(c.model.xp, c.k[base + h], c.host_k[layer, h])
+                upload(c.model.xp, c.v[base + h], c.host_v[layer, h])
         self._events[layer] = io.record()
 
     def layer(self, layer: int) -> tuple:
-        """``(k_pages, v_pages, block_tables)`` for ``layer``; prefetches ``layer + 1``'s host pages."""
-        c = self.cache
+        """``(k_pages, v_pages, block_tables)`` for ``layer``, once its host pages are staged.
+        Call ``prefetch(layer + 1)`` after issuing the attention that reads them: the next
+        layer's copy then overlaps this layer's projections and MLP (§3.2.4)."""
         ev = self._events.pop(layer, None)
         if ev is not None:
             rt.stream("compute").wait_event(ev)
-        self._prefetch(layer + 1)
-        t = np.where(self.on_host, c.layers * c.n_dev + (layer % 2) * c.n_host + self.slot,
-                     layer * c.n_dev + self.slot)
-        t = np.where(self.live, t, -1).astype(np.int32)
-        return c.k, c.v, c.model.xp.asarray(t)
+        return self.cache.k, self.cache.v, self.tables[layer]
 
 
 class KVCache:
@@ -145,6 +155,7 @@ class KVCache:
         self._next_id = 0
         self._reads = {"pages": 0, "device": 0}
         self.moved_to_host = 0
+        self._buffers: dict[int, DecodeBuffers] = {}
 
     # ---- sequences -------------------------------------------------------------------------
     def add(self) -> int:
@@ -217,12 +228,12 @@ class KVCache:
                              f"{(len(tails) + 1) * self.block_size} tokens or decode fewer sequences at once")
         del self._dev_order[page]
         slot, hslot = int(self._slot[page]), self._host_free.popleft()
-        src = np.arange(self.layers) * self.n_dev + slot
         io = rt.stream("io")
         io.wait_event(rt.stream("compute").record())      # after the writes into the page
         with io:
-            self.host_k[:, hslot] = _to_host(_take(self.model.xp, self.k, src))
-            self.host_v[:, hslot] = _to_host(_take(self.model.xp, self.v, src))
+            for layer in range(self.layers):              # page by page: no gathered copy on the device
+                _download(self.k[layer * self.n_dev + slot], self.host_k[layer, hslot])
+                _download(self.v[layer * self.n_dev + slot], self.host_v[layer, hslot])
         rt.stream("compute").wait_event(io.record())      # before the slot is overwritten
         self._on_host[page], self._slot[page] = True, hslot
         self._dev_free.append(slot)
@@ -254,9 +265,30 @@ class KVCache:
             for dst, src in zip(pool, (kk, vv)):
                 _put(xp, dst.reshape(-1, d), idx, _take(xp, src, sel))
 
-    def step(self, sids: Sequence[int]) -> DecodeStep:
+    def write_decode(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
+        """Store one position per sequence, ``k, v (B, Hkv_l, D)``: row by row into the pages
+        (basic slices, so nothing is allocated).  Decode writes into a sequence's last page,
+        which eviction keeps on the device."""
+        bs = self.block_size
+        for i, (sid, p) in enumerate(zip(sids, positions)):
+            page = self._seqs[sid].blocks[int(p) // bs]
+            assert page >= 0 and not self._on_host[page], "decode writes into a device page"
+            dst = layer * self.n_dev + int(self._slot[page])
+            # through the row's view, so the copy touches only that row's bytes (a staging page
+            # of the same pool may be in flight on the io stream)
+            self.k[dst, :, int(p) % bs][...] = k[i]
+            self.v[dst, :, int(p) % bs][...] = v[i]
+
+    def decode_buffers(self, b: int) -> DecodeBuffers:
+        """The persistent buffers of a decode step at batch ``b`` (made on first use)."""
+        buf = self._buffers.get(b)
+        if buf is None:
+            buf = self._buffers[b] = DecodeBuffers(self.model, self, b)
+        return buf
+
+    def step(self, sids: Sequence[int], buf: DecodeBuffers | None = None) -> DecodeStep:
         """The tables of a decode step over ``sids`` (call after ``reserve``)."""
-        return DecodeStep(self, sids)
+        return DecodeStep(self, sids, buf if buf is not None else self.decode_buffers(len(sids)))
 
     def stats(self) -> dict:
         """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer)."""
@@ -274,6 +306,14 @@ class KVCache:
 
 def _to_host(a):
     return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _download(src, out: np.ndarray) -> None:
+    """``out[...] = src`` from the device into host memory ``out`` (no new host or device array)."""
+    if isinstance(src, np.ndarray):
+        np.copyto(out, src)
+    else:
+        src.get(out=out)
 
 
 def _put(xp, dst, index: np.ndarray, values) -> None:

@@ -127,7 +127,8 @@ class Llama:
         return cls(cfg, params, shard, mesh=mesh, tp_axis=tp_axis, dtype=dt)
 
     # ---- collectives over tp ---------------------------------------------------------------
-    def _sum_tp(self, x):
+    def sum_tp(self, x):
+        """``x`` summed over tp in place (the row-parallel partial sums; no new array)."""
         if self.shard.tp == 1:
             return x
         return C.all_reduce(x, axis=self.tp_axis, mesh=self.mesh, out=x)
@@ -148,7 +149,7 @@ class Llama:
         mine = (local >= 0) & (local < v.stop - v.start)
         x = xp.take(self.params["embed"], xp.where(mine, local, 0), axis=0)
         x *= mine[..., None].astype(x.dtype)
-        return self._sum_tp(x)
+        return self.sum_tp(x)
 
     def rope(self, positions) -> tuple:
         """cos, sin of shape ``(..., head_dim)`` for integer positions (f32, as transformers)."""
@@ -186,11 +187,11 @@ class Llama:
             q, k = self._rotate(q, cos, sin).astype(dt, copy=False), self._rotate(k, cos, sin).astype(dt, copy=False)
             a = attend(i, q, k, xp.ascontiguousarray(v, dtype=dt))
             a = a.transpose(0, 2, 1, 3).reshape(b * s, hl * hd)
-            x = x + self._sum_tp(op.matmul(a, p["o"]))
+            x = x + self.sum_tp(op.matmul(a, p["o"]))
             h = op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps)
             gu = op.matmul(h, p["gate_up"])
             f = gu.shape[-1] // 2
-            x = x + self._sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
+            x = x + self.sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
         return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps).reshape(b, s, cfg.hidden_size)
 
     def local_logits(self, h) -> Any:

@@ -22,6 +22,8 @@ import numpy as np
 
 from ..backend import get_backend
 from ..dist import collectives as C
+from ..dist.ccl.buffers import take
+from .decode import upload
 
 __all__ = ["sample", "check_sampling", "gumbel_noise"]
 
@@ -42,11 +44,19 @@ def gumbel_noise(seed: int, seq: int, step: int, vocab: int) -> np.ndarray:
 
 
 def _gather(model, pairs: np.ndarray) -> np.ndarray:
-    """All ranks' ``(B, n, 2)`` (value, id) pairs as ``(B, tp * n, 2)``, in rank order."""
-    if model.shard.tp == 1:
+    """All ranks' ``(B, n, 2)`` (value, id) pairs as ``(B, tp * n, 2)``, in rank order.  The
+    send and receive arrays are ccl's persistent double buffers, one key per shape (seed 004's
+    SAMPLING buffers): after a shape's first step the gather allocates nothing on the device."""
+    tp = model.shard.tp
+    if tp == 1:
         return pairs
-    g = C.all_gather(np.ascontiguousarray(pairs[None]), axis=model.tp_axis, mesh=model.mesh)
-    return np.concatenate(list(g), axis=1)
+    send, recv = (1,) + pairs.shape, (tp,) + pairs.shape
+    key = f"inference.sample{list(pairs.shape)}@{model.tp_axis}x{tp}"
+    bufs = take(key, ("inference.sample", model.tp_axis, send, np.dtype(np.float64), (("tp", tp),)),
+                lambda: {"send": send, "recv": recv}, np.float64)
+    upload(model.xp, bufs["send"], pairs.reshape(send))
+    g = C.all_gather(bufs["send"], axis=model.tp_axis, mesh=model.mesh, out=bufs["recv"])
+    return np.concatenate(list(get_backend().to_host(g)), axis=1)
 
 
 def _best(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
