@@ -24,7 +24,6 @@ from the environment for the whole run): there the tag is recorded and changes n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from .. import runtime as rt
@@ -33,7 +32,9 @@ from ..dtypes import dtype_name
 from .comm import REDUCE_OPS
 from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
+from .packing import _even, _pack, _unpack, _with_dim
 from .process_group import world
+from .trace import _HOOKS, TAGS, CollectiveRecord, bus_factor, trace_collectives
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
@@ -41,82 +42,13 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- bookkeeping
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw/algbw factor: what each rank must move for ``op`` over ``n`` ranks."""
-    if n <= 1:
-        return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
-    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n}.get(op, 1.0)
-
-
-@dataclass(frozen=True)
-class CollectiveRecord:
-    """One collective as issued: op, group, local shapes, and the bytes this rank sends."""
-    op: str
-    axis: str
-    group_size: int
-    shape: tuple
-    dtype: str
-    bytes_sent: int
-    algo: str = ""          # the algorithm a dist.ccl op ran (ring, line, library, hierarchical)
-    tag: str = ""           # the tree/ring hint the call carried (seed 000 §3.6)
-
-    def __str__(self) -> str:
-        how = "".join(f" {k}={v}" for k, v in (("algo", self.algo), ("tag", self.tag)) if v)
-        return (f"{self.op}({self.axis}, n={self.group_size}) {self.dtype}{list(self.shape)} "
-                f"sends {self.bytes_sent} B{how}")
-
-
-# The algorithm hints a collective may carry (see the module docstring for their effect).
-TAGS = ("tree", "ring")
-
+# --------------------------------------------------------------------------- handles
 
 # The default cross-rank agreement check (consistency.check), or None when it is off or the
 # full TESSERA_DEBUG=collectives check replaces it.  Called before any data moves.  An async
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
 _check = None
-
-# Everything that watches collectives (trace_collectives, the flight recorder and desync
-# check, the profiler, deterministic reductions) is one entry here, so a collective with
-# nothing watching pays one list check.
-_HOOKS: list = []
-
-
-class trace_collectives:
-    """Record every collective this rank issues inside the block.
-
-        with dist.trace_collectives() as log:
-            y = x @ w
-        assert log.count("all_gather") == 0
-    """
-
-    def __init__(self):
-        self.records: list[CollectiveRecord] = []
-
-    def __enter__(self) -> "trace_collectives":
-        _HOOKS.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _HOOKS.remove(self)
-
-    def before(self, call) -> None:
-        if call.op == "barrier":
-            return
-        sent = int(round(call.nbytes * bus_factor(call.op, call.group_size)))
-        self.records.append(CollectiveRecord(call.op, call.axis, call.group_size, call.shape, call.dtype, sent,
-                                             tag=call.tag))
-
-    def count(self, op: str | None = None) -> int:
-        return sum(1 for r in self.records if op is None or r.op == op)
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self.records)
-
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
@@ -401,58 +333,6 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
         return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, extra), role, async_op, comm.all_reduce,
                        (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None, tag=tag)
     return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
-
-
-def _with_dim(shape: tuple, dim: int, length: int) -> tuple:
-    return shape[:dim] + (length,) + shape[dim + 1:]
-
-
-# Parts along a dim other than 0 are not contiguous.  _pack lays them out one after another
-# (one copy) so MPI/NCCL move flat runs; _unpack is its inverse (one copy).  Equal parts
-# take one vectorized copy; dims before ``dim`` of size 1 need no copy at all.
-
-def _pack(x, dim: int, sizes, even: bool):
-    """x's parts along ``dim`` (lengths ``sizes``), each contiguous, in one flat buffer."""
-    if dim == 0 or math.prod(x.shape[:dim]) == 1:
-        return x.reshape(-1)
-    b = _backend()
-    buf = b.empty((x.size,), x.dtype)
-    if even:
-        n, part = len(sizes), sizes[0]
-        split = x.shape[:dim] + (n, part) + x.shape[dim + 1:]
-        buf.reshape((n,) + _with_dim(x.shape, dim, part))[...] = b.xp.moveaxis(x.reshape(split), dim, 0)
-        return buf
-    pos = off = 0
-    for p in sizes:
-        piece = _with_dim(x.shape, dim, p)
-        cnt = math.prod(piece)
-        buf[pos:pos + cnt].reshape(piece)[...] = x[(slice(None),) * dim + (slice(off, off + p),)]
-        pos, off = pos + cnt, off + p
-    return buf
-
-
-def _unpack(flat, shape: tuple, dim: int, sizes, even: bool, out):
-    """Inverse of _pack: the parts in ``flat`` concatenated along ``dim`` into ``out`` (of ``shape``)."""
-    if dim == 0 or math.prod(shape[:dim]) == 1:
-        out.reshape(-1)[...] = flat
-        return out
-    xp = _backend().xp
-    if even:
-        n, part = len(sizes), sizes[0]
-        out.reshape(shape[:dim] + (n, part) + shape[dim + 1:])[...] = xp.moveaxis(
-            flat.reshape((n,) + _with_dim(shape, dim, part)), 0, dim)
-        return out
-    pos = off = 0
-    for p in sizes:
-        piece = _with_dim(shape, dim, p)
-        cnt = math.prod(piece)
-        out[(slice(None),) * dim + (slice(off, off + p),)] = flat[pos:pos + cnt].reshape(piece)
-        pos, off = pos + cnt, off + p
-    return out
-
-
-def _even(sizes) -> bool:
-    return min(sizes) == max(sizes)
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
