@@ -234,7 +234,11 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
         clock.lap("pack")
     mm = get_backend().kernel("matmul", like=xe)
     h1, h3 = mm(xe, w1l), mm(xe, w3l)
-    sig = 1 / (1 + xp.exp(-h1))
+    # in place: each temporary of this size is a fresh allocation and its page faults
+    sig = xp.negative(h1)
+    xp.exp(sig, out=sig)
+    sig += 1
+    xp.reciprocal(sig, out=sig)                            # sigmoid(h1)
     act = h1 * sig                                         # silu(h1)
     a = act * h3
     ye = mm(a, w2l)
@@ -311,7 +315,7 @@ def _moe_vjp(g, out, args, kw, needs):
     grecv = _exchange(gsend, layer, r.split, recv_rows, "grecv", False)
     clock.lap("bwd_exchange")
     nle, m = xe.shape[0], xe.shape[1]
-    gye = xp.zeros((nle, m, d), gy.dtype)
+    gye = layer.buffers.get("gye", (nle, m, d), gy.dtype, zero=True)
     gye.reshape(-1, d)[rows_at] = grecv
     lo, hi = layer.ranges[layer.ep_index]
     mm = get_backend().kernel("matmul", like=xe)
@@ -320,7 +324,12 @@ def _moe_vjp(g, out, args, kw, needs):
     da = mm(gye, w2l.transpose(tr))
     dh3 = da * act
     da *= h3
-    da *= sig * (1 + h1 * (1 - sig))     # d silu / d h1
+    dsilu = layer.buffers.get("dsilu", sig.shape, sig.dtype)
+    xp.subtract(1, sig, out=dsilu)       # d silu / d h1 = sig * (1 + h1 * (1 - sig)), in place
+    dsilu *= h1
+    dsilu += 1
+    dsilu *= sig
+    da *= dsilu
     dh1 = da
     xet = xe.transpose(tr)
     gw1, gw3 = mm(xet, dh1), mm(xet, dh3)
