@@ -1,6 +1,6 @@
 """The planner's memory model against the runtime on every mesh of the job: per-rank
 parameter bytes (exact) and the activation bytes a traced forward keeps (within 10%),
-for train.py's model on dp x tp meshes whose tp splits the 4 heads evenly."""
+for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split)."""
 import dataclasses
 
 import numpy as np
@@ -11,7 +11,7 @@ from tessera_rt import dist, nn, optim, plan
 from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
 
 SIZE = MPI.COMM_WORLD.Get_size()
-SHAPES = [(SIZE // tp, tp) for tp in (1, 2, 4) if SIZE % tp == 0]         # (dp, tp); tp=3 splits heads unevenly
+SHAPES = [(SIZE // tp, tp) for tp in (1, 2, 3, 4) if SIZE % tp == 0]      # (dp, tp); tp=3 splits the 4 heads unevenly
 SPEC = plan.get_model("char")
 
 

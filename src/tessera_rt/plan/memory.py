@@ -89,7 +89,15 @@ def param_counts(m: ModelSpec, lay: Layout) -> dict:
 def _layer_act_elems(m: ModelSpec, tp: int, moe: bool) -> float:
     """Elements kept per token by one block without remat."""
     rep, sh_d, sh_f, sh_h = (tuple(m.act_coeffs) + (0.0,) * 4)[:4]
-    e = rep * m.d_model + sh_d * m.d_model / tp + sh_h * m.n_heads / tp
+    if tp > 1 and m.n_heads % tp:
+        # heads that do not split over tp: the column shards of q, k, v are not head-aligned,
+        # so the runtime gathers them to full width for the attention (3 d more; the shards
+        # stay on the tape too) and runs it on every head: its output and the head-merging
+        # reshape (2 of the d/tp terms) and the per-head term are full width (tessera_rt's
+        # nn.Attention at tp=3 with 4 heads, traced in tests/mpi/test_plan.py)
+        e = (rep + 3 + 2) * m.d_model + (sh_d - 2) * _ceil_div(m.d_model, tp) + sh_h * m.n_heads
+    else:
+        e = rep * m.d_model + sh_d * m.d_model / tp + sh_h * m.n_heads / tp
     if not moe:
         return e + sh_f * _ceil_div(m.ffn_hidden, tp)
     # GShard: router logits (E), the dispatched and combined token copies (top_k * CF each),
