@@ -322,6 +322,8 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
         raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
     out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
+    # this block repeats in each collective on purpose: consistency.check reads its caller's
+    # caller's frame (the user's call site), which a shared helper would move one level down
     extra = op
     if tag is None:
         comm = g.comm
