@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--grad-bucket-mb", type=float, default=None,
+                   help="gradient bucket cap in MiB for the data-parallel all-reduces (0: one per parameter; "
+                        "default: $TESSERA_GRAD_BUCKET_MB or tessera_rt.autodiff.buckets' rule)")
     p.add_argument("--dtype", default="float32", help="parameter/compute dtype: float32, bf16 or fp16 "
                    "(low precision keeps f32 masters; fp16 adds dynamic loss scaling)")
     p.add_argument("--remat", default="none", choices=["none", "all", "every_other"],
@@ -218,7 +221,7 @@ def train(args: argparse.Namespace) -> dict:
         loss = model.loss(p, x, y)
         return scaler.scale(loss) if scaler is not None else loss
 
-    step_fn = ts.value_and_grad(loss_fn)
+    step_fn = ts.value_and_grad(loss_fn, bucket_mb=args.grad_bucket_mb)
     bar = None
     if rank0 and not args.quiet:
         try:

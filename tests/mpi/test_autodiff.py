@@ -1,6 +1,7 @@
 """ts.grad through DTensor ops, redistributions and collectives (runs under mpiexec at 1-4
 ranks): DTensor gradients equal the single-process array gradients and come back in the
 parameters' layouts; array collectives' VJPs against coordinated finite differences."""
+import gc
 import itertools
 
 import numpy as np
@@ -228,3 +229,129 @@ def test_grad_reduce_runs_on_its_stream(world):
     assert ts.autodiff.GRAD_ROLE in rt.stream_map()
     ref = ts.grad(lambda w: op.sum(op.tanh(X.full_tensor() @ w)))(W.full_tensor())
     np.testing.assert_allclose(g.full_tensor(), ref, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- gradient buckets
+
+def _bucket_problem(mesh, dtypes=("float64",)):
+    """Data-parallel linear layers of uneven sizes (rows sharded over dp, or over dp x tp on a
+    2-D mesh; some weights column-sharded over tp): their gradients are pending sums over
+    ``dp`` or ``(dp, tp)``.  Returns (loss, global params, params, data)."""
+    both = mesh.ndim == 2
+    rows = dist.ShardSpec(partition=(0,), mesh_axes=("dp", "tp") if both else ("dp",))
+    rows_dp = dist.ShardSpec(partition=(0,), mesh_axes=("dp",))
+    col_tp = dist.ShardSpec(partition=(1,), mesh_axes=("tp",)) if both else dist.ReplicateSpec(mesh_axes=("dp",))
+    shapes = [(6, 5), (5,), (4, 33), (33,), (3, 1), (7, 9)]
+    glob, params, data = [], [], []
+    for i, (dt, shp) in enumerate(zip(itertools.cycle(dtypes), shapes)):
+        w = rand(*shp, seed=70 + i).astype(dt)
+        glob.append(w)
+        lay = col_tp if (both and len(shp) == 2 and i % 4 == 2) else dist.ReplicateSpec(mesh_axes=mesh.axes)
+        params.append(dist.distribute(w, layout=lay, mesh=mesh))
+        x = rand(5, shp[0], seed=80 + i).astype(dt)        # 5 rows: uneven shards at 2-4 ranks
+        data.append((x, dist.distribute(x, layout=rows_dp if lay is col_tp else rows, mesh=mesh)))
+
+    def loss(ps, xs):
+        terms = []
+        for p, x in zip(ps, xs):
+            y = op.tanh(x @ p) if p.ndim == 2 else op.tanh(x * p)
+            terms.append(op.astype(op.sum(op.square(y)), "float64"))
+        out = terms[0]
+        for t in terms[1:]:
+            out = out + t
+        return out
+    return loss, glob, params, data
+
+
+def _bucket_mesh(kind):
+    if kind == "dp":
+        if "dp" not in _MESHES:
+            dist.init()
+            _MESHES["dp"] = dist.Mesh(axes=["dp"], shape={"dp": SIZE})
+        return _MESHES["dp"]
+    return get_mesh("2x2")
+
+
+def _tol(dt):
+    return {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2}[np.dtype(dt).name]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dp"] + (["2x2"] if SIZE == 4 else []))
+@pytest.mark.parametrize("dtypes", [("float64",), ("float32", "float64", "bfloat16")])
+def test_grad_buckets_equal_per_parameter_and_single_process(world, kind, dtypes):
+    from tessera_rt.dtypes import resolve_dtype
+    dtypes = tuple(np.dtype(resolve_dtype(d)).name for d in dtypes)
+    mesh = _bucket_mesh(kind)
+    loss, glob, params, data = _bucket_problem(mesh, dtypes)
+    ref = ts.grad(loss)(glob, [x for x, _ in data])
+    got = {}
+    for cap in (0, 0.00025, 1.0):        # per parameter; 262 B (several buckets, big ones alone); one per key
+        with dist.trace_collectives() as log:
+            got[cap] = ts.grad(loss, bucket_mb=cap)(params, [x for _, x in data])
+        # the gradients' all-reduces (the forward's scalar loss terms are reduced too)
+        got[cap + 10] = [r for r in log.records if r.op == "all_reduce" and r.shape != ()]
+    for cap in (0, 0.00025, 1.0):
+        for g, p, r, g0 in zip(got[cap], params, ref, got[0]):
+            assert type(g) is dist.DTensor and g.layout == p.layout and g.dtype == p.dtype, (cap, g, p)
+            tol = _tol(p.dtype)
+            np.testing.assert_allclose(np.asarray(g.full_tensor(), np.float64), np.asarray(r, np.float64),
+                                       rtol=tol, atol=tol, err_msg=f"cap {cap} {kind} {p.dtype}")
+            np.testing.assert_allclose(np.asarray(g.to_local(), np.float64), np.asarray(g0.to_local(), np.float64),
+                                       rtol=tol, atol=tol)
+    keys = {(r.axis, r.dtype) for r in got[10]}
+    assert len(got[10]) == len(params)                          # per parameter: one each
+    assert len(got[11.0]) == len(keys)                          # one bucket per (axes, dtype)
+    assert len(keys) < len(got[10.00025]) < len(params) + len(keys)
+    if kind == "2x2":                  # reductions over dp (tp-sharded weights) and over dp x tp
+        assert len({r.axis for r in got[10]}) == 2, {r.axis for r in got[10]}
+
+
+@pytest.mark.timeout(60)
+def test_grad_buckets_keep_results_and_reuse_free_buffers(world):
+    """A gradient the caller still holds is never overwritten by a later step; buffers
+    nobody holds are reused (allocated once)."""
+    mesh = _bucket_mesh("dp")
+    loss, glob, params, data = _bucket_problem(mesh)
+    f = ts.grad(loss, bucket_mb=1.0)
+    xs = [x for _, x in data]
+    gc.collect()                          # earlier tests' gradients (in cycles) give their buffers back
+    g1 = f(params, xs)
+    kept = [g.to_local().copy() for g in g1]
+    base1 = id(g1[0].to_local().base)
+    scaled = [dist.distribute(x * 2.0, layout=d.layout, mesh=mesh) for x, d in data]
+    g2 = f(params, scaled)                           # g1 still alive: its buffer is not reused
+    assert id(g2[0].to_local().base) != base1
+    for g, k in zip(g1, kept):
+        np.testing.assert_array_equal(g.to_local(), k)
+    ref2 = ts.grad(loss)(glob, [x * 2.0 for x, _ in data])
+    for g, r in zip(g2, ref2):
+        np.testing.assert_allclose(g.full_tensor(), r, rtol=1e-10, atol=1e-12)
+    del g1, g, g2
+    bases = set()
+    for step in range(6):                            # a loop that keeps the last step's gradients
+        gc.collect()
+        g = f(params, xs if step % 2 else scaled)
+        bases.add(id(g[0].to_local().base))
+        if step % 2:
+            for a, k in zip(g, kept):
+                np.testing.assert_allclose(a.to_local(), k, rtol=1e-12, atol=1e-14)
+    assert len(bases) <= 3, bases                    # the pool's buffers, reused (no fresh one per step)
+
+
+@pytest.mark.timeout(30)
+def test_grad_bucket_cap_errors(world, monkeypatch):
+    from tessera_rt.autodiff import buckets
+    with pytest.raises(ValueError, match="bucket cap"):
+        ts.grad(lambda w: op.sum(w), bucket_mb=-1)
+    with pytest.raises(TypeError, match="bucket cap"):
+        ts.grad(lambda w: op.sum(w), bucket_mb="big")
+    monkeypatch.setenv(buckets.ENV, "lots")
+    with pytest.raises(TypeError, match="TESSERA_GRAD_BUCKET_MB"):
+        ts.grad(lambda w: op.sum(w))(np.ones(3))
+    monkeypatch.setenv(buckets.ENV, "0.5")
+    assert buckets.grad_bucket_bytes() == 1 << 19
+    monkeypatch.delenv(buckets.ENV)
+    assert buckets.grad_bucket_bytes(None, 40 << 20) == 1 << 20          # a big model: the 1 MiB default
+    assert buckets.grad_bucket_bytes(None, 600_000) == 150_000           # small: 4 buckets
+    assert buckets.grad_bucket_bytes(None, 1000) == 64 << 10             # tiny: not below 64 KiB

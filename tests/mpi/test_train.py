@@ -73,6 +73,16 @@ def test_loss_after_n_steps_matches_single_rank(world, reference, dp, tp):
     assert out["losses"][-1] < out["losses"][0]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cap", ["0", "0.002"])
+def test_loss_with_gradient_buckets_or_none(world, reference, cap):
+    """One all-reduce per parameter, and 2 KiB buckets (several per step, the big gradients
+    alone), on the widest dp mesh and on dp x tp: the same losses as one process."""
+    dp, tp = (SIZE, 1) if cap == "0" or SIZE < 4 else (2, 2)
+    out = TRAIN.train(TRAIN.parse_args(ARGS + ["--dp", str(dp), "--tp", str(tp), "--grad-bucket-mb", cap]))
+    np.testing.assert_allclose(out["losses"], reference, rtol=2e-5)
+
+
 def test_checkpoint_and_bad_mesh(world, tmp_path):
     out_dir = MPI.COMM_WORLD.bcast(str(tmp_path), root=0)
     args = [a for a in ARGS if a != "--no-checkpoint"] + ["--steps", "1", "--out", out_dir]

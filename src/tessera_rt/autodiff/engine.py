@@ -8,8 +8,9 @@
 A DTensor parameter's gradient comes back in the parameter's layout.  When a parameter's
 gradient is complete (every op that read it has been swept) and only pending sums stand
 between it and that layout (data-parallel replicas, tensor-parallel partial products),
-its all-reduce is issued at once, asynchronously, on the ``grad_reduce`` stream role, so
-it overlaps the rest of the backward pass; the sweep waits for them all at the end.
+it goes into a gradient bucket (``buckets``: DDP's flat buckets, one async all-reduce per
+full bucket on the ``grad_reduce`` stream role), so the reduction overlaps the rest of the
+backward pass; the sweep waits for them all at the end.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .buckets import GradBuckets, grad_bucket_bytes
 from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, no_grad, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
@@ -136,12 +138,32 @@ def _release(v: Var) -> None:
             p.finish(p)
 
 
+def _issue_reduce(local, mesh, axis, out=None):
+    """The async all-reduce of a gradient's (or a bucket's) pending sum on ``GRAD_ROLE``."""
+    from .. import runtime as rt
+    from ..dist import dtensor_collectives as dc
+    if GRAD_ROLE not in rt.stream_map():
+        rt.set_stream_map({GRAD_ROLE: rt.stream_map()["tp_collective"]})
+    return dc.all_reduce(local, axis=axis, mesh=mesh, out=out, async_op=True, role=GRAD_ROLE)
+
+
 class _Finisher:
     """Brings each DTensor leaf's gradient into the leaf's layout and dtype; pending sums
-    over mesh axes become one async all-reduce issued the moment the gradient is complete."""
+    over mesh axes go into a gradient bucket the moment the gradient is complete, and a full
+    bucket becomes one async all-reduce (``buckets``; cap 0: one all-reduce per gradient)."""
 
-    def __init__(self):
+    def __init__(self, bucket_mb: float | None = None):
         self.pending: list = []
+        self.bucket_mb = bucket_mb
+        self.buckets = None
+
+    def plan(self, params) -> None:
+        """Size the buckets for ``params`` (the differentiated values): the default cap
+        depends on their DTensors' global bytes, the same number on every rank."""
+        DT = _dtensor_type()
+        total = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in params if type(p) is DT)
+        cap = grad_bucket_bytes(self.bucket_mb, total)
+        self.buckets = GradBuckets(cap, _issue_reduce) if cap > 0 else None
 
     def __call__(self, leaf: Var) -> None:
         g, p = leaf.grad, leaf.value
@@ -170,22 +192,27 @@ class _Finisher:
             return
         sums = [a for a, o in lay.partial if o == "sum"]
         if lay.dims == want.dims and not want.partial and len(sums) == len(lay.partial) and sums:
-            from .. import runtime as rt
-            from ..dist import dtensor_collectives as dc
-            if GRAD_ROLE not in rt.stream_map():
-                rt.set_stream_map({GRAD_ROLE: rt.stream_map()["tp_collective"]})
             axis = sums[0] if len(sums) == 1 else tuple(sums)
-            work = dc.all_reduce(g.to_local(), axis=axis, mesh=g.mesh, async_op=True, role=GRAD_ROLE)
-            self.pending.append((leaf, work))
+            if self.buckets is not None:
+                self.buckets.add(leaf, g.to_local(), g.mesh, axis)
+            else:
+                self.pending.append((leaf, _issue_reduce(g.to_local(), g.mesh, axis)))
             leaf.grad = None
             return
         leaf.grad = g.redistribute(want)
 
+    def flush(self) -> None:
+        """Issue the buckets still open (their gradients are all in)."""
+        if self.buckets is not None:
+            self.buckets.flush()
+
     def wait(self) -> None:
         from ..dist.dtensor import DTensor, meta_of
-        for leaf, work in self.pending:
+        done = [(leaf, work.wait()) for leaf, work in self.pending]
+        if self.buckets is not None:
+            done += self.buckets.results()
+        for leaf, local in done:
             p = leaf.value
-            local = work.wait()
             leaf.grad = DTensor._wrap(local, meta_of(p.layout, p.shape, local.dtype, p.mesh))
         self.pending.clear()
 
@@ -221,7 +248,7 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True):
+def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True, bucket_mb: float | None = None):
     """Run ``fn`` with the leaves of ``args[argnums]`` traced; returns the pieces of a pullback."""
     _load_rules()
     if STATE.tape is not None:
@@ -232,7 +259,7 @@ def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True
         if not -len(args) <= n < len(args):
             raise ValueError(f"ts.grad({fn_name}): argnums={argnums} but the function got {len(args)} arguments")
     tape = Tape()
-    finisher = _Finisher()
+    finisher = _Finisher(bucket_mb)
     args = list(args)
     leaf_groups = []
     for n in nums:
@@ -246,6 +273,7 @@ def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True
             vs.append(v)
         args[n] = tree_unflatten(struct, vs)
         leaf_groups.append((vs, struct))
+    finisher.plan([v.value for vs, _ in leaf_groups for v in vs])
     STATE.tape = tape
     try:
         out = fn(*args)
@@ -280,15 +308,20 @@ def _collect(tape, finisher, leaf_groups, single, allow_unused: bool, fn_name: s
     return results[0] if single else tuple(results)
 
 
-def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False):
+def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False,
+                   bucket_mb: float | None = None):
     """``(loss, grads)`` of a function returning a scalar loss (or ``(loss, aux)`` with
     ``has_aux``).  ``grads`` mirrors ``args[argnums]`` (pytrees of arrays / DTensors); a
-    DTensor's gradient has the DTensor's layout."""
+    DTensor's gradient has the DTensor's layout.  ``bucket_mb``: the gradient bucket cap for
+    the pending sums' all-reduces (``autodiff.buckets``; None: ``$TESSERA_GRAD_BUCKET_MB`` or
+    the default, 0: one all-reduce per parameter)."""
     name = getattr(fn, "__name__", "fn")
+    if bucket_mb is not None:
+        grad_bucket_bytes(bucket_mb)             # a bad cap fails here, not in the backward
 
     @functools.wraps(fn)
     def wrapped(*args):
-        tape, finisher, out, groups, single = _trace(fn, args, argnums, name)
+        tape, finisher, out, groups, single = _trace(fn, args, argnums, name, bucket_mb=bucket_mb)
         aux = None
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -310,9 +343,10 @@ def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unus
     return wrapped
 
 
-def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False):
+def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False,
+         bucket_mb: float | None = None):
     """The gradient of a scalar-valued ``fn`` with respect to ``args[argnums]``."""
-    vg = value_and_grad(fn, argnums, has_aux=has_aux, allow_unused=allow_unused)
+    vg = value_and_grad(fn, argnums, has_aux=has_aux, allow_unused=allow_unused, bucket_mb=bucket_mb)
     if has_aux:
         @functools.wraps(fn)
         def wrapped_aux(*args):
@@ -383,17 +417,19 @@ class _Reduction:
 
 def reduce_grads(params, grads) -> _Reduction:
     """Start bringing raw gradients (from ``vjp(..., reduce=False)``, possibly summed over
-    micro-batches) into their parameters' layouts: each pending sum becomes one async
-    all-reduce on the ``grad_reduce`` role, issued now; ``wait()`` on the handle returns
-    the finished pytree (the same mechanism ``ts.grad`` uses per parameter)."""
+    micro-batches) into their parameters' layouts: the pending sums go out in gradient
+    buckets (async all-reduces on the ``grad_reduce`` role), issued now; ``wait()`` on the
+    handle returns the finished pytree (the same mechanism ``ts.grad`` uses)."""
     ps, paths, struct = tree_flatten(params)
     gs = tree_flatten(grads)[0]
     if len(gs) != len(ps):
         raise ValueError(f"reduce_grads: {len(gs)} gradients for {len(ps)} parameters")
     finisher = _Finisher()
+    finisher.plan(ps)
     leaves = [_Leaf(p, g, path) for p, g, path in zip(ps, gs, paths)]
     for leaf in leaves:
         finisher(leaf)
+    finisher.flush()
     return _Reduction(leaves, finisher, struct)
 
 
