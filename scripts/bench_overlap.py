@@ -1,6 +1,6 @@
 """Overlap of collectives with compute, beside the in-order streams in the same run.
 
-    tessera-run -n 2 scripts/bench_overlap.py [--mib 4] [--reps 15] [--steps 4] [--caps 0,0.0625,1]
+    tessera-run -n 2 scripts/bench_overlap.py [--mib 4] [--reps 15] [--steps 4] [--caps 0,default,0.25]
 
 1. A 4 MiB all_reduce (async, on the ``tp_collective`` stream) issued just before a matmul
    sized to take as long as the all_reduce alone.  Reported: the all_reduce alone, the matmul
@@ -14,16 +14,17 @@
    fraction (1 - the time the caller spent in ``wait()`` / the collectives' time: what the
    step did not wait for), both min over ranks, and the step time.
 
-   Each step is run with one all-reduce per parameter (``--bucket-mb 0``, the path before
-   gradient buckets) and with gradient buckets (``autodiff.buckets``; the caps given by
-   ``--caps``, the default cap among them); the table also gives the all-reduces per step.
+   Each step is run with one all-reduce per parameter (cap 0, the path before gradient
+   buckets) and with gradient buckets (``autodiff.buckets``; the caps given by ``--caps``,
+   ``default`` being the default rule's); the table also gives the all-reduces per step.
 3. The physics on CPU ranks: the CPU time each rank spends in the all_reduce and in the
    matmul alone (process CPU seconds / wall seconds: 1.0 = a core busy throughout).  A CPU
    all_reduce is shared-memory copies and the sum, done by the ranks' own cores; when the
    ranks already use every core for the matmul, the step cannot be shorter than the total CPU
    work / cores, whatever the streams do.  The bench prints that floor for section 1, and
-   measures on rank 0 alone (rank 1 sleeping, so a core is free) a reduce of the same CPU
-   cost on a worker stream under the matmul: what a free core per worker gives.
+   measures on rank 0 alone (the other ranks sleeping, so a core is free) a reduce of the
+   matmul's length (z = x + y over the all_reduce's bytes, repeated) on a worker stream under
+   the matmul: what a free core per worker gives.
 
 Each is measured twice in one job: with worker-thread CPU streams (``TESSERA_CPU_STREAMS=threads``)
 and with the in-order streams (the CPU default), each the other's peer.
@@ -40,7 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 import tessera_rt as ts
-from tessera_rt import backend, dist, graph
+from tessera_rt import backend, dist, graph, profiler
 from tessera_rt import runtime as rt
 from tessera_rt.autodiff.buckets import grad_bucket_bytes
 
@@ -93,8 +94,10 @@ def micro(w, mib: int, reps: int, n: int | None) -> dict:
     both()
     t_both = timed(w, both, reps)
     longer = max(t_ar, t_mm)
-    # the step cannot beat the CPU work of every rank spread over every core
-    floor = max(longer, w.size * (c_ar * t_ar + c_mm * t_mm) / (os.cpu_count() or 1)) / longer
+    # The step cannot beat every rank's CPU work spread over every core.  In CPU seconds (what
+    # each needs, whatever else loads the machine): alone, each takes its CPU seconds of a core.
+    s_ar, s_mm = c_ar * t_ar, c_mm * t_mm
+    floor = max(1.0, w.size * (s_ar + s_mm) / (os.cpu_count() or 1) / max(s_ar, s_mm))
     return {"n": n, "ar": t_ar, "mm": t_mm, "both": t_both, "ratio": t_both / longer,
             "cpu_ar": c_ar, "cpu_mm": c_mm, "floor": floor}
 
@@ -167,7 +170,7 @@ def dp_step(w, steps: int, bucket_mb: float | None) -> dict:
     batches = [train_script.get_batch(data, s, args.batch, args.seq, 0) for s in range(steps + 1)]
     xb, yb = batches[0]
     step_fn(params, model.batch(xb), model.batch(yb))                # warm-up: streams, comms, caches
-    ratios, times, hidden, calls = [], [], [], []
+    ratios, times, hidden, calls, fill = [], [], [], [], []
     for xb, yb in batches[1:]:
         w.mpi.Barrier()
         t0 = time.perf_counter()
@@ -177,11 +180,16 @@ def dp_step(w, steps: int, bucket_mb: float | None) -> dict:
         ratios.append(min(o for o in (prof.rank_overlaps or [0.0]) if o is not None) if w.rank == 0 else 0.0)
         grads = [e for e in prof.events if e["cat"] == "collective" and e["async"]]
         calls.append(len(grads))
+        # how much of the window the gradient all-reduces span (first issue to last end) the
+        # DTensor ops fill: the rest is the engine's Python, which the ratio does not count
+        window = [(min(e["t0"] for e in grads), max(e["t1"] for e in grads))] if grads else []
+        fill.append(w.mpi.allreduce(profiler.overlap_ratio(window, prof.compute) or 0.0, op=MPI.MIN))
         coll = sum(e["t1"] - e["t0"] for e in grads)
         mine = 1.0 - min(waits.seconds, coll) / coll if coll > 0 else 0.0
         hidden.append(w.mpi.allreduce(mine, op=MPI.MIN))
     return {"ratio": statistics.median(ratios), "step": statistics.median(times),
-            "hidden": statistics.median(hidden), "calls": statistics.median(calls), "cap": cap}
+            "hidden": statistics.median(hidden), "calls": statistics.median(calls), "cap": cap,
+            "fill": statistics.median(fill)}
 
 
 class _WaitClock:
@@ -238,10 +246,12 @@ def main() -> int:
 
 
 def report(w, a, results: dict, spare: dict) -> None:
-    print(f"# {w.size} ranks, {os.cpu_count()} cores, backend {w.backend.name}; times: slowest rank, median")
+    print(f"# {w.size} ranks, {os.cpu_count()} cores, backend {w.backend.name}; times: slowest rank, median; "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
     print(f"# 1. {a.mib} MiB all_reduce issued before a matmul of about its length (step / max(alone): "
-          "1.0 = hidden, 2.0 = serial); cpu: process CPU s / wall s while it runs alone (mean over ranks); "
-          "floor: the least step / max(alone) the cores allow (every rank's CPU work / cores)")
+          "1.0 = hidden, 2.0 = serial); cpu: process CPU s / wall s while it runs alone (mean over ranks; "
+          "below 1.0 on a loaded machine); floor: the least ratio the cores allow (every rank's CPU seconds "
+          "for both / cores / CPU seconds of the longer)")
     print(f"{'streams':>9} {'matmul n':>8} {'allreduce ms':>12} {'matmul ms':>9} {'step ms':>8} {'ratio':>6} "
           f"{'ar cpu':>6} {'mm cpu':>6} {'floor':>6}")
     for mode, (m, _) in results.items():
@@ -253,13 +263,15 @@ def report(w, a, results: dict, spare: dict) -> None:
               f"{spare['mm'] * 1e3:.2f} ms, both {spare['both'] * 1e3:.2f} ms, ratio {spare['ratio']:.2f}")
     print("# 2. data-parallel step of scripts/train.py (defaults, dp = world size): the profiler's overlap ratio "
           "(collective time under DTensor ops), the hidden fraction (1 - time in wait() / collective time), "
-          "both min over ranks, the gradient all-reduces per step and the step time")
-    print(f"{'streams':>9} {'buckets':>17} {'calls':>5} {'overlap':>8} {'hidden':>7} {'step ms':>8}")
+          "both min over ranks, the gradient all-reduces per step, the step time, and how much of the window "
+          "the all-reduces span (first issue to last end) the DTensor ops fill (ops fill: the ratio's ceiling "
+          "for collectives spread over that window)")
+    print(f"{'streams':>9} {'buckets':>17} {'calls':>5} {'overlap':>8} {'hidden':>7} {'step ms':>8} {'ops fill':>8}")
     for mode, (_, steps) in results.items():
         for cap, d in steps.items():
             label = "per-param" if cap == 0 else f"{'default' if cap is None else 'cap'} {d['cap'] / 1024:g} KiB"
             print(f"{mode:>9} {label:>17} {d['calls']:>5.0f} {d['ratio']:>8.2f} {d['hidden']:>7.2f} "
-                  f"{d['step'] * 1e3:>8.1f}")
+                  f"{d['step'] * 1e3:>8.1f} {d['fill']:>8.2f}")
 
 
 if __name__ == "__main__":
