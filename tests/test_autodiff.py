@@ -299,3 +299,60 @@ def test_untraced_calls_are_unchanged():
     x = rand(3, 4)
     np.testing.assert_array_equal(op.softmax(x), op.softmax(x))
     assert ts.autodiff.current_tape() is None
+
+
+def test_grad_buckets_pack_close_and_learn_the_order():
+    """autodiff.buckets without a mesh: gradients packed in arrival order per (mesh, axes,
+    dtype); one that does not fit closes the bucket; one at least the cap goes alone,
+    uncopied; from the second backward a bucket goes out as soon as the gradient that closed
+    it last time is in; results are views of the reduced buffers."""
+    from types import SimpleNamespace
+
+    from tessera_rt.autodiff.buckets import GradBuckets, release_buffers
+    release_buffers()
+
+    log = []
+
+    class Done:
+        def __init__(self, out):
+            self.out = out
+
+        def wait(self):
+            return self.out
+
+    def issue(local, mesh, axis, out):
+        log.append(("issue", mesh, axis, local.dtype.name, local.size, out is not None))
+        if out is not None:
+            out *= 2.0                                   # "reduce": the sum of two equal ranks
+            return Done(out)
+        return Done(local * 2.0)
+
+    def backward(b, leaves):
+        for name, val, mesh, axis in leaves:
+            log.append(("add", name))
+            b.add(SimpleNamespace(name=name), val, mesh, axis)
+        return {leaf.name: g for leaf, g in b.results()}
+
+    rng = np.random.default_rng(0)
+    leaves = [("a", rng.standard_normal(100), "m", "dp"), ("b", rng.standard_normal((10, 10)), "m", "dp"),
+              ("s", rng.standard_normal(7).astype(np.float32), "m", "dp"),     # another dtype: own bucket
+              ("t", rng.standard_normal(9), "m", ("dp", "tp")),              # another reduction: own bucket
+              ("c", rng.standard_normal(100), "m", "dp"), ("big", rng.standard_normal(300), "m", "dp")]
+    cap = 2000                                            # a + b fit (800 B, then 800 B at offset 1024)
+    for step in range(2):
+        log.clear()
+        got = backward(GradBuckets(cap, issue), leaves)
+        for name, val, _, _ in leaves:
+            np.testing.assert_array_equal(got[name], val * 2.0)
+            assert got[name].shape == val.shape and got[name].dtype == val.dtype
+        assert got["a"].base is got["b"].base                  # views of one reduced bucket
+        assert got["s"].base is not got["a"].base and got["t"].base is not got["a"].base
+        order = [e[1] if e[0] == "add" else (e[3], e[4], e[5]) for e in log]
+        big_alone = ("float64", 300, False)                    # 2400 B >= cap: alone, no copy
+        if step == 0:        # a+b go out when c does not fit; s, t, c at the end
+            assert order == ["a", "b", "s", "t", "c", ("float64", 228, True), "big", big_alone,
+                             ("float32", 7, True), ("float64", 9, True), ("float64", 100, True)], order
+        else:                # learned: a+b go out right after b; s, t, c when they are in
+            assert order == ["a", "b", ("float64", 228, True), "s", ("float32", 7, True), "t",
+                             ("float64", 9, True), "c", ("float64", 100, True), "big", big_alone], order
+    release_buffers()

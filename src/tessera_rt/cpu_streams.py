@@ -109,6 +109,8 @@ WORKER_ERROR_HOOKS: list = []
 # Off by default: on 2-rank CPU training, worker threads made the step slower (26 vs 18 ms
 # median, quiet 2-core VM, BENCHMARKS.md) -- the many small gradient all-reduces already
 # progress inside the step's later MPI calls, and a worker pays for the GIL on every test.
+# With gradient buckets (6 all-reduces instead of 22) workers are still not faster (1.05x
+# the in-order step, median of 12 rounds, loaded VM): on 2 cores there is no core to spare.
 # TESSERA_CPU_STREAMS=threads (or set_cpu_workers(True)) turns them on.
 _CPU_WORKERS = [os.environ.get("TESSERA_CPU_STREAMS", "inorder").strip().lower() in ("threads", "workers")]
 

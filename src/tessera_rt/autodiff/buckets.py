@@ -36,7 +36,7 @@ import sys
 import numpy as np
 
 __all__ = ["GradBuckets", "grad_bucket_bytes", "set_grad_bucket_mb", "DEFAULT_BUCKET_MB", "MIN_BUCKETS",
-           "MIN_BUCKET_BYTES", "ENV"]
+           "MIN_BUCKET_BYTES", "ENV", "release_buffers"]
 
 ENV = "TESSERA_GRAD_BUCKET_MB"
 # The default: small enough that a model of a few MB still gets several buckets (so the first
@@ -61,6 +61,14 @@ def set_grad_bucket_mb(mb: float | None) -> None:
     """Set the gradient bucket cap in MiB for the process (0: one all-reduce per parameter;
     None: back to ``$TESSERA_GRAD_BUCKET_MB`` or the default)."""
     _CAP[:] = [] if mb is None else [_check_mb(mb, "set_grad_bucket_mb")]
+
+
+def release_buffers() -> None:
+    """Drop the kept bucket buffers and the learned bucket boundaries (a long-lived process
+    that is done with a model: each (mesh, axes, dtype, bucket) keeps up to 3 buffers of the
+    cap's size).  Gradients already handed out stay valid (they hold their buffer)."""
+    _POOL.clear()
+    _CLOSES.clear()
 
 
 def _check_mb(mb, where: str) -> float:
