@@ -263,6 +263,14 @@ MODELS: dict[str, ModelSpec] = {
                       dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
                       act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
                       bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, notes="scripts/train.py defaults"),
+    # train.py --experts 4 (top-2, dropless: capacity 1.0 on average): the profiler counts 28
+    # forward and 88 backward ops per MoE block, 5 all_to_alls (the counts, then dispatch and
+    # combine forward and backward) and the same ops outside the blocks as "char"
+    "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
+                          dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
+                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=88,
+                          bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
+                          capacity_factor=1.0, notes="scripts/train.py --experts 4"),
 }
 
 

@@ -158,8 +158,13 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     train = workload == "train"
     slow = 1.0
     if cluster.topology == "host":
-        # CPU ranks share the cores with each other (n / cores) and with other jobs (share)
-        slow = (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3)
+        # CPU ranks share the cores with each other (n / cores) and with other jobs (share);
+        # a calibrated share of n ranks that meet every few ms (measure_lockstep_share) prices
+        # both as a step meets them: a descheduled rank stalls all the others.  Pipeline
+        # stages meet a neighbour once per micro-batch, not every few ms: the free share
+        lock = (cluster.measured.get("lockstep_share") or {}).get(str(lay.n)) if lay.pp == 1 else None
+        slow = 1.0 / max(lock, 1e-3) if lock else (
+            (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3))
     seqs = _ceil_div(batch, lay.data_ranks)
     if train:
         mb = min(lay.micro_batch, seqs)
@@ -213,7 +218,8 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     ep_comm, ep_algo = 0.0, "none"
     if m.n_experts and lay.ep > 1:
         a2a, ep_algo = collective_time(cluster, "all_to_all", msg * m.top_k * m.capacity_factor, lay.ep)
-        ep_comm = n_micro * moe_layers * (4 if train else 2) * a2a
+        counts, _ = collective_time(cluster, "all_to_all", 4 * m.n_experts, lay.ep)     # tokens per expert first
+        ep_comm = n_micro * moe_layers * ((4 if train else 2) * a2a + counts)
     pp_comm = 0.0
     if lay.pp > 1:
         p2p, _ = collective_time(cluster, "send", msg, 2)
@@ -230,8 +236,12 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         if p["expert"] and lay.dp > 1:
             t_exp, _ = collective_time(cluster, "all_reduce", p["expert"] * b, lay.dp)
             dp_comm += t_exp
+    sync = 0.0
     if train and lay.n > 1:
-        dp_comm += collective_time(cluster, "all_reduce", 8, lay.n)[0]   # clip_grad_norm's one float64
+        # blocking, after the backward (nothing left to hide them behind): clip_grad_norm's one
+        # float64 over every rank and the loss read over the data ranks (the profiler's count)
+        sync = (collective_time(cluster, "all_reduce", 8, lay.n)[0]
+                + collective_time(cluster, "all_reduce", 4, lay.data_ranks)[0])
     # the bubble: (pp-1) micro-batch slots idle per step (GPipe and 1F1B), / v when interleaved
     bubble = 0.0
     if lay.pp > 1:
@@ -242,8 +252,9 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     bwd_total = bwd * n_micro
     ov_dp = ov if cluster.dp_overlap is None else cluster.dp_overlap
     exposed += max(dp_comm * (1 - ov_dp), dp_comm - ov_dp * bwd_total) if dp_comm else 0.0
+    exposed += sync
     total = compute + bubble + exposed
     return {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "pp_bubble": bubble,
-            "dp_comm": dp_comm, "exposed": exposed, "total": total, "n_micro": n_micro, "micro_batch": mb,
+            "dp_comm": dp_comm, "sync": sync, "exposed": exposed, "total": total, "n_micro": n_micro, "micro_batch": mb,
             "algorithms": {"tp": tp_algo, "ep": ep_algo, "dp": dp_algo}, "forward_per_microbatch": fwd,
             "per_microbatch": per_mb}
