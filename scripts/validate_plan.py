@@ -3,7 +3,7 @@
     .venv/bin/python scripts/validate_plan.py [--steps 12] [--configs tp2,dp2,pp2,...] [--json F]
 
 A configuration names its mesh axes, e.g. ``tp2dp2`` or ``pp2`` (omitted axes are 1);
-``ep2`` trains MoE blocks (``--experts 4``, top-2, dropless) with experts over ep.  Each
+``ep2`` trains MoE blocks (``--experts 4``, top-2, capacity factor 1.25) with experts over ep.  Each
 configuration is one job: the calibration (op rates, the op mix's fixed cost, and
 ``dist.all_reduce`` alpha/beta per axis timed as a step meets it, the raw mpi4py
 ``Allreduce`` beside it), the train.py loop, three more steps under the profiler (the
@@ -58,7 +58,8 @@ def _avg(a: dict, b: dict) -> dict:
 def _train_argv(c: dict, steps: int, out: str) -> list:
     argv = ["--tp", str(c["tp"]), "--dp", str(c["dp"]), "--pp", str(c["pp"]), "--steps", str(steps), "--no-plot",
             "--no-checkpoint", "--quiet", "--out", out]
-    return argv + (["--ep", str(c["ep"]), "--experts", str(EXPERTS)] if c["ep"] > 1 else [])
+    # a capacity factor pads every expert's part to a known size (dropless parts follow the routing)
+    return argv + (["--ep", str(c["ep"]), "--experts", str(EXPERTS), "--capacity-factor", "1.25"] if c["ep"] > 1 else [])
 
 
 def worker(a) -> None:

@@ -297,8 +297,11 @@ def cluster_from(compute: dict, collectives: dict, *, n_gpus: int, cores: int, n
     """A Cluster from measured rates (see the module doc)."""
     from .specs import GB, Cluster
     ar = collectives.get("all_reduce", {})
-    alpha = float(np.median([v[0] for v in ar.values()])) if ar else 30e-6
-    beta = float(np.median([v[1] for v in ar.values()])) if ar else 1 / (2 * GB)
+    # per algorithm step and per link: a ring all_reduce over n takes 2(n-1) steps and moves
+    # 2(n-1)/n of its bytes over each link, so a send (pipeline p2p, priced analytically)
+    # costs one step, not a whole all_reduce (which over-priced pp=2's sends 2x)
+    alpha = float(np.median([v[0] / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 30e-6
+    beta = float(np.median([v[1] * int(n) / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 1 / (2 * GB)
     return Cluster(name, n_gpus=n_gpus, hbm_bytes=24 * GB, hbm_bw=compute["hbm_bw"], share=compute.get("share", 1.0),
                    flops={"f32": compute["gemm"], "bf16": compute["gemm"] / 8},
                    link_bw=1.0 / beta if beta > 0 else 10 * GB, alpha=alpha, topology="host",
