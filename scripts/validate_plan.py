@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 HERE = Path(__file__).resolve().parent
 CONFIGS = "tp1,tp2,dp2,tp3,dp3,tp4,tp2dp2,dp4,pp2,pp2dp2,ep2,ep2dp2"
 EXPERTS = 4
+CHUNKS = 3              # the steps run in chunks, the core shares measured before, between and after
 
 
 def parse_config(text: str) -> dict:
@@ -68,7 +69,8 @@ def worker(a) -> None:
     from mpi4py import MPI
 
     from tessera_rt import dist, nn
-    from tessera_rt.plan.calibrate import measure_collectives, measure_compute
+    from tessera_rt.plan.calibrate import (measure_collectives, measure_compute, measure_lockstep_share,
+                                           measure_share)
     from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
     from tessera_rt.profiler import Profile
 
@@ -81,11 +83,22 @@ def worker(a) -> None:
 
     def calibrate():
         return measure_compute(mesh=mesh), measure_collectives(mesh, axes)
+
+    def shares():
+        return measure_share(0.15), measure_lockstep_share(0.15)
     cal = [calibrate()]
-    targs = train.parse_args(_train_argv(c, a.steps, a.out + ".train"))
-    w0, c0 = time.perf_counter(), time.process_time()
-    res = train.train(targs)
-    run_share = (time.process_time() - c0) / (time.perf_counter() - w0)     # this rank's share of a core
+    # the steps in chunks with the shares measured between them: the other jobs on a shared
+    # machine come and go within a minute, and the shares are what they change most
+    chunk = -(-a.steps // CHUNKS)
+    between, times, cpu, wall = [shares()], [], 0.0, 0.0
+    for _ in range(CHUNKS):
+        targs = train.parse_args(_train_argv(c, chunk + 1, a.out + ".train"))
+        w0, c0 = time.perf_counter(), time.process_time()
+        res = train.train(targs)
+        cpu, wall = cpu + time.process_time() - c0, wall + time.perf_counter() - w0
+        times += res["step_times"][1:]                    # the first step of each chunk warms up
+        between.append(shares())
+    run_share = cpu / wall                                  # this rank's share of a core in the loop
     params = res["params"]          # after the steps: the optimizer's own arrays, not init-time views
     # three more steps under the profiler: the blocking collectives' time and the op count per step
     with Profile(print_table=False, nvtx=False) as prof:
@@ -104,10 +117,13 @@ def worker(a) -> None:
     per_rank = MPI.COMM_WORLD.gather({"params": local_bytes(params), "activations": act, "run_share": run_share,
                                       "blocking_s": blocking, "ops": n_ops,
                                       "prof_step_s": float(np.median(prof_res["step_times"][1:]))}, root=0)
-    steps = np.array(res["step_times"][2:])
+    steps = np.array(times)
     MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, steps, op=MPI.MAX)        # the slowest rank sets the pace
+    comp = _avg(cal[0][0], cal[1][0])
+    comp["share"], comp["lockstep_share"] = (float(np.mean(v)) for v in zip(*between))
+    comp["share_spread"] = [float(np.min(v)) for v in zip(*between)] + [float(np.max(v)) for v in zip(*between)]
     if w.rank == 0:
-        Path(a.out).write_text(json.dumps({**c, "step_s": float(np.median(steps)), "compute": _avg(cal[0][0], cal[1][0]),
+        Path(a.out).write_text(json.dumps({**c, "step_s": float(np.median(steps)), "compute": comp,
                                            "collectives": _avg(cal[0][1], cal[1][1]), "ranks": per_rank,
                                            "vocab": len(set(train.load_text(targs.data))),
                                            "microbatches": min(2 * c["pp"], targs.batch) if c["pp"] > 1 else 1}))
@@ -119,7 +135,7 @@ def predict(r: dict) -> dict:
 
     from tessera_rt import plan
     from tessera_rt.plan.calibrate import cluster_from
-    n = r["tp"] * r["dp"] * r["pp"] * r["ep"]
+    n = n_ranks(r)
     # every rank ran the calibration at once: the ranks' contention is in the share (cores=0)
     cluster = cluster_from(r["compute"], r["collectives"], n_gpus=n, cores=0)
     spec = dataclasses.replace(plan.get_model("char-moe" if r["ep"] > 1 else "char"), vocab=r["vocab"])
@@ -132,6 +148,10 @@ def predict(r: dict) -> dict:
             "activations_one_mb": mem["activations"] / min(r["pp"], r["microbatches"]) if r["pp"] > 1 else None}
 
 
+def n_ranks(r: dict) -> int:
+    return r["tp"] * r["dp"] * r["pp"] * r["ep"]
+
+
 def row(r: dict) -> dict:
     pr = predict(r)
     t = pr["time"]
@@ -139,12 +159,17 @@ def row(r: dict) -> dict:
     meas_a = max(b["activations"] for b in ranks) if ranks[0]["activations"] is not None else None
     peer, mine = r["collectives"]["peer"], r["collectives"]["all_reduce"]
     ratio = {k: (peer[k][0] + peer[k][1] * 65536) / (mine[k][0] + mine[k][1] * 65536) for k in mine}
-    blocking_pred = t["tp_comm"] + t["ep_comm"] + t["pp_comm"] + t.get("sync", 0.0)
+    # the lockstep share prices the waits at the meetings as slower compute: split them out, so
+    # the terms compare with the profile (blocking collectives' time includes the waits)
+    comp = r["compute"]
+    free = t["compute"] * (comp["lockstep_share"] / comp["share"]) if r["pp"] == 1 and n_ranks(r) > 1 else t["compute"]
+    blocking_pred = t["tp_comm"] + t["ep_comm"] + t["pp_comm"] + t.get("sync", 0.0) + (t["compute"] - free)
     return {"config": {k: r[k] for k in ("tp", "dp", "pp", "ep")}, "measured_ms": r["step_s"] * 1e3,
             "predicted_ms": pr["step_s"] * 1e3, "err": pr["step_s"] / r["step_s"] - 1,
             "share_cal": r["compute"]["share"], "share_run": statistics.mean(b["run_share"] for b in ranks),
             "op_cost_us": r["compute"].get("op_overhead_s", 0) * 1e6,
-            "compute_ms": t["compute"] * 1e3, "bubble_ms": t["pp_bubble"] * 1e3,
+            "compute_ms": t["compute"] * 1e3, "bubble_ms": t["pp_bubble"] * 1e3, "free_compute_ms": free * 1e3,
+            "lockstep_share": comp.get("lockstep_share"), "share_spread": comp.get("share_spread"),
             "blocking_pred_ms": blocking_pred * 1e3,
             "blocking_meas_ms": statistics.mean(b["blocking_s"] for b in ranks) * 1e3,
             "rest_meas_ms": statistics.mean(b["prof_step_s"] - b["blocking_s"] for b in ranks) * 1e3,
@@ -154,8 +179,8 @@ def row(r: dict) -> dict:
 
 
 def table(rows: list) -> str:
-    out = ["| ranks | mesh | measured ms/step | predicted ms | error | core share (cal / run) | op cost us "
-           "| predicted compute / bubble ms | blocking collectives ms/step pred / meas (profiled) "
+    out = ["| ranks | mesh | measured ms/step | predicted ms | error | core share free / lockstep / in run | op cost us "
+           "| compute at the free share ms pred / meas | bubble ms | blocking collectives + waits ms pred / meas "
            "| params B/rank meas / pred | activations B/rank meas / pred | peer/tessera all_reduce 64 KiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
@@ -165,8 +190,9 @@ def table(rows: list) -> str:
         act = (f"{x['act_meas']:,} / {x['act_pred']:,.0f} ({x['act_pred'] / x['act_meas'] - 1:+.1%})"
                if x["act_meas"] else f"- / {x['act_pred']:,.0f}")
         out.append(f"| {int(np.prod(list(c.values())))} | {mesh} | {x['measured_ms']:.1f} | {x['predicted_ms']:.1f} | "
-                   f"{x['err']:+.0%} | {x['share_cal']:.2f} / {x['share_run']:.2f} | {x['op_cost_us']:.1f} | "
-                   f"{x['compute_ms']:.1f} / {x['bubble_ms']:.1f} | {x['blocking_pred_ms']:.1f} / "
+                   f"{x['err']:+.0%} | {x['share_cal']:.2f} / {x['lockstep_share']:.2f} / {x['share_run']:.2f} | "
+                   f"{x['op_cost_us']:.1f} | {x['free_compute_ms']:.1f} / {x['rest_meas_ms']:.1f} | "
+                   f"{x['bubble_ms']:.1f} | {x['blocking_pred_ms']:.1f} / "
                    f"{x['blocking_meas_ms']:.1f} | {x['params_meas']:,} / {x['params_pred']:,.0f} "
                    f"({x['params_pred'] / x['params_meas'] - 1:+.1%}) | {act} | {rat} |")
     med = statistics.median(abs(x["err"]) for x in rows)
