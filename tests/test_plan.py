@@ -254,15 +254,17 @@ def test_oversubscription_and_lockstep_share():
     one_core_each = _train(spec, _host(cores=4), **lay)["compute"]
     two_cores = _train(spec, _host(cores=2), **lay)["compute"]
     assert two_cores == pytest.approx(2 * one_core_each)          # 4 ranks on 2 cores: half a core each
-    # a calibrated share of 4 ranks in lockstep replaces the core count (it measured both)
-    locked = _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **lay)["compute"]
-    assert locked == pytest.approx(4 * one_core_each)
-    # ... for the group size it was measured at only, and not for pipeline stages
-    assert _train(spec, _host(cores=2, measured={"lockstep_share": {"2": 0.25}}), **lay)["compute"] \
-        == pytest.approx(two_cores)
-    piped = dict(pp=2, dp=2, micro_batch=1)
-    assert _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **piped)["compute"] \
-        == pytest.approx(_train(spec, _host(cores=2), **piped)["compute"])
+    # where ranks meet inside the compute (tp), a calibrated share of 4 ranks in lockstep
+    # replaces the core count (it measured both)
+    tp = dict(tp=2, dp=2, micro_batch=4)
+    locked = _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **tp)["compute"]
+    assert locked == pytest.approx(2 * _train(spec, _host(cores=2), **tp)["compute"])
+    # ... for the group size it was measured at only, and not for data ranks or pipeline stages
+    assert _train(spec, _host(cores=2, measured={"lockstep_share": {"2": 0.25}}), **tp)["compute"] \
+        == pytest.approx(_train(spec, _host(cores=2), **tp)["compute"])
+    for other in (lay, dict(pp=2, dp=2, micro_batch=1)):
+        assert _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **other)["compute"] \
+            == pytest.approx(_train(spec, _host(cores=2), **other)["compute"])
 
 
 def test_blocking_syncs_are_never_hidden():

@@ -160,9 +160,13 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     if cluster.topology == "host":
         # CPU ranks share the cores with each other (n / cores) and with other jobs (share);
         # a calibrated share of n ranks that meet every few ms (measure_lockstep_share) prices
-        # both as a step meets them: a descheduled rank stalls all the others.  Pipeline
-        # stages meet a neighbour once per micro-batch, not every few ms: the free share
-        lock = (cluster.measured.get("lockstep_share") or {}).get(str(lay.n)) if lay.pp == 1 else None
+        # both as a step meets them: a descheduled rank stalls all the others.  Only where the
+        # ranks meet inside the compute (tp all-reduces, ep all-to-alls: 10-20 per step); data
+        # ranks meet at the step's end (their gradient all-reduces run beside the backward) and
+        # pipeline stages once per micro-batch: the free share.  (Measured: the profiled waits
+        # at dp=4 were 12 ms per step where the lockstep share would add 77.)
+        often = lay.tp > 1 or (lay.ep > 1 and m.n_experts > 0)
+        lock = (cluster.measured.get("lockstep_share") or {}).get(str(lay.n)) if often else None
         slow = 1.0 / max(lock, 1e-3) if lock else (
             (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3))
     seqs = _ceil_div(batch, lay.data_ranks)
