@@ -162,9 +162,10 @@ def row(r: dict) -> dict:
     # the lockstep share prices the waits at the meetings as slower compute: split them out, so
     # the terms compare with the profile (blocking collectives' time includes the waits)
     comp = r["compute"]
-    often = r["tp"] > 1 or r["ep"] > 1                      # as plan.timing.step_time decides
+    often = r["tp"] > 1 or r["ep"] > 1 or t.get("batch_gather", 0) > 0      # as plan.timing.step_time decides
     free = t["compute"] * (comp["lockstep_share"] / comp["share"]) if often else t["compute"]
-    blocking_pred = t["tp_comm"] + t["ep_comm"] + t["pp_comm"] + t.get("sync", 0.0) + (t["compute"] - free)
+    blocking_pred = (t["tp_comm"] + t["ep_comm"] + t["pp_comm"] + t.get("sync", 0.0) + t.get("batch_gather", 0.0)
+                     + (t["compute"] - free))
     return {"config": {k: r[k] for k in ("tp", "dp", "pp", "ep")}, "measured_ms": r["step_s"] * 1e3,
             "predicted_ms": pr["step_s"] * 1e3, "err": pr["step_s"] / r["step_s"] - 1,
             "share_cal": r["compute"]["share"], "share_run": statistics.mean(b["run_share"] for b in ranks),

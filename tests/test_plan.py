@@ -297,3 +297,18 @@ def test_calibration_of_the_op_mix_and_share():
     per_op, toy = measure_op_cost(mesh, reps=3)
     assert 1e-6 < per_op < 1e-3 and toy > 100 * per_op          # ~110 ops in the toy block
     assert 0.0 < measure_lockstep_share(seconds=0.05) <= 1.0
+
+
+def test_uneven_batch_is_gathered_and_run_whole():
+    # batch 8 over dp=3: tessera_rt's reshape gathers the batch (30 all_gathers a step for
+    # train.py's model) and every rank runs all 8 sequences; no gradient all-reduce
+    spec = plan.get_model("char")
+    one = _train(spec, _host(cores=4), micro_batch=8)
+    three = _train(spec, _host(cores=4), dp=3, micro_batch=3)
+    four = _train(spec, _host(cores=4), dp=4, micro_batch=2)
+    assert three["dp_comm"] == 0.0 and three["batch_gather"] > 0.0 and four["batch_gather"] == 0.0
+    assert three["compute"] == pytest.approx(one["compute"])                # the whole batch on each rank
+    assert four["compute"] < 0.7 * one["compute"]          # a quarter of the arithmetic, all of the ops
+    ag = plan.collective_time(_host(), "all_gather", 8 * 64 * 64 * 4, 3)[0]
+    assert three["batch_gather"] > 22 * ag                                   # 22 of width d, 6 of f, 2 of vocab
+    assert three["total"] > 2 * four["total"]
