@@ -311,4 +311,4 @@ def test_uneven_batch_is_gathered_and_run_whole():
     assert four["compute"] < 0.7 * one["compute"]          # a quarter of the arithmetic, all of the ops
     ag = plan.collective_time(_host(), "all_gather", 8 * 64 * 64 * 4, 3)[0]
     assert three["batch_gather"] > 22 * ag                                   # 22 of width d, 6 of f, 2 of vocab
-    assert three["total"] > 2 * four["total"]
+    assert three["total"] > 1.5 * four["total"]
