@@ -10,8 +10,8 @@ configuration is one job: the calibration (op rates, the op mix's fixed cost, an
 measured time of the blocking collectives per step, for the per-term table), and the
 calibration again (the machine is shared and its speed drifts: the two are averaged).
 The planner predicts the step time from those rates and its own counts, and the per-rank
-parameter and activation bytes from its memory model.  About 1-2 minutes on a quiet
-2-core machine for the default 12 configurations.
+parameter and activation bytes from its memory model.  3-5 minutes for the default 12
+configurations on the 2-core VM under load (not yet timed on a quiet one).
 """
 from __future__ import annotations
 
