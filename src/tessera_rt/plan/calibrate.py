@@ -5,8 +5,10 @@ Inside an MPI job (every rank calls the same functions at once, so the numbers i
 the ranks' contention for the cores):
 
 * ``measure_compute()``: FLOP/s of ``op.matmul`` at the GEMM shapes of a small
-  transformer, of ``op.flash_attention``, bytes/s of elementwise ``op.add``, and the fixed
-  cost of one op on a DTensor (the eager dispatch);
+  transformer, of ``op.flash_attention``, the elementwise bytes/s of a transformer block,
+  and, given a mesh, the fixed cost per op of a step's op mix on DTensors
+  (``measure_op_cost``), the share of a core each rank gets (``measure_share``) and the
+  share it gets when the ranks meet every few ms (``measure_lockstep_share``);
 * ``measure_collectives(mesh, axes)``: time per call of ``dist.all_reduce`` over each
   axis at sizes from 64 B to 1 MiB, fitted to ``alpha + beta x size`` (least squares on
   relative error), beside the raw mpi4py ``Allreduce`` on the same buffers (the peer).
