@@ -224,3 +224,91 @@ def test_bad_cluster_and_mesh(tmp_path):
         plan.ModelSpec("m", vocab=8, d_model=8, n_layers=1, n_heads=4, n_kv_heads=3, ffn_hidden=8)
     with pytest.raises(ValueError, match="unknown model"):
         plan.get_model("llama9")
+
+
+# the CPU-rank terms of the time model (validated against train.py by scripts/validate_plan.py)
+def _host(**kw):
+    base = dict(n_gpus=4, hbm_bytes=24e9, hbm_bw=5e9, flops={"f32": 1e11}, link_bw=2e9, alpha=50e-6,
+                topology="host", op_overhead_s=15e-6, cores=0, overlap=0.0, dp_overlap=1.0, bw_efficiency=1.0)
+    return plan.Cluster("host", **{**base, **kw})
+
+
+def _train(spec, cluster, **lay):
+    return plan.step_time(spec, cluster, plan.Layout(**lay), workload="train", batch=spec.batch, seq=spec.seq_len)
+
+
+def test_per_op_cost_adds_its_count_to_the_step():
+    spec = plan.get_model("char")
+    a, b = (_train(spec, _host(op_overhead_s=s), micro_batch=8) for s in (10e-6, 20e-6))
+    # every op the step runs pays it once: forward and backward per block and outside, AdamW + clip per tensor
+    n_tensors = spec.n_layers * 9 + 3 + 1
+    ops = (spec.n_layers * (spec.ops_per_layer + spec.bwd_ops_per_layer) + spec.ops_outside + spec.bwd_ops_outside
+           + n_tensors * 16)
+    assert ops > 600                    # the profiler counts ~650 per train.py step
+    assert b["total"] - a["total"] == pytest.approx(ops * 10e-6)
+
+
+def test_oversubscription_and_lockstep_share():
+    spec = plan.get_model("char")
+    lay = dict(tp=1, dp=4, micro_batch=2)
+    one_core_each = _train(spec, _host(cores=4), **lay)["compute"]
+    two_cores = _train(spec, _host(cores=2), **lay)["compute"]
+    assert two_cores == pytest.approx(2 * one_core_each)          # 4 ranks on 2 cores: half a core each
+    # where ranks meet inside the compute (tp), a calibrated share of 4 ranks in lockstep
+    # replaces the core count (it measured both)
+    tp = dict(tp=2, dp=2, micro_batch=4)
+    locked = _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **tp)["compute"]
+    assert locked == pytest.approx(2 * _train(spec, _host(cores=2), **tp)["compute"])
+    # ... for the group size it was measured at only, and not for data ranks or pipeline stages
+    assert _train(spec, _host(cores=2, measured={"lockstep_share": {"2": 0.25}}), **tp)["compute"] \
+        == pytest.approx(_train(spec, _host(cores=2), **tp)["compute"])
+    for other in (lay, dict(pp=2, dp=2, micro_batch=1)):
+        assert _train(spec, _host(cores=2, measured={"lockstep_share": {"4": 0.25}}), **other)["compute"] \
+            == pytest.approx(_train(spec, _host(cores=2), **other)["compute"])
+
+
+def test_blocking_syncs_are_never_hidden():
+    spec = plan.get_model("char")
+    t1 = _train(spec, _host(), micro_batch=8)
+    t = _train(spec, _host(), dp=2, micro_batch=4)
+    assert t1["sync"] == 0.0
+    # clip_grad_norm's float64 over all ranks and the loss read over dp (2 ring steps of alpha
+    # each at 2 ranks, 8 + 4 bytes), exposed although the gradient all-reduces hide behind the
+    # backward (dp_overlap=1)
+    assert t["sync"] == pytest.approx(4 * 50e-6 + 12 / 2e9, rel=1e-6)
+    assert t["exposed"] == pytest.approx(t["sync"])
+
+
+def test_char_moe_prices_its_all_to_alls():
+    spec = plan.get_model("char-moe")
+    t = _train(spec, _host(), ep=2, micro_batch=4)
+    # 256 tokens (4 sequences of 64) x d x 4 bytes, x top-2 x capacity factor 1.25
+    a2a = plan.collective_time(_host(), "all_to_all", 4 * 64 * 64 * 4 * 2 * 1.25, 2)[0]
+    counts = plan.collective_time(_host(), "all_to_all", 16, 2)[0]
+    assert t["ep_comm"] == pytest.approx(spec.n_layers * (4 * a2a + counts))
+    assert plan.param_counts(spec, plan.Layout(ep=2))["expert"] == spec.n_layers * 2 * 3 * 64 * 256
+
+
+def test_calibration_of_the_op_mix_and_share():
+    from tessera_rt import dist
+    from tessera_rt.plan.calibrate import measure_lockstep_share, measure_op_cost
+    dist.init()
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": 1}, devices=[dist.init().rank])
+    per_op, toy = measure_op_cost(mesh, reps=3)
+    assert 1e-6 < per_op < 1e-3 and toy > 100 * per_op          # ~110 ops in the toy block
+    assert 0.0 < measure_lockstep_share(seconds=0.05) <= 1.0
+
+
+def test_uneven_batch_is_gathered_and_run_whole():
+    # batch 8 over dp=3: tessera_rt's reshape gathers the batch (30 all_gathers a step for
+    # train.py's model) and every rank runs all 8 sequences; no gradient all-reduce
+    spec = plan.get_model("char")
+    one = _train(spec, _host(cores=4), micro_batch=8)
+    three = _train(spec, _host(cores=4), dp=3, micro_batch=3)
+    four = _train(spec, _host(cores=4), dp=4, micro_batch=2)
+    assert three["dp_comm"] == 0.0 and three["batch_gather"] > 0.0 and four["batch_gather"] == 0.0
+    assert three["compute"] == pytest.approx(one["compute"])                # the whole batch on each rank
+    assert four["compute"] < 0.7 * one["compute"]          # a quarter of the arithmetic, all of the ops
+    ag = plan.collective_time(_host(), "all_gather", 8 * 64 * 64 * 4, 3)[0]
+    assert three["batch_gather"] > 22 * ag                                   # 22 of width d, 6 of f, 2 of vocab
+    assert three["total"] > 1.5 * four["total"]

@@ -5,11 +5,17 @@ Inside an MPI job (every rank calls the same functions at once, so the numbers i
 the ranks' contention for the cores):
 
 * ``measure_compute()``: FLOP/s of ``op.matmul`` at the GEMM shapes of a small
-  transformer, of ``op.flash_attention``, bytes/s of elementwise ``op.add``, and the fixed
-  cost of one op on a DTensor (the eager dispatch);
+  transformer, of ``op.flash_attention``, the elementwise bytes/s of a transformer block,
+  and, given a mesh, the fixed cost per op of a step's op mix on DTensors
+  (``measure_op_cost``), the share of a core each rank gets (``measure_share``) and the
+  share it gets when the ranks meet every few ms (``measure_lockstep_share``);
 * ``measure_collectives(mesh, axes)``: time per call of ``dist.all_reduce`` over each
   axis at sizes from 64 B to 1 MiB, fitted to ``alpha + beta x size`` (least squares on
   relative error), beside the raw mpi4py ``Allreduce`` on the same buffers (the peer).
+  Each call is timed as a step meets it: after a run of ops (``GAP_OPS``), so the ranks
+  arrive skewed as they do in a step, and on CPU ranks sharing cores, after the scheduler
+  has moved them; a tight loop of collectives keeps the ranks in lockstep and measured
+  2-3x less (20 us against 45-65 us per 256 B all_reduce at 2 ranks, a loaded VM).
 
 ``calibrate(ranks)`` launches one job per group size with ``tessera-run`` and writes the
 `local` cluster JSON (``plan.local_cluster_path()``).
@@ -26,18 +32,33 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["measure_compute", "measure_collectives", "fit_alpha_beta", "calibrate", "cluster_from", "SIZES"]
+__all__ = ["measure_compute", "measure_collectives", "measure_op_cost", "measure_lockstep_share", "fit_alpha_beta", "calibrate", "cluster_from", "SIZES"]
 
 SIZES = (64, 4096, 65536, 262144, 1 << 20)
 
 
-def _mean_wall(fn, reps: int) -> float:
-    """Mean wall time per call: a step pays every call's delay, not the median's."""
+GAP_OPS = 30          # ops between two blocking collectives of train.py's step (~650 ops, ~20 collectives)
+
+
+def _trimmed_mean(x, cut: float = 0.1) -> float:
+    """Mean without the top and bottom ``cut`` (a step pays every call's delay, so a mean,
+    not a median; trimmed so that one preemption on a shared machine does not set it)."""
+    x = np.sort(np.asarray(x, float))
+    k = int(len(x) * cut)
+    return float(x[k:len(x) - k].mean()) if len(x) > 2 * k else float(x.mean())
+
+
+def _after_gap(fn, gap, reps: int) -> float:
+    """Wall time per call of ``fn`` when each call follows ``gap()`` (ops, as in a step)."""
+    gap()
     fn()
-    t0 = time.perf_counter()
+    ts = []
     for _ in range(reps):
+        gap()
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        ts.append(time.perf_counter() - t0)
+    return _trimmed_mean(ts)
 
 
 def _cpu_time(fn, reps: int) -> float:
@@ -58,6 +79,40 @@ def measure_share(seconds: float = 0.3) -> float:
     while time.perf_counter() - w0 < seconds:
         a = np.tanh(a @ a * 1e-3)
     return min(1.0, (time.process_time() - c0) / (time.perf_counter() - w0))
+
+
+def measure_lockstep_share(seconds: float = 0.3, segment_s: float = 2e-3) -> float:
+    """The share of a core each rank's work gets when every rank must meet the others every
+    ``segment_s`` of CPU work (train.py's step: ~20 blocking collectives in ~40 ms of work):
+    work CPU seconds / wall seconds of [busy work; a 4-byte Allreduce over the world].  A
+    rank that waits holds its core (MPI spins), so a rank that was descheduled stalls every
+    rank at the next meeting: on a loaded 2-core VM with 2 ranks this measured 0.40-0.45
+    where a free-running busy loop (measure_share) measured 0.65; with more ranks than cores
+    it prices the oversubscription as the ranks really share the cores.  Collective on the
+    world; 1.0-ish on an idle machine with a core per rank."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    a = np.random.default_rng(1).standard_normal((64, 64))
+    c0 = time.process_time()
+    iters = 0
+    while time.process_time() - c0 < 0.02:            # size one segment of work
+        a = np.tanh(a @ a * 1e-3)
+        iters += 1
+    per_seg = max(1, int(iters * segment_s / (time.process_time() - c0)))
+    one, buf = np.ones(1, np.float32), np.empty(1, np.float32)
+    stop = np.zeros(1, np.int32)
+    world.Barrier()
+    w0, work = time.perf_counter(), 0.0
+    while not stop[0]:
+        c0 = time.process_time()
+        for _ in range(per_seg):
+            a = np.tanh(a @ a * 1e-3)
+        work += time.process_time() - c0
+        world.Allreduce(one, buf)
+        stop[0] = time.perf_counter() - w0 > seconds
+        world.Bcast(stop, root=0)                     # every rank stops after the same meeting
+    share = work / (time.perf_counter() - w0)
+    return float(min(1.0, world.allreduce(share, op=MPI.SUM) / world.Get_size()))
 
 
 def measure_compute(reps: int = 10, mesh=None) -> dict:
@@ -90,48 +145,78 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
     t_add = _cpu_time(lambda: op.add(x, y), reps * 5)
     out = {"gemm": flops / t_f, "gemm_bwd": 2 * flops / t_b, "attention": att_flops / t_att,
            "attention_bwd": 2 * att_flops / t_att_b, "hbm_bw": 3 * x.nbytes / t_add, "share": share}
+    toy_s = 0.0
     if mesh is not None:
-        # K tiny ops differentiated: K forward + about K backward ops (one each), all traced
-        tiny = dtensor.distribute(np.ones((2, 2), f32), layout=None, mesh=mesh)
-        k_ops = 40
-
-        def chain(z):
-            for i in range(k_ops // 2):
-                z = op.exp(op.mul(z, 0.01))
-            return op.sum(z)
-        t = _cpu_time(lambda: value_and_grad(chain)(tiny), reps)
-        out["op_overhead_s"] = t / (2 * k_ops + 2)
-    out["hbm_bw"] = _elementwise_bw(out, reps)
+        out["op_overhead_s"], toy_s = measure_op_cost(mesh, reps)
+    out["hbm_bw"] = _elementwise_bw(out, reps, mesh, toy_s)
     out["share"] = (share + measure_share()) / 2
+    if mesh is not None:
+        out["lockstep_share"] = measure_lockstep_share()
     return out
 
 
-def _elementwise_bw(rates: dict, reps: int) -> float:
+def _block_step(mesh, d: int, hidden: int, tokens: tuple):
+    """(step, params, ops): forward + backward of one nn.TransformerBlock (4 heads) on
+    DTensors replicated over ``mesh`` (plain arrays without one), and its op count (the
+    profiler's: forward, backward and the tape's own ops)."""
+    from .. import nn, op
+    from ..autodiff import value_and_grad
+    from ..dist import dtensor
+    from ..profiler import Profile
+    block = nn.TransformerBlock(d, 4, hidden, mesh=mesh, tp_axis="__replicated__")
+    params = block.init(0)
+    x = np.random.default_rng(3).standard_normal((*tokens, d)).astype(np.float32)
+    if mesh is not None:
+        x = dtensor.distribute(x, layout=None, mesh=mesh)
+    step = value_and_grad(lambda p: op.sum(block(p, x)))
+    step(params)
+    if mesh is None:
+        return step, params, 0
+    with Profile(print_table=False, nvtx=False) as prof:
+        step(params)
+    return step, params, sum(1 for e in prof.events if e["cat"] == "op")
+
+
+def _median_cpu(fn, reps: int) -> float:
+    return float(np.median([_cpu_time(fn, max(2, reps // 3)) for _ in range(3)]))
+
+
+def measure_op_cost(mesh, reps: int = 10) -> tuple[float, float]:
+    """(CPU seconds per op of a step's op mix without its arithmetic, CPU seconds of the toy
+    block): one nn.TransformerBlock at toy size (d 16, hidden 32, 2 x 8 tokens: its GEMMs,
+    attention and bytes cost under 1% of its time) forward + backward on DTensors
+    replicated over ``mesh``, over the ops the profiler counts in it.  A chain of one cheap
+    op (mul, exp on 2x2) measured 7 us an op; the block's mix of reshapes, GEMMs, norms and
+    softmax costs 15-20 us, and that is what a step pays."""
+    step, params, n_ops = _block_step(mesh, 16, 32, (2, 8))
+    t = _median_cpu(lambda: step(params), reps)
+    return t / max(n_ops, 1), t
+
+
+def _elementwise_bw(rates: dict, reps: int, mesh=None, toy_s: float = 0.0) -> float:
     """The effective bandwidth of everything in a block that is not a GEMM, attention or a
     fixed per-op cost (norms, activations, residual adds, reshapes, their backward, and the
     temporaries NumPy allocates for them): one nn.TransformerBlock (d 64, 4 heads, hidden
-    256, 4 x 64 tokens) is timed forward + backward on plain arrays, the time the model
-    gives the GEMMs, attention and op costs is taken off, and the rest is divided by the
-    model's elementwise bytes.  Falls back to op.add's bandwidth if the rest is negative."""
+    256, 4 x 64 tokens) is timed forward + backward, the same block at toy size (the same
+    ops: their fixed cost, ``toy_s``) and the model's GEMM and attention time are taken
+    off, and the rest is divided by the model's elementwise bytes (differencing two blocks
+    of the same ops cancels the per-op cost, which a residual after a modeled per-op cost
+    did not: it swung the rate 10x between runs).  Falls back to op.add's bandwidth if the
+    rest is not positive."""
     import dataclasses
 
-    from .. import nn, op
-    from ..autodiff import value_and_grad
     from .memory import Layout
     from .specs import MODELS, Cluster
     from .timing import _mlp_ops, _roofline, compute_ops
-    block = nn.TransformerBlock(64, 4, 256)
-    params = block.init(0)
-    x = np.random.default_rng(2).standard_normal((4, 64, 64)).astype(np.float32)
-    t = _cpu_time(lambda: value_and_grad(lambda p: op.sum(block(p, x)))(params), reps)
+    step, params, _ = _block_step(mesh, 64, 256, (4, 64))
+    t = _median_cpu(lambda: step(params), reps)
     ref = dataclasses.replace(MODELS["char"], n_layers=1)
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
                     alpha=0.0, topology="host", op_rates={k: rates[k] for k in ("gemm", "gemm_bwd", "attention",
                                                                                  "attention_bwd")})
     ops = compute_ops(ref, Layout(), 256, 64, causal=0.5) + _mlp_ops(ref, Layout(), 256, False)
     math_ops = [o for o in ops if o[0] != "elementwise"]
-    modeled = (_roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True)
-               + (ref.ops_per_layer + ref.bwd_ops_per_layer) * rates.get("op_overhead_s", 0.0))
+    modeled = _roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True) + toy_s
     elem_bytes = 3 * sum(o[2] for o in ops if o[0] == "elementwise")     # forward + twice for the backward
     rest = t - modeled
     return elem_bytes / rest if rest > 0 else rates["hbm_bw"]
@@ -163,13 +248,14 @@ def measure_collectives(mesh, axes, reps: int = 20, sizes=SIZES) -> dict:
             continue
         raw = _raw_comm(mesh, axis)
         mine, peer = [], []
+        gap = _op_chain(mesh, GAP_OPS)
         for size in sizes:
             x = np.ones(size // 4, np.float32)
             buf = np.empty_like(x)
             world.Barrier()
-            mine.append(_mean_wall(lambda: dist.all_reduce(x, axis=axis, mesh=mesh), reps))
+            mine.append(_after_gap(lambda: dist.all_reduce(x, axis=axis, mesh=mesh), gap, reps))
             world.Barrier()
-            peer.append(_mean_wall(lambda: raw.Allreduce(x, buf), reps))
+            peer.append(_after_gap(lambda: raw.Allreduce(x, buf), gap, reps))
         mine, peer = np.array(mine), np.array(peer)
         world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
         world.Allreduce(MPI.IN_PLACE, peer, op=MPI.MAX)
@@ -181,6 +267,20 @@ def measure_collectives(mesh, axes, reps: int = 20, sizes=SIZES) -> dict:
         out["peer"][key] = list(fit_alpha_beta(sizes, peer))
         out["points"][f"{axis}:{n}"] = {"sizes": list(sizes), "tessera_s": mine.tolist(), "peer_s": peer.tolist()}
     return out
+
+
+def _op_chain(mesh, k: int):
+    """k tiny ops on a replicated DTensor: the work a step does between two collectives."""
+    from .. import op
+    from ..dist import dtensor
+    z = dtensor.distribute(np.ones((2, 2), np.float32), layout=None, mesh=mesh)
+
+    def run():
+        y = z
+        for _ in range(k):
+            y = op.mul(y, 1.0)
+        return y
+    return run
 
 
 def _raw_comm(mesh, axis):
@@ -199,15 +299,19 @@ def cluster_from(compute: dict, collectives: dict, *, n_gpus: int, cores: int, n
     """A Cluster from measured rates (see the module doc)."""
     from .specs import GB, Cluster
     ar = collectives.get("all_reduce", {})
-    alpha = float(np.median([v[0] for v in ar.values()])) if ar else 30e-6
-    beta = float(np.median([v[1] for v in ar.values()])) if ar else 1 / (2 * GB)
+    # per algorithm step and per link: a ring all_reduce over n takes 2(n-1) steps and moves
+    # 2(n-1)/n of its bytes over each link, so a send (pipeline p2p, priced analytically)
+    # costs one step, not a whole all_reduce (which over-priced pp=2's sends 2x)
+    alpha = float(np.median([v[0] / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 30e-6
+    beta = float(np.median([v[1] * int(n) / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 1 / (2 * GB)
     return Cluster(name, n_gpus=n_gpus, hbm_bytes=24 * GB, hbm_bw=compute["hbm_bw"], share=compute.get("share", 1.0),
                    flops={"f32": compute["gemm"], "bf16": compute["gemm"] / 8},
                    link_bw=1.0 / beta if beta > 0 else 10 * GB, alpha=alpha, topology="host",
                    op_overhead_s=compute.get("op_overhead_s", 20e-6), cores=cores, overlap=0.0, dp_overlap=1.0,
                    bw_efficiency=1.0, op_rates={k: compute[k] for k in ("gemm", "gemm_bwd", "attention", "attention_bwd")
                              if k in compute},
-                   measured={"all_reduce": ar}, calibrated=True,
+                   measured={"all_reduce": ar, "lockstep_share": {str(n_gpus): compute["lockstep_share"]}
+                             if "lockstep_share" in compute else {}}, calibrated=True,
                    notes=f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores")
 
 
@@ -244,6 +348,7 @@ def calibrate(ranks=(2, 3, 4), path: str | None = None) -> str:
         peer.update(r["collectives"]["peer"])
     c = cluster_from(one["compute"], {"all_reduce": ar}, n_gpus=max(ranks), cores=os.cpu_count() or 1)
     d = c.to_dict()
+    d["measured"]["lockstep_share"] = {str(r["n"]): r["compute"]["lockstep_share"] for r in results}
     d["measured"]["peer_all_reduce"] = peer
     target = Path(path) if path else local_cluster_path()
     target.parent.mkdir(parents=True, exist_ok=True)

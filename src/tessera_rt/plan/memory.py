@@ -103,6 +103,10 @@ def _layer_act_elems(m: ModelSpec, tp: int, moe: bool) -> float:
     # GShard: router logits (E), the dispatched and combined token copies (top_k * CF each),
     # and each expert's kept SwiGLU tensors for the tokens it serves
     slots = m.top_k * m.capacity_factor
+    if m.moe_act_coeffs:              # (x d, x f/tp per slot; x d, x E per token): a runtime's own count
+        d_slot, f_slot, d_tok, e_tok = m.moe_act_coeffs
+        return (e + e_tok * m.n_experts + d_tok * m.d_model
+                + slots * (d_slot * m.d_model + f_slot * _ceil_div(m.f_expert, tp)))
     return e + m.n_experts + 2 * slots * m.d_model + slots * sh_f * _ceil_div(m.f_expert, tp)
 
 

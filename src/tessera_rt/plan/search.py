@@ -53,7 +53,7 @@ class Candidate:
     def to_json(self) -> dict:
         mem_keys = ("params", "grads", "optimizer", "activations", "kv_cache", "buffers", "transient", "total",
                     "host_tier")
-        time_keys = ("compute", "tp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "exposed", "total")
+        time_keys = ("compute", "tp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "sync", "exposed", "total")
         return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp, "feasible": self.feasible,
                 "params_per_gpu": int(self.params_per_gpu),
                 "memory_bytes": {k: float(self.memory[k]) for k in mem_keys},

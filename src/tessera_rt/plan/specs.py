@@ -61,6 +61,8 @@ class ModelSpec:
     tied_embeddings: bool = False
     act_coeffs: tuple = (4.0, 4.0, 3.0, 0.0)   # (x d, x d/tp, x f/tp, x heads/tp) per token per layer
     act_outside: tuple = (2.0, 2.0, 0.0)       # (x d, x vocab/tp, x 1) per token: embedding, head, loss
+    moe_act_coeffs: tuple = ()             # MoE block: (x d, x f/tp per slot; x d, x E per token); () GShard's
+    uneven_gathers: tuple = ()             # batch all_gathers when batch % dp != 0: (x d, x f per block, x vocab)
     ops_per_layer: int = 12                # forward kernels per block
     ops_outside: int = 8                   # forward kernels outside the blocks
     bwd_ops_per_layer: int = 24            # backward kernels per block (dgrad + wgrad per GEMM)
@@ -156,7 +158,7 @@ class ModelSpec:
             raise ValueError(f"{where}: missing field(s) {missing} (required: name, vocab, d_model, n_layers, "
                              "n_heads, ffn_hidden)")
         d = dict(d)
-        for k in ("act_coeffs", "act_outside"):
+        for k in ("act_coeffs", "act_outside", "moe_act_coeffs", "uneven_gathers"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d)
@@ -262,7 +264,20 @@ MODELS: dict[str, ModelSpec] = {
     "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                       dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
                       act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
-                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, notes="scripts/train.py defaults"),
+                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2,
+                      uneven_gathers=(11, 3, 2), notes="scripts/train.py defaults"),
+    # train.py --experts 4 --capacity-factor 1.25 (top-2): the profiler counts 28 forward and 88
+    # backward ops per MoE block, 5 all_to_alls (the counts, then dispatch and combine forward
+    # and backward) and the same ops outside the blocks as "char".  Kept per block, read off
+    # tessera_rt.moe.dispatch's saved tensors: per slot (top_k x CF, padded parts) the
+    # dispatched rows (d) and h1, h3, sigmoid, silu and their product (5 f); per token the
+    # combine gather (top_k d), the gate's logits and probabilities (2 E)
+    "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
+                          dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
+                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=88,
+                          bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
+                          capacity_factor=1.25, moe_act_coeffs=(1.0, 5.0, 2.0, 2.0),
+                          notes="scripts/train.py --experts 4 --capacity-factor 1.25"),
 }
 
 

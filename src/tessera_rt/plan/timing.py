@@ -156,13 +156,31 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     exposed (communication not hidden), total; plus counts that explain them."""
     dtype = dtype or m.dtype
     train = workload == "train"
+    # tessera_rt's reshape cannot merge a batch dim split unevenly over the data ranks (batch %
+    # dp != 0): it gathers the batch there, every rank then runs all of it, and the gradients
+    # come out whole (no dp all-reduce).  Profiled at dp=3, batch 8: 30 all_gathers per step
+    # (m.uneven_gathers), no gradient all-reduce, 4-5x dp=4's step.  Seen for dense blocks
+    # without pp; MoE and pipelines keep their own row layouts (not modelled)
+    gathered = (train and lay.data_ranks > 1 and batch % lay.data_ranks != 0 and lay.pp == 1
+                and not m.n_experts and bool(m.uneven_gathers))
     slow = 1.0
     if cluster.topology == "host":
-        # CPU ranks share the cores with each other (n / cores) and with other jobs (share)
-        slow = (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3)
+        # CPU ranks share the cores with each other (n / cores) and with other jobs (share);
+        # a calibrated share of n ranks that meet every few ms (measure_lockstep_share) prices
+        # both as a step meets them: a descheduled rank stalls all the others.  Only where the
+        # ranks meet inside the compute (tp all-reduces, ep all-to-alls, batch gathers); data
+        # ranks meet at the step's end (their gradient all-reduces run beside the backward) and
+        # pipeline stages once per micro-batch: the free share.  (Measured: the profiled waits
+        # at dp=4 were 12 ms per step where the lockstep share would add 77.)
+        often = lay.tp > 1 or (lay.ep > 1 and m.n_experts > 0) or gathered
+        lock = (cluster.measured.get("lockstep_share") or {}).get(str(lay.n)) if often else None
+        slow = 1.0 / max(lock, 1e-3) if lock else (
+            (max(1.0, lay.n / cluster.cores) if cluster.cores else 1.0) / max(cluster.share, 1e-3))
     seqs = _ceil_div(batch, lay.data_ranks)
+    if gathered:
+        seqs = batch
     if train:
-        mb = min(lay.micro_batch, seqs)
+        mb = min(lay.micro_batch * (lay.data_ranks if gathered else 1), seqs)
         n_micro = _ceil_div(seqs, mb)
         tokens, ctx, causal = mb * seq, seq, 0.5
     else:
@@ -213,13 +231,19 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     ep_comm, ep_algo = 0.0, "none"
     if m.n_experts and lay.ep > 1:
         a2a, ep_algo = collective_time(cluster, "all_to_all", msg * m.top_k * m.capacity_factor, lay.ep)
-        ep_comm = n_micro * moe_layers * (4 if train else 2) * a2a
+        counts, _ = collective_time(cluster, "all_to_all", 4 * m.n_experts, lay.ep)     # tokens per expert first
+        ep_comm = n_micro * moe_layers * ((4 if train else 2) * a2a + counts)
     pp_comm = 0.0
     if lay.pp > 1:
         p2p, _ = collective_time(cluster, "send", msg, 2)
         pp_comm = n_micro * (2 if train else 1) * p2p
-    dp_comm, dp_algo = 0.0, "none"
-    if train and lay.data_ranks > 1:
+    dp_comm, dp_algo, gather = 0.0, "none", 0.0
+    if gathered:          # the batch gathered at each reshape (all_gather sizes: the output), blocking
+        g_d, g_f, g_v = m.uneven_gathers
+        ag = lambda width: collective_time(cluster, "all_gather", tokens * width * b, lay.data_ranks)[0]  # noqa: E731
+        gather = n_micro * (layers * (g_d * ag(m.d_model) + g_f * ag(_ceil_div(m.ffn_hidden, lay.tp)))
+                            + g_v * ag(v_local))
+    elif train and lay.data_ranks > 1:
         # gradient all-reduces are issued without waiting, so their latencies overlap: on
         # CPU ranks every one is in flight at once (one latency for all the bytes); GPUs
         # bucket them (25 MB, as DDP does) and pay one latency per bucket
@@ -230,8 +254,12 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         if p["expert"] and lay.dp > 1:
             t_exp, _ = collective_time(cluster, "all_reduce", p["expert"] * b, lay.dp)
             dp_comm += t_exp
+    sync = 0.0
     if train and lay.n > 1:
-        dp_comm += collective_time(cluster, "all_reduce", 8, lay.n)[0]   # clip_grad_norm's one float64
+        # blocking, after the backward (nothing left to hide them behind): clip_grad_norm's one
+        # float64 over every rank and the loss read over the data ranks (the profiler's count)
+        sync = (collective_time(cluster, "all_reduce", 8, lay.n)[0]
+                + collective_time(cluster, "all_reduce", 4, lay.data_ranks)[0])
     # the bubble: (pp-1) micro-batch slots idle per step (GPipe and 1F1B), / v when interleaved
     bubble = 0.0
     if lay.pp > 1:
@@ -242,8 +270,9 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     bwd_total = bwd * n_micro
     ov_dp = ov if cluster.dp_overlap is None else cluster.dp_overlap
     exposed += max(dp_comm * (1 - ov_dp), dp_comm - ov_dp * bwd_total) if dp_comm else 0.0
+    exposed += sync + gather
     total = compute + bubble + exposed
     return {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "pp_bubble": bubble,
-            "dp_comm": dp_comm, "exposed": exposed, "total": total, "n_micro": n_micro, "micro_batch": mb,
+            "dp_comm": dp_comm, "sync": sync, "batch_gather": gather, "exposed": exposed, "total": total, "n_micro": n_micro, "micro_batch": mb,
             "algorithms": {"tp": tp_algo, "ep": ep_algo, "dp": dp_algo}, "forward_per_microbatch": fwd,
             "per_microbatch": per_mb}
