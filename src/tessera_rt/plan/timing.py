@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from ..autodiff.buckets import grad_bucket_bytes
 from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .specs import Cluster, ModelSpec
 
@@ -246,9 +247,11 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     elif train and lay.data_ranks > 1:
         # gradient all-reduces are issued without waiting, so their latencies overlap: on
         # CPU ranks every one is in flight at once (one latency for all the bytes); GPUs
-        # bucket them (25 MB, as DDP does) and pay one latency per bucket
+        # pay one latency per gradient bucket, at the cap the runtime would pick
+        # (tessera_rt.autodiff.buckets: TESSERA_GRAD_BUCKET_MB or its default)
         dense_b = p["dense"] * b
-        buckets = 1 if cluster.topology == "host" else max(1, math.ceil(dense_b / 25e6))
+        cap = grad_bucket_bytes(model_bytes=int(dense_b))
+        buckets = 1 if cluster.topology == "host" else max(1, math.ceil(dense_b / cap))
         t_dense, dp_algo = collective_time(cluster, "all_reduce", dense_b / buckets, lay.data_ranks)
         dp_comm = buckets * t_dense
         if p["expert"] and lay.dp > 1:
