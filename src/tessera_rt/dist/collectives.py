@@ -34,7 +34,7 @@ from .mesh import AxisGroup, current_mesh
 from .packing import _unpack, _with_dim  # noqa: F401  (_with_dim: dist.ccl's shape arithmetic)
 from .plans import (_PLANS, Plan, _backend, _check_array, _check_sizes, _norm_dim, _out,  # noqa: F401
                     _tagged, _where, all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, keep,
-                    plan, reduce_scatter_plan)
+                    reduce_scatter_plan)
 from .process_group import world
 from .trace import _HOOKS, TAGS, CollectiveRecord, bus_factor, trace_collectives
 
@@ -261,23 +261,6 @@ _DET: list = []
 # any) has run what it was given before.  The prologue (plan lookup, contiguity, out=, the
 # check) repeats in each collective on purpose: the check must be called from the
 # collective's own frame, and a shared helper would cost a call (~0.1 us of a 1 us budget).
-
-def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> Plan:
-    """The plan (the same table entry) the plain collective ``name`` uses for these arguments:
-    ``dist.ccl``'s library path runs it with ``run_<op>``.  The keys are the ones the
-    collectives below build inline (kept in step by tests/mpi/test_ccl.py)."""
-    cls, shape, dt = x.__class__, x.shape, x.dtype
-    if name == "all_reduce":
-        return plan(("all_reduce", id(g), cls, shape, dt, args["op"], tag, role, async_op),
-                    lambda: all_reduce_plan(g, x, args["op"], tag, role, async_op))
-    sizes = args.get("sizes")
-    sizes = sizes if sizes is None else tuple(sizes)
-    if name == "reduce_scatter":
-        return plan(("reduce_scatter", id(g), cls, shape, dt, args["op"], args["dim"], sizes, tag, role, async_op),
-                    lambda: reduce_scatter_plan(g, x, args["op"], args["dim"], sizes, tag, role, async_op))
-    return plan(("all_gather", id(g), cls, shape, dt, args["dim"], sizes, tag, role, async_op),
-                lambda: all_gather_plan(g, x, args["dim"], sizes, tag, role, async_op))
-
 
 def _bad_out(p: Plan, x, out):
     _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be

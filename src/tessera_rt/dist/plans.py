@@ -23,7 +23,7 @@ from .packing import _even, _pack, _with_dim
 from .process_group import world
 from .trace import TAGS
 
-__all__ = ["Plan", "plan", "keep", "clear_plans", "plans_made"]
+__all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
@@ -309,3 +309,20 @@ def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
     direct = _direct(comm, async_op, x.dtype, False)
     return Plan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,
                 fn=comm.mpi.Bcast if direct else None)
+
+
+def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> Plan:
+    """The plan (the same table entry) the plain collective ``name`` uses for these arguments:
+    ``dist.ccl``'s library path runs it with ``collectives.run_<op>``.  The keys are the ones
+    the collectives build inline (kept in step by tests/mpi/test_ccl.py)."""
+    cls, shape, dt = x.__class__, x.shape, x.dtype
+    if name == "all_reduce":
+        return plan(("all_reduce", id(g), cls, shape, dt, args["op"], tag, role, async_op),
+                    lambda: all_reduce_plan(g, x, args["op"], tag, role, async_op))
+    sizes = args.get("sizes")
+    sizes = sizes if sizes is None else tuple(sizes)
+    if name == "reduce_scatter":
+        return plan(("reduce_scatter", id(g), cls, shape, dt, args["op"], args["dim"], sizes, tag, role, async_op),
+                    lambda: reduce_scatter_plan(g, x, args["op"], args["dim"], sizes, tag, role, async_op))
+    return plan(("all_gather", id(g), cls, shape, dt, args["dim"], sizes, tag, role, async_op),
+                lambda: all_gather_plan(g, x, args["dim"], sizes, tag, role, async_op))

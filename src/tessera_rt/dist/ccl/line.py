@@ -29,7 +29,7 @@ from ..comm import REDUCE_OPS, _displs as _offsets
 from ..shard import split_sizes
 from . import buffers
 from ..mesh import current_mesh
-from ..plans import _PLANS
+from ..plans import _PLANS, planned
 from ._common import check_array, choose_algo, plan, resolve, where
 
 __all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer", "compile_steps",
@@ -262,8 +262,8 @@ def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links,
     if algo == "library":
         return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=given, algo=algo, shape=out_shape, sig=sig,
                      shapes=lambda: {"out": out_shape}, nbytes=nbytes,
-                     coll=C.planned("reduce_scatter", g, x, role, tag, op=op, dim=dim, sizes=given),
-                     coll_async=C.planned("reduce_scatter", g, x, role, tag, True, op=op, dim=dim, sizes=given))
+                     coll=planned("reduce_scatter", g, x, role, tag, op=op, dim=dim, sizes=given),
+                     coll_async=planned("reduce_scatter", g, x, role, tag, True, op=op, dim=dim, sizes=given))
     inner = math.prod(C._with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
     offs = _offsets(counts)
@@ -336,7 +336,7 @@ def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, t
         even = min(sizes) == max(sizes)
         return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=None if even else sizes, algo=algo, shape=shape,
                      sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes,
-                     coll=C.planned("all_gather", g, x, role, tag, dim=dim, sizes=None if even else sizes))
+                     coll=planned("all_gather", g, x, role, tag, dim=dim, sizes=None if even else sizes))
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1
     total = math.prod(shape)
     inner = math.prod(C._with_dim(x.shape, dim, 1))
@@ -392,7 +392,7 @@ def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag, role
     shape, size = tuple(x.shape), x.size                  # (the plan keeps no reference to x)
     if algo == "library":
         return _Plan(mesh=mesh, axis=axis, g=g, algo=algo, sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes,
-                     coll=C.planned("all_reduce", g, x, role, tag, op=op))
+                     coll=planned("all_reduce", g, x, role, tag, op=op))
     counts = list(split_sizes(size, n))
     offs = _offsets(counts)
     piece = _max_piece(counts, algo)
