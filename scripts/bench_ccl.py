@@ -60,14 +60,15 @@ def emit(row, markdown, widths):
 
 
 def bench_ops(args, w, mesh, xp, sync):
+    algos = tuple(args.algos.split(","))
     sizes, s = [], parse_size(args.min)
     while s <= parse_size(args.max):
         sizes.append(s)
         s *= args.factor
     if sizes[-1] != parse_size(args.max):
         sizes.append(parse_size(args.max))                          # always end at --max
-    head = ["op", "size", "plain us", "plain busbw"] + [f"{a} {c}" for a in ALGOS for c in ("us", "ratio")] + ["allocs"]
-    widths = [15, 10, 10, 11] + [9, 7] * len(ALGOS) + [6]
+    head = ["op", "size", "plain us", "plain busbw"] + [f"{a} {c}" for a in algos for c in ("us", "ratio")] + ["allocs"]
+    widths = [15, 10, 10, 11] + [9, 7] * len(algos) + [6]
     if w.rank == 0:
         if args.markdown:
             print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -80,7 +81,7 @@ def bench_ops(args, w, mesh, xp, sync):
             x = xp.ones(count // w.size if name == "all_gather" else count, np.float32)
             size = count * 4
             fns = {"plain": lambda: plain(name, x, mesh)}
-            for a in ALGOS:
+            for a in algos:
                 fns[a] = (lambda a=a: line(name, x, mesh, a))
             for f in fns.values():
                 f()                                                 # warm up, make the persistent sets
@@ -91,11 +92,11 @@ def bench_ops(args, w, mesh, xp, sync):
             for _ in range(args.reps):                              # interleaved: the same noise for all
                 for k, f in fns.items():
                     times[k].append(timed(f, iters, sync, w.mpi))
-            allocs = (ccl.allocations() - a0) / (args.reps * iters * len(ALGOS))
+            allocs = (ccl.allocations() - a0) / (args.reps * iters * len(algos))
             med = {k: statistics.median(v) for k, v in times.items()}
             if w.rank == 0:
                 row = [name, human(size), f"{med['plain'] * 1e6:.1f}", f"{size / med['plain'] / 1e9 * factor:.3f}"]
-                for a in ALGOS:
+                for a in algos:
                     row += [f"{med[a] * 1e6:.1f}", f"{med['plain'] / med[a]:.2f}"]
                 emit(row + [f"{allocs:g}"], args.markdown, widths)
             ccl.clear_persistent_buffers()
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--max", default="64M")
     ap.add_argument("--factor", type=int, default=4, help="size step (default x4)")
     ap.add_argument("--ops", default="reduce_scatter,all_gather,all_reduce")
+    ap.add_argument("--algos", default=",".join(ALGOS), help="ccl algorithms to run (default: all three)")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (median taken)")
     ap.add_argument("--budget-ms", type=float, default=20.0, help="time per repetition and side")
     ap.add_argument("--attention", action="store_true", help="ring attention vs gather-then-attend only")

@@ -229,6 +229,41 @@ def test_persistent_buffers_no_allocation_after_first_call(world, algo):
     assert ccl.allocations() == a1          # the ccl allocation counter: nothing after warm-up
 
 
+def test_library_path_runs_the_plain_collectives_plan(world):
+    """The library path and the plain collective share one plan (one table, dist/plans.py):
+    with a buffer_key its result is the plain call's, call after call, with no array allocated."""
+    import tracemalloc
+
+    from tessera_rt.dist import plans
+    mesh = meshes(world)[0][0]
+    x = xp.asarray(data(world.rank, (4096 * world.size,), np.int32).astype(np.float32))    # exact sums
+    want = [host(dist.all_reduce(x, "x", mesh=mesh)), host(dist.reduce_scatter(x, "x", dim=0, mesh=mesh)),
+            host(dist.all_gather(x, "x", dim=0, mesh=mesh))]
+
+    def run():
+        return [ccl.line_all_reduce(x, 0, mesh=mesh, algo="library", buffer_key="L_AR"),
+                ccl.line_reduce_scatter(x, 0, 0, mesh=mesh, algo="library", buffer_key="L_RS"),
+                ccl.line_all_gather(x, 0, 0, mesh=mesh, algo="library", buffer_key="L_AG")]
+    made = plans.plans_made()
+    for _ in range(3):
+        for got, w in zip(run(), want):
+            np.testing.assert_array_equal(host(got), w)
+    # a ccl plan per op, plus the reduce-scatter's async form (for between=); the plain plans were reused
+    assert plans.plans_made() == made + 4
+    tracemalloc.start()
+    try:
+        run()
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for _ in range(3):
+            run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    if not BACKEND.is_gpu:
+        assert peak - before < 8192, peak - before        # no output array per call
+
+
 def test_buffer_key_conflict_names_both_and_where(world):
     mesh = meshes(world)[0][0]
     n = world.size

@@ -230,3 +230,109 @@ def test_errors_name_rank_axis_and_shapes(line, world):
         dist.all_reduce(x, "dp")
     # every rank raised before communicating, so a collective still lines up afterwards
     assert float(host(dist.all_reduce(xp.ones(1), "x", mesh=line))[0]) == world.size
+
+
+# --------------------------------------------------------------------------- cached plans
+
+def _cases(n):
+    """(name, shape (or rank -> shape), dtype, call(x, mesh), reference(every rank's data, my rank))."""
+    sizes = [(i + 1) % 3 for i in range(n)]                      # uneven, zeros included
+    splits = lambda r: [(r + d) % 3 + 1 for d in range(n)]      # noqa: E731  (rank r sends to rank d)
+    return [
+        ("all_reduce", (3, 5), np.float32, lambda x, m: dist.all_reduce(x, "x", mesh=m),
+         lambda d, me: sum(d)),
+        ("all_reduce max out=", (7,), np.int32,
+         lambda x, m: dist.all_reduce(x, "x", "max", mesh=m, out=xp.empty_like(x)), lambda d, me: np.max(d, axis=0)),
+        ("reduce_scatter dim 1", (2, 2 * n, 3), np.float64, lambda x, m: dist.reduce_scatter(x, "x", dim=1, mesh=m),
+         lambda d, me: np.split(sum(d), n, axis=1)[me]),
+        ("reduce_scatter sizes", (sum(sizes), 2), np.float32,
+         lambda x, m: dist.reduce_scatter(x, "x", sizes=sizes, mesh=m),
+         lambda d, me: np.split(sum(d), np.cumsum(sizes)[:-1])[me]),
+        ("all_gather dim 1", (2, 3), np.float32, lambda x, m: dist.all_gather(x, "x", dim=1, mesh=m),
+         lambda d, me: np.concatenate(d, axis=1)),
+        ("all_to_all dim 1", (2, 2 * n), np.int64, lambda x, m: dist.all_to_all(x, "x", split_dim=1, mesh=m),
+         lambda d, me: np.concatenate([np.split(a, n, axis=1)[me] for a in d], axis=1)),
+        ("all_to_all exchanged sizes", lambda r: (sum(splits(r)), 3), np.float32,
+         lambda x, m: dist.all_to_all(x, "x", split_sizes=splits(m.group("x").index), mesh=m),
+         lambda d, me: np.concatenate([np.split(a, np.cumsum(splits(r))[:-1])[me] for r, a in enumerate(d)])),
+        ("broadcast", (4, 2), np.float32, lambda x, m: dist.broadcast(x, "x", root=n - 1, mesh=m),
+         lambda d, me: d[n - 1]),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_cached_plans_give_fresh_results(line, world):
+    """A repeated call (its plan cached) gives what the first did, for new data each time,
+    and builds no plan; each case's reference is computed on the full data with NumPy."""
+    from tessera_rt.dist import plans
+    n, me = world.size, world.rank
+    for name, shape, dtype, call, ref in _cases(n):
+        for salt in range(3):
+            data = [host_data(r, shape(r) if callable(shape) else shape, dtype, salt) for r in range(n)]
+            made = plans.plans_made()
+            y = call(xp.asarray(data[me]), line)
+            np.testing.assert_allclose(host(y), ref(data, me), rtol=1e-5, atol=1e-5, err_msg=f"{name} call {salt}")
+            if salt:
+                assert plans.plans_made() == made, f"{name}: a repeated call built a plan"
+
+
+@pytest.mark.timeout(60)
+def test_changed_arguments_make_new_plans(line, world):
+    """A new shape, dtype, dim or sizes is a new plan: nothing stale from the last one."""
+    from tessera_rt.dist import plans
+    n, me = world.size, world.rank
+    calls = [((2 * n, 3), np.float32, 0, None), ((4 * n, 3), np.float32, 0, None), ((4 * n, 3), np.float64, 0, None),
+             ((3, 2 * n), np.float64, 1, None), ((3, 2 * n), np.float64, -1, None),
+             ((n + 2, 2), np.float64, 0, [3] + [1] * (n - 1))]
+    if n > 1:                                                  # only the sizes change
+        calls.append(((n + 2, 2), np.float64, 0, [1] * (n - 1) + [3]))
+    for shape, dtype, dim, sizes in calls:
+        data = [host_data(r, shape, dtype, 5) for r in range(n)]
+        made = plans.plans_made()
+        y = dist.reduce_scatter(xp.asarray(data[me]), "x", dim=dim, sizes=sizes, mesh=line)
+        assert plans.plans_made() == made + 1, (shape, dtype, dim, sizes)
+        parts = np.split(sum(data), np.cumsum(sizes)[:-1] if sizes else n, axis=dim)
+        assert y.dtype == np.dtype(dtype)
+        np.testing.assert_allclose(host(y), parts[me], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_on_a_cached_plan_still_errors_first(line, world):
+    x = xp.ones((2 * world.size, 3), np.float32)
+    dist.all_reduce(x, "x", mesh=line)
+    dist.reduce_scatter(x, "x", mesh=line)                    # both plans cached now
+    with pytest.raises(ValueError, match=r"rank \d+: all_reduce over mesh axis 'x'.*"
+                                         r"out= must be a contiguous float32\[\d+, 3\], got float32\[3, 2\]"):
+        dist.all_reduce(x, "x", mesh=line, out=xp.empty((3, 2), np.float32))
+    with pytest.raises(ValueError, match="out= must be"):
+        dist.reduce_scatter(x, "x", mesh=line, out=xp.empty((2, 3), np.float64))
+    with pytest.raises(TypeError, match="fills x in place"):
+        dist.broadcast(xp.ones((3, 4 * world.size), np.float32)[:, ::2], "x", mesh=line)
+    with pytest.raises(ValueError, match="op='prod'"):
+        dist.all_reduce(x, "x", "prod", mesh=line)
+    # a non-contiguous input of a cached shape is copied, not misread
+    big = rank_data(world.rank, (2 * world.size, 6), np.float32)
+    y = dist.all_reduce(big[:, ::2], "x", mesh=line)
+    expect = sum(host_data(r, (2 * world.size, 6), np.float32)[:, ::2] for r in range(world.size))
+    np.testing.assert_allclose(host(y), expect, rtol=1e-5)
+    # every rank raised before communicating: the next collective lines up
+    assert float(host(dist.all_reduce(xp.ones(1), "x", mesh=line))[0]) == world.size
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_tag(line, world):
+    """tag= on all_to_all: checked, recorded, and the same data as untagged (MPI and NCCL
+    have no algorithm choice per all-to-all call)."""
+    n = world.size
+    x = rank_data(world.rank, (2 * n, 3), np.float32)
+    plain = host(dist.all_to_all(x, "x", mesh=line))
+    with dist.trace_collectives() as log:
+        tagged = dist.all_to_all(x, "x", mesh=line, tag="tree")
+    np.testing.assert_array_equal(host(tagged), plain)
+    assert log.records[-1].op == "all_to_all" and log.records[-1].tag == "tree"
+    with pytest.raises(ValueError, match=r"all_to_all over mesh axis 'x'.*tag='fast'"):
+        dist.all_to_all(x, "x", mesh=line, tag="fast")
+    D = dist.distribute(np.zeros((2 * n, 2), np.float32), layout=dist.ShardSpec(partition=(0,), mesh_axes=("x",)),
+                        mesh=line)
+    with pytest.raises(ValueError, match="tag applies to arrays"):
+        dist.all_to_all(D, "x", tag="ring")

@@ -23,16 +23,18 @@ from the environment for the whole run): there the tag is recorded and changes n
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
+
+from mpi4py import MPI
 
 from .. import runtime as rt
 from ..backend import CpuWorkerStream
-from ..dtypes import dtype_name
-from .comm import REDUCE_OPS
 from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
-from .packing import _even, _pack, _unpack, _with_dim
+from .packing import _unpack, _with_dim  # noqa: F401  (_with_dim: dist.ccl's shape arithmetic)
+from .plans import (_PLANS, Plan, _backend, _check_array, _check_sizes, _norm_dim, _out,  # noqa: F401
+                    _tagged, _where, all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, keep,
+                    reduce_scatter_plan)
 from .process_group import world
 from .trace import _HOOKS, TAGS, CollectiveRecord, bus_factor, trace_collectives
 
@@ -49,6 +51,9 @@ __all__ = [
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
 _check = None
+_plan_get = _PLANS.get
+_check_sig = None       # its form for a planned call (consistency.check_plan), on and off with it
+_IN_PLACE = MPI.IN_PLACE
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
@@ -151,57 +156,6 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
     return mesh.group(axis)
 
 
-def _where(op: str, g: AxisGroup, x) -> str:
-    return (f"rank {world().rank}: {op} over mesh axis {g.name!r} (group of {g.size}) "
-            f"on {dtype_name(x.dtype)}{list(x.shape)}")
-
-
-_BACKEND: list = []
-
-
-def _backend():
-    """The backend, looked up once (it is fixed for the life of the process)."""
-    if not _BACKEND:
-        _BACKEND.append(world().backend)
-    return _BACKEND[0]
-
-
-def _check_array(op: str, g: AxisGroup, x):
-    backend = _backend()
-    if not isinstance(x, backend.xp.ndarray):
-        raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {backend.xp.__name__} array "
-                        f"on the {backend.name} backend, got {type(x).__name__}")
-    return x if x.flags.c_contiguous else backend.xp.ascontiguousarray(x)
-
-
-def _norm_dim(op: str, g: AxisGroup, x, dim: int) -> int:
-    if not -x.ndim <= dim < max(x.ndim, 1):
-        raise ValueError(f"{_where(op, g, x)}: dim={dim} is out of range for {x.ndim} dims")
-    return dim % x.ndim
-
-
-def _check_sizes(op, g, x, sizes, length, name) -> list[int]:
-    if sizes is None:
-        if length % g.size:
-            raise ValueError(
-                f"{_where(op, g, x)}: dim of length {length} does not split evenly over {g.size} ranks; "
-                f"pass {name}= with {g.size} part sizes adding up to {length} (uneven and zero parts are fine)")
-        return [length // g.size] * g.size
-    sizes = [int(s) for s in sizes]
-    if len(sizes) != g.size or any(s < 0 for s in sizes) or sum(sizes) != length:
-        raise ValueError(f"{_where(op, g, x)}: {name}={sizes} must be {g.size} sizes >= 0 adding up to {length}")
-    return sizes
-
-
-def _out(op, g, x, out, shape, dtype):
-    if out is None:
-        return _backend().empty(shape, dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{_where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
-                         f"got {dtype_name(out.dtype)}{list(out.shape)}")
-    return out
-
-
 _ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
 
 
@@ -279,15 +233,6 @@ def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None
     return _hooked(info, role, async_op, method, args, result, then, tag=tag)
 
 
-def _tagged(op: str, g: AxisGroup, x, tag: str, extra):
-    """(the communicator that serves ``tag``, ``extra`` with the tag in it for the agreement
-    check).  Only reached when a tag is given: the untagged path pays one ``is None`` test."""
-    if tag not in TAGS:
-        raise ValueError(f"{_where(op, g, x) if x is not None else f'rank {world().rank}: {op}'}: "
-                         f"tag={tag!r}; use one of {TAGS} (or leave it out)")
-    return g.comm.tagged(op, tag), (extra, ("tag", tag))
-
-
 def _untaggable(op: str, x, tag) -> None:
     if tag is not None:
         raise ValueError(f"rank {world().rank}: dist.{op}(tag={tag!r}) on a {type(x).__name__}: the tag applies to "
@@ -307,34 +252,68 @@ _DET: list = []
 
 
 # --------------------------------------------------------------------------- collectives
+#
+# Each collective looks its plan up by everything that determines it (plans.py) and, on a
+# miss, builds it: the builder makes every check, so bad input errors on the first call
+# with that key, before any communication.  The agreement check is called from the
+# collective itself: consistency reads its caller's caller's frame (the user's call site).
+# On the blocking CPU path ``p.fn`` is the raw mpi4py call, after the role's worker (if
+# any) has run what it was given before.  The prologue (plan lookup, contiguity, out=, the
+# check) repeats in each collective on purpose: the check must be called from the
+# collective's own frame, and a shared helper would cost a call (~0.1 us of a 1 us budget).
+
+def _bad_out(p: Plan, x, out):
+    _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
+
 
 def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
                role: str = "tp_collective", tag: str | None = None):
     """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
-    ``out=x`` reduces in place.  ``tag="tree"|"ring"``: see the module docstring."""
-    if x.__class__ in _ROUTES:
+    ``out=`` receives it (``out=x``: in place).  ``tag="tree"|"ring"``: see the module docstring."""
+    cls = x.__class__
+    if cls in _ROUTES:
         _untaggable("all_reduce", x, tag)
-        return _ROUTES[x.__class__]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
-    g = _group(mesh, axis, "all_reduce", x)
-    x = _check_array("all_reduce", g, x)
-    if op not in REDUCE_OPS:
-        raise ValueError(f"{_where('all_reduce', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
-    if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
-        raise TypeError(f"{_where('all_reduce', g, x)}: op='avg' needs a floating dtype; use op='sum'")
-    out = _backend().empty_like(x) if out is None else _out("all_reduce", g, x, out, x.shape, x.dtype)
-    # this block repeats in each collective on purpose: consistency.check reads its caller's
-    # caller's frame (the user's call site), which a shared helper would move one level down
-    extra = op
-    if tag is None:
-        comm = g.comm
-    else:
-        comm, extra = _tagged("all_reduce", g, x, tag, op)
-    if _check is not None:
-        _check("all_reduce", g, x.dtype, x.shape, (extra, role) if async_op else extra)
+        return _ROUTES[cls]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, "all_reduce", x)
+    try:
+        key = ("all_reduce", id(g), cls, x.shape, x.dtype, op, tag, role, async_op)
+        p = _plan_get(key)
+    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
+        key = p = None
+    if p is None:
+        p = keep(key, all_reduce_plan(g, x, op, tag, role, async_op))
+    if not x.flags.c_contiguous:
+        x = _backend().xp.ascontiguousarray(x)
+    if out is None:
+        out = p.empty(p.shape, p.dtype)
+    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
+        _bad_out(p, x, out)
+    if _check_sig is not None:
+        _check_sig(p)
+    if p.fn is None or _HOOKS:
+        return run_all_reduce(p, x, out, role, async_op, mesh, tag)
+    s = _ROLE_STREAMS.get(role)                  # run_all_reduce's direct path, inline (saves a call)
+    if s.__class__ is CpuWorkerStream and s._done != s._issued:
+        s.wait_tasks()
+    p.fn(_IN_PLACE if x is out else x, out, p.mop)
+    return out
+
+
+def run_all_reduce(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+    """A planned all_reduce after its checks (the plain collective, and dist.ccl's library path)."""
     if _HOOKS:
-        return _hooked(("all_reduce", g, x, x.nbytes, mesh, x.shape, extra), role, async_op, comm.all_reduce,
+        g, op = p.g, p.rop
+        return _hooked(("all_reduce", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op, p.comm.all_reduce,
                        (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None, tag=tag)
-    return _issue(role, async_op, comm.all_reduce, (x, out, op,), out)
+    if p.fn is not None:
+        s = _ROLE_STREAMS.get(role)
+        if s.__class__ is CpuWorkerStream and s._done != s._issued:
+            s.wait_tasks()
+        p.fn(_IN_PLACE if x is out else x, out, p.mop)
+        return out
+    return _issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
 
 
 def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
@@ -342,39 +321,59 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
                    tag: str | None = None):
     """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
     ``sizes`` says otherwise).  ``tag``: see the module docstring."""
-    if x.__class__ in _ROUTES:
+    cls = x.__class__
+    if cls in _ROUTES:
         _untaggable("reduce_scatter", x, tag)
-        return _ROUTES[x.__class__]["reduce_scatter"](x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
-    g = _group(mesh, axis, "reduce_scatter", x)
-    x = _check_array("reduce_scatter", g, x)
-    if op not in REDUCE_OPS:
-        raise ValueError(f"{_where('reduce_scatter', g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
-    if not 0 <= dim < x.ndim:
-        dim = _norm_dim("reduce_scatter", g, x, dim)
-    if sizes is None and not x.shape[dim] % g.size:          # the common case, kept cheap
-        even, mine, counts = True, x.shape[dim] // g.size, None
-    else:
-        sizes = _check_sizes("reduce_scatter", g, x, sizes, x.shape[dim], "sizes")
-        even, mine = _even(sizes), sizes[g.index]
-        inner = math.prod(_with_dim(x.shape, dim, 1))
-        counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
-    shape = (mine,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, mine)
-    out = _backend().empty(shape, x.dtype) if out is None else _out("reduce_scatter", g, x, out, shape, x.dtype)
-    extra = (op, dim)
-    if tag is None:
-        comm = g.comm
-    else:
-        comm, extra = _tagged("reduce_scatter", g, x, tag, extra)
-    if _check is not None:
-        _check("reduce_scatter", g, x.dtype, x.shape, (extra, role) if async_op else extra)
+        return _ROUTES[cls]["reduce_scatter"](x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=out,
+                                              async_op=async_op, role=role)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, "reduce_scatter", x)
+    try:
+        key = ("reduce_scatter", id(g), cls, x.shape, x.dtype, op, dim, sizes if sizes is None else tuple(sizes),
+               tag, role, async_op)
+        p = _plan_get(key)
+    except (AttributeError, TypeError):
+        key = p = None
+    if p is None:
+        p = keep(key, reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op))
+    if not x.flags.c_contiguous:
+        x = _backend().xp.ascontiguousarray(x)
+    if out is None:
+        out = p.empty(p.shape, p.dtype)
+    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
+        _bad_out(p, x, out)
+    if _check_sig is not None:
+        _check_sig(p)
+    if p.fn is None or _HOOKS or p.pack is not None:
+        return run_reduce_scatter(p, x, out, role, async_op, mesh, tag)
+    s = _ROLE_STREAMS.get(role)                  # run_reduce_scatter's direct path, inline (saves a call)
+    if s.__class__ is CpuWorkerStream and s._done != s._issued:
+        s.wait_tasks()
+    p.fn(x, out, p.mop)
+    return out
+
+
+def run_reduce_scatter(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+    """A planned reduce_scatter after its checks (the plain collective, and dist.ccl's library path)."""
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
-    send = x if dim == 0 else _pack(x, dim, [mine] * g.size if even else sizes, even)
+    send = x if p.pack is None else p.pack(x)
     if _HOOKS:
-        flat = out.reshape(-1) if dim else out
-        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, x.shape, extra), role, async_op,
-                       comm.reduce_scatter, (send, flat, counts, op), out,
-                       det=(g, send, flat, counts, op, out) if op in ("sum", "avg") else None, tag=tag)
-    return _issue(role, async_op, comm.reduce_scatter, (send, out, counts, op), out)
+        g, op = p.g, p.rop
+        if p.dim:
+            send, flat = send.reshape(-1), out.reshape(-1)
+        else:
+            flat = out
+        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op,
+                       p.comm.reduce_scatter, (send, flat, p.counts, op), out,
+                       det=(g, send, flat, p.counts, op, out) if op in ("sum", "avg") else None, tag=tag)
+    if p.fn is not None:
+        s = _ROLE_STREAMS.get(role)
+        if s.__class__ is CpuWorkerStream and s._done != s._issued:
+            s.wait_tasks()
+        p.fn(send, out, p.mop)
+        return out
+    return _issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
 
 
 def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | None = None, mesh=None,
@@ -382,52 +381,60 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
     """Concatenate every rank's ``x`` along ``dim`` (None: 0) in group order.  Ranks may hold
     different lengths along ``dim`` if ``sizes`` lists them (the same list on every rank).
     ``tag``: see the module docstring."""
-    if x.__class__ in _ROUTES:
+    cls = x.__class__
+    if cls in _ROUTES:
         _untaggable("all_gather", x, tag)
-        return _ROUTES[x.__class__]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op, role=role)
-    g = _group(mesh, axis, "all_gather", x)
-    x = _check_array("all_gather", g, x)
-    if dim is None:
-        dim = 0
-    if not 0 <= dim < x.ndim:
-        dim = _norm_dim("all_gather", g, x, dim)
-    if sizes is None:                                          # the common case, kept cheap
-        even, total, counts = True, x.shape[dim] * g.size, None
-    else:
-        sizes = [int(s) for s in sizes]
-        if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
-            raise ValueError(f"{_where('all_gather', g, x)}: sizes={sizes} must list {g.size} lengths "
-                             f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
-        even, total = _even(sizes), sum(sizes)
-        inner = math.prod(_with_dim(x.shape, dim, 1))
-        counts = None if even else [s * inner for s in sizes]
-    shape = (total,) + x.shape[1:] if dim == 0 else _with_dim(x.shape, dim, total)
-    out = _backend().empty(shape, x.dtype) if out is None else _out("all_gather", g, x, out, shape, x.dtype)
-    extra = dim
-    if tag is None:
-        comm = g.comm
-    else:
-        comm, extra = _tagged("all_gather", g, x, tag, dim)
-    if _check is not None:
-        _check("all_gather", g, x.dtype, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
-               (extra, role) if async_op else extra)
-    info = ("all_gather", g, x, out.nbytes, mesh, x.shape if sizes is None else _with_dim(x.shape, dim, -1),
-            extra) if _HOOKS else None
-    # communicators take flat contiguous buffers: shapes do not matter to them
-    if dim == 0 or math.prod(x.shape[:dim]) == 1:
-        if info is None:
-            return _issue(role, async_op, comm.all_gather, (x, out, counts), out)
-        return _hooked(info, role, async_op, comm.all_gather, (x, out, counts), out, tag=tag)
-    recv = _backend().empty((out.size,), x.dtype)
+        return _ROUTES[cls]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op,
+                                          role=role)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, "all_gather", x)
+    try:
+        key = ("all_gather", id(g), cls, x.shape, x.dtype, dim, sizes if sizes is None else tuple(sizes), tag,
+               role, async_op)
+        p = _plan_get(key)
+    except (AttributeError, TypeError):
+        key = p = None
+    if p is None:
+        p = keep(key, all_gather_plan(g, x, dim, sizes, tag, role, async_op))
+    if not x.flags.c_contiguous:
+        x = _backend().xp.ascontiguousarray(x)
+    if out is None:
+        out = p.empty(p.shape, p.dtype)
+    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
+        _bad_out(p, x, out)
+    if _check_sig is not None:
+        _check_sig(p)
+    if p.fn is None or _HOOKS:
+        return run_all_gather(p, x, out, role, async_op, mesh, tag)
+    s = _ROLE_STREAMS.get(role)                  # run_all_gather's direct path, inline (saves a call)
+    if s.__class__ is CpuWorkerStream and s._done != s._issued:
+        s.wait_tasks()
+    p.fn(x, out)
+    return out
 
-    def then():
-        return _unpack(recv, shape, dim, [x.shape[dim]] * g.size if even else sizes, even, out)
-    return _run(info, role, async_op, comm.all_gather, (x, recv, counts), out, then, tag=tag)
+
+def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+    """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
+    info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
+    if not p.flat:                    # communicators take flat buffers: gather, then lay out along dim
+        recv = _backend().empty((out.size,), x.dtype)
+
+        def then():
+            return _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
+        return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, then, tag=tag)
+    if p.fn is not None and info is None:
+        s = _ROLE_STREAMS.get(role)
+        if s.__class__ is CpuWorkerStream and s._done != s._issued:
+            s.wait_tasks()
+        p.fn(x, out)
+        return out
+    return _run(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
 
 
 def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
                split_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None,
-               mesh=None, async_op: bool = False, role: str = "a2a", out=None):
+               mesh=None, async_op: bool = False, role: str = "a2a", out=None, tag: str | None = None):
     """Split ``x`` along ``split_dim`` into one part per rank, send part i to rank i, and
     concatenate what arrives along ``concat_dim`` (default: ``split_dim``).
 
@@ -435,91 +442,91 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
     exchanged first (one small extra all_to_all).  ``out=`` (dim 0 only) receives into a
     caller-owned buffer, so a persistent dispatch buffer needs no allocation per call.
+    ``tag="tree"|"ring"`` is recorded and checked to agree like the other collectives' tags;
+    it changes nothing: neither NCCL (an all-to-all is its grouped sends/recvs) nor MPI has
+    an algorithm choice per all-to-all call.
     """
-    if x.__class__ in _ROUTES:
-        return _ROUTES[x.__class__]["all_to_all"](x, axis, split_dim=split_dim, concat_dim=concat_dim, split_sizes=split_sizes,
-                                                 recv_sizes=recv_sizes, mesh=mesh, async_op=async_op, role=role)
-    g = _group(mesh, axis, "all_to_all", x)
-    x = _check_array("all_to_all", g, x)
-    if not 0 <= split_dim < x.ndim:
-        split_dim = _norm_dim("all_to_all", g, x, split_dim)
-    concat_dim = split_dim if concat_dim is None else _norm_dim("all_to_all", g, x, concat_dim)
-    n = g.size
-    if _check is not None:
-        _check("all_to_all", g, x.dtype, tuple(-1 if i in (split_dim, concat_dim) else s
-                                               for i, s in enumerate(x.shape)),
-               (split_dim, concat_dim, role) if async_op else (split_dim, concat_dim))
-    info = ("all_to_all", g, x, x.nbytes, mesh, tuple(-1 if i in (split_dim, concat_dim) else s
-                                                      for i, s in enumerate(x.shape)),
-            (split_dim, concat_dim)) if _HOOKS else None
-    if out is not None and (split_dim != 0 or concat_dim != 0):
-        raise ValueError(f"{_where('all_to_all', g, x)}: out= needs split_dim=concat_dim=0")
-    if split_sizes is None and recv_sizes is None and concat_dim == split_dim and not x.shape[split_dim] % n:
-        # equal parts along one dim (the common case, kept cheap): the result has x's shape
-        out = _backend().empty_like(x) if out is None else _out("all_to_all", g, x, out, x.shape, x.dtype)
-        if split_dim == 0 or math.prod(x.shape[:split_dim]) == 1:
-            if info is None:
-                return _issue(role, async_op, g.comm.all_to_all, (x, out, None, None), out)
-            return _hooked(info, role, async_op, g.comm.all_to_all, (x, out, None, None), out)
-        parts = [x.shape[split_dim] // n] * n
-        recv = _backend().empty((x.size,), x.dtype)
-        return _run(info, role, async_op, g.comm.all_to_all, (_pack(x, split_dim, parts, True), recv, None, None),
-                    out, lambda: _unpack(recv, x.shape, split_dim, parts, True, out))
-    exchange = split_sizes is not None and recv_sizes is None
-    split_sizes = _check_sizes("all_to_all", g, x, split_sizes, x.shape[split_dim], "split_sizes")
-    if recv_sizes is None:
-        if not exchange:
-            recv_sizes = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
-        else:
-            mine = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
-            recv_sizes = g.comm.mpi.alltoall(mine)
-    else:
-        recv_sizes = [int(s) for s in recv_sizes]
-        if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
-            raise ValueError(f"{_where('all_to_all', g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
-    # every piece that arrives has x's shape with this rank's split length and the sender's
-    # length along concat_dim
-    base = _with_dim(x.shape, split_dim, split_sizes[g.index])
-    shape = _with_dim(base, concat_dim, sum(recv_sizes))
-    send_counts = [math.prod(_with_dim(x.shape, split_dim, s)) for s in split_sizes]
-    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv_sizes]
-    fixed = _even(send_counts) and send_counts == recv_counts
-    counts = (None, None) if fixed else (send_counts, recv_counts)
-    send = _pack(x, split_dim, split_sizes, _even(split_sizes))
-    out = _backend().empty(shape, x.dtype) if out is None else _out("all_to_all", g, x, out, shape, x.dtype)
-    if concat_dim == 0 or math.prod(shape[:concat_dim]) == 1:
-        return _run(info, role, async_op, g.comm.all_to_all, (send, out, *counts), out)
-    recv = _backend().empty((out.size,), x.dtype)
+    cls = x.__class__
+    if cls in _ROUTES:
+        _untaggable("all_to_all", x, tag)
+        return _ROUTES[cls]["all_to_all"](x, axis, split_dim=split_dim, concat_dim=concat_dim,
+                                          split_sizes=split_sizes, recv_sizes=recv_sizes, mesh=mesh,
+                                          async_op=async_op, role=role)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, "all_to_all", x)
+    try:
+        key = ("all_to_all", id(g), cls, x.shape, x.dtype, split_dim, concat_dim,
+               split_sizes if split_sizes is None else tuple(split_sizes),
+               recv_sizes if recv_sizes is None else tuple(recv_sizes), out is None, tag, role, async_op)
+        p = _plan_get(key)
+    except (AttributeError, TypeError):
+        key = p = None
+    if p is None:
+        p = keep(key, all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, out is not None,
+                                       tag, role, async_op))
+    if not x.flags.c_contiguous:
+        x = _backend().xp.ascontiguousarray(x)
+    if _check_sig is not None:
+        _check_sig(p)
+    if p.exchange:                    # uneven parts: the receive sizes come from the peers
+        got = tuple(g.comm.mpi.alltoall(p.mine))
+        key2 = None if key is None else key[:8] + (got,) + key[9:]
+        p = _plan_get(key2) if key2 is not None else None
+        if p is None:
+            p = keep(key2, all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, got, out is not None, tag,
+                                            role, async_op))
+    send = x if p.pack is None else p.pack(x)
+    if out is None:
+        out = p.empty(p.shape, p.dtype)
+    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
+        _bad_out(p, x, out)
+    info = ("all_to_all", g, x, x.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
+    if not p.flat:
+        recv = _backend().empty((out.size,), x.dtype)
 
-    def then():
-        return _unpack(recv, shape, concat_dim, recv_sizes, _even(recv_sizes), out)
-    return _run(info, role, async_op, g.comm.all_to_all, (send, recv, *counts), out, then)
+        def then():
+            return _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
+        return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out, then, tag=tag)
+    if p.fn is not None and info is None:
+        s = _ROLE_STREAMS.get(role)
+        if s.__class__ is CpuWorkerStream and s._done != s._issued:
+            s.wait_tasks()
+        p.fn(send, out)
+        return out
+    return _run(info, role, async_op, p.comm.all_to_all, (send, out, *p.counts), out, tag=tag)
 
 
 def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective",
               tag: str | None = None):
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
     ``root`` is a position in the group, not a world rank.  ``tag``: see the module docstring."""
-    if x.__class__ in _ROUTES:
+    cls = x.__class__
+    if cls in _ROUTES:
         _untaggable("broadcast", x, tag)
-        return _ROUTES[x.__class__]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
-    g = _group(mesh, axis, "broadcast", x)
-    if not _backend().is_array(x) or not x.flags.c_contiguous:
-        raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
-                        f"{_backend().xp.__name__} array, got {type(x).__name__}")
-    if not 0 <= root < g.size:
-        raise ValueError(f"{_where('broadcast', g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
-    extra = root
-    if tag is None:
-        comm = g.comm
-    else:
-        comm, extra = _tagged("broadcast", g, x, tag, root)
-    if _check is not None:
-        _check("broadcast", g, x.dtype, x.shape, (extra, role) if async_op else extra)
+        return _ROUTES[cls]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, "broadcast", x)
+    try:
+        key = ("broadcast", id(g), cls, x.shape, x.dtype, root, tag, role, async_op)
+        p = _plan_get(key)
+    except (AttributeError, TypeError):
+        key = p = None
+    if p is None or not x.flags.c_contiguous:
+        p = keep(key, broadcast_plan(g, x, root, tag, role, async_op))
+    if _check_sig is not None:
+        _check_sig(p)
     if _HOOKS:
-        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, extra), role,
-                       async_op, comm.broadcast, (x, root), x, tag=tag)
-    return _issue(role, async_op, comm.broadcast, (x, root,), x)
+        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, p.extra), role,
+                       async_op, p.comm.broadcast, (x, root), x, tag=tag)
+    if p.fn is not None:
+        s = _ROLE_STREAMS.get(role)
+        if s.__class__ is CpuWorkerStream and s._done != s._issued:
+            s.wait_tasks()
+        p.fn(x, root)
+        return x
+    return _issue(role, async_op, p.comm.broadcast, (x, root), x)
 
 
 def _peer(op, g, x, peer, name):

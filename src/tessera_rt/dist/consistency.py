@@ -8,10 +8,13 @@ compares a fingerprint before every call (one extra collective, ~+20 us); this m
 the default, and costs well under 1 us per call in steady state:
 
 * Each call's **signature** (op, reduction/dim/root, dtype, shape compared within the group,
-  DTensor global shape and layouts, and the user's call site) is a tuple looked up in a
+  DTensor global shape and layouts, and the user's call site) is a key looked up in a
   per-group set; the call site is part of the key but not of what must agree (ranks may
-  reach one collective from different lines), and is named in the error.  A signature this group has not verified yet, and every 1024th call on the group
-  (``TESSERA_CHECK_EVERY``), is **verified before the data moves**: the members exchange a
+  reach one collective from different lines), and is named in the error.  The signature
+  part is interned (``sig``: one object per content, hashed by identity) and a collective
+  with a cached plan remembers its last verified site (``check_plan``), so a repeated call
+  builds no key at all.  A signature this group has not verified yet, and every 1024th
+  call on the group (``TESSERA_CHECK_EVERY``), is **verified before the data moves**: the members exchange a
   64-bit hash of it over a duplicate of the group's communicator and all raise the same
   ``CollectiveMismatchError`` on a difference, naming the odd rank(s), both call sites and
   what differs.  Nothing has been sent, so no wrong result exists and the ranks stay in step.
@@ -33,13 +36,15 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from collections import deque
 
 import numpy as np
 
 from ..dtypes import dtype_name
 
-__all__ = ["CollectiveMismatchError", "configure", "check", "user_frame", "site_of", "recent_calls",
-           "describe", "mismatch_message", "p2p_send_header", "p2p_check_header", "enabled"]
+__all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "sig", "Sig", "group_state",
+           "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
+           "p2p_check_header", "enabled"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
 
@@ -62,9 +67,10 @@ def _is_internal(code) -> bool:
     return v
 
 
-def user_frame(depth: int):
+def user_frame(depth: int, lasti: bool = False):
     """(code, line, DTensor meta) of the first caller outside tessera_rt; meta is (dtype, global
-    shape, source layout, target layout) when the call runs a DTensor redistribution."""
+    shape, source layout, target layout) when the call runs a DTensor redistribution.
+    ``lasti``: the instruction offset in place of the line (see ``site_at``)."""
     f = sys._getframe(depth + 1)
     meta = None
     internal = _INTERNAL
@@ -74,7 +80,7 @@ def user_frame(depth: int):
         if v is None:
             v = _is_internal(code)
         if not v:
-            return code, f.f_lineno, meta
+            return code, f.f_lasti if lasti else f.f_lineno, meta
         if meta is None and _PLAN_RUN and code is _PLAN_RUN[0]:
             p = f.f_locals.get("self")
             if p is not None:
@@ -93,6 +99,18 @@ def site_of(code, line) -> str:
     s = _SITES.get(key)
     if s is None:
         s = _SITES[key] = f"{os.path.basename(code.co_filename)}:{line}"
+    return s
+
+
+def site_at(code, lasti: int) -> str:
+    """``file.py:line`` of the instruction at byte offset ``lasti`` of ``code``."""
+    if code is None:
+        return "?"
+    key = (code, -1 - lasti)              # (negative: apart from site_of's (code, line) keys)
+    s = _SITES.get(key)
+    if s is None:
+        line = next((ln for a, b, ln in code.co_lines() if a <= lasti < b and ln is not None), 0)
+        s = _SITES[key] = site_of(code, line)
     return s
 
 
@@ -171,11 +189,11 @@ class _Cfg:
     # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
     metas: dict = {}
     mask = 1023                       # verify when (call count on the group) & mask == 0
-    ring: list = [None] * 64          # the last calls of this rank, for the watchdog
-    ri = 0
+    ring = deque(maxlen=64)           # the last calls of this rank, for the watchdog
 
 
 _cfg = _Cfg()
+_RING = _cfg.ring.append
 
 
 def enabled() -> bool:
@@ -197,6 +215,7 @@ def configure(on: bool) -> None:
         from .redistribute import Plan
         _PLAN_RUN.append(Plan.run.__code__)
     C._check = check if _cfg.on else None
+    C._check_sig = check_plan if _cfg.on else None
     from . import dispatch as D
     if _cfg.on and _DT_OPS not in D._PROF:
         D._PROF.append(_DT_OPS)
@@ -244,29 +263,89 @@ def _state(g) -> _GroupState:
     return st
 
 
+class Sig:
+    """One collective signature (op, dtype, shape compared within the group, arguments),
+    interned by ``sig``: equal signatures are one object, so the verified-call key
+    (code, line, sig, meta) hashes by identity, cheaply, while still meaning the content (a
+    plan rebuilt after eviction, or a call that reached the same signature another way,
+    finds its key verified exactly when its peers do)."""
+    __slots__ = ("op", "dtype", "shape", "extra")
+
+    def __init__(self, op, dtype, shape, extra):
+        self.op, self.dtype, self.shape, self.extra = op, dtype, shape, extra
+
+
+_SIGS: dict = {}
+
+
+def sig(op: str, dtype, shape, extra) -> Sig:
+    """The interned signature of a collective (see ``Sig``)."""
+    k = (op, dtype, tuple(shape), extra)
+    s = _SIGS.get(k)
+    if s is None:
+        s = _SIGS[k] = Sig(*k)
+    return s
+
+
+def group_state(g) -> "_GroupState":
+    """The group's check state (call count, verified keys), made on first use."""
+    return g.__dict__.get("_consistency") or _state(g)
+
+
 def check(op: str, g, dtype, shape, extra) -> None:
-    """Called by every collective before it moves data (the hot path: keep it lean)."""
-    st = g.__dict__.get("_consistency") or _state(g)
+    """Called by a collective before it moves data, from the frame of the function the user
+    called (its caller is the call site); collectives with a cached plan call ``check_sig``."""
+    check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3)
+
+
+def check_sig(st: "_GroupState", s: Sig, depth: int = 2, _internal=_INTERNAL.get, _c=_cfg):
+    """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
+    up to the collective's caller (2: called by the collective itself).  A call site is its
+    code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
+    CPython computes from the line table; the line is looked up when a site is described)."""
     st.seq = seq = st.seq + 1
-    c = _cfg
-    f = _getframe(2)                      # the collective's caller: the user, for a plain array
+    f = _getframe(depth)                  # the collective's caller: the user, for a plain array
     code = f.f_code
-    if _INTERNAL.get(code) is False and not c.metas:
-        key = (code, f.f_lineno, op, dtype, shape, extra, None)
+    if _internal(code) is False and not _c.metas:
+        key = (code, f.f_lasti, s, None)
+        _RING((st, seq, key))
+        if seq & _c.mask and key in st.seen:
+            return key
+        _verify(st, seq, key)
+        return key                        # a plan may remember it (check_plan)
     else:                                 # called from tessera_rt (a DTensor op): walk out
-        code, line, meta = user_frame(2)
-        if c.metas:
-            ms, c.metas = _spanning(c.metas, g), {}
+        code, at, meta = user_frame(depth, lasti=True)
+        if _c.metas:
+            ms, _c.metas = _spanning(_c.metas, st.g), {}
             meta = (meta, ms) if ms else (None if meta is None else (meta, None))
         elif meta is not None:
             meta = (meta, None)
-        key = (code, line, op, dtype, shape, extra, meta)
-    i = c.ri
-    c.ring[i & 63] = (st, seq, key)
-    c.ri = i + 1
-    if seq & c.mask and key in st.seen:
-        return
+        key = (code, at, s, meta)
+    _RING((st, seq, key))
+    if seq & _c.mask and key in st.seen:
+        return None
     _verify(st, seq, key)
+    return None
+
+
+def check_plan(p, depth: int = 2, _c=_cfg) -> None:
+    """``check_sig`` for a call with a plan ``p`` (``p.st``, ``p.sig`` and ``p.site``, the last
+    verified key of a plain call site): a repeat from that site skips the key and the lookup,
+    since a verified key stays verified; the group's count and sampling still run."""
+    site = p.site
+    if site is not None and not _c.metas:
+        f = _getframe(depth)
+        if f.f_code is site[0] and f.f_lasti == site[1]:
+            st = p.st
+            st.seq = seq = st.seq + 1
+            _RING((st, seq, site))
+            if seq & _c.mask:
+                return
+            _verify(st, seq, site)
+            return
+    key = check_sig(p.st, p.sig, depth + 1)
+    if key is not None:
+        p.site = key
 
 
 _getframe = sys._getframe
@@ -282,11 +361,12 @@ def _spanning(metas, g) -> frozenset:
 
 
 def _desc(st, seq, key) -> tuple:
-    code, line, op, dtype, shape, extra, meta = key
+    code, at, s, meta = key
+    op, dtype, shape, extra = s.op, s.dtype, s.shape, s.extra
     if meta is not None:
         meta = (meta[0], tuple(sorted(map(repr, meta[1]))) if meta[1] else None)
     return (seq, op, st.g.name, dtype_name(dtype) if dtype is not None else "", tuple(shape),
-            site_of(code, line), extra, meta)
+            site_at(code, at), extra, meta)
 
 
 def _verify(st: _GroupState, seq: int, key) -> None:
@@ -300,8 +380,8 @@ def _verify(st: _GroupState, seq: int, key) -> None:
     d = _desc(st, seq, key)
     # the call site is not compared (ranks may reach one collective from different lines);
     # it is reported, and the watchdog uses it to find where histories diverged
-    sig = d[1:5] + d[6:]
-    h = zlib.crc32(repr(sig).encode()) | (zlib.crc32(repr(sig[::-1]).encode()) << 32)
+    what = d[1:5] + d[6:]
+    h = zlib.crc32(repr(what).encode()) | (zlib.crc32(repr(what[::-1]).encode()) << 32)
     mine = np.array([seq, h], dtype=np.int64) if h < 2 ** 63 else np.array([seq, h - 2 ** 64], dtype=np.int64)
     every = np.empty((g.size, 2), dtype=np.int64)
     st.comm.Allgather(mine, every)
@@ -319,14 +399,8 @@ def _verify(st: _GroupState, seq: int, key) -> None:
 
 def recent_calls() -> list[tuple]:
     """This rank's last calls, oldest first: (group ranks, axis, call # on the group, description)."""
-    c = _cfg
-    n = len(c.ring)
     out = []
-    for i in range(max(0, c.ri - n), c.ri):
-        e = c.ring[i % n]
-        if e is None:
-            continue
-        st, seq, key = e
+    for st, seq, key in list(_cfg.ring):
         d = _desc(st, seq, key)
         out.append((tuple(st.g.ranks), st.g.name, seq,
                     describe(d[1], d[2], d[3], d[4], d[5], d[6], d[7], with_args=d[1] in ("all_reduce",

@@ -41,6 +41,9 @@ _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.
                ("collectives.py", "_issue"), ("collectives.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
+# a planned blocking CPU collective calls mpi4py from its own frame (dist/plans.py), or from
+# its runner (run_all_reduce, ...: dist.ccl's library path too)
+_WAIT_FUNCS |= {("collectives.py", f) for op in _COLLECTIVES for f in (op, f"run_{op}")}
 
 
 def register_nccl(comm) -> None:

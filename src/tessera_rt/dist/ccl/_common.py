@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable
 
 from .. import collectives as C
+from ..plans import clear_plans, plan
 from ..mesh import AxisGroup, Mesh, current_mesh
 from ..process_group import world
 
@@ -143,25 +144,7 @@ def check_array(op: str, g: AxisGroup, x: Any):
 
 
 # Per-call plans: everything a ccl op works out from its arguments alone (the group, the
-# normalized dim and part sizes, the algorithm, buffer shapes, this rank's message program)
-# keyed by those arguments, so a repeated call does one dict lookup instead of the checks
-# and arithmetic (seed 004 ops are called with the same shapes every layer and step).  A
-# plan is built only when every check passed, so a bad call never reaches the cache.
-_PLANS: dict = {}
-_MAX_PLANS = 4096          # a bound: plans keep their mesh alive
-
-
-def plan(key: tuple, build: Callable[[], Any]):
-    """The plan cached under ``key`` (made by ``build()`` on first use)."""
-    p = _PLANS.get(key)
-    if p is None:
-        p = build()
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = p
-    return p
-
-
-def clear_plans() -> None:
-    """Forget every cached plan (the algorithm table or TESSERA_COMM_ALGO changed)."""
-    _PLANS.clear()
+# normalized dim and part sizes, the algorithm, buffer shapes, this rank's message program,
+# and for the library path the plain collective's own plan) keyed by those arguments, in the
+# one table the plain collectives use (dist/plans.py), so a repeated call does one lookup.
+# A plan is built only when every check passed, so a bad call never reaches the cache.

@@ -29,6 +29,7 @@ from ..comm import REDUCE_OPS, _displs as _offsets
 from ..shard import split_sizes
 from . import buffers
 from ..mesh import current_mesh
+from ..plans import _PLANS, planned
 from ._common import check_array, choose_algo, plan, resolve, where
 
 __all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer", "compile_steps",
@@ -222,22 +223,29 @@ class _Plan:
     """What a ccl call works out from its arguments (see ``_common.plan``)."""
 
     __slots__ = ("mesh", "axis", "g", "dim", "sizes", "given", "algo", "shape", "sig", "shapes", "counts", "offs",
-                 "progs", "nbytes", "flat", "check")
+                 "progs", "nbytes", "flat", "check", "coll", "coll_async")
 
     def __init__(self, **kw):
         for k in self.__slots__:
             setattr(self, k, kw.get(k))
 
 
+_get = _PLANS.get            # the plan table's lookup (a miss builds through ``plan``)
+_ND: list = [None]           # the backend's array type, once known
+
+
 def _array(name: str, mesh, cluster_axis, x):
     """x itself when it is a contiguous array of the backend (the cheap test every call
     makes); otherwise the full checks (errors, a contiguous copy)."""
-    if type(x) is C._backend().xp.ndarray and x.flags.c_contiguous:
+    if x.__class__ is _ND[0] and x.flags.c_contiguous:
+        return x
+    _ND[0] = C._backend().xp.ndarray
+    if x.__class__ is _ND[0] and x.flags.c_contiguous:
         return x
     return check_array(name, resolve(name, mesh, cluster_axis)[2], x)
 
 
-def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag) -> _Plan:
+def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag, role) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, op, num_links)
@@ -253,7 +261,9 @@ def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links,
     nbytes = int(x.nbytes * C.bus_factor("reduce_scatter", n))
     if algo == "library":
         return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=given, algo=algo, shape=out_shape, sig=sig,
-                     shapes=lambda: {"out": out_shape}, nbytes=nbytes)
+                     shapes=lambda: {"out": out_shape}, nbytes=nbytes,
+                     coll=planned("reduce_scatter", g, x, role, tag, op=op, dim=dim, sizes=given),
+                     coll_async=planned("reduce_scatter", g, x, role, tag, True, op=op, dim=dim, sizes=given))
     inner = math.prod(C._with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
     offs = _offsets(counts)
@@ -277,17 +287,20 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         mesh = current_mesh()
     x = _array(name, mesh, cluster_axis, x)
     key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, op, sizes if sizes is None else tuple(sizes),
-           num_links, algo, tag)
-    p = plan(key, lambda: _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag))
+           num_links, algo, tag, role)
+    p = _get(key) or plan(key, lambda: _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes,
+                                                            num_links, algo, tag, role))
     g = p.g
     bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
     if C._HOOKS:
         _record(name, g, x, p.nbytes, p.algo, tag)
-    if p.algo == "library":
-        work = C.reduce_scatter(x, p.axis, op, dim=p.dim, sizes=p.given, mesh=p.mesh, out=bufs["out"], role=role,
-                                async_op=between is not None, tag=tag)
+    if p.algo == "library":      # the plain collective's plan, run from here (the caller: the user's site)
+        cp = p.coll if between is None else p.coll_async
+        if C._check_sig is not None:
+            C._check_sig(cp)
         if between is None:
-            return work
+            return C.run_reduce_scatter(cp, x, bufs["out"], role, False, p.mesh, tag)
+        work = C.run_reduce_scatter(cp, x, bufs["out"], role, True, p.mesh, tag)
         between()
         return work.wait()
     if C._check is not None:       # (the library collective runs its own)
@@ -303,7 +316,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     return mine.reshape(p.shape)
 
 
-def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag) -> _Plan:
+def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag, role) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     dim = C._norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, None, num_links)
@@ -322,7 +335,8 @@ def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, t
     if algo == "library":
         even = min(sizes) == max(sizes)
         return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, given=None if even else sizes, algo=algo, shape=shape,
-                     sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes)
+                     sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes,
+                     coll=planned("all_gather", g, x, role, tag, dim=dim, sizes=None if even else sizes))
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1
     total = math.prod(shape)
     inner = math.prod(C._with_dim(x.shape, dim, 1))
@@ -345,14 +359,17 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
         mesh = current_mesh()
     x = _array(name, mesh, cluster_axis, x)
     key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, sizes if sizes is None else tuple(sizes),
-           num_links, algo, tag)
-    p = plan(key, lambda: _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag))
+           num_links, algo, tag, role)
+    p = _get(key) or plan(key, lambda: _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo,
+                                                        tag, role))
     g = p.g
     bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
     if C._HOOKS:
         _record(name, g, x, p.nbytes, p.algo, tag)
     if p.algo == "library":
-        return C.all_gather(x, p.axis, dim=p.dim, sizes=p.given, mesh=p.mesh, out=bufs["out"], role=role, tag=tag)
+        if C._check_sig is not None:
+            C._check_sig(p.coll)
+        return C.run_all_gather(p.coll, x, bufs["out"], role, False, p.mesh, tag)
     if C._check is not None:
         C._check(f"ccl.{name}", g, x.dtype, *p.check)
     work, me, offs = bufs["work"], g.index, p.offs
@@ -365,7 +382,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
     return bufs["out"]
 
 
-def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag) -> _Plan:
+def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag, role) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     _common_checks(name, g, x, op, num_links)
     algo = _reducing_algo(name, g, x, algo, choose_algo("all_reduce", algo, x.nbytes, lambda: where(name, g, x), tag))
@@ -374,7 +391,8 @@ def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag) -> _
     nbytes = int(x.nbytes * C.bus_factor("all_reduce", n))
     shape, size = tuple(x.shape), x.size                  # (the plan keeps no reference to x)
     if algo == "library":
-        return _Plan(mesh=mesh, axis=axis, g=g, algo=algo, sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes)
+        return _Plan(mesh=mesh, axis=axis, g=g, algo=algo, sig=sig, shapes=lambda: {"out": shape}, nbytes=nbytes,
+                     coll=planned("all_reduce", g, x, role, tag, op=op))
     counts = list(split_sizes(size, n))
     offs = _offsets(counts)
     piece = _max_piece(counts, algo)
@@ -395,14 +413,16 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     if mesh is None:
         mesh = current_mesh()
     x = _array(name, mesh, cluster_axis, x)
-    key = (name, id(mesh), cluster_axis, x.shape, x.dtype, op, num_links, algo, tag)
-    p = plan(key, lambda: _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag))
+    key = (name, id(mesh), cluster_axis, x.shape, x.dtype, op, num_links, algo, tag, role)
+    p = _get(key) or plan(key, lambda: _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag, role))
     g = p.g
     bufs = buffers.take(buffer_key, p.sig, p.shapes, x.dtype)
     if C._HOOKS:
         _record(name, g, x, p.nbytes, p.algo, tag)
     if p.algo == "library":
-        return C.all_reduce(x, p.axis, op, mesh=p.mesh, out=bufs["out"], role=role, tag=tag)
+        if C._check_sig is not None:
+            C._check_sig(p.coll)
+        return C.run_all_reduce(p.coll, x, bufs["out"], role, False, p.mesh, tag)
     if C._check is not None:
         C._check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
     work, me = bufs["work"], g.index

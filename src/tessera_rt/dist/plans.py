@@ -1,0 +1,328 @@
+"""Per-call plans for the array collectives (and the ``dist.ccl`` ops over them).
+
+A collective called again with the same group, shape, dtype, dim, sizes, reduction/root,
+tag, role and mode recomputes nothing: everything its arguments determine (the checks,
+the output shape, counts and pack/unpack layout, the communicator, the raw MPI call and
+the agreement check's signature) is worked out once, by a builder here, and kept in one
+table keyed by those arguments.  A plan is made only after every check passed, so bad
+input still gets its error on the first call with that key, before any communication;
+the per-call checks that depend on the array itself (its type, contiguity, ``out=``) stay
+on the call.  ``dist.ccl`` keeps its ring/line programs in the same table (``plan``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from .. import runtime as rt
+from ..dtypes import dtype_name
+from .comm import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
+from .consistency import group_state, sig
+from .mesh import AxisGroup
+from .packing import _even, _pack, _with_dim
+from .process_group import world
+from .trace import TAGS
+
+__all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
+_MADE = [0]
+
+
+def plan(key: tuple, build: Callable[[], Any]):
+    """The plan cached under ``key`` (made by ``build()`` on first use; ``build`` raises on
+    bad input, and then nothing is cached)."""
+    p = _PLANS.get(key)
+    return keep(key, build()) if p is None else p
+
+
+def keep(key, p):
+    """Cache the new plan ``p`` under ``key`` (None: an argument was unhashable, and ``p``
+    serves this call only)."""
+    _MADE[0] += 1
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = p
+    return p
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (the algorithm table, TESSERA_COMM_ALGO or the backend changed)."""
+    _PLANS.clear()
+
+
+def plans_made() -> int:
+    """How many plans this process has built (a repeated call builds none)."""
+    return _MADE[0]
+
+
+# --------------------------------------------------------------------------- shared checks
+
+_BACKEND: list = []
+
+
+def _backend():
+    """The backend, looked up once (it is fixed for the life of the process)."""
+    if not _BACKEND:
+        _BACKEND.append(world().backend)
+    return _BACKEND[0]
+
+
+def _where(op: str, g: AxisGroup, x) -> str:
+    return (f"rank {world().rank}: {op} over mesh axis {g.name!r} (group of {g.size}) "
+            f"on {dtype_name(x.dtype)}{list(x.shape)}")
+
+
+def _check_array(op: str, g: AxisGroup, x):
+    backend = _backend()
+    if not isinstance(x, backend.xp.ndarray):
+        raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {backend.xp.__name__} array "
+                        f"on the {backend.name} backend, got {type(x).__name__}")
+    return x if x.flags.c_contiguous else backend.xp.ascontiguousarray(x)
+
+
+def _norm_dim(op: str, g: AxisGroup, x, dim: int) -> int:
+    if not -x.ndim <= dim < max(x.ndim, 1):
+        raise ValueError(f"{_where(op, g, x)}: dim={dim} is out of range for {x.ndim} dims")
+    return dim % x.ndim
+
+
+def _check_sizes(op, g, x, sizes, length, name) -> list[int]:
+    if sizes is None:
+        if length % g.size:
+            raise ValueError(
+                f"{_where(op, g, x)}: dim of length {length} does not split evenly over {g.size} ranks; "
+                f"pass {name}= with {g.size} part sizes adding up to {length} (uneven and zero parts are fine)")
+        return [length // g.size] * g.size
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != g.size or any(s < 0 for s in sizes) or sum(sizes) != length:
+        raise ValueError(f"{_where(op, g, x)}: {name}={sizes} must be {g.size} sizes >= 0 adding up to {length}")
+    return sizes
+
+
+def _out(op, g, x, out, shape, dtype):
+    if out is None:
+        return _backend().empty(shape, dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{_where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
+                         f"got {dtype_name(out.dtype)}{list(out.shape)}")
+    return out
+
+
+def _tagged(op: str, g: AxisGroup, x, tag: str, extra):
+    """(the communicator that serves ``tag``, ``extra`` with the tag in it for the agreement check)."""
+    if tag not in TAGS:
+        raise ValueError(f"{_where(op, g, x) if x is not None else f'rank {world().rank}: {op}'}: "
+                         f"tag={tag!r}; use one of {TAGS} (or leave it out)")
+    return g.comm.tagged(op, tag), (extra, ("tag", tag))
+
+
+def _tup(sizes):
+    """``sizes`` as a hashable key part (None stays None)."""
+    return sizes if sizes is None or sizes.__class__ is tuple else tuple(sizes)
+
+
+# --------------------------------------------------------------------------- the plan
+
+class Plan:
+    """What one collective signature needs per call.  ``fn`` is the raw MPI call for the
+    blocking CPU path (None where the communicator method must run: GPU, async, staged
+    dtypes, uneven parts); ``empty(shape, dtype)`` allocates the output."""
+
+    __slots__ = ("op", "g", "comm", "st", "sig", "shape", "dtype", "empty", "fn", "mop", "rop", "extra", "gshape",
+                 "dim", "sizes", "even", "counts", "pack", "flat", "root", "exchange", "mine", "site")
+
+    def __init__(self, op: str, g: AxisGroup, comm, x, shape, extra, gshape, role: str, async_op: bool, **kw):
+        self.op, self.g, self.comm, self.shape, self.dtype = op, g, comm, tuple(shape), x.dtype
+        self.extra, self.gshape = extra, gshape
+        self.st = group_state(g)
+        rt.stream(role)                  # an unknown role is an error now, not at the MPI call
+        # what every rank of the group must agree on (an async call's role is part of it: on
+        # CPU ranks each role's worker has its own communicator)
+        self.sig = sig(op, x.dtype, gshape, (extra, role) if async_op else extra)
+        nbytes = math.prod(self.shape) * x.dtype.itemsize
+        b = _backend()
+        self.empty = b.xp.empty if not b.is_gpu and nbytes < b._pool.MIN_BYTES else b.empty
+        self.fn = self.mop = self.rop = self.dim = self.sizes = self.counts = self.pack = self.root = None
+        self.exchange, self.mine, self.even, self.flat = False, None, True, True
+        self.site = None                 # the agreement check's last verified call site
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
+    """True when the blocking CPU call may go straight to mpi4py (what the communicator
+    method would do anyway, minus its dispatch)."""
+    if async_op or comm.__class__ is not MpiCommunicator:
+        return False
+    if reducing:
+        return op != "avg" and dtype in _MPI_REDUCIBLE
+    return dtype in _MPI_NATIVE
+
+
+def _reduce_checks(name: str, g, x, op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{_where(name, g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
+    if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
+        raise TypeError(f"{_where(name, g, x)}: op='avg' needs a floating dtype; use op='sum'")
+
+
+def _comm(name: str, g, x, tag, extra):
+    if tag is None:
+        return g.comm, extra
+    return _tagged(name, g, x, tag, extra)
+
+
+def all_reduce_plan(g, x, op, tag, role, async_op) -> Plan:
+    x = _check_array("all_reduce", g, x)
+    _reduce_checks("all_reduce", g, x, op)
+    comm, extra = _comm("all_reduce", g, x, tag, op)
+    direct = _direct(comm, async_op, x.dtype, True, op)
+    return Plan("all_reduce", g, comm, x, x.shape, extra, x.shape, role, async_op,
+                fn=comm.mpi.Allreduce if direct else None, mop=_MPI_OPS[op], rop=op)
+
+
+def _even_pack(shape: tuple, dim: int, n: int, part: int):
+    """A pack of equal parts along ``dim`` with every reshape worked out: one strided copy."""
+    split = shape[:dim] + (n, part) + shape[dim + 1:]
+    axes = (dim,) + tuple(i for i in range(len(split)) if i != dim)
+    into = (n,) + _with_dim(shape, dim, part)
+    size = math.prod(shape)
+    b = _backend()
+
+    def pack(x):
+        buf = b.empty((size,), x.dtype)
+        buf.reshape(into)[...] = x.reshape(split).transpose(axes)
+        return buf
+    return pack
+
+
+def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
+    name = "reduce_scatter"
+    x = _check_array(name, g, x)
+    _reduce_checks(name, g, x, op)
+    if not 0 <= dim < x.ndim:
+        dim = _norm_dim(name, g, x, dim)
+    sizes = _check_sizes(name, g, x, sizes, x.shape[dim], "sizes")
+    even, mine = _even(sizes), sizes[g.index]
+    inner = math.prod(_with_dim(x.shape, dim, 1))
+    counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
+    shape = _with_dim(x.shape, dim, mine)
+    comm, extra = _comm(name, g, x, tag, (op, dim))
+    if dim == 0 or math.prod(x.shape[:dim]) == 1:
+        pack = None                      # x is already the parts one after another
+    elif even:
+        pack = _even_pack(x.shape, dim, g.size, mine)
+    else:
+        pack = lambda x: _pack(x, dim, sizes, False)      # noqa: E731
+    direct = counts is None and _direct(comm, async_op, x.dtype, True, op)
+    return Plan(name, g, comm, x, shape, extra, x.shape, role, async_op, dim=dim, counts=counts, pack=pack,
+                fn=comm.mpi.Reduce_scatter_block if direct else None, mop=_MPI_OPS[op], rop=op)
+
+
+def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
+    name = "all_gather"
+    x = _check_array(name, g, x)
+    if dim is None:
+        dim = 0
+    if not 0 <= dim < x.ndim:
+        dim = _norm_dim(name, g, x, dim)
+    given = sizes is not None            # then lengths along dim may differ: not compared
+    if sizes is None:
+        sizes = [x.shape[dim]] * g.size
+    else:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
+            raise ValueError(f"{_where(name, g, x)}: sizes={sizes} must list {g.size} lengths "
+                             f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
+    even = _even(sizes)
+    inner = math.prod(_with_dim(x.shape, dim, 1))
+    counts = None if even else [s * inner for s in sizes]
+    shape = _with_dim(x.shape, dim, sum(sizes))
+    comm, extra = _comm(name, g, x, tag, dim)
+    flat = dim == 0 or math.prod(x.shape[:dim]) == 1          # communicators see flat buffers
+    direct = flat and counts is None and _direct(comm, async_op, x.dtype, False)
+    return Plan(name, g, comm, x, shape, extra, x.shape if not given else _with_dim(x.shape, dim, -1), role,
+                async_op, dim=dim, sizes=sizes, even=even, counts=counts, flat=flat,
+                fn=comm.mpi.Allgather if direct else None)
+
+
+
+def _pack_plan(shape: tuple, dim: int, sizes: list):
+    """None when x's parts along ``dim`` already lie one after another, else the pack."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return None
+    if _even(sizes):
+        return _even_pack(shape, dim, len(sizes), sizes[0])
+    return lambda x: _pack(x, dim, sizes, False)
+
+
+def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_out, tag, role, async_op) -> Plan:
+    """With ``split_sizes`` and no ``recv_sizes`` the receive sizes come from the peers: that
+    plan says so (``exchange``, with ``mine`` to send them), and the call then takes the plan
+    for the sizes that arrived (``recv_sizes`` given: a second key)."""
+    name, n = "all_to_all", g.size
+    x = _check_array(name, g, x)
+    if not 0 <= split_dim < x.ndim:
+        split_dim = _norm_dim(name, g, x, split_dim)
+    concat_dim = split_dim if concat_dim is None else _norm_dim(name, g, x, concat_dim)
+    if has_out and (split_dim != 0 or concat_dim != 0):
+        raise ValueError(f"{_where(name, g, x)}: out= needs split_dim=concat_dim=0")
+    gshape = tuple(-1 if i in (split_dim, concat_dim) else s for i, s in enumerate(x.shape))
+    comm, extra = _comm(name, g, x, tag, (split_dim, concat_dim))
+    exchange = split_sizes is not None and recv_sizes is None
+    split_sizes = _check_sizes(name, g, x, split_sizes, x.shape[split_dim], "split_sizes")
+    if recv_sizes is None:
+        recv_sizes = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
+        if exchange:
+            return Plan(name, g, comm, x, x.shape, extra, gshape, role, async_op, exchange=True, mine=recv_sizes)
+    else:
+        recv_sizes = [int(s) for s in recv_sizes]
+        if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
+            raise ValueError(f"{_where(name, g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
+    # every piece that arrives has x's shape with this rank's split length and the sender's
+    # length along concat_dim
+    base = _with_dim(x.shape, split_dim, split_sizes[g.index])
+    shape = _with_dim(base, concat_dim, sum(recv_sizes))
+    send_counts = [math.prod(_with_dim(x.shape, split_dim, s)) for s in split_sizes]
+    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv_sizes]
+    fixed = _even(send_counts) and send_counts == recv_counts
+    flat = concat_dim == 0 or math.prod(shape[:concat_dim]) == 1
+    even_recv = _even(recv_sizes)
+    direct = fixed and flat and _direct(comm, async_op, x.dtype, False)
+    return Plan(name, g, comm, x, shape, extra, gshape, role, async_op, dim=concat_dim, sizes=recv_sizes,
+                even=even_recv, counts=(None, None) if fixed else (send_counts, recv_counts), flat=flat,
+                pack=_pack_plan(x.shape, split_dim, split_sizes), fn=comm.mpi.Alltoall if direct else None)
+
+
+def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
+    name = "broadcast"
+    b = _backend()
+    if not b.is_array(x) or not x.flags.c_contiguous:
+        raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
+                        f"{b.xp.__name__} array, got {type(x).__name__}")
+    if not 0 <= root < g.size:
+        raise ValueError(f"{_where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
+    comm, extra = _comm(name, g, x, tag, root)
+    direct = _direct(comm, async_op, x.dtype, False)
+    return Plan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,
+                fn=comm.mpi.Bcast if direct else None)
+
+
+def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> Plan:
+    """The plan (the same table entry) the plain collective ``name`` uses for these arguments:
+    ``dist.ccl``'s library path runs it with ``collectives.run_<op>``.  The keys are the ones
+    the collectives build inline (kept in step by tests/mpi/test_ccl.py)."""
+    cls, shape, dt = x.__class__, x.shape, x.dtype
+    if name == "all_reduce":
+        return plan(("all_reduce", id(g), cls, shape, dt, args["op"], tag, role, async_op),
+                    lambda: all_reduce_plan(g, x, args["op"], tag, role, async_op))
+    sizes = args.get("sizes")
+    sizes = sizes if sizes is None else tuple(sizes)
+    if name == "reduce_scatter":
+        return plan(("reduce_scatter", id(g), cls, shape, dt, args["op"], args["dim"], sizes, tag, role, async_op),
+                    lambda: reduce_scatter_plan(g, x, args["op"], args["dim"], sizes, tag, role, async_op))
+    return plan(("all_gather", id(g), cls, shape, dt, args["dim"], sizes, tag, role, async_op),
+                lambda: all_gather_plan(g, x, args["dim"], sizes, tag, role, async_op))
