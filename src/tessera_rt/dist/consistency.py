@@ -78,7 +78,7 @@ def user_frame(depth: int):
         if meta is None and _PLAN_RUN and code is _PLAN_RUN[0]:
             p = f.f_locals.get("self")
             if p is not None:
-                meta = (p.dtype_name, tuple(p.shape), repr(p.src), repr(p.dst))
+                meta = p.check_meta
         f = f.f_back
     return None, 0, meta
 

@@ -39,6 +39,7 @@ from . import collectives as C
 from .layout import Layout, as_layout
 from .mesh import Mesh, current_mesh
 from .process_group import world
+from .cost import on_change
 from .redistribute import Plan, plan_redistribute
 from .shard import local_offsets, local_shape, local_shape_at
 
@@ -54,10 +55,13 @@ class TensorMeta:
     """Interned (layout, global shape, dtype, mesh): compared and hashed by identity, so a
     dispatcher cache key is a tuple of a few of these."""
 
-    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "__weakref__")
+    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "redist", "__weakref__")
 
     def __init__(self, layout: Layout, shape: tuple, dtype: np.dtype, mesh: Mesh):
         self.layout, self.shape, self.dtype, self.mesh, self.ndim = layout, shape, dtype, mesh, len(shape)
+        # target spec (as the caller wrote it) -> (plan, the result's meta): X.redistribute's
+        # repeat calls skip resolving the spec and looking the plan up (cleared with the plans)
+        self.redist: dict = {}
 
     def __repr__(self) -> str:
         return f"{dtype_name(self.dtype)}{list(self.shape)} {self.layout!r}"
@@ -68,6 +72,15 @@ class TensorMeta:
 
 
 _METAS: dict[tuple, TensorMeta] = {}
+_REDIST_MAX = 64          # targets remembered per meta (a loop making new specs must not grow it)
+
+
+def _clear_redist() -> None:
+    for m in _METAS.values():
+        m.redist.clear()
+
+
+on_change(_clear_redist)        # a new cost model may choose other plans
 
 
 def meta_of(layout: Layout, shape: tuple, dtype, mesh: Mesh) -> TensorMeta:
@@ -180,11 +193,27 @@ class DTensor:
 
     def redistribute(self, layout) -> "DTensor":
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
-        plan = self.explain_redistribute(layout)
+        m = self._meta
+        try:
+            hit = m.redist.get(layout)
+        except TypeError:                     # an unhashable spec: as_layout says what is wrong
+            hit = None
+        if hit is None:
+            plan = self.explain_redistribute(layout)
+            hit = (plan, meta_of(plan.dst, m.shape, m.dtype, m.mesh))
+            if len(m.redist) >= _REDIST_MAX:
+                m.redist.clear()
+            try:
+                m.redist[layout] = hit
+            except TypeError:
+                pass
+        plan, out_meta = hit
         if not plan.steps:
             return self
-        out = plan.run(self._local)
-        return DTensor._wrap(out, meta_of(plan.dst, self._meta.shape, out.dtype, self._meta.mesh))
+        t = _new(DTensor)
+        t._local = plan.run(self._local)
+        t._meta = out_meta
+        return t
 
     def explain_redistribute(self, layout) -> Plan:
         """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and

@@ -1,0 +1,292 @@
+"""Compiled redistribution plans: a plan's steps turned, once, into communicator calls.
+
+A ``Plan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
+and this rank's mesh position, so everything its collectives work out per call -- the
+group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is the same on
+every call.  ``compile_plan`` works it out once and returns one function per plan that does
+only what must happen per call:
+
+* the cross-rank agreement check (``consistency.check``: a set lookup in steady state),
+  with the same signature as the array collective would pass, so it fires as it does there;
+* a pooled output (``backend.empty``: reused once the caller drops the previous result);
+* at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
+  one (a dim other than the leading one); none where the pieces are contiguous runs;
+* one communicator call through ``collectives._issue`` (the role's stream order, the same
+  as the array collectives), so the watchdog sees it inside ``comm``.
+
+A compiled plan runs only when nothing watches collectives (``trace_collectives``, the
+profiler, ``TESSERA_DEBUG``, deterministic reductions: ``collectives._HOOKS``) and the input
+is this rank's piece (shape, dtype, array type); otherwise ``Plan.run`` takes its steps
+through the array collectives, which record, check and raise as always.  Groups are never
+made here (that is collective): a plan whose groups do not exist yet runs its steps once.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from . import collectives as C
+from .packing import _with_dim
+from .shard import local_shape
+
+__all__ = ["compile_plan"]
+
+
+def _group(mesh, axis):
+    return mesh._groups.get(axis)
+
+
+def _parts_view(shape: tuple, dim: int, sizes) -> tuple[tuple, tuple] | None:
+    """For equal parts along ``dim``: (split shape, transposition) taking an array of
+    ``shape`` to the (part, ...) order of a packed buffer; None for uneven parts."""
+    if min(sizes) != max(sizes):
+        return None
+    n, part = len(sizes), sizes[0]
+    split = shape[:dim] + (n, part) + shape[dim + 1:]
+    perm = (dim,) + tuple(i for i in range(len(split)) if i != dim)
+    return split, perm
+
+
+def _pieces(shape: tuple, dim: int, sizes) -> list[tuple]:
+    """Uneven parts along ``dim``: (run in the flat buffer, part shape, index in the array)."""
+    pieces, pos, off = [], 0, 0
+    for p in sizes:
+        piece = _with_dim(shape, dim, p)
+        cnt = math.prod(piece)
+        pieces.append((slice(pos, pos + cnt), piece, (slice(None),) * dim + (slice(off, off + p),)))
+        pos, off = pos + cnt, off + p
+    return pieces
+
+
+def _packer(xp, empty, shape: tuple, dim: int, sizes, dtype) -> Callable | None:
+    """x (of ``shape``) -> one flat buffer holding its parts along ``dim`` one after another;
+    None when x itself is that buffer (dim 0, or only size-1 dims before it)."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return None
+    size = math.prod(shape)
+    view = _parts_view(shape, dim, sizes)
+    if view is not None:
+        split, perm = view
+        packed = tuple(split[i] for i in perm)
+
+        def pack(x):
+            buf = empty((size,), dtype)
+            xp.copyto(buf.reshape(packed), x.reshape(split).transpose(perm))
+            return buf
+        return pack
+    pieces = _pieces(shape, dim, sizes)
+
+    def pack_uneven(x):
+        buf = empty((size,), dtype)
+        for flat, piece, index in pieces:
+            xp.copyto(buf[flat].reshape(piece), x[index])
+        return buf
+    return pack_uneven
+
+
+def _unpacker(xp, shape: tuple, dim: int, sizes) -> Callable | None:
+    """(flat, out) -> out holding flat's parts concatenated along ``dim``; None when the
+    parts land in place (dim 0, or only size-1 dims before it)."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return None
+    view = _parts_view(shape, dim, sizes)
+    if view is not None:
+        split, perm = view
+        packed = tuple(split[i] for i in perm)
+        inv = tuple(perm.index(i) for i in range(len(perm)))
+
+        def unpack(flat, out):
+            xp.copyto(out.reshape(split), flat.reshape(packed).transpose(inv))
+        return unpack
+    pieces = _pieces(shape, dim, sizes)
+
+    def unpack_uneven(flat, out):
+        for fl, piece, index in pieces:
+            xp.copyto(out[index], flat[fl].reshape(piece))
+    return unpack_uneven
+
+
+def _counts(sizes, inner: int):
+    """MPI counts per part, or None when the parts are equal (the fixed-size collective)."""
+    return None if min(sizes) == max(sizes) else [s * inner for s in sizes]
+
+
+# --------------------------------------------------------------------------- step bodies
+# Each mirrors its array collective in ``collectives`` for an input of a known shape: the
+# same check signature, role, communicator call and counts; only the per-call work is left.
+
+def _all_reduce(b, mesh, shape, dtype, spec):
+    a, op = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    comm, empty, issue = g.comm, b.empty, C._issue
+
+    def body(x):
+        out = empty(shape, dtype)
+        if C._check is not None:
+            C._check("all_reduce", g, dtype, shape, op)
+        return issue("tp_collective", False, comm.all_reduce, (x, out, op), out)
+    return body, shape
+
+
+def _all_gather(b, mesh, shape, dtype, spec):
+    a, d, sizes = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    even = min(sizes) == max(sizes)
+    inner = math.prod(_with_dim(shape, d, 1))
+    counts = None if even else [s * inner for s in sizes]
+    out_shape = _with_dim(shape, d, sum(sizes))
+    check_shape = shape if even else _with_dim(shape, d, -1)   # what collectives.all_gather checks
+    check_extra = d
+    comm, empty, issue = g.comm, b.empty, C._issue
+    unpack = _unpacker(b.xp, out_shape, d, sizes)
+    size = math.prod(out_shape)
+    if unpack is None:
+        def body(x):
+            out = empty(out_shape, dtype)
+            if C._check is not None:
+                C._check("all_gather", g, dtype, check_shape, check_extra)
+            return issue("tp_collective", False, comm.all_gather, (x, out, counts), out)
+        return body, out_shape
+
+    def body_unpack(x):
+        recv = empty((size,), dtype)
+        if C._check is not None:
+            C._check("all_gather", g, dtype, check_shape, check_extra)
+        issue("tp_collective", False, comm.all_gather, (x, recv, counts), recv)
+        out = empty(out_shape, dtype)
+        unpack(recv, out)
+        return out
+    return body_unpack, out_shape
+
+
+def _reduce_scatter(b, mesh, shape, dtype, spec):
+    a, op, d, sizes = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    inner = math.prod(_with_dim(shape, d, 1))
+    counts = _counts(sizes, inner)
+    out_shape = _with_dim(shape, d, sizes[g.index])
+    comm, empty, issue = g.comm, b.empty, C._issue
+    pack = _packer(b.xp, empty, shape, d, sizes, dtype)
+    extra = (op, d)
+
+    def body(x):
+        out = empty(out_shape, dtype)
+        if C._check is not None:
+            C._check("reduce_scatter", g, dtype, shape, extra)
+        send = x if pack is None else pack(x)
+        return issue("tp_collective", False, comm.reduce_scatter, (send, out, counts, op), out)
+    return body, out_shape
+
+
+def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv, check):
+    """all_to_all of an ``in_shape`` piece: parts ``split`` along ``split_dim`` go out, parts
+    of lengths ``recv`` along ``concat_dim`` come in.  ``check`` = (shape, extra) to verify."""
+    base = _with_dim(in_shape, split_dim, split[g.index])
+    out_shape = _with_dim(base, concat_dim, sum(recv))
+    send_counts = [math.prod(_with_dim(in_shape, split_dim, s)) for s in split]
+    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv]
+    fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
+    sc, rc = (None, None) if fixed else (send_counts, recv_counts)
+    comm, empty, issue, xp = g.comm, b.empty, C._issue, b.xp
+    pack = _packer(xp, empty, in_shape, split_dim, split, dtype)
+    unpack = _unpacker(xp, out_shape, concat_dim, recv)
+    check_shape, check_extra = check
+    size = math.prod(out_shape)
+
+    def body(x):
+        if C._check is not None:
+            C._check("all_to_all", g, dtype, check_shape, check_extra)
+        send = x if pack is None else pack(x)
+        out = empty(out_shape, dtype)
+        if unpack is None:
+            return issue("a2a", False, comm.all_to_all, (send, out, sc, rc), out)
+        got = empty((size,), dtype)
+        issue("a2a", False, comm.all_to_all, (send, got, sc, rc), got)
+        unpack(got, out)
+        return out
+    return body, out_shape
+
+
+def _all_to_all(b, mesh, shape, dtype, spec):
+    a, d, e, split, recv = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    masked = tuple(-1 if i in (e, d) else s for i, s in enumerate(shape))
+    return _exchange(b, g, dtype, shape, e, list(split), d, list(recv), (masked, (e, d)))
+
+
+def _direct(b, mesh, shape, dtype, spec):
+    """The one-exchange step: pieces cut from boxes of x, one all_to_all(v) over the group,
+    pieces written into boxes of the result (``redistribute._direct_step``)."""
+    group, send, recv, send_counts, recv_counts, out_shape = spec
+    g = _group(mesh, group)
+    if g is None:
+        return None
+    fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
+    sc, rc = (None, None) if fixed else (list(send_counts), list(recv_counts))
+    comm, empty, issue, xp = g.comm, b.empty, C._issue, b.xp
+    total_send, total_recv = sum(send_counts), sum(recv_counts)
+    sends, at = [], 0
+    for sl, cnt, shp in send:
+        sends.append((slice(at, at + cnt), shp, sl))
+        at += cnt
+    recvs, at = [], 0
+    for sl, cnt, shp in recv:
+        recvs.append((slice(at, at + cnt), shp, sl))
+        at += cnt
+
+    def body(x):
+        if C._check is not None:
+            C._check("all_to_all", g, dtype, (-1,), (0, 0))
+        buf = empty((total_send,), dtype)
+        for flat, shp, sl in sends:
+            xp.copyto(buf[flat].reshape(shp), x[sl])
+        got = empty((total_recv,), dtype)
+        issue("a2a", False, comm.all_to_all, (buf, got, sc, rc), got)
+        out = empty(out_shape, dtype)
+        for flat, shp, sl in recvs:
+            xp.copyto(out[sl], got[flat].reshape(shp))
+        return out
+    return body, out_shape
+
+
+_COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+              "all_to_all": _all_to_all, "direct": _direct}
+
+
+def compile_plan(plan, backend, dtype):
+    """(the function running ``plan`` on this rank's piece, its input shape), or None when a
+    step's group does not exist yet (the steps make it, collectively, on their first run)."""
+    shape = local_shape(plan.shape, plan.src, plan.mesh)
+    in_shape, bodies = shape, []
+    for s in plan.steps:
+        if s.kind == "relabel":
+            continue
+        if s.spec is None:                       # a local step (slice, partialize): its own body
+            bodies.append(s._run)
+            shape = local_shape(plan.shape, s.dst, plan.mesh)
+            continue
+        kind = "direct" if s.detail.startswith("direct") else s.kind
+        made = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
+        if made is None:
+            return None
+        body, shape = made
+        bodies.append(body)
+    assert shape == local_shape(plan.shape, plan.dst, plan.mesh), (plan, shape)
+    if not bodies:
+        return (lambda x: x), in_shape
+    if len(bodies) == 1:
+        return bodies[0], in_shape
+
+    def run(x):
+        for body in bodies:
+            x = body(x)
+        return x
+    return run, in_shape
