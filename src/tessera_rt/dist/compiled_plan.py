@@ -6,8 +6,9 @@ group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is t
 every call.  ``compile_plan`` works it out once and returns one function per plan that does
 only what must happen per call:
 
-* the cross-rank agreement check (``consistency.check``: a set lookup in steady state),
-  with the same signature as the array collective would pass, so it fires as it does there;
+* the cross-rank agreement check (``consistency.check``: a set lookup in steady state) for
+  each collective, with the signature the array collective would pass, so it fires as it
+  does there; ``Plan.run`` makes them all before the first step moves data;
 * a pooled output (``backend.empty``: reused once the caller drops the previous result);
 * at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
   one (a dim other than the leading one); none where the pieces are contiguous runs;
@@ -124,10 +125,8 @@ def _all_reduce(b, mesh, shape, dtype, spec):
 
     def body(x):
         out = empty(shape, dtype)
-        if C._check is not None:
-            C._check("all_reduce", g, dtype, shape, op)
         return issue("tp_collective", False, comm.all_reduce, (x, out, op), out)
-    return body, shape
+    return body, shape, ("all_reduce", g, dtype, shape, op)
 
 
 def _all_gather(b, mesh, shape, dtype, spec):
@@ -140,27 +139,22 @@ def _all_gather(b, mesh, shape, dtype, spec):
     counts = None if even else [s * inner for s in sizes]
     out_shape = _with_dim(shape, d, sum(sizes))
     check_shape = shape if even else _with_dim(shape, d, -1)   # what collectives.all_gather checks
-    check_extra = d
     comm, empty, issue = g.comm, b.empty, C._issue
     unpack = _unpacker(b.xp, out_shape, d, sizes)
     size = math.prod(out_shape)
     if unpack is None:
         def body(x):
             out = empty(out_shape, dtype)
-            if C._check is not None:
-                C._check("all_gather", g, dtype, check_shape, check_extra)
             return issue("tp_collective", False, comm.all_gather, (x, out, counts), out)
-        return body, out_shape
+        return body, out_shape, ("all_gather", g, dtype, check_shape, d)
 
     def body_unpack(x):
         recv = empty((size,), dtype)
-        if C._check is not None:
-            C._check("all_gather", g, dtype, check_shape, check_extra)
         issue("tp_collective", False, comm.all_gather, (x, recv, counts), recv)
         out = empty(out_shape, dtype)
         unpack(recv, out)
         return out
-    return body_unpack, out_shape
+    return body_unpack, out_shape, ("all_gather", g, dtype, check_shape, d)
 
 
 def _reduce_scatter(b, mesh, shape, dtype, spec):
@@ -173,20 +167,17 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
     out_shape = _with_dim(shape, d, sizes[g.index])
     comm, empty, issue = g.comm, b.empty, C._issue
     pack = _packer(b.xp, empty, shape, d, sizes, dtype)
-    extra = (op, d)
 
     def body(x):
         out = empty(out_shape, dtype)
-        if C._check is not None:
-            C._check("reduce_scatter", g, dtype, shape, extra)
         send = x if pack is None else pack(x)
         return issue("tp_collective", False, comm.reduce_scatter, (send, out, counts, op), out)
-    return body, out_shape
+    return body, out_shape, ("reduce_scatter", g, dtype, shape, (op, d))
 
 
-def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv, check):
+def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
     """all_to_all of an ``in_shape`` piece: parts ``split`` along ``split_dim`` go out, parts
-    of lengths ``recv`` along ``concat_dim`` come in.  ``check`` = (shape, extra) to verify."""
+    of lengths ``recv`` along ``concat_dim`` come in."""
     base = _with_dim(in_shape, split_dim, split[g.index])
     out_shape = _with_dim(base, concat_dim, sum(recv))
     send_counts = [math.prod(_with_dim(in_shape, split_dim, s)) for s in split]
@@ -196,12 +187,9 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv, check):
     comm, empty, issue, xp = g.comm, b.empty, C._issue, b.xp
     pack = _packer(xp, empty, in_shape, split_dim, split, dtype)
     unpack = _unpacker(xp, out_shape, concat_dim, recv)
-    check_shape, check_extra = check
     size = math.prod(out_shape)
 
     def body(x):
-        if C._check is not None:
-            C._check("all_to_all", g, dtype, check_shape, check_extra)
         send = x if pack is None else pack(x)
         out = empty(out_shape, dtype)
         if unpack is None:
@@ -219,7 +207,8 @@ def _all_to_all(b, mesh, shape, dtype, spec):
     if g is None:
         return None
     masked = tuple(-1 if i in (e, d) else s for i, s in enumerate(shape))
-    return _exchange(b, g, dtype, shape, e, list(split), d, list(recv), (masked, (e, d)))
+    body, out_shape = _exchange(b, g, dtype, shape, e, list(split), d, list(recv))
+    return body, out_shape, ("all_to_all", g, dtype, masked, (e, d))
 
 
 def _direct(b, mesh, shape, dtype, spec):
@@ -243,8 +232,6 @@ def _direct(b, mesh, shape, dtype, spec):
         at += cnt
 
     def body(x):
-        if C._check is not None:
-            C._check("all_to_all", g, dtype, (-1,), (0, 0))
         buf = empty((total_send,), dtype)
         for flat, shp, sl in sends:
             xp.copyto(buf[flat].reshape(shp), x[sl])
@@ -254,7 +241,7 @@ def _direct(b, mesh, shape, dtype, spec):
         for flat, shp, sl in recvs:
             xp.copyto(out[sl], got[flat].reshape(shp))
         return out
-    return body, out_shape
+    return body, out_shape, ("all_to_all", g, dtype, (-1,), (0, 0))
 
 
 _COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
@@ -262,10 +249,11 @@ _COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scat
 
 
 def compile_plan(plan, backend, dtype):
-    """(the function running ``plan`` on this rank's piece, its input shape), or None when a
-    step's group does not exist yet (the steps make it, collectively, on their first run)."""
+    """(the function running ``plan`` on this rank's piece, its input shape, the agreement
+    check's arguments for each collective), or None when a step's group does not exist yet
+    (the steps make it, collectively, on their first run)."""
     shape = local_shape(plan.shape, plan.src, plan.mesh)
-    in_shape, bodies = shape, []
+    in_shape, bodies, checks = shape, [], []
     for s in plan.steps:
         if s.kind == "relabel":
             continue
@@ -277,16 +265,17 @@ def compile_plan(plan, backend, dtype):
         made = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
         if made is None:
             return None
-        body, shape = made
+        body, shape, check = made
         bodies.append(body)
+        checks.append(check)
     assert shape == local_shape(plan.shape, plan.dst, plan.mesh), (plan, shape)
     if not bodies:
-        return (lambda x: x), in_shape
+        return (lambda x: x), in_shape, ()
     if len(bodies) == 1:
-        return bodies[0], in_shape
+        return bodies[0], in_shape, tuple(checks)
 
     def run(x):
         for body in bodies:
             x = body(x)
         return x
-    return run, in_shape
+    return run, in_shape, tuple(checks)

@@ -244,17 +244,22 @@ def _state(g) -> _GroupState:
     return st
 
 
-def check(op: str, g, dtype, shape, extra) -> None:
-    """Called by every collective before it moves data (the hot path: keep it lean)."""
+def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
+    """Called by every collective before it moves data (the hot path: keep it lean).
+    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``Plan.run``
+    (which calls this for each of its collectives, so no ``Plan.run`` frame lies between
+    here and the user to read it from)."""
     st = g.__dict__.get("_consistency") or _state(g)
     st.seq = seq = st.seq + 1
     c = _cfg
     f = _getframe(2)                      # the collective's caller: the user, for a plain array
     code = f.f_code
     if _INTERNAL.get(code) is False and not c.metas:
-        key = (code, f.f_lineno, op, dtype, shape, extra, None)
+        key = (code, f.f_lineno, op, dtype, shape, extra, None if plan_meta is None else (plan_meta, None))
     else:                                 # called from tessera_rt (a DTensor op): walk out
         code, line, meta = user_frame(2)
+        if meta is None:
+            meta = plan_meta
         if c.metas:
             ms, c.metas = _spanning(c.metas, g), {}
             meta = (meta, ms) if ms else (None if meta is None else (meta, None))

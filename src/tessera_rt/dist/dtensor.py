@@ -55,13 +55,14 @@ class TensorMeta:
     """Interned (layout, global shape, dtype, mesh): compared and hashed by identity, so a
     dispatcher cache key is a tuple of a few of these."""
 
-    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "redist", "__weakref__")
+    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "redist", "last", "__weakref__")
 
     def __init__(self, layout: Layout, shape: tuple, dtype: np.dtype, mesh: Mesh):
         self.layout, self.shape, self.dtype, self.mesh, self.ndim = layout, shape, dtype, mesh, len(shape)
         # target spec (as the caller wrote it) -> (plan, the result's meta): X.redistribute's
         # repeat calls skip resolving the spec and looking the plan up (cleared with the plans)
         self.redist: dict = {}
+        self.last: tuple | None = None          # (target spec, entry) of the last call: an `is` test
 
     def __repr__(self) -> str:
         return f"{dtype_name(self.dtype)}{list(self.shape)} {self.layout!r}"
@@ -69,6 +70,25 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def last_target(self, layout, x: "DTensor") -> tuple:
+        """(plan, result meta) of ``x.redistribute(layout)``, from ``redist`` or made now;
+        remembered as ``last``.  Bad specs raise here, on every call (nothing is cached)."""
+        try:
+            hit = self.redist.get(layout)
+        except TypeError:                     # an unhashable spec: as_layout says what is wrong
+            hit = None
+        if hit is None:
+            plan = x.explain_redistribute(layout)
+            hit = (plan, meta_of(plan.dst, self.shape, self.dtype, self.mesh))
+            if len(self.redist) >= _REDIST_MAX:
+                self.redist.clear()
+            try:
+                self.redist[layout] = hit
+            except TypeError:
+                return hit
+        self.last = (layout, hit)
+        return hit
 
 
 _METAS: dict[tuple, TensorMeta] = {}
@@ -78,6 +98,7 @@ _REDIST_MAX = 64          # targets remembered per meta (a loop making new specs
 def _clear_redist() -> None:
     for m in _METAS.values():
         m.redist.clear()
+        m.last = None
 
 
 on_change(_clear_redist)        # a new cost model may choose other plans
@@ -194,20 +215,11 @@ class DTensor:
     def redistribute(self, layout) -> "DTensor":
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
         m = self._meta
-        try:
-            hit = m.redist.get(layout)
-        except TypeError:                     # an unhashable spec: as_layout says what is wrong
-            hit = None
-        if hit is None:
-            plan = self.explain_redistribute(layout)
-            hit = (plan, meta_of(plan.dst, m.shape, m.dtype, m.mesh))
-            if len(m.redist) >= _REDIST_MAX:
-                m.redist.clear()
-            try:
-                m.redist[layout] = hit
-            except TypeError:
-                pass
-        plan, out_meta = hit
+        last = m.last
+        if last is not None and last[0] is layout:
+            plan, out_meta = last[1]
+        else:
+            plan, out_meta = m.last_target(layout, self)
         if not plan.steps:
             return self
         t = _new(DTensor)

@@ -84,17 +84,22 @@ class Plan:
         self.dtype_name = dtype_name
         # what the agreement check (consistency.user_frame) reports for a collective run by this plan
         self.check_meta = (dtype_name, tuple(shape), repr(src), repr(dst))
-        # (array type, dtype, input shape, compiled function) once compiled (compiled_plan);
-        # False: do not try again (a step's group is still to be made, or no steps)
+        # (array type, dtype, input shape, compiled function, check arguments per collective)
+        # once compiled (compiled_plan)
         self._exec = None
 
     def run(self, x):
         """This rank's piece ``x`` in ``dst``.  A repeated run takes the compiled form
-        (compiled_plan: the communicator calls only) unless something watches collectives."""
+        (compiled_plan: the communicator calls only) unless something watches collectives;
+        the agreement check then runs for every collective of the plan before the first."""
         ex = self._exec
         if ex is None:
             ex = self._compile(x)
         if ex and not _HOOKS and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
+            check = C._check
+            if check is not None:
+                for args in ex[4]:
+                    check(*args, self.check_meta)
             return ex[3](x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x))
         for s in self.steps:
             x = s._run(x)
@@ -112,8 +117,8 @@ class Plan:
         made = compile_plan(self, b, x.dtype)
         if made is None:
             return None
-        fn, in_shape = made
-        self._exec = (x.__class__, x.dtype, in_shape, fn)
+        fn, in_shape, checks = made
+        self._exec = (x.__class__, x.dtype, in_shape, fn, checks)
         return self._exec
 
     @property
