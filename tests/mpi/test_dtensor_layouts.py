@@ -5,6 +5,7 @@ Pending reductions are built with different values on every rank (they add up to
 tensor), so a wrong reduction cannot pass by accident.
 """
 import itertools
+import weakref
 
 import numpy as np
 import pytest
@@ -308,6 +309,10 @@ def check_compiled(g, src, dst, mesh, runs: int = 2):
         check_result(Y, g, src, dst, mesh, plan, i)
     if plan.collectives:
         assert plan._exec, plan                  # the repeat ran compiled
+    with dist.trace_collectives() as log:        # something watching: the steps, recorded
+        Y = X.redistribute(dst)
+    assert [r.op for r in log.records] == list(plan.collectives)
+    check_result(Y, g, src, dst, mesh, plan, runs)
     return plan
 
 
@@ -388,3 +393,45 @@ def test_compiled_plans_keep_the_agreement_check(world):
     assert "DTensor global shape/layout" in msg and "float64[6, 5] S(0)@tp -> R" in msg, msg
     assert "test_dtensor_layouts.py:" in msg, msg
     np.testing.assert_array_equal(Xs[(6, 4)].redistribute(R).to_local(), global_array((6, 4)))
+
+
+def test_strided_all_to_all_without_pack(world, monkeypatch):
+    """Equal parts along an inner dim go out as MPI derived datatypes, read in place (above
+    compiled_plan.STRIDED_MIN_BYTES; lowered here so small shapes take that path)."""
+    from tessera_rt.dist import compiled_plan
+    monkeypatch.setattr(compiled_plan, "STRIDED_MIN_BYTES", 0)
+    mesh = get_mesh("1d")
+    S = {d: Layout(tuple(("tp",) if i == d else () for i in range(3))) for d in range(3)}
+    for dt in (np.float32, np.int64, np.float64):
+        g = global_array((12, 12, 12), dt, seed=3)      # equal parts at 1-4 ranks
+        for src, dst in ((S[0], S[1]), (S[0], S[2]), (S[1], S[2])):
+            plan = check_compiled(g, src, dst, mesh)
+            if SIZE > 1:
+                assert plan._exec[3].__name__ == ("body_strided" if src == S[0] else "body")   # no unpack
+
+
+def test_compiled_outputs_are_reused_only_when_dropped(world):
+    """A compiled step hands its last output out again only once nothing holds it: results
+    the caller keeps (or keeps a view of) are never overwritten by the next call."""
+    mesh = get_mesh("1d")
+    S0, S1 = dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",))
+    g = global_array((8, 12))
+    X, X2 = dist.distribute(g, layout=S0, mesh=mesh), dist.distribute(2 * g, layout=S0, mesh=mesh)
+    want = g[dist.local_slices(g.shape, X.redistribute(S1).layout, mesh)]
+    Y1 = X.redistribute(S1)
+    view = Y1.to_local()[1:]
+    Y2 = X2.redistribute(S1)                    # the same plan, another tensor
+    assert not np.shares_memory(Y1.to_local(), Y2.to_local())
+    del Y1
+    Y3 = X2.redistribute(S1)
+    assert not np.shares_memory(view, Y3.to_local())
+    np.testing.assert_array_equal(view, want[1:])
+    np.testing.assert_array_equal(Y2.to_local(), 2 * want)
+    del view, Y2, Y3
+    Y4 = X.redistribute(S1)
+    np.testing.assert_array_equal(Y4.to_local(), want)
+    if SIZE > 1:                                 # dropped by the caller, the output is kept and comes back
+        kept = weakref.ref(Y4.to_local())
+        del Y4
+        again = X.redistribute(S1).to_local()      # (an assert's temporaries would hold it)
+        assert again is kept()

@@ -36,7 +36,7 @@ from ..autodiff.tape import differentiable
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from . import collectives as C
-from .layout import Layout, as_layout
+from .layout import REPLICATE, Layout, as_layout
 from .mesh import Mesh, current_mesh
 from .process_group import world
 from .cost import on_change
@@ -209,8 +209,7 @@ class DTensor:
 
     def full_tensor(self):
         """The whole tensor on every rank (the collectives its layout needs)."""
-        m = self._meta
-        return self.redistribute(Layout(((),) * m.ndim))._local
+        return self.redistribute(REPLICATE(self._meta.ndim))._local
 
     def redistribute(self, layout) -> "DTensor":
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
