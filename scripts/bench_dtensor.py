@@ -7,9 +7,11 @@ Part 1 times each DTensor op on small tensors (no communication) against the sam
 the local arrays (the kernel table for matmul/softmax/layernorm, NumPy for the rest); the
 difference is the dispatcher's overhead (target: <= 10 us elementwise, <= 20 us matmul).
 Part 2 times each redistribution against the same data movement written by hand with
-mpi4py on COMM_WORLD (speed ratio = hand time / tessera time; target >= 0.9).  When torch
+mpi4py on COMM_WORLD (speed ratio = hand time / tessera time; target >= 0.9), their
+repeats interleaved so both meet the same load on a shared machine.  When torch
 imports, torch.distributed.tensor on gloo runs the same ops in the same process.
-Times are medians over repeats of the slowest rank's mean per call.
+Times are medians over repeats of the slowest rank's mean per call (part 2 also gives the
+minimum over its repeats, the figure least disturbed by other load on a shared machine).
 """
 from __future__ import annotations
 
@@ -44,6 +46,23 @@ def timeit(fn, *, calls: int, repeats: int = 7, sync: bool = False) -> float:
     if not sync:
         return COMM.allreduce(statistics.median(per), op=MPI.MAX)
     return statistics.median(per)
+
+
+def timeit_pair(fa, fb, *, calls: int, repeats: int = 9) -> tuple[float, float, float, float]:
+    """timeit(sync=True) of two functions with their repeats interleaved (a, b, a, b, ...), so
+    both meet the same load on a shared machine: (median of a, median of b, min of a, min of b)."""
+    for f in (fa, fb):
+        for _ in range(max(3, calls // 10)):
+            f()
+    per = ([], [])
+    for _ in range(repeats):
+        for f, out in zip((fa, fb), per):
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            out.append(COMM.allreduce((time.perf_counter() - t0) / calls * 1e6, op=MPI.MAX))
+    return statistics.median(per[0]), statistics.median(per[1]), min(per[0]), min(per[1])
 
 
 # --------------------------------------------------------------------------- part 1: overhead
@@ -147,13 +166,14 @@ def hand_written(case: str, local, shape, n: int, rank: int):
         out = np.empty((M, n_me), np.float32)
 
         def run():
+            if even:                          # one vectorized copy packs every destination's columns
+                send.reshape(n, m_me, n_me)[...] = local.reshape(m_me, n, n_me).transpose(1, 0, 2)
+                COMM.Alltoall(send, out)
+                return
             for j in range(n):               # pack each destination's columns contiguously
                 send[sdispl[j]:sdispl[j] + scounts[j]].reshape(m_me, cols[j])[...] = \
                     local[:, coffs[j]:coffs[j] + cols[j]]
-            if even:
-                COMM.Alltoall(send, out)
-            else:
-                COMM.Alltoallv([send, scounts, sdispl, mt], [out, rcounts, rdispl, mt])
+            COMM.Alltoallv([send, scounts, sdispl, mt], [out, rcounts, rdispl, mt])
         return run
     raise KeyError(case)
 
@@ -169,11 +189,12 @@ def run_redistribute(mesh, n, rank, sizes, calls):
         for name, src, dst in cases:
             X = dist.distribute(g, layout=src, mesh=mesh)
             plan = X.explain_redistribute(dst)
-            t_ts = timeit(lambda: X.redistribute(dst), calls=calls, sync=True)
-            t_hand = timeit(hand_written(name, np.ascontiguousarray(X.to_local()), shape, n, rank),
-                            calls=calls, sync=True)
+            t_ts, t_hand, min_ts, min_hand = timeit_pair(lambda: X.redistribute(dst),
+                                       hand_written(name, np.ascontiguousarray(X.to_local()), shape, n, rank),
+                                       calls=calls)
             rows.append(dict(case=name, shape=list(shape), bytes=int(g.nbytes), steps=list(plan.collectives),
-                             tessera_us=t_ts, mpi4py_us=t_hand, ratio=t_hand / t_ts))
+                             tessera_us=t_ts, mpi4py_us=t_hand, ratio=t_hand / t_ts,
+                             tessera_min_us=min_ts, mpi4py_min_us=min_hand, ratio_min=min_hand / min_ts))
     return rows
 
 
@@ -361,12 +382,13 @@ def report(res) -> None:
               f"{r['target_us']:>7.0f} {ok:<4}{_fmt(t, 'overhead_us'):>10}")
     tred = {(r["case"], tuple(r["shape"])): r for r in tor.get("redistribute", [])}
     print(f"\n# redistribution, {res['ranks']} ranks, float32 (median us/call of the slowest rank)")
-    print(f"{'case':<12}{'shape':<14}{'MB':>6}{'steps':<18}{'tessera':>10}{'mpi4py':>10}{'ratio':>7}{'torch':>10}")
+    print(f"{'case':<12}{'shape':<14}{'MB':>6}{'steps':<18}{'tessera':>10}{'mpi4py':>10}{'ratio':>7}{'torch':>10}"
+          f"{'min ts':>10}{'min mpi':>10}{'ratio':>7}")
     for r in res["redistribute"]:
         t = tred.get((r["case"], tuple(r["shape"])))
         print(f"{r['case']:<12}{str(tuple(r['shape'])):<14}{r['bytes'] / 2**20:>6.1f} {','.join(r['steps']) or '-':<17}"
               f"{r['tessera_us']:>10.1f}{r['mpi4py_us']:>10.1f}{r['ratio']:>7.2f}"
-              f"{_fmt(t, 'torch_us'):>10}")
+              f"{_fmt(t, 'torch_us'):>10}{r['tessera_min_us']:>10.1f}{r['mpi4py_min_us']:>10.1f}{r['ratio_min']:>7.2f}")
     if "error" in tor:
         print(f"\n(torch peer: {tor['error']})")
     elif tor:

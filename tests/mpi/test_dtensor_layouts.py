@@ -5,6 +5,7 @@ Pending reductions are built with different values on every rank (they add up to
 tensor), so a wrong reduction cannot pass by accident.
 """
 import itertools
+import weakref
 
 import numpy as np
 import pytest
@@ -13,7 +14,10 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from tessera_rt import dist
+from tessera_rt.dist import consistency
 from tessera_rt.dist.layout import Layout, LayoutError
+from tessera_rt.dist.redistribute import plan_redistribute
+from tessera_rt.dtypes import dtype_name
 
 SIZE = MPI.COMM_WORLD.Get_size()
 MESH_KINDS = ["1d"] + (["2x2"] if SIZE == 4 else []) + (["2x1"] if SIZE == 2 else [])
@@ -181,13 +185,20 @@ def check_redistribute(g, src, dst, mesh):
     assert log.count() == len(plan.collectives), (src, dst, plan)
     assert [r.op for r in log.records] == list(plan.collectives)
     assert log.bytes_sent == plan.bytes_sent, (plan, [str(r) for r in log.records])
-    assert Y.layout == dst and Y.shape == g.shape
+    check_result(Y, g, src, dst, mesh, plan)
+    np.testing.assert_array_equal(Y.full_tensor(), g, err_msg=f"{src!r} -> {dst!r}\n{plan}")
+    return plan
+
+
+def check_result(Y, g, src, dst, mesh, plan, run=0):
+    """Y is g in layout dst: its metadata, and its piece (or the full tensor when pending)."""
+    assert Y.layout == dst and Y.shape == g.shape and Y.dtype == g.dtype
     assert Y.to_local().shape == dist.local_shape(g.shape, dst, mesh)
     if not dst.partial:
         np.testing.assert_array_equal(Y.to_local(), g[dist.local_slices(g.shape, dst, mesh)],
-                                      err_msg=f"{src!r} -> {dst!r}\n{plan}")
-    np.testing.assert_array_equal(Y.full_tensor(), g, err_msg=f"{src!r} -> {dst!r}\n{plan}")
-    return plan
+                                      err_msg=f"run {run}: {src!r} -> {dst!r}\n{plan}")
+    else:
+        np.testing.assert_array_equal(Y.full_tensor(), g, err_msg=f"run {run}: {src!r} -> {dst!r}\n{plan}")
 
 
 @pytest.mark.parametrize("kind", MESH_KINDS)
@@ -276,3 +287,159 @@ def test_hypothesis_round_trips(world, seed):
     np.testing.assert_array_equal(Y.full_tensor(), g, err_msg=f"{a!r} -> {b!r} -> {c!r}")
     if not a.partial:
         np.testing.assert_array_equal(Y.to_local(), X.to_local())
+
+
+# --------------------------------------------------------------------------- compiled plans
+# A repeated redistribute with nothing watching collectives runs the plan's compiled form
+# (dist/compiled_plan.py); the tests above run under trace_collectives, i.e. the steps.
+
+def _last_check():
+    ring = consistency._cfg.ring          # the checks' ring (the watchdog's history)
+    return ring[-1] if ring else None
+
+
+def _checked_ops(since) -> list[str]:
+    """The ops of this rank's agreement checks after the ring entry ``since`` (one per
+    collective issued)."""
+    ring = list(consistency._cfg.ring)
+    new = len(ring) - next((i for i, e in enumerate(ring) if e is since), -1) - 1 if since is not None else len(ring)
+    return [desc.split("(")[0] for *_, desc in consistency.recent_calls()[len(ring) - new:]]
+
+
+def check_compiled(g, src, dst, mesh, runs: int = 2):
+    X = dist.from_local(make_local(g, src, mesh), layout=src, mesh=mesh, shape=g.shape, validate=False)
+    plan = X.explain_redistribute(dst)
+    for i in range(runs):
+        before = _last_check()
+        Y = X.redistribute(dst)
+        if consistency.enabled():        # the check fires once per collective, in the plan's order
+            assert _checked_ops(before) == list(plan.collectives), (src, dst, plan)
+        check_result(Y, g, src, dst, mesh, plan, i)
+    if plan.collectives:
+        assert plan._exec, plan                  # the repeat ran compiled
+    with dist.trace_collectives() as log:        # something watching: the steps, recorded
+        Y = X.redistribute(dst)
+    assert [r.op for r in log.records] == list(plan.collectives)
+    check_result(Y, g, src, dst, mesh, plan, runs)
+    return plan
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+@pytest.mark.parametrize("shape", [(5, 3), (4, 6), (0, 3)])
+def test_compiled_plans_every_pair(world, kind, shape):
+    if kind == "2x2" and shape != (5, 3):
+        pytest.skip("one uneven shape is enough on 2x2 (time)")
+    mesh = get_mesh(kind)
+    g = global_array(shape)
+    lays = all_layouts(mesh, 2)
+    for src, dst in itertools.product(lays, lays):
+        check_compiled(g, src, dst, mesh)
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_compiled_plans_3d_and_direct(world, kind):
+    mesh = get_mesh(kind)
+    g = global_array((3, 4, 5))
+    lays = all_layouts(mesh, 3, ("avg",))
+    for src in lays:
+        for dst in lays[:: max(1, len(lays) // 5)]:
+            check_compiled(g, src, dst, mesh)
+    # the one-exchange plans (redistribute._direct_step), compiled
+    plain = [lay for lay in lays if not lay.partial]
+    for src, dst in itertools.product(plain[:: 1 + len(plain) // 8], plain):
+        plan = plan_redistribute(g.shape, src, dst, mesh, g.dtype, direct=True)
+        x = g[dist.local_slices(g.shape, src, mesh)].copy()
+        for _ in range(2):
+            np.testing.assert_array_equal(plan.run(x), g[dist.local_slices(g.shape, dst, mesh)],
+                                          err_msg=f"{src!r} -> {dst!r}\n{plan}")
+
+
+def test_cached_plans_follow_shape_dtype_layout_and_mesh(world):
+    """One compiled plan per (global shape, dtype, source and target layout, mesh): a plan is
+    never reused for a tensor that differs in any of them (3 ranks: uneven pieces)."""
+    mesh = get_mesh("1d")
+    flipped = dist.Mesh(axes=["tp"], shape={"tp": SIZE}, devices=list(reversed(range(SIZE))))
+    S0, S1 = dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",))
+    R = dist.ReplicateSpec()
+    plans = {}
+    for m in (mesh, flipped):
+        for shape in [(5, 3), (7, 3), (5, 4)]:
+            for dt in (np.float64, np.float32, np.int32):
+                g = global_array(shape, dt)
+                for src, dst in ((S0, S1), (S0, R), (S1, S0), (S1, R)):
+                    X = dist.distribute(g, layout=src, mesh=m)
+                    for _ in range(2):
+                        Y = X.redistribute(dst)
+                        assert Y.dtype == dt and Y.shape == shape and Y.mesh == m
+                        np.testing.assert_array_equal(Y.to_local(), g[dist.local_slices(shape, Y.layout, m)])
+                    plan = X._meta.redist[dst][0]
+                    assert (plan.shape, plan.dtype_name, plan.src, plan.mesh) == (shape, dtype_name(dt), X.layout, m)
+                    assert plan.dst == Y.layout
+                    if SIZE > 1:
+                        assert plan._exec and plan._exec[1] == np.dtype(dt)
+                        assert plan._exec[2] == X.to_local().shape
+                    plans[(m.devices, shape, dt, src, dst)] = plan
+    assert len({id(p) for p in plans.values()}) == len(plans)
+
+
+def test_compiled_plans_keep_the_agreement_check(world):
+    """Ranks that redistribute different tensors at one call site raise on every rank before
+    data moves, on the compiled path too; then they go on in step."""
+    if SIZE < 2:
+        pytest.skip("needs 2 ranks")
+    mesh = get_mesh("1d")
+    S0, R = dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ReplicateSpec()
+    Xs = {s: dist.distribute(global_array(s), layout=S0, mesh=mesh) for s in [(6, 4), (6, 5)]}
+    for X in Xs.values():                       # compile both plans on every rank
+        for _ in range(2):
+            X.redistribute(R)
+        assert X.explain_redistribute(R)._exec
+    X = Xs[(6, 5) if world.rank == 1 else (6, 4)]
+    with pytest.raises(consistency.CollectiveMismatchError) as e:
+        X.redistribute(R)
+    msg = str(e.value)
+    assert "DTensor global shape/layout" in msg and "float64[6, 5] S(0)@tp -> R" in msg, msg
+    assert "test_dtensor_layouts.py:" in msg, msg
+    np.testing.assert_array_equal(Xs[(6, 4)].redistribute(R).to_local(), global_array((6, 4)))
+
+
+def test_strided_all_to_all_without_pack(world, monkeypatch):
+    """Equal parts along an inner dim go out as MPI derived datatypes, read in place (above
+    compiled_plan.STRIDED_MIN_BYTES; lowered here so small shapes take that path)."""
+    from tessera_rt.dist import compiled_plan
+    monkeypatch.setattr(compiled_plan, "STRIDED_MIN_BYTES", 0)
+    mesh = get_mesh("1d")
+    S = {d: Layout(tuple(("tp",) if i == d else () for i in range(3))) for d in range(3)}
+    for dt in (np.float32, np.int64, np.float64):
+        g = global_array((12, 12, 12), dt, seed=3)      # equal parts at 1-4 ranks
+        for src, dst in ((S[0], S[1]), (S[0], S[2]), (S[1], S[2])):
+            plan = check_compiled(g, src, dst, mesh)
+            if SIZE > 1:
+                assert plan._exec[3].__name__ == ("body_strided" if src == S[0] else "body")   # no unpack
+
+
+def test_compiled_outputs_are_reused_only_when_dropped(world):
+    """A compiled step hands its last output out again only once nothing holds it: results
+    the caller keeps (or keeps a view of) are never overwritten by the next call."""
+    mesh = get_mesh("1d")
+    S0, S1 = dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",))
+    g = global_array((8, 12))
+    X, X2 = dist.distribute(g, layout=S0, mesh=mesh), dist.distribute(2 * g, layout=S0, mesh=mesh)
+    want = g[dist.local_slices(g.shape, X.redistribute(S1).layout, mesh)]
+    Y1 = X.redistribute(S1)
+    view = Y1.to_local()[1:]
+    Y2 = X2.redistribute(S1)                    # the same plan, another tensor
+    assert not np.shares_memory(Y1.to_local(), Y2.to_local())
+    del Y1
+    Y3 = X2.redistribute(S1)
+    assert not np.shares_memory(view, Y3.to_local())
+    np.testing.assert_array_equal(view, want[1:])
+    np.testing.assert_array_equal(Y2.to_local(), 2 * want)
+    del view, Y2, Y3
+    Y4 = X.redistribute(S1)
+    np.testing.assert_array_equal(Y4.to_local(), want)
+    if SIZE > 1:                                 # dropped by the caller, the output is kept and comes back
+        kept = weakref.ref(Y4.to_local())
+        del Y4
+        again = X.redistribute(S1).to_local()      # (an assert's temporaries would hold it)
+        assert again is kept()

@@ -195,6 +195,15 @@ class MpiCommunicator(Communicator):
         return self._call(blocking, self.mpi.Alltoallv, self.mpi.Ialltoallv,
                           (_vbuf(send, send_counts), _vbuf(recv, recv_counts)))
 
+    def all_to_all_strided(self, send, part_type, recv, blocking=True, stream=None):
+        """all_to_all of equal parts that are strided views of the contiguous ``send``, one
+        ``part_type`` each (an MPI derived datatype whose extent steps from one part to the
+        next): MPI gathers each part while it copies, so no pack buffer is written first."""
+        if blocking:
+            self.mpi.Alltoall([send, 1, part_type], recv)
+            return None
+        return _MpiRequest([self.mpi.Ialltoall([send, 1, part_type], recv)])
+
     def broadcast(self, buf, root, blocking=True, stream=None):
         if blocking:
             self.mpi.Bcast(_buf(buf), root)

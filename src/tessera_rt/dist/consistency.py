@@ -84,7 +84,7 @@ def user_frame(depth: int, lasti: bool = False):
         if meta is None and _PLAN_RUN and code is _PLAN_RUN[0]:
             p = f.f_locals.get("self")
             if p is not None:
-                meta = (p.dtype_name, tuple(p.shape), repr(p.src), repr(p.dst))
+                meta = p.check_meta
         f = f.f_back
     return None, 0, meta
 
@@ -292,13 +292,16 @@ def group_state(g) -> "_GroupState":
     return g.__dict__.get("_consistency") or _state(g)
 
 
-def check(op: str, g, dtype, shape, extra) -> None:
+def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     """Called by a collective before it moves data, from the frame of the function the user
-    called (its caller is the call site); collectives with a cached plan call ``check_sig``."""
-    check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3)
+    called (its caller is the call site); collectives with a cached plan call ``check_sig``.
+    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``Plan.run``
+    (which calls this for each of its collectives, so no ``Plan.run`` frame lies between
+    here and the user to read it from)."""
+    check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
 
-def check_sig(st: "_GroupState", s: Sig, depth: int = 2, _internal=_INTERNAL.get, _c=_cfg):
+def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=_INTERNAL.get, _c=_cfg):
     """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
@@ -307,7 +310,7 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, _internal=_INTERNAL.get
     f = _getframe(depth)                  # the collective's caller: the user, for a plain array
     code = f.f_code
     if _internal(code) is False and not _c.metas:
-        key = (code, f.f_lasti, s, None)
+        key = (code, f.f_lasti, s, None if plan_meta is None else (plan_meta, None))
         _RING((st, seq, key))
         if seq & _c.mask and key in st.seen:
             return key
@@ -315,6 +318,8 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, _internal=_INTERNAL.get
         return key                        # a plan may remember it (check_plan)
     else:                                 # called from tessera_rt (a DTensor op): walk out
         code, at, meta = user_frame(depth, lasti=True)
+        if meta is None:
+            meta = plan_meta
         if _c.metas:
             ms, _c.metas = _spanning(_c.metas, st.g), {}
             meta = (meta, ms) if ms else (None if meta is None else (meta, None))

@@ -36,9 +36,10 @@ from ..autodiff.tape import differentiable
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from . import collectives as C
-from .layout import Layout, as_layout
+from .layout import REPLICATE, Layout, as_layout
 from .mesh import Mesh, current_mesh
 from .process_group import world
+from .cost import on_change
 from .redistribute import Plan, plan_redistribute
 from .shard import local_offsets, local_shape, local_shape_at
 
@@ -54,10 +55,14 @@ class TensorMeta:
     """Interned (layout, global shape, dtype, mesh): compared and hashed by identity, so a
     dispatcher cache key is a tuple of a few of these."""
 
-    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "__weakref__")
+    __slots__ = ("layout", "shape", "dtype", "mesh", "ndim", "redist", "last", "__weakref__")
 
     def __init__(self, layout: Layout, shape: tuple, dtype: np.dtype, mesh: Mesh):
         self.layout, self.shape, self.dtype, self.mesh, self.ndim = layout, shape, dtype, mesh, len(shape)
+        # target spec (as the caller wrote it) -> (plan, the result's meta): X.redistribute's
+        # repeat calls skip resolving the spec and looking the plan up (cleared with the plans)
+        self.redist: dict = {}
+        self.last: tuple | None = None          # (target spec, entry) of the last call: an `is` test
 
     def __repr__(self) -> str:
         return f"{dtype_name(self.dtype)}{list(self.shape)} {self.layout!r}"
@@ -66,8 +71,37 @@ class TensorMeta:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    def last_target(self, layout, x: "DTensor") -> tuple:
+        """(plan, result meta) of ``x.redistribute(layout)``, from ``redist`` or made now;
+        remembered as ``last``.  Bad specs raise here, on every call (nothing is cached)."""
+        try:
+            hit = self.redist.get(layout)
+        except TypeError:                     # an unhashable spec: as_layout says what is wrong
+            hit = None
+        if hit is None:
+            plan = x.explain_redistribute(layout)
+            hit = (plan, meta_of(plan.dst, self.shape, self.dtype, self.mesh))
+            if len(self.redist) >= _REDIST_MAX:
+                self.redist.clear()
+            try:
+                self.redist[layout] = hit
+            except TypeError:
+                return hit
+        self.last = (layout, hit)
+        return hit
+
 
 _METAS: dict[tuple, TensorMeta] = {}
+_REDIST_MAX = 64          # targets remembered per meta (a loop making new specs must not grow it)
+
+
+def _clear_redist() -> None:
+    for m in _METAS.values():
+        m.redist.clear()
+        m.last = None
+
+
+on_change(_clear_redist)        # a new cost model may choose other plans
 
 
 def meta_of(layout: Layout, shape: tuple, dtype, mesh: Mesh) -> TensorMeta:
@@ -175,16 +209,22 @@ class DTensor:
 
     def full_tensor(self):
         """The whole tensor on every rank (the collectives its layout needs)."""
-        m = self._meta
-        return self.redistribute(Layout(((),) * m.ndim))._local
+        return self.redistribute(REPLICATE(self._meta.ndim))._local
 
     def redistribute(self, layout) -> "DTensor":
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
-        plan = self.explain_redistribute(layout)
+        m = self._meta
+        last = m.last
+        if last is not None and last[0] is layout:
+            plan, out_meta = last[1]
+        else:
+            plan, out_meta = m.last_target(layout, self)
         if not plan.steps:
             return self
-        out = plan.run(self._local)
-        return DTensor._wrap(out, meta_of(plan.dst, self._meta.shape, out.dtype, self._meta.mesh))
+        t = _new(DTensor)
+        t._local = plan.run(self._local)
+        t._meta = out_meta
+        return t
 
     def explain_redistribute(self, layout) -> Plan:
         """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and

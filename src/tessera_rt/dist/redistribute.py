@@ -34,6 +34,7 @@ from itertools import product
 from typing import Callable
 
 from . import collectives as C
+from .trace import _HOOKS
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
@@ -47,15 +48,21 @@ def _identity(x):
     return x
 
 
+def _backend():
+    return C._backend()
+
+
 class Step:
     """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``."""
 
-    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run", "copy_bytes")
+    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run", "copy_bytes",
+                 "spec")
 
-    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run, copy_bytes=0):
+    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run, copy_bytes=0, spec=None):
         self.kind, self.axis, self.src, self.dst, self.detail = kind, axis, src, dst, detail
         self.bytes_sent, self.bytes_by_position, self._run = bytes_sent, bytes_by_position, run
         self.copy_bytes = copy_bytes          # the most any rank copies locally (slices, packing)
+        self.spec = spec                      # a collective's arguments, for compiled_plan (None: local)
 
     @property
     def is_collective(self) -> bool:
@@ -69,17 +76,50 @@ class Step:
 class Plan:
     """The steps from ``src`` to ``dst`` for a tensor of global ``shape`` on ``mesh``."""
 
-    __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name")
+    __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name", "check_meta", "_exec")
 
     def __init__(self, shape, src, dst, mesh, steps, dtype_name):
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
         self.steps: tuple[Step, ...] = tuple(steps)
         self.dtype_name = dtype_name
+        # what the agreement check (consistency.user_frame) reports for a collective run by this plan
+        self.check_meta = (dtype_name, tuple(shape), repr(src), repr(dst))
+        # (array type, dtype, input shape, compiled function, check arguments per collective)
+        # once compiled (compiled_plan)
+        self._exec = None
 
     def run(self, x):
+        """This rank's piece ``x`` in ``dst``.  A repeated run takes the compiled form
+        (compiled_plan: the communicator calls only) unless something watches collectives;
+        the agreement check then runs for every collective of the plan before the first."""
+        ex = self._exec
+        if ex is None:
+            ex = self._compile(x)
+        if ex and not _HOOKS and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
+            check = C._check
+            if check is not None:
+                for args in ex[4]:
+                    check(*args, self.check_meta)
+            return ex[3](x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x))
         for s in self.steps:
             x = s._run(x)
         return x
+
+    def _compile(self, x):
+        """Compile on the first run without hooks; a step whose group does not exist yet makes
+        the steps run once more (they make it, collectively, as on every rank)."""
+        if _HOOKS or not self.steps:
+            return None
+        b = _backend()
+        if not b.is_array(x):
+            return None
+        from .compiled_plan import compile_plan
+        made = compile_plan(self, b, x.dtype)
+        if made is None:
+            return None
+        fn, in_shape, checks = made
+        self._exec = (x.__class__, x.dtype, in_shape, fn, checks)
+        return self._exec
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -205,10 +245,10 @@ class _Planner:
             out.append(int(round(numel * self.itemsize * f)))
         return tuple(out)
 
-    def _do(self, kind: str, axis: str, detail: str, run: Callable, mutate: Callable) -> None:
+    def _do(self, kind: str, axis: str, detail: str, run: Callable, mutate: Callable, spec=None) -> None:
         if kind in _COLLECTIVE_KINDS and self.mesh.size(axis) == 1:
             # an axis of size 1: every placement holds the same data, so only the label changes
-            kind, detail, run = "relabel", f"{kind} over an axis of size 1: nothing moves", _identity
+            kind, detail, run, spec = "relabel", f"{kind} over an axis of size 1: nothing moves", _identity, None
         before = self.cur.layout()
         mutate()
         after = self.cur.layout()
@@ -218,19 +258,19 @@ class _Planner:
         if kind == "slice":
             copy = self.itemsize * max(math.prod(local_shape_at(self.shape, after, self.mesh, p))
                                        for p in self.positions)
-        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run, copy))
+        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run, copy, spec))
 
     # the five kinds of step ------------------------------------------------------
     def all_reduce(self, a: str) -> None:
         op, mesh = self.cur.partial[a], self.mesh
         self._do("all_reduce", a, f"op={op}",
-                 lambda x: C.all_reduce(x, a, op, mesh=mesh), lambda: self.cur.partial.pop(a))
+                 lambda x: C.all_reduce(x, a, op, mesh=mesh), lambda: self.cur.partial.pop(a), (a, op))
 
     def all_gather(self, d: int) -> None:
         a, mesh = self.cur.dims[d][-1], self.mesh
         sizes = split_sizes(self.extent(d, self.cur.dims[d][:-1]), mesh.size(a))
         self._do("all_gather", a, f"dim {d}, sizes {list(sizes)}", _gather_fn(a, d, sizes, mesh),
-                 lambda: self.cur.dims[d].pop())
+                 lambda: self.cur.dims[d].pop(), (a, d, tuple(sizes)))
 
     def slice(self, d: int, a: str) -> None:
         n = self.mesh.size(a)
@@ -249,7 +289,7 @@ class _Planner:
             self.cur.partial.pop(a)
             self.cur.dims[d].append(a)
         self._do("reduce_scatter", a, f"op={op}, dim {d}, sizes {list(sizes)}",
-                 _reduce_scatter_fn(a, op, d, sizes, mesh, self.coords[a]), mutate)
+                 _reduce_scatter_fn(a, op, d, sizes, mesh, self.coords[a]), mutate, (a, op, d, tuple(sizes)))
 
     def all_to_all(self, d: int, e: int) -> None:
         a, mesh = self.cur.dims[d][-1], self.mesh
@@ -261,7 +301,7 @@ class _Planner:
             self.cur.dims[d].pop()
             self.cur.dims[e].append(a)
         self._do("all_to_all", a, f"dim {d} -> {e}", _all_to_all_fn(a, d, e, split, recv, mesh, self.coords[a]),
-                 mutate)
+                 mutate, (a, d, e, tuple(split), tuple(recv)))
 
     def partialize(self, a: str, op: str) -> None:
         xp_zero = op == "sum" and self.coords[a] != 0
@@ -423,7 +463,8 @@ def _direct_step(shape, src: Layout, dst: Layout, mesh, itemsize: int) -> Step |
         return out
     mine = by_pos[list(product(*(range(s) for s in mesh.sizes))).index(tuple(me[a] for a in mesh.axes))]
     return Step("all_to_all", axis, src, dst, f"direct: dims {changed} over ({axis}) in one exchange",
-                mine, tuple(by_pos), run, 2 * most)
+                mine, tuple(by_pos), run, 2 * most,
+                (group, send, recv, tuple(send_counts), tuple(recv_counts), out_shape))
 
 
 @lru_cache(maxsize=4096)

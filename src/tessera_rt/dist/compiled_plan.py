@@ -1,0 +1,349 @@
+"""Compiled redistribution plans: a plan's steps turned, once, into communicator calls.
+
+A ``Plan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
+and this rank's mesh position, so everything its collectives work out per call -- the
+group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is the same on
+every call.  ``compile_plan`` works it out once and returns one function per plan that does
+only what must happen per call:
+
+* the cross-rank agreement check (``consistency.check``: a set lookup in steady state) for
+  each collective, with the signature the array collective would pass, so it fires as it
+  does there; ``Plan.run`` makes them all before the first step moves data;
+* a pooled output (``backend.empty``: reused once the caller drops the previous result);
+* at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
+  one (a dim other than the leading one); none where the pieces are contiguous runs;
+* one communicator call through ``collectives._issue`` (the role's stream order, the same
+  as the array collectives), so the watchdog sees it inside ``comm``.
+
+A compiled plan runs only when nothing watches collectives (``trace_collectives``, the
+profiler, ``TESSERA_DEBUG``, deterministic reductions: ``collectives._HOOKS``) and the input
+is this rank's piece (shape, dtype, array type); otherwise ``Plan.run`` takes its steps
+through the array collectives, which record, check and raise as always.  Groups are never
+made here (that is collective): a plan whose groups do not exist yet runs its steps once.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable
+
+from . import collectives as C
+from .packing import _with_dim
+from .shard import local_shape
+
+__all__ = ["compile_plan"]
+
+
+def _group(mesh, axis):
+    return mesh._groups.get(axis)
+
+
+def _parts_view(shape: tuple, dim: int, sizes) -> tuple[tuple, tuple] | None:
+    """For equal parts along ``dim``: (split shape, transposition) taking an array of
+    ``shape`` to the (part, ...) order of a packed buffer; None for uneven parts."""
+    if min(sizes) != max(sizes):
+        return None
+    n, part = len(sizes), sizes[0]
+    split = shape[:dim] + (n, part) + shape[dim + 1:]
+    perm = (dim,) + tuple(i for i in range(len(split)) if i != dim)
+    return split, perm
+
+
+# Buffers of at most this many bytes are kept by the compiled step that made them and handed
+# out again once nothing else holds them (one refcount test: no allocation, and the memory
+# is warm), up to _KEEP_BUDGET bytes in all; larger ones come from the backend's pool, whose
+# ~1.7 us lookup is small next to moving them.
+_KEEP_MAX_BYTES = 1 << 20
+_KEEP_BUDGET = 64 << 20
+_kept = [0]
+
+
+def _keeper(empty, shape: tuple, dtype) -> Callable:
+    """() -> an uninitialized ``shape`` array: the one this returned last, when only this
+    holds it any more (the caller dropped its result, no view of it is left), else new."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if _on_gpu() or nbytes > _KEEP_MAX_BYTES or _kept[0] + nbytes > _KEEP_BUDGET:
+        return lambda: empty(shape, dtype)
+    _kept[0] += nbytes
+    last = [None]
+    refs = sys.getrefcount
+
+    def take():
+        a = last[0]
+        if a is not None and refs(a) == 3:           # last's slot, a, refs' argument
+            return a
+        a = last[0] = empty(shape, dtype)
+        return a
+    return take
+
+
+def _on_gpu() -> bool:
+    """GPU buffers are left to CuPy's pool, which orders reuse against the streams."""
+    return C._backend().is_gpu
+
+
+def _pieces(shape: tuple, dim: int, sizes) -> list[tuple]:
+    """Uneven parts along ``dim``: (run in the flat buffer, part shape, index in the array)."""
+    pieces, pos, off = [], 0, 0
+    for p in sizes:
+        piece = _with_dim(shape, dim, p)
+        cnt = math.prod(piece)
+        pieces.append((slice(pos, pos + cnt), piece, (slice(None),) * dim + (slice(off, off + p),)))
+        pos, off = pos + cnt, off + p
+    return pieces
+
+
+def _packer(xp, empty, shape: tuple, dim: int, sizes, dtype) -> Callable | None:
+    """x (of ``shape``) -> one flat buffer holding its parts along ``dim`` one after another;
+    None when x itself is that buffer (dim 0, or only size-1 dims before it)."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return None
+    new_buf = _keeper(empty, (math.prod(shape),), dtype)
+    view = _parts_view(shape, dim, sizes)
+    if view is not None:
+        split, perm = view
+        packed = tuple(split[i] for i in perm)
+
+        def pack(x):
+            buf = new_buf()
+            xp.copyto(buf.reshape(packed), x.reshape(split).transpose(perm))
+            return buf
+        return pack
+    pieces = _pieces(shape, dim, sizes)
+
+    def pack_uneven(x):
+        buf = new_buf()
+        for flat, piece, index in pieces:
+            xp.copyto(buf[flat].reshape(piece), x[index])
+        return buf
+    return pack_uneven
+
+
+def _unpacker(xp, shape: tuple, dim: int, sizes) -> Callable | None:
+    """(flat, out) -> out holding flat's parts concatenated along ``dim``; None when the
+    parts land in place (dim 0, or only size-1 dims before it)."""
+    if dim == 0 or math.prod(shape[:dim]) == 1:
+        return None
+    view = _parts_view(shape, dim, sizes)
+    if view is not None:
+        split, perm = view
+        packed = tuple(split[i] for i in perm)
+        inv = tuple(perm.index(i) for i in range(len(perm)))
+
+        def unpack(flat, out):
+            xp.copyto(out.reshape(split), flat.reshape(packed).transpose(inv))
+        return unpack
+    pieces = _pieces(shape, dim, sizes)
+
+    def unpack_uneven(flat, out):
+        for fl, piece, index in pieces:
+            xp.copyto(out[index], flat[fl].reshape(piece))
+    return unpack_uneven
+
+
+def _counts(sizes, inner: int):
+    """MPI counts per part, or None when the parts are equal (the fixed-size collective)."""
+    return None if min(sizes) == max(sizes) else [s * inner for s in sizes]
+
+
+# --------------------------------------------------------------------------- step bodies
+# Each mirrors its array collective in ``collectives`` for an input of a known shape: the
+# same check signature, role, communicator call and counts; only the per-call work is left.
+
+def _all_reduce(b, mesh, shape, dtype, spec):
+    a, op = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, shape, dtype)
+
+    def body(x):
+        out = new_out()
+        return issue("tp_collective", False, comm.all_reduce, (x, out, op), out)
+    return body, shape, ("all_reduce", g, dtype, shape, op)
+
+
+def _all_gather(b, mesh, shape, dtype, spec):
+    a, d, sizes = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    even = min(sizes) == max(sizes)
+    inner = math.prod(_with_dim(shape, d, 1))
+    counts = None if even else [s * inner for s in sizes]
+    out_shape = _with_dim(shape, d, sum(sizes))
+    check_shape = shape if even else _with_dim(shape, d, -1)   # what collectives.all_gather checks
+    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, out_shape, dtype)
+    unpack = _unpacker(b.xp, out_shape, d, sizes)
+    new_recv = _keeper(b.empty, (math.prod(out_shape),), dtype)
+    if unpack is None:
+        def body(x):
+            out = new_out()
+            return issue("tp_collective", False, comm.all_gather, (x, out, counts), out)
+        return body, out_shape, ("all_gather", g, dtype, check_shape, d)
+
+    def body_unpack(x):
+        recv = new_recv()
+        issue("tp_collective", False, comm.all_gather, (x, recv, counts), recv)
+        out = new_out()
+        unpack(recv, out)
+        return out
+    return body_unpack, out_shape, ("all_gather", g, dtype, check_shape, d)
+
+
+def _reduce_scatter(b, mesh, shape, dtype, spec):
+    a, op, d, sizes = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    inner = math.prod(_with_dim(shape, d, 1))
+    counts = _counts(sizes, inner)
+    out_shape = _with_dim(shape, d, sizes[g.index])
+    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, out_shape, dtype)
+    pack = _packer(b.xp, b.empty, shape, d, sizes, dtype)
+
+    def body(x):
+        out = new_out()
+        send = x if pack is None else pack(x)
+        return issue("tp_collective", False, comm.reduce_scatter, (send, out, counts, op), out)
+    return body, out_shape, ("reduce_scatter", g, dtype, shape, (op, d))
+
+
+def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
+    """all_to_all of an ``in_shape`` piece: parts ``split`` along ``split_dim`` go out, parts
+    of lengths ``recv`` along ``concat_dim`` come in."""
+    base = _with_dim(in_shape, split_dim, split[g.index])
+    out_shape = _with_dim(base, concat_dim, sum(recv))
+    send_counts = [math.prod(_with_dim(in_shape, split_dim, s)) for s in split]
+    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv]
+    fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
+    sc, rc = (None, None) if fixed else (send_counts, recv_counts)
+    comm, issue, xp = g.comm, C._issue, b.xp
+    pack = _packer(xp, b.empty, in_shape, split_dim, split, dtype)
+    unpack = _unpacker(xp, out_shape, concat_dim, recv)
+    new_out, new_got = _keeper(b.empty, out_shape, dtype), _keeper(b.empty, (math.prod(out_shape),), dtype)
+    part_type = _strided_part(comm, in_shape, split_dim, split, dtype) if pack is not None and fixed else None
+    if part_type is not None and unpack is None:
+        # the parts are strided views of x: MPI reads them in place (no pack buffer)
+        def body_strided(x):
+            out = new_out()
+            return issue("a2a", False, comm.all_to_all_strided, (x, part_type, out), out)
+        return body_strided, out_shape
+
+    def body(x):
+        send = x if pack is None else pack(x)
+        out = new_out()
+        if unpack is None:
+            return issue("a2a", False, comm.all_to_all, (send, out, sc, rc), out)
+        got = new_got()
+        issue("a2a", False, comm.all_to_all, (send, got, sc, rc), got)
+        unpack(got, out)
+        return out
+    return body, out_shape
+
+
+# Below this many bytes in this rank's piece, packing with NumPy and the plain Alltoall is
+# as fast or faster than MPI's datatype engine (MPICH 4, 2 ranks, loaded 2-core VM, min of
+# 30 interleaved repeats: 128 KiB pieces 26 vs 38 us, 2 MiB mixed, 8 MiB 1.4-6.1 ms vs
+# 1.5-8.3 ms in 4 of 4 runs: the derived type saves the pack's pass over memory).
+STRIDED_MIN_BYTES = 4 << 20
+
+
+def _strided_part(comm, shape: tuple, dim: int, sizes, dtype):
+    """An MPI datatype for one of the equal parts of a C-contiguous ``shape`` array along
+    ``dim`` (resized so part j starts j extents in), or None where it does not apply: not
+    MPI, a dtype MPI has no type for, or too small to gain (``STRIDED_MIN_BYTES``)."""
+    if getattr(comm, "kind", "") != "mpi" or math.prod(shape) * dtype.itemsize < STRIDED_MIN_BYTES:
+        return None
+    from mpi4py.util import dtlib
+    try:
+        base = dtlib.from_numpy_dtype(dtype)
+    except (KeyError, ValueError, TypeError):
+        return None
+    part, inner = sizes[0], math.prod(shape[dim + 1:])
+    rows, stride = math.prod(shape[:dim]), shape[dim] * inner
+    vec = base.Create_vector(rows, part * inner, stride)
+    t = vec.Create_resized(0, part * inner * dtype.itemsize).Commit()
+    vec.Free()
+    return t
+
+
+def _all_to_all(b, mesh, shape, dtype, spec):
+    a, d, e, split, recv = spec
+    g = _group(mesh, a)
+    if g is None:
+        return None
+    masked = tuple(-1 if i in (e, d) else s for i, s in enumerate(shape))
+    body, out_shape = _exchange(b, g, dtype, shape, e, list(split), d, list(recv))
+    return body, out_shape, ("all_to_all", g, dtype, masked, (e, d))
+
+
+def _direct(b, mesh, shape, dtype, spec):
+    """The one-exchange step: pieces cut from boxes of x, one all_to_all(v) over the group,
+    pieces written into boxes of the result (``redistribute._direct_step``)."""
+    group, send, recv, send_counts, recv_counts, out_shape = spec
+    g = _group(mesh, group)
+    if g is None:
+        return None
+    fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
+    sc, rc = (None, None) if fixed else (list(send_counts), list(recv_counts))
+    comm, issue, xp = g.comm, C._issue, b.xp
+    new_buf, new_got = _keeper(b.empty, (sum(send_counts),), dtype), _keeper(b.empty, (sum(recv_counts),), dtype)
+    new_out = _keeper(b.empty, out_shape, dtype)
+    sends, at = [], 0
+    for sl, cnt, shp in send:
+        sends.append((slice(at, at + cnt), shp, sl))
+        at += cnt
+    recvs, at = [], 0
+    for sl, cnt, shp in recv:
+        recvs.append((slice(at, at + cnt), shp, sl))
+        at += cnt
+
+    def body(x):
+        buf = new_buf()
+        for flat, shp, sl in sends:
+            xp.copyto(buf[flat].reshape(shp), x[sl])
+        got = new_got()
+        issue("a2a", False, comm.all_to_all, (buf, got, sc, rc), got)
+        out = new_out()
+        for flat, shp, sl in recvs:
+            xp.copyto(out[sl], got[flat].reshape(shp))
+        return out
+    return body, out_shape, ("all_to_all", g, dtype, (-1,), (0, 0))
+
+
+_COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+              "all_to_all": _all_to_all, "direct": _direct}
+
+
+def compile_plan(plan, backend, dtype):
+    """(the function running ``plan`` on this rank's piece, its input shape, the agreement
+    check's arguments for each collective), or None when a step's group does not exist yet
+    (the steps make it, collectively, on their first run)."""
+    shape = local_shape(plan.shape, plan.src, plan.mesh)
+    in_shape, bodies, checks = shape, [], []
+    for s in plan.steps:
+        if s.kind == "relabel":
+            continue
+        if s.spec is None:                       # a local step (slice, partialize): its own body
+            bodies.append(s._run)
+            shape = local_shape(plan.shape, s.dst, plan.mesh)
+            continue
+        kind = "direct" if s.detail.startswith("direct") else s.kind
+        made = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
+        if made is None:
+            return None
+        body, shape, check = made
+        bodies.append(body)
+        checks.append(check)
+    assert shape == local_shape(plan.shape, plan.dst, plan.mesh), (plan, shape)
+    if not bodies:
+        return (lambda x: x), in_shape, ()
+    if len(bodies) == 1:
+        return bodies[0], in_shape, tuple(checks)
+
+    def run(x):
+        for body in bodies:
+            x = body(x)
+        return x
+    return run, in_shape, tuple(checks)
