@@ -308,6 +308,36 @@ def test_grad_buckets_equal_per_parameter_and_single_process(world, kind, dtypes
 
 
 @pytest.mark.timeout(60)
+def test_grad_buckets_same_decisions_on_every_rank_with_uneven_shards(world):
+    """Weights column-sharded over tp with uneven shards (10 columns: 4/3/3 at 3 ranks): the
+    local gradients differ in size between ranks, but every rank must close its buckets at
+    the same gradients (decided on the largest shard), or ranks issue different numbers of
+    all-reduces -- which hung the default agreement check at tp=3 in train.py."""
+    mesh = _MESHES.get("1xN") or _MESHES.setdefault("1xN", dist.Mesh(axes=["dp", "tp"], shape={"dp": 1, "tp": SIZE}))
+    cols = dist.ShardSpec(partition=(1,), mesh_axes=("tp",))
+    rows = dist.ShardSpec(partition=(0,), mesh_axes=("dp",))
+    glob = [rand(9, 10, seed=90 + i) for i in range(4)]
+    xs = [rand(5, 9, seed=95 + i) for i in range(4)]
+    params = [dist.distribute(w, layout=cols, mesh=mesh) for w in glob]
+    data = [dist.distribute(x, layout=rows, mesh=mesh) for x in xs]
+
+    def loss(ps, xs):
+        out = None
+        for p, x in zip(ps, xs):
+            t = op.sum(op.square(op.tanh(x @ p)))
+            out = t if out is None else out + t
+        return out
+    ref = ts.grad(loss)(glob, xs)
+    with dist.trace_collectives() as log:
+        got = ts.grad(loss, bucket_mb=0.001)(params, data)        # 1048 B: 2 to 4 float64 shards a bucket
+    n = sum(1 for r in log.records if r.op == "all_reduce" and r.shape != ())
+    counts = MPI.COMM_WORLD.allgather(n)
+    assert len(set(counts)) == 1, f"gradient all-reduces per rank differ: {counts}"
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.full_tensor(), r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
 def test_grad_buckets_keep_results_and_reuse_free_buffers(world):
     """A gradient the caller still holds is never overwritten by a later step; buffers
     nobody holds are reused (allocated once)."""

@@ -35,7 +35,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["GradBuckets", "grad_bucket_bytes", "set_grad_bucket_mb", "DEFAULT_BUCKET_MB", "MIN_BUCKETS",
+__all__ = ["GradBuckets", "grad_bucket_bytes", "largest_shard", "set_grad_bucket_mb", "DEFAULT_BUCKET_MB", "MIN_BUCKETS",
            "MIN_BUCKET_BYTES", "ENV", "release_buffers"]
 
 ENV = "TESSERA_GRAD_BUCKET_MB"
@@ -104,6 +104,19 @@ def grad_bucket_bytes(mb: float | None = None, model_bytes: int = 0) -> int:
     return cap
 
 
+def largest_shard(shape, layout, mesh) -> int:
+    """Elements of the largest shard of a ``shape`` tensor with ``layout`` on ``mesh`` (the
+    same number on every rank; a dim split over axes of k ranks in all has parts of at most
+    ceil(n / k))."""
+    n = 1
+    for length, axes in zip(shape, layout.dims):
+        k = 1
+        for a in axes:
+            k *= mesh.size(a)
+        n *= -(-length // k)
+    return n
+
+
 class _Bucket:
     __slots__ = ("key", "buf", "used", "slots")
 
@@ -123,10 +136,15 @@ class GradBuckets:
         self._count: dict = {}           # key -> buckets started this backward
         self._works: list = []           # (Work, [(leaf, view)] or leaf)
 
-    def add(self, leaf, local, mesh, axis) -> None:
+    def add(self, leaf, local, mesh, axis, planned: int | None = None) -> None:
+        """``planned``: the element count every rank decides by (the largest shard of the
+        gradient over the mesh, ``largest_shard``).  With uneven shards the local sizes differ
+        between ranks; deciding by them would give ranks different bucket counts, and ranks
+        issuing different numbers of collectives (even over groups of their own) break the
+        mesh-wide agreement check's view of the program and can hang it."""
         dtype = np.dtype(local.dtype)
         key = (mesh, axis, dtype)
-        nbytes = local.size * dtype.itemsize
+        nbytes = (local.size if planned is None else planned) * dtype.itemsize
         if nbytes >= self.cap:           # big enough alone: all-reduce it as it is, no copy
             self._works.append((self._issue(local, mesh, axis, None), leaf))
             return
@@ -138,8 +156,11 @@ class GradBuckets:
         if b is None:
             b = self._open[key] = _Bucket(key, self._buffer(key, dtype))
             start = 0
-        view = b.buf[start // dtype.itemsize:start // dtype.itemsize + local.size].reshape(local.shape)
+        at = start // dtype.itemsize
+        view = b.buf[at:at + local.size].reshape(local.shape)
         view[...] = local
+        if local.size * dtype.itemsize < nbytes:     # a smaller shard than the planned one:
+            b.buf[at + local.size:at + nbytes // dtype.itemsize] = 0   # reduce zeros, not stale bytes
         b.used = start + nbytes
         b.slots.append((leaf, view))
         if (key, self.cap, leaf.name) in _CLOSES:  # it closed this bucket last step: don't wait for the next

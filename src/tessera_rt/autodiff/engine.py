@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .buckets import GradBuckets, grad_bucket_bytes
+from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
 from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, no_grad, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
@@ -194,7 +194,7 @@ class _Finisher:
         if lay.dims == want.dims and not want.partial and len(sums) == len(lay.partial) and sums:
             axis = sums[0] if len(sums) == 1 else tuple(sums)
             if self.buckets is not None:
-                self.buckets.add(leaf, g.to_local(), g.mesh, axis)
+                self.buckets.add(leaf, g.to_local(), g.mesh, axis, largest_shard(g.shape, lay, g.mesh))
             else:
                 self.pending.append((leaf, _issue_reduce(g.to_local(), g.mesh, axis)))
             leaf.grad = None

@@ -306,6 +306,11 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _intern
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
     CPython computes from the line table; the line is looked up when a site is described)."""
+    if st.g.size == 1:
+        # nothing to agree on, and the DTensor metas gathered since the last collective stay
+        # for the next one over a real group: ranks may issue different numbers of
+        # collectives over groups of their own, which must not change what they compare
+        return None
     st.seq = seq = st.seq + 1
     f = _getframe(depth)                  # the collective's caller: the user, for a plain array
     code = f.f_code
