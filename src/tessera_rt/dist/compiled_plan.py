@@ -23,8 +23,8 @@ made here (that is collective): a plan whose groups do not exist yet runs its st
 """
 from __future__ import annotations
 
+import functools
 import math
-import sys
 from typing import Callable
 
 from . import collectives as C
@@ -49,32 +49,14 @@ def _parts_view(shape: tuple, dim: int, sizes) -> tuple[tuple, tuple] | None:
     return split, perm
 
 
-# Buffers of at most this many bytes are kept by the compiled step that made them and handed
-# out again once nothing else holds them (one refcount test: no allocation, and the memory
-# is warm), up to _KEEP_BUDGET bytes in all; larger ones come from the backend's pool, whose
-# ~1.7 us lookup is small next to moving them.
-_KEEP_MAX_BYTES = 1 << 20
-_KEEP_BUDGET = 64 << 20
-_kept = [0]
-
-
 def _keeper(empty, shape: tuple, dtype) -> Callable:
-    """() -> an uninitialized ``shape`` array: the one this returned last, when only this
-    holds it any more (the caller dropped its result, no view of it is left), else new."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if _on_gpu() or nbytes > _KEEP_MAX_BYTES or _kept[0] + nbytes > _KEEP_BUDGET:
-        return lambda: empty(shape, dtype)
-    _kept[0] += nbytes
-    last = [None]
-    refs = sys.getrefcount
+    """() -> a new uninitialized ``shape`` array from the backend's pool.
 
-    def take():
-        a = last[0]
-        if a is not None and refs(a) == 3:           # last's slot, a, refs' argument
-            return a
-        a = last[0] = empty(shape, dtype)
-        return a
-    return take
+    Outputs are not kept and handed out again: a refcount test ("nobody holds it any more")
+    let a kept buffer be reused while the caller still used its data (two gathered attention
+    inputs of one tp=3 forward shared one buffer, and the loss went wrong), so every call
+    allocates; the pool's lookup (~1.7 us) is the price."""
+    return functools.partial(empty, shape, dtype)
 
 
 def _on_gpu() -> bool:
