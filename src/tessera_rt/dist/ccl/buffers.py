@@ -78,11 +78,19 @@ def take(key: str | None, sig: tuple, shapes: Callable[[], dict[str, tuple]], dt
             f"{_describe(e.sig)}; this call is {_describe(sig)} (different {', '.join(diff)}). A key names "
             f"one shape and dtype: pass another buffer_key, or clear_persistent_buffers() first")
     last = e.last
-    if last is not None and _free(last) and not world().backend.is_gpu:
+    if last is not None and not (_GPU[0] if _GPU else _on_gpu()) and _free(last):
         return last                      # nobody holds the previous result: reuse the warm set
     s = e.last = e.sets[e.idx]
     e.idx = (e.idx + 1) % NUM_BUFFERS
     return s
+
+
+_GPU: list = []                          # [backend.is_gpu], looked up once (fixed for the process)
+
+
+def _on_gpu() -> bool:
+    _GPU.append(bool(world().backend.is_gpu))
+    return _GPU[0]
 
 
 def _free(s: dict, _refs=sys.getrefcount) -> bool:
