@@ -43,8 +43,7 @@ def plain(name, x, mesh):
     return dist.all_gather(x, "x", mesh=mesh)
 
 
-def line(name, x, mesh, algo):
-    key = f"{name}/{algo}/{x.size}"
+def line(name, x, mesh, algo, key):
     if name == "all_reduce":
         return ccl.line_all_reduce(x, 0, mesh=mesh, algo=algo, buffer_key=key)
     if name == "reduce_scatter":
@@ -82,7 +81,7 @@ def bench_ops(args, w, mesh, xp, sync):
             size = count * 4
             fns = {"plain": lambda: plain(name, x, mesh)}
             for a in algos:
-                fns[a] = (lambda a=a: line(name, x, mesh, a))
+                fns[a] = (lambda a=a, key=f"{name}/{a}/{x.size}": line(name, x, mesh, a, key))   # a constant key, as a user passes
             for f in fns.values():
                 f()                                                 # warm up, make the persistent sets
             probe = timed(fns["plain"], 3, sync, w.mpi)

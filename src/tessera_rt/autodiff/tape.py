@@ -227,18 +227,24 @@ def _float_like(x) -> bool:
     return _kind(dt) != ""
 
 
+def _positional(args: tuple, kw: dict, argnames: tuple) -> tuple[tuple, dict]:
+    """(args, kw) with the differentiable arguments given by name moved to their positions.
+    (A function of its own: a comprehension over ``kw`` in ``_call`` would make ``kw`` a
+    closure cell there, a cost on every traced op.)"""
+    if not any(n in kw for n in argnames):
+        return args, kw
+    kw, args = dict(kw), list(args)
+    for i, n in enumerate(argnames):
+        if n in kw:
+            while len(args) <= i:
+                args.append(None)
+            args[i] = kw.pop(n)
+    return tuple(args), kw
+
+
 def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: tuple):
     if argnames and kw:
-        moved = [n for n in argnames if n in kw]
-        if moved:
-            kw = dict(kw)
-            args = list(args)
-            for i, n in enumerate(argnames):
-                if n in kw:
-                    while len(args) <= i:
-                        args.append(None)
-                    args[i] = kw.pop(n)
-            args = tuple(args)
+        args, kw = _positional(args, kw, argnames)
     parents = None
     for i, a in enumerate(args):
         if type(a) is Var:

@@ -414,15 +414,20 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
     return out
 
 
+def _then_unpack(p: Plan, recv, out):
+    """What runs once the flat ``recv`` has arrived: lay it out along ``p.dim`` into ``out``.
+    (Made here, not as a closure in the collective: captured names become cells, which
+    every call of the collective would pay for, on its direct path too.)"""
+    return lambda: _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
+
+
 def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
     info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
     if not p.flat:                    # communicators take flat buffers: gather, then lay out along dim
         recv = _backend().empty((out.size,), x.dtype)
-
-        def then():
-            return _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
-        return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, then, tag=tag)
+        return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, _then_unpack(p, recv, out),
+                    tag=tag)
     if p.fn is not None and info is None:
         s = _ROLE_STREAMS.get(role)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:
@@ -484,10 +489,8 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     info = ("all_to_all", g, x, x.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
     if not p.flat:
         recv = _backend().empty((out.size,), x.dtype)
-
-        def then():
-            return _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
-        return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out, then, tag=tag)
+        return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out,
+                    _then_unpack(p, recv, out), tag=tag)
     if p.fn is not None and info is None:
         s = _ROLE_STREAMS.get(role)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:

@@ -22,19 +22,21 @@ from typing import Any, Callable
 
 from .. import consistency
 from ...dtypes import dtype_name
+from ..plans import clear_plans
 from ..process_group import world
 
-__all__ = ["persistent_buffers", "clear_persistent_buffers", "allocations", "take", "NUM_BUFFERS"]
+__all__ = ["persistent_buffers", "clear_persistent_buffers", "allocations", "take", "entry", "cycle", "NUM_BUFFERS"]
 
 NUM_BUFFERS = 2          # double buffering
 
 
 class _Entry:
-    __slots__ = ("key", "sig", "site", "sets", "idx", "nbytes", "last")
+    __slots__ = ("key", "sig", "site", "sets", "idx", "nbytes", "last", "cpu")
 
     def __init__(self, key: str, sig: tuple, site: str, sets: list[dict]):
         self.key, self.sig, self.site, self.sets, self.idx = key, sig, site, sets, 0
         self.last = None                 # the set handed out last
+        self.cpu = not world().backend.is_gpu     # synchronous calls: a dropped set may be taken again
         self.nbytes = sum(a.nbytes for s in sets for a in s.values())
 
 
@@ -66,39 +68,44 @@ def take(key: str | None, sig: tuple, shapes: Callable[[], dict[str, tuple]], dt
     if key is None:
         return _alloc(shapes(), dtype)
     e = _ENTRIES.get(key)
-    if e is None:
-        code, line, _ = consistency.user_frame(1)
-        site = consistency.site_of(code, line)
-        made = shapes()
-        e = _ENTRIES[key] = _Entry(key, sig, site, [_alloc(made, dtype) for _ in range(NUM_BUFFERS)])
-    elif e.sig is not sig and e.sig != sig:        # (a cached plan passes the same sig object)
-        diff = [name for name, a, b in zip(("op", "axis", "shape", "dtype", "arguments"), e.sig, sig) if a != b]
-        raise ValueError(
-            f"rank {world().rank}: ccl.{sig[0]}: buffer_key={key!r} was first made at {e.site} for "
-            f"{_describe(e.sig)}; this call is {_describe(sig)} (different {', '.join(diff)}). A key names "
-            f"one shape and dtype: pass another buffer_key, or clear_persistent_buffers() first")
+    return cycle(e if e is not None and e.sig is sig else entry(key, sig, shapes, dtype))
+
+
+def cycle(e: _Entry, _refs=sys.getrefcount) -> dict:
+    """The set for this call from ``e`` (what ``take`` does once the key's entry is known; a
+    ccl plan made with a ``buffer_key`` keeps its entry and calls this directly)."""
     last = e.last
-    if last is not None and not (_GPU[0] if _GPU else _on_gpu()) and _free(last):
-        return last                      # nobody holds the previous result: reuse the warm set
+    if last is not None and e.cpu:
+        # nobody holds the previous result (each array: the dict, the loop, the argument):
+        # reuse the warm set
+        for a in last.values():
+            if _refs(a) > 3:
+                break
+        else:
+            return last
     s = e.last = e.sets[e.idx]
     e.idx = (e.idx + 1) % NUM_BUFFERS
     return s
 
 
-_GPU: list = []                          # [backend.is_gpu], looked up once (fixed for the process)
-
-
-def _on_gpu() -> bool:
-    _GPU.append(bool(world().backend.is_gpu))
-    return _GPU[0]
-
-
-def _free(s: dict, _refs=sys.getrefcount) -> bool:
-    """No array of the set is referenced outside it (each: the dict, the loop, the argument)."""
-    for a in s.values():
-        if _refs(a) > 3:
-            return False
-    return True
+def entry(key: str, sig: tuple, shapes, dtype) -> _Entry:
+    """``key``'s entry, made on first use (two sets), or checked against ``sig`` (a key reused
+    with another signature is an error, raised before anything is sent)."""
+    e = _ENTRIES.get(key)
+    if e is None:
+        code, line, _ = consistency.user_frame(2)
+        site = consistency.site_of(code, line)
+        made = shapes()
+        e = _ENTRIES[key] = _Entry(key, sig, site, [_alloc(made, dtype) for _ in range(NUM_BUFFERS)])
+    elif e.sig != sig:
+        diff = [name for name, a, b in zip(("op", "axis", "shape", "dtype", "arguments"), e.sig, sig) if a != b]
+        raise ValueError(
+            f"rank {world().rank}: ccl.{sig[0]}: buffer_key={key!r} was first made at {e.site} for "
+            f"{_describe(e.sig)}; this call is {_describe(sig)} (different {', '.join(diff)}). A key names "
+            f"one shape and dtype: pass another buffer_key, or clear_persistent_buffers() first")
+    else:
+        e.sig = sig                      # an equal signature from a rebuilt plan: compare identities again
+    return e
 
 
 def persistent_buffers() -> list[dict[str, Any]]:
@@ -113,3 +120,4 @@ def clear_persistent_buffers(key: str | None = None) -> None:
         _ENTRIES.clear()
     else:
         _ENTRIES.pop(key, None)
+    clear_plans()                        # ccl plans keep their key's entry
