@@ -12,8 +12,8 @@ only what must happen per call:
 * a pooled output (``backend.empty``: reused once the caller drops the previous result);
 * at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
   one (a dim other than the leading one); none where the pieces are contiguous runs;
-* one communicator call through ``collectives._issue`` (the role's stream order, the same
-  as the array collectives), so the watchdog sees it inside ``comm``.
+* one communicator call in the role's stream order (``collectives._issue``'s), the raw
+  mpi4py call where the array collective's direct path would make one (``_caller``).
 
 A compiled plan runs only when nothing watches collectives (``trace_collectives``, the
 profiler, ``TESSERA_DEBUG``, deterministic reductions: ``collectives._HOOKS``) and the input
@@ -28,6 +28,9 @@ import math
 from typing import Callable
 
 from . import collectives as C
+from ..backend import CpuWorkerStream
+from .comm import _MPI_OPS
+from .plans import _direct as _mpi_direct
 from .packing import _with_dim
 from .shard import local_shape
 
@@ -49,14 +52,32 @@ def _parts_view(shape: tuple, dim: int, sizes) -> tuple[tuple, tuple] | None:
     return split, perm
 
 
-def _keeper(empty, shape: tuple, dtype) -> Callable:
-    """() -> a new uninitialized ``shape`` array from the backend's pool.
+def _keeper(b, shape: tuple, dtype) -> Callable:
+    """() -> a new uninitialized ``shape`` array from the backend's pool (a step's output).
 
     Outputs are not kept and handed out again: a refcount test ("nobody holds it any more")
     let a kept buffer be reused while the caller still used its data (two gathered attention
     inputs of one tp=3 forward shared one buffer, and the loss went wrong), so every call
-    allocates; the pool's lookup (~1.7 us) is the price."""
-    return functools.partial(empty, shape, dtype)
+    allocates; the pool's allocator for this one shape (~0.5 us) is the price."""
+    if b._pool is not None:
+        return b._pool.allocator(tuple(shape), dtype)
+    return functools.partial(b.empty, shape, dtype)
+
+
+# Scratch buffers (a pack buffer, a flat receive buffer) up to this size are kept by their
+# step on CPU ranks: ~0.5 us a call, which matters for small messages only.
+SCRATCH_MAX_BYTES = 4 << 20
+
+
+def _scratch(b, shape: tuple, dtype) -> Callable:
+    """() -> a buffer a step writes and is done with before it returns (never handed out).
+    On CPU ranks the step's collective is blocking, so one buffer per step serves every call;
+    on GPUs (stream-ordered: the next call may be enqueued while this one runs) and above
+    ``SCRATCH_MAX_BYTES`` it comes from the pool."""
+    if b.is_gpu or math.prod(shape) * dtype.itemsize > SCRATCH_MAX_BYTES:
+        return _keeper(b, shape, dtype)
+    buf = b.xp.empty(shape, dtype)
+    return lambda: buf
 
 
 def _on_gpu() -> bool:
@@ -75,12 +96,12 @@ def _pieces(shape: tuple, dim: int, sizes) -> list[tuple]:
     return pieces
 
 
-def _packer(xp, empty, shape: tuple, dim: int, sizes, dtype) -> Callable | None:
+def _packer(b, shape: tuple, dim: int, sizes, dtype) -> Callable | None:
     """x (of ``shape``) -> one flat buffer holding its parts along ``dim`` one after another;
     None when x itself is that buffer (dim 0, or only size-1 dims before it)."""
     if dim == 0 or math.prod(shape[:dim]) == 1:
         return None
-    new_buf = _keeper(empty, (math.prod(shape),), dtype)
+    xp, new_buf = b.xp, _scratch(b, (math.prod(shape),), dtype)
     view = _parts_view(shape, dim, sizes)
     if view is not None:
         split, perm = view
@@ -128,6 +149,35 @@ def _counts(sizes, inner: int):
     return None if min(sizes) == max(sizes) else [s * inner for s in sizes]
 
 
+def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = None) -> Callable:
+    """(send, recv) -> recv, after one blocking ``comm.<method>`` in ``role``'s stream order.
+
+    On CPU ranks over MPI, with fixed-size parts and a dtype MPI moves (reduces) itself, this
+    is the raw mpi4py call the method would make, after the role's worker has run what it
+    was given (collectives._issue's CPU order): ~0.8 us a call less than going through
+    ``_issue`` and the method.  Otherwise ``_issue`` (GPU streams, staged dtypes, -v forms)."""
+    reducing = method in ("all_reduce", "reduce_scatter")
+    extra = {"all_reduce": (op,), "reduce_scatter": (counts, op), "all_gather": (counts,),
+             "all_to_all": tuple(counts or (None, None))}[method]
+    fixed = all(c is None for c in (extra[:1] if reducing else extra))
+    if not (fixed and _mpi_direct(comm, False, dtype, reducing, op)):
+        m, issue = getattr(comm, method), C._issue
+        return lambda send, recv: issue(role, False, m, (send, recv) + extra, recv)
+    mpi = comm.mpi
+    fn = {"all_reduce": mpi.Allreduce, "reduce_scatter": mpi.Reduce_scatter_block, "all_gather": mpi.Allgather,
+          "all_to_all": mpi.Alltoall}[method]
+    args = (_MPI_OPS[op],) if reducing else ()
+    streams, worker = C._ROLE_STREAMS, CpuWorkerStream
+
+    def raw_call(send, recv):            # (the watchdog knows this frame: it waits inside MPI)
+        s = streams.get(role)
+        if s.__class__ is worker and s._done != s._issued:
+            s.wait_tasks()
+        fn(send, recv, *args)
+        return recv
+    return raw_call
+
+
 # --------------------------------------------------------------------------- step bodies
 # Each mirrors its array collective in ``collectives`` for an input of a known shape: the
 # same check signature, role, communicator call and counts; only the per-call work is left.
@@ -137,11 +187,10 @@ def _all_reduce(b, mesh, shape, dtype, spec):
     g = _group(mesh, a)
     if g is None:
         return None
-    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, shape, dtype)
+    call, new_out = _caller(g.comm, "all_reduce", "tp_collective", dtype, op=op), _keeper(b, shape, dtype)
 
     def body(x):
-        out = new_out()
-        return issue("tp_collective", False, comm.all_reduce, (x, out, op), out)
+        return call(x, new_out())
     return body, shape, ("all_reduce", g, dtype, shape, op)
 
 
@@ -155,18 +204,16 @@ def _all_gather(b, mesh, shape, dtype, spec):
     counts = None if even else [s * inner for s in sizes]
     out_shape = _with_dim(shape, d, sum(sizes))
     check_shape = shape if even else _with_dim(shape, d, -1)   # what collectives.all_gather checks
-    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, out_shape, dtype)
+    call, new_out = _caller(g.comm, "all_gather", "tp_collective", dtype, counts), _keeper(b, out_shape, dtype)
     unpack = _unpacker(b.xp, out_shape, d, sizes)
-    new_recv = _keeper(b.empty, (math.prod(out_shape),), dtype)
+    new_recv = _scratch(b, (math.prod(out_shape),), dtype)
     if unpack is None:
         def body(x):
-            out = new_out()
-            return issue("tp_collective", False, comm.all_gather, (x, out, counts), out)
+            return call(x, new_out())
         return body, out_shape, ("all_gather", g, dtype, check_shape, d)
 
     def body_unpack(x):
-        recv = new_recv()
-        issue("tp_collective", False, comm.all_gather, (x, recv, counts), recv)
+        recv = call(x, new_recv())
         out = new_out()
         unpack(recv, out)
         return out
@@ -181,13 +228,12 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
     inner = math.prod(_with_dim(shape, d, 1))
     counts = _counts(sizes, inner)
     out_shape = _with_dim(shape, d, sizes[g.index])
-    comm, issue, new_out = g.comm, C._issue, _keeper(b.empty, out_shape, dtype)
-    pack = _packer(b.xp, b.empty, shape, d, sizes, dtype)
+    call = _caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op)
+    new_out = _keeper(b, out_shape, dtype)
+    pack = _packer(b, shape, d, sizes, dtype)
 
     def body(x):
-        out = new_out()
-        send = x if pack is None else pack(x)
-        return issue("tp_collective", False, comm.reduce_scatter, (send, out, counts, op), out)
+        return call(x if pack is None else pack(x), new_out())
     return body, out_shape, ("reduce_scatter", g, dtype, shape, (op, d))
 
 
@@ -201,9 +247,10 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (send_counts, recv_counts)
     comm, issue, xp = g.comm, C._issue, b.xp
-    pack = _packer(xp, b.empty, in_shape, split_dim, split, dtype)
+    call = _caller(comm, "all_to_all", "a2a", dtype, (sc, rc))
+    pack = _packer(b, in_shape, split_dim, split, dtype)
     unpack = _unpacker(xp, out_shape, concat_dim, recv)
-    new_out, new_got = _keeper(b.empty, out_shape, dtype), _keeper(b.empty, (math.prod(out_shape),), dtype)
+    new_out, new_got = _keeper(b, out_shape, dtype), _scratch(b, (math.prod(out_shape),), dtype)
     part_type = _strided_part(comm, in_shape, split_dim, split, dtype) if pack is not None and fixed else None
     if part_type is not None and unpack is None:
         # the parts are strided views of x: MPI reads them in place (no pack buffer)
@@ -214,11 +261,10 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
 
     def body(x):
         send = x if pack is None else pack(x)
-        out = new_out()
         if unpack is None:
-            return issue("a2a", False, comm.all_to_all, (send, out, sc, rc), out)
-        got = new_got()
-        issue("a2a", False, comm.all_to_all, (send, got, sc, rc), got)
+            return call(send, new_out())
+        got = call(send, new_got())
+        out = new_out()
         unpack(got, out)
         return out
     return body, out_shape
@@ -269,9 +315,9 @@ def _direct(b, mesh, shape, dtype, spec):
         return None
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (list(send_counts), list(recv_counts))
-    comm, issue, xp = g.comm, C._issue, b.xp
-    new_buf, new_got = _keeper(b.empty, (sum(send_counts),), dtype), _keeper(b.empty, (sum(recv_counts),), dtype)
-    new_out = _keeper(b.empty, out_shape, dtype)
+    call, xp = _caller(g.comm, "all_to_all", "a2a", dtype, (sc, rc)), b.xp
+    new_buf, new_got = _scratch(b, (sum(send_counts),), dtype), _scratch(b, (sum(recv_counts),), dtype)
+    new_out = _keeper(b, out_shape, dtype)
     sends, at = [], 0
     for sl, cnt, shp in send:
         sends.append((slice(at, at + cnt), shp, sl))
@@ -285,8 +331,7 @@ def _direct(b, mesh, shape, dtype, spec):
         buf = new_buf()
         for flat, shp, sl in sends:
             xp.copyto(buf[flat].reshape(shp), x[sl])
-        got = new_got()
-        issue("a2a", False, comm.all_to_all, (buf, got, sc, rc), got)
+        got = call(buf, new_got())
         out = new_out()
         for flat, shp, sl in recvs:
             xp.copyto(out[sl], got[flat].reshape(shp))

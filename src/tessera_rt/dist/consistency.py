@@ -42,7 +42,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 
-__all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "sig", "Sig", "group_state",
+__all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
            "p2p_check_header", "enabled"]
 
@@ -359,6 +359,48 @@ def check_plan(p, depth: int = 2, _c=_cfg) -> None:
 
 
 _getframe = sys._getframe
+
+
+def check_run(plan, checks, _c=_cfg) -> None:
+    """The checks of a compiled redistribution plan's collectives, made by ``Plan.run``
+    before the first one moves data (``checks``: (op, group, dtype, shape, extra) each).
+
+    A run from the call site that last verified them all takes ``plan._verified`` (the depth
+    of the user's frame, its code and offset, and each group's state and verified key), so
+    it skips the walk out to the user's frame, the signature interning and the key lookups:
+    a verified key stays verified (``check_plan``'s rule).  DTensor ops since the last
+    collective (``_c.metas``) are part of the keys, so their presence takes the full path."""
+    v = plan._verified
+    if v is not None and not _c.metas:
+        f = _getframe(v[0])
+        if f.f_code is v[1] and f.f_lasti == v[2]:
+            mask = _c.mask
+            for st, key in v[3]:
+                st.seq = seq = st.seq + 1
+                _RING((st, seq, key))
+                if not seq & mask:
+                    _verify(st, seq, key)
+            return
+    fresh = not _c.metas
+    meta = plan.check_meta
+    for op, g, dtype, shape, extra in checks:
+        check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3, meta)
+    plan._verified = _remember(plan, checks) if fresh else None
+
+
+def _remember(plan, checks):
+    """``check_run``'s fast-path record for the run that just verified (None when the user's
+    frame cannot be found): the keys ``check_sig`` made, rebuilt from the same parts."""
+    depth, f = 2, _getframe(2)             # 2: Plan.run's caller, seen from check_run
+    while f is not None and _is_internal(f.f_code):
+        depth, f = depth + 1, f.f_back
+    if f is None:
+        return None
+    meta = None if plan.check_meta is None else (plan.check_meta, None)
+    keys = tuple((st, (f.f_code, f.f_lasti, sig(op, dtype, shape, extra), meta))
+                 for op, g, dtype, shape, extra in checks
+                 if (st := g.__dict__.get("_consistency") or _state(g)).g.size > 1)
+    return depth - 1, f.f_code, f.f_lasti, keys      # (depth from check_run's own frame)
 
 
 def _spanning(metas, g) -> frozenset:

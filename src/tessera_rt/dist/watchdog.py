@@ -44,6 +44,8 @@ _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "bro
 # a planned blocking CPU collective calls mpi4py from its own frame (dist/plans.py), or from
 # its runner (run_all_reduce, ...: dist.ccl's library path too)
 _WAIT_FUNCS |= {("collectives.py", f) for op in _COLLECTIVES for f in (op, f"run_{op}")}
+# ... or from a compiled redistribution plan's step, or dist.ccl's library reduce-scatter
+_WAIT_FUNCS |= {("compiled_plan.py", "raw_call"), ("line.py", "line_reduce_scatter")}
 
 
 def register_nccl(comm) -> None:
