@@ -13,7 +13,8 @@ time (the collectives it issues are rows of their own); a blocking collective's 
 call; an async one's runs from issue to the ``wait()`` that completes it.  Plain-array work
 is invisible unless marked with ``prof.region(name)`` (counted as compute).
 
-* NVTX: each op/collective/region is an NVTX range in the ``tessera`` domain, named
+* NVTX (when a tool collects them: Nsight sets ``NVTX_INJECTION64_PATH``, or set
+  ``TESSERA_NVTX=1``): each op/collective/region is an NVTX range in the ``tessera`` domain, named
   ``op layout [shape]`` / ``all_reduce(dp) float32[64,32]``, with the stream role as its
   category (compute, tp_collective, a2a, io), so Nsight Systems shows the timeline per role.
   Async collectives use start/end ranges (they do not nest).  ``TESSERA_NVTX=1`` (or
@@ -39,6 +40,7 @@ Entering and leaving a profile is collective (a barrier, then a gather) at world
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -46,7 +48,7 @@ from collections import defaultdict
 
 from ._format import human_bytes
 
-__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles"]
+__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region"]
 
 
 def active_profiles() -> list:
@@ -88,6 +90,15 @@ class _Nvtx:
 
 
 _NVTX: list = []
+
+
+def _nvtx_listening() -> bool:
+    """True when a tool collects NVTX ranges: Nsight Systems/Compute load their injection
+    library through ``NVTX_INJECTION64_PATH``; ``TESSERA_NVTX=1`` says so for any other.
+    Without one the ranges go nowhere, and their Python calls cost ~2.5 us per op."""
+    env = os.environ
+    return (env.get("TESSERA_NVTX", "") not in ("", "0") or "NVTX_INJECTION64_PATH" in env
+            or "NVTX_INJECTION32_PATH" in env)
 
 
 def _nvtx():
@@ -156,6 +167,45 @@ def enable_nvtx(on: bool = True) -> None:
             lst.remove(_NVTX_HOOK)
 
 
+class _Region:
+    """``Profile.region``: the span is compute (an interval and a table row of its own)."""
+
+    def __init__(self, prof, name: str):
+        self.prof, self.name = prof, name
+
+    def __enter__(self):
+        prof = self.prof
+        self.t0 = time.perf_counter() - prof._epoch
+        if prof.nvtx and _nvtx() is not None:
+            _nvtx().push(self.name, "compute")
+        return self
+
+    def __exit__(self, *exc):
+        prof, name = self.prof, self.name
+        t = time.perf_counter() - prof._epoch
+        if prof.nvtx and _nvtx() is not None:
+            _nvtx().pop()
+        prof.compute.append((self.t0, t))
+        prof.events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
+                            "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
+                            "async": False})
+
+
+def compute_region(name: str):
+    """``region(name)`` in every active profile, a no-op context without one: for kernel work
+    that runs outside the dispatcher (autodiff's flash-attention rules call their kernels on
+    the local pieces), so the tables show it and the overlap ratio counts it as compute."""
+    profs = active_profiles()
+    if not profs:
+        return contextlib.nullcontext()
+    if len(profs) == 1:
+        return profs[0].region(name)
+    stack = contextlib.ExitStack()
+    for p in profs:
+        stack.enter_context(p.region(name))
+    return stack
+
+
 # --------------------------------------------------------------------------- intervals
 
 def _union(iv: list) -> list:
@@ -187,6 +237,21 @@ def overlap_ratio(collective: list, compute: list) -> float | None:
     return hidden / total
 
 
+_clock = time.perf_counter
+_DT: list = []                  # [DTensor], imported on the first profile (dist imports this module's users)
+
+
+def _op_info(dec, args) -> tuple:
+    """(row name, table key, flops per output element) of a dispatcher decision."""
+    k = 0
+    if dec.op == "matmul":
+        from .dist.shard import local_shape
+        a = args[0]
+        tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
+        k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
+    return _op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"), k
+
+
 # --------------------------------------------------------------------------- the profile
 
 class Profile:
@@ -199,7 +264,7 @@ class Profile:
                              "(a row per op, layout and shape) or None (print nothing)")
         if table == "short" and os.environ.get("TESSERA_PROFILE_TABLE", "") == "full":
             table = "full"
-        self.trace_path, self.nvtx, self.name = trace, nvtx, name
+        self.trace_path, self.nvtx, self.name = trace, nvtx and _nvtx_listening(), name
         self.table_kind = table if print_table else None
         self.print_table = self.table_kind is not None
         self.events: list[dict] = []           # this rank's: name, cat, role, t0, t1, bytes, flops, key
@@ -209,6 +274,7 @@ class Profile:
         self.all_events: list | None = None     # rank 0 after exit: every rank's events
         self.rank_overlaps: list | None = None
         self._stack: list = []                  # open ops: [t_cursor]
+        self._ops: dict = {}                    # decision -> _op_info(decision)
         self._epoch = 0.0
 
     # lifecycle ---------------------------------------------------------------
@@ -216,6 +282,9 @@ class Profile:
         from .dist import collectives as C
         from .dist import dispatch as D
         from .dist.process_group import world
+        if not _DT:
+            from .dist.dtensor import DTensor
+            _DT.append(DTensor)
         w = world()
         if w.size > 1:
             w.mpi.Barrier()
@@ -284,7 +353,7 @@ class Profile:
 
     # hooks: ops ---------------------------------------------------------------
     def op_begin(self, dec, args) -> None:
-        t = time.perf_counter() - self._epoch
+        t = _clock() - self._epoch
         self._stack.append([t, t])
         if self.nvtx:
             nv = _nvtx()
@@ -292,7 +361,7 @@ class Profile:
                 nv.push(_op_name(dec), "compute")
 
     def op_end(self, dec, args, out) -> None:
-        t = time.perf_counter() - self._epoch
+        t = _clock() - self._epoch
         cursor, start = self._stack.pop()
         self.compute.append((cursor, t))
         if self.nvtx:
@@ -301,40 +370,20 @@ class Profile:
                 nv.pop()
         if out is None:                       # the op raised
             return
-        nbytes = sum(a._local.nbytes for a in args if hasattr(a, "_local")) + getattr(out._local, "nbytes", 0)
-        flops = 0
-        if dec.op == "matmul":
-            from .dist.shard import local_shape
-            a = args[0]
-            tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
-            k = local_shape(a.shape, tgt, a.mesh)[-1]
-            flops = 2 * out._local.size * k
-        self.events.append({"name": _op_name(dec), "cat": "op", "role": "compute", "t0": start, "t1": t,
-                            "bytes": nbytes, "busbytes": nbytes,
-                            "flops": flops, "key": ("op", dec.op, repr(dec.layout),
-                                                    "[" + ",".join(map(str, dec.shape)) + "]"),
-                            "async": False})
+        info = self._ops.get(dec)
+        if info is None:                      # what the (cached) decision fixes: worked out once
+            info = self._ops[dec] = _op_info(dec, args)
+        nbytes = out._local.nbytes
+        for a in args:
+            if a.__class__ is _DT[0]:
+                nbytes += a._local.nbytes
+        self.events.append({"name": info[0], "cat": "op", "role": "compute", "t0": start, "t1": t,
+                            "bytes": nbytes, "busbytes": nbytes, "flops": info[2] * out._local.size,
+                            "key": info[1], "async": False})
 
-    def region(self, name: str):
+    def region(self, name: str) -> "_Region":
         """Mark plain-array work as compute: ``with prof.region("mlp"): ...``."""
-        prof = self
-
-        class _Region:
-            def __enter__(self):
-                self.t0 = time.perf_counter() - prof._epoch
-                if prof.nvtx and _nvtx() is not None:
-                    _nvtx().push(name, "compute")
-                return self
-
-            def __exit__(self, *exc):
-                t = time.perf_counter() - prof._epoch
-                if prof.nvtx and _nvtx() is not None:
-                    _nvtx().pop()
-                prof.compute.append((self.t0, t))
-                prof.events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
-                                    "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
-                                    "async": False})
-        return _Region()
+        return _Region(self, name)
 
     def span(self, name: str, role: str, t0: float, t1: float) -> None:
         """Add a finished span (``time.perf_counter()`` times) on its own trace row ``role``

@@ -144,3 +144,26 @@ def test_every_op_and_collective_is_an_nvtx_range_named_with_its_axis_and_shape(
     if world.size > 1:
         assert any(e[1].startswith("all_gather(dp) float32[") and e[2] == "tp_collective" for e in pushes)
     assert sum(e[0] == "push" for e in fake.log) == sum(e[0] == "pop" for e in fake.log)
+
+
+@pytest.mark.parametrize("env", [{}, {"NVTX_INJECTION64_PATH": "/nsight/libToolsInjection64.so"}, {"TESSERA_NVTX": "1"}])
+def test_a_profile_emits_nvtx_ranges_only_when_a_tool_collects_them(world, mesh, monkeypatch, env):
+    """Without Nsight (which sets NVTX_INJECTION64_PATH) or TESSERA_NVTX=1 the ranges would go
+    nowhere: the profile skips their ~2.5 us per op."""
+    nv = profiler._nvtx()
+    if nv is None:
+        pytest.skip("nvtx is not installed")
+    fake = _FakeDomain()
+    monkeypatch.setattr(nv, "_dom", fake)
+    monkeypatch.setattr(nv, "_attrs", {})
+    for k in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH", "TESSERA_NVTX"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with graph.profile(print_table=False):
+        _step(mesh)
+    pushes = [e for e in fake.log if e[0] == "push"]
+    if env:
+        assert ("push", "matmul S(0)@dp [16,4]", "compute") in pushes
+    else:
+        assert pushes == []

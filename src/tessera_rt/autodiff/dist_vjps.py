@@ -22,6 +22,7 @@ from ..backend import get_backend
 from ..dist import collectives as C
 from ..dist.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.layout import Layout
+from ..profiler import compute_region
 from .tape import differentiable, vjp_rule
 
 __all__ = ["redistribute", "full_tensor", "to_local"]
@@ -216,7 +217,8 @@ def _fa_forward(fn, vals, kw):
         from ..dist import dispatch
         dec = dispatch.explain("flash_attention", (causal, scale, policy), (q, k, v))
         locs = [a.to_local() if p is None else p.run(a.to_local()) for a, p in zip((q, k, v), dec.plans)]
-        o_loc, lse = kern(*locs, causal=causal, scale=scale, return_lse=True, policy=policy)
+        with compute_region("flash_attention"):         # (outside the dispatcher: tell the profiler)
+            o_loc, lse = kern(*locs, causal=causal, scale=scale, return_lse=True, policy=policy)
         o = DTensor._wrap(o_loc, meta_of(dec.layout, dec.shape, o_loc.dtype, dec.mesh))
         return o, (lse, locs, dec)
     o, lse = fn(q, k, v, **dict(kw, return_lse=True))
@@ -232,11 +234,13 @@ def _flash_attention(g, out, args, kw, needs):
     bwd = get_backend().kernel("flash_attention_backward")
     if dec is None:
         q, k, v = args[:3]
-        dq, dk, dv = bwd(q, k, v, out, g, lse, causal=causal, scale=scale, policy=policy)
+        with compute_region("flash_attention_backward"):
+            dq, dk, dv = bwd(q, k, v, out, g, lse, causal=causal, scale=scale, policy=policy)
         return (dq, dk, dv) + (None,) * (len(args) - 3)
     g_loc = g.redistribute(dec.layout).to_local()
-    dq, dk, dv = bwd(*locs, out.to_local(), get_backend().xp.ascontiguousarray(g_loc), lse, causal=causal,
-                     scale=scale, policy=policy)
+    with compute_region("flash_attention_backward"):
+        dq, dk, dv = bwd(*locs, out.to_local(), get_backend().xp.ascontiguousarray(g_loc), lse, causal=causal,
+                         scale=scale, policy=policy)
     outs = []
     for a, t, lay in zip(args[:3], (dq, dk, dv), dec.strategy.inputs):
         outs.append(DTensor._wrap(t, meta_of(lay, a.shape, t.dtype, dec.mesh)))
