@@ -125,13 +125,20 @@ class _FakeDomain:
         self.log.append(("end", rid))
 
 
-def test_every_op_and_collective_is_an_nvtx_range_named_with_its_axis_and_shape(world, mesh, monkeypatch):
+@pytest.fixture
+def fake_nvtx(monkeypatch):
+    """The NVTX domain replaced by one that logs its calls."""
     nv = profiler._nvtx()
     if nv is None:
         pytest.skip("nvtx is not installed")
     fake = _FakeDomain()
     monkeypatch.setattr(nv, "_dom", fake)
     monkeypatch.setattr(nv, "_attrs", {})
+    return fake
+
+
+def test_every_op_and_collective_is_an_nvtx_range_named_with_its_axis_and_shape(world, mesh, fake_nvtx):
+    fake = fake_nvtx
     profiler.enable_nvtx(True)
     try:
         _step(mesh)
@@ -147,15 +154,10 @@ def test_every_op_and_collective_is_an_nvtx_range_named_with_its_axis_and_shape(
 
 
 @pytest.mark.parametrize("env", [{}, {"NVTX_INJECTION64_PATH": "/nsight/libToolsInjection64.so"}, {"TESSERA_NVTX": "1"}])
-def test_a_profile_emits_nvtx_ranges_only_when_a_tool_collects_them(world, mesh, monkeypatch, env):
+def test_a_profile_emits_nvtx_ranges_only_when_a_tool_collects_them(world, mesh, monkeypatch, fake_nvtx, env):
     """Without Nsight (which sets NVTX_INJECTION64_PATH) or TESSERA_NVTX=1 the ranges would go
     nowhere: the profile skips their ~2.5 us per op."""
-    nv = profiler._nvtx()
-    if nv is None:
-        pytest.skip("nvtx is not installed")
-    fake = _FakeDomain()
-    monkeypatch.setattr(nv, "_dom", fake)
-    monkeypatch.setattr(nv, "_attrs", {})
+    fake = fake_nvtx
     for k in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH", "TESSERA_NVTX"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
