@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tessera_rt import dist, op
-from tessera_rt.backend import get_backend
+from tessera_rt.backend import get_backend, mapped_empty
 
 COMM = MPI.COMM_WORLD
 
@@ -115,28 +115,29 @@ def _counts(length, n):
 
 def hand_written(case: str, local, shape, n: int, rank: int):
     """The same movement written directly with mpi4py on NumPy buffers (the fixed-size MPI
-    collective when the parts are equal, the -v form otherwise)."""
+    collective when the parts are equal, the -v form otherwise).  Its buffers are made once,
+    on the kind of memory tessera's pool gives large outputs (``mapped_empty``)."""
     M, N = shape
     mt = MPI.FLOAT
     even = M % n == 0 and N % n == 0
     if even and case == "S(0)->R":
-        out = np.empty((M, N), np.float32)
+        out = mapped_empty((M, N), np.float32)
         return lambda: COMM.Allgather(local, out)
     if even and case == "P->S(0)":
-        out = np.empty((M // n, N), np.float32)
+        out = mapped_empty((M // n, N), np.float32)
         return lambda: COMM.Reduce_scatter_block(local, out, op=MPI.SUM)
     if case == "S(0)->R":
         rows = _counts(M, n)
-        out = np.empty((M, N), np.float32)
+        out = mapped_empty((M, N), np.float32)
         counts = [r * N for r in rows]
         displs = list(np.cumsum([0] + counts[:-1]))
         return lambda: COMM.Allgatherv(local, [out, counts, displs, mt])
     if case == "S(1)->R":
         cols = _counts(N, n)
-        buf = np.empty(M * N, np.float32)
+        buf = mapped_empty(M * N, np.float32)
         counts = [c * M for c in cols]
         displs = list(np.cumsum([0] + counts[:-1]))
-        out = np.empty((M, N), np.float32)
+        out = mapped_empty((M, N), np.float32)
         offs = list(np.cumsum([0] + list(cols[:-1])))
 
         def run():
@@ -148,22 +149,22 @@ def hand_written(case: str, local, shape, n: int, rank: int):
                 out[:, offs[j]:offs[j] + cols[j]] = buf[displs[j]:displs[j] + counts[j]].reshape(M, cols[j])
         return run
     if case == "P->R":
-        out = np.empty_like(local)
+        out = mapped_empty(local.shape, local.dtype)
         return lambda: COMM.Allreduce(local, out, op=MPI.SUM)
     if case == "P->S(0)":
         rows = _counts(M, n)
-        out = np.empty((rows[rank], N), np.float32)
+        out = mapped_empty((rows[rank], N), np.float32)
         return lambda: COMM.Reduce_scatter(local, out, [r * N for r in rows], op=MPI.SUM)
     if case == "S(0)->S(1)":
         rows, cols = _counts(M, n), _counts(N, n)
         coffs = list(np.cumsum([0] + list(cols[:-1])))
         m_me, n_me = rows[rank], cols[rank]
-        send = np.empty(m_me * N, np.float32)
+        send = mapped_empty(m_me * N, np.float32)
         scounts = [m_me * c for c in cols]
         sdispl = list(np.cumsum([0] + scounts[:-1]))
         rcounts = [r * n_me for r in rows]
         rdispl = list(np.cumsum([0] + rcounts[:-1]))
-        out = np.empty((M, n_me), np.float32)
+        out = mapped_empty((M, n_me), np.float32)
 
         def run():
             if even:                          # one vectorized copy packs every destination's columns

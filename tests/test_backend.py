@@ -37,19 +37,22 @@ def test_unknown_device_name(monkeypatch):
         B.reset_backend()
 
 
-def test_pool_reuses_a_block_only_when_every_view_is_gone():
+@pytest.mark.parametrize("n", [1 << 18, 1 << 20])     # 1 MiB (malloc'd block), 4 MiB (mapped block)
+def test_pool_reuses_a_block_only_when_every_view_is_gone(n):
     pool = B.HostBufferPool()
-    a = pool.empty((1 << 18,), np.float32)           # 1 MiB
+    a = pool.empty((n,), np.float32)
     a_ptr = a.ctypes.data
-    b = pool.empty((1 << 18,), np.float32)
+    if n * 4 >= pool.MAPPED_BYTES:
+        assert a_ptr % 4096 == 0 and isinstance(a.base.base, memoryview)    # a block of its own mapping
+    b = pool.empty((n,), np.float32)
     assert b.ctypes.data != a_ptr                     # a is alive: a new block
     view = a[10:20]
     del a
-    c = pool.empty((1 << 18,), np.float32)
+    c = pool.empty((n,), np.float32)
     assert c.ctypes.data != a_ptr                     # a view still holds a's block
     del view, c
-    d = pool.empty((512, 512), np.float32)            # same size class, other shape
-    assert d.ctypes.data == a_ptr and d.shape == (512, 512)
+    d = pool.empty((n // 512, 512), np.float32)       # same size class, other shape
+    assert d.ctypes.data == a_ptr and d.shape == (n // 512, 512)
     small = pool.empty((4,), np.float64)              # small arrays bypass the pool
     assert small.base is None
 
