@@ -83,7 +83,10 @@ def _profiled(dec: Decision, args):
     try:
         out = dec.run(args)
     finally:
-        _PROF[:] = [h for h in hooks if h not in _PROF] + _PROF
+        if _PROF:                    # hooks added while the op ran (a profile entered inside it)
+            _PROF[:] = [h for h in hooks if h not in _PROF] + _PROF
+        else:
+            _PROF[:] = hooks
         for h in reversed(hooks):
             h.op_end(dec, args, out)
     return out
