@@ -142,36 +142,40 @@ class CudaStream:
 
 # --------------------------------------------------------------------------- buffer pool
 
-def _mapped(size: int) -> np.ndarray:
-    """A uint8 array on a fresh anonymous mapping advised for transparent huge pages.
+def _mapped(shape, dtype) -> np.ndarray:
+    """An uninitialized array on a fresh anonymous mapping advised for transparent huge pages
+    and started on a 2 MiB boundary (so every 2 MiB of it can be one huge page).
 
     malloc serves a large block from recycled heap memory once its mmap threshold has grown
     (glibc raises it after the first large free), and pages already faulted in there stay
     4 KiB pages: a 16 MiB all_reduce into such a block ran 0.6-0.8 ms (~15%) slower than
-    into a fresh mapping, every call, on the development VM (THP "madvise" mode)."""
-    huge = 1 << 21                       # start on a huge page, so every 2 MiB of it can be one
-    m = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    into a fresh mapping, every call, on the development VM (THP "madvise" mode).  The array
+    is made on the mapping itself, so it is the ``.base`` of every view of it (the pool's and
+    dist.ccl's reference counts rely on that)."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dt.itemsize
+    huge = 1 << 21
+    m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:                  # kernels without THP
             pass
     skip = -np.frombuffer(m, np.uint8, count=1).ctypes.data % huge
-    # an array on the mapping itself (not a view of another array), so every array made on
-    # it has it as .base and the pool's reference count sees them
-    return np.frombuffer(m, np.uint8, count=size, offset=skip)
+    return np.ndarray(shape, dt, m, offset=skip)
 
 
 def mapped_empty(shape, dtype) -> np.ndarray:
     """An uninitialized host array on memory of the kind the pool gives large outputs (a fresh
-    mapping with huge pages from ``HostBufferPool.MAPPED_BYTES``; NumPy's below): the
-    benchmarks give their hand-written peers these, so a ratio measures the call, not page
-    sizes."""
+    mapping with huge pages from ``HostBufferPool.MAPPED_BYTES``; NumPy's below), owning
+    its memory as far as views are concerned (it is their ``.base``).  Long-lived buffers
+    use it (dist.ccl's persistent sets, compiled plans' scratch), and the benchmarks give
+    their hand-written peers these, so a ratio measures the call, not page sizes."""
     dt = np.dtype(dtype)
     nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dt.itemsize
     if nbytes < HostBufferPool.MAPPED_BYTES:
         return np.empty(shape, dt)
-    return _mapped(nbytes).view(dt).reshape(shape)
+    return _mapped(shape, dt)
 
 
 class HostBufferPool:
@@ -253,7 +257,7 @@ class HostBufferPool:
         return take
 
     def _new_block(self, size: int, blocks: list) -> np.ndarray:
-        block = _mapped(size) if size >= self.MAPPED_BYTES else np.empty(size, np.uint8)
+        block = _mapped(size, np.uint8) if size >= self.MAPPED_BYTES else np.empty(size, np.uint8)
         if len(blocks) < self.MAX_PER_CLASS and self.cached_bytes + size <= self.max_cached_bytes:
             blocks.append(block)
             self.cached_bytes += size

@@ -28,7 +28,7 @@ import math
 from typing import Callable
 
 from . import collectives as C
-from ..backend import CpuWorkerStream
+from ..backend import CpuWorkerStream, mapped_empty
 from .comm import _MPI_OPS
 from .plans import _direct as _mpi_direct
 from .packing import _with_dim
@@ -76,7 +76,7 @@ def _scratch(b, shape: tuple, dtype) -> Callable:
     ``SCRATCH_MAX_BYTES`` it comes from the pool."""
     if b.is_gpu or math.prod(shape) * dtype.itemsize > SCRATCH_MAX_BYTES:
         return _keeper(b, shape, dtype)
-    buf = b.xp.empty(shape, dtype)
+    buf = mapped_empty(shape, dtype)     # (huge pages from 2 MiB, as the pool's blocks)
     return lambda: buf
 
 
