@@ -249,9 +249,17 @@ def test_a_dropped_result_gives_its_set_back(world, algo, per_rank):
     np.testing.assert_array_equal(host(v), 2 * keep[3:])          # a view of call 2's result still held
     b = ptr(r3)
     del v, r3
-    r4 = ccl.line_all_gather(x * 4, 0, 0, mesh=mesh, algo=algo, buffer_key=key)
-    np.testing.assert_array_equal(host(r4), 4 * keep)
-    assert (ptr(r4) == b) != BACKEND.is_gpu                       # CPU: call 3's set again; GPU: cycles
+    # a dropped result's set is taken again (CPU) or the other one (GPU: cycles).  Any other
+    # holder makes a CPU call cycle too: the watchdog keeps the frame it last sampled (with
+    # its locals) for up to 0.2 s, so the pairs are repeated (the same number on every rank)
+    reused = 0
+    for k in range(4, 8):
+        r = ccl.line_all_gather(x * k, 0, 0, mesh=mesh, algo=algo, buffer_key=key)
+        np.testing.assert_array_equal(host(r), k * keep)
+        reused += ptr(r) == b
+        b = ptr(r)
+        del r
+    assert (reused > 0) != BACKEND.is_gpu and (BACKEND.is_gpu or reused >= 2)
     ccl.clear_persistent_buffers(key)
 
 

@@ -247,6 +247,7 @@ class _Watchdog:
             timeout = _cfg().timeout
             cls._stop.wait(min(0.2, max(0.02, timeout / 20)))
             if timeout <= 0 or cls._stop.is_set():
+                frame = None                 # (a held frame keeps its locals, buffers included)
                 continue
             try:
                 if threaded:
