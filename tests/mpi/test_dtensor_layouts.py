@@ -436,3 +436,17 @@ def test_compiled_outputs_never_share_memory_with_live_results(world):
     del view, Y2, Y3
     Y4 = X.redistribute(S1)
     np.testing.assert_array_equal(Y4.to_local(), want)
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
+    """Pack and receive scratch is kept per compiled step on CPU ranks until the budget is
+    spent, then comes from the pool: the results are the same either way."""
+    from tessera_rt.dist import compiled_plan
+    if budget is not None:
+        monkeypatch.setattr(compiled_plan, "SCRATCH_BUDGET_BYTES", budget)
+    mesh = get_mesh("1d")
+    S = {d: Layout(tuple(("tp",) if i == d else () for i in range(3))) for d in range(3)}
+    g = global_array((6, 5, 4), np.float32, seed=11)      # uneven parts at 4 ranks
+    for src, dst in ((S[0], S[1]), (S[1], S[2]), (S[2], S[0])):
+        check_compiled(g, src, dst, mesh)

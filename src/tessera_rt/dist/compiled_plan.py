@@ -65,17 +65,24 @@ def _keeper(b, shape: tuple, dtype) -> Callable:
 
 
 # Scratch buffers (a pack buffer, a flat receive buffer) up to this size are kept by their
-# step on CPU ranks: ~0.5 us a call, which matters for small messages only.
+# step on CPU ranks: ~0.5 us a call, which matters for small messages only.  Plans are
+# cached by the thousand, so the bytes kept in all are bounded too (then: the pool; the count
+# is not given back when a plan is evicted, so a long run of new plans ends on the pool).
 SCRATCH_MAX_BYTES = 4 << 20
+SCRATCH_BUDGET_BYTES = 64 << 20
+_SCRATCH_KEPT = [0]
 
 
 def _scratch(b, shape: tuple, dtype) -> Callable:
     """() -> a buffer a step writes and is done with before it returns (never handed out).
     On CPU ranks the step's collective is blocking, so one buffer per step serves every call;
-    on GPUs (stream-ordered: the next call may be enqueued while this one runs) and above
-    ``SCRATCH_MAX_BYTES`` it comes from the pool."""
-    if b.is_gpu or math.prod(shape) * dtype.itemsize > SCRATCH_MAX_BYTES:
+    on GPUs (stream-ordered: the next call may be enqueued while this one runs), above
+    ``SCRATCH_MAX_BYTES`` and once the kept scratch reaches ``SCRATCH_BUDGET_BYTES`` it comes
+    from the pool."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if b.is_gpu or nbytes > SCRATCH_MAX_BYTES or _SCRATCH_KEPT[0] + nbytes > SCRATCH_BUDGET_BYTES:
         return _keeper(b, shape, dtype)
+    _SCRATCH_KEPT[0] += nbytes
     buf = mapped_empty(shape, dtype)     # (huge pages from 2 MiB, as the pool's blocks)
     return lambda: buf
 
