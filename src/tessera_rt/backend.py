@@ -153,6 +153,8 @@ def _mapped(shape, dtype) -> np.ndarray:
     is made on the mapping itself, so it is the ``.base`` of every view of it (the pool's and
     dist.ccl's reference counts rely on that)."""
     dt = np.dtype(dtype)
+    if not hasattr(mmap, "MAP_ANONYMOUS"):          # (not a POSIX system: NumPy's memory)
+        return np.empty(shape, dt)
     nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dt.itemsize
     huge = 1 << 21
     m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
