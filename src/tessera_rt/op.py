@@ -36,7 +36,10 @@ __all__ = [
 
 
 def _is_dt(*xs) -> bool:
-    return any(type(x) is DTensor for x in xs)
+    for x in xs:                 # (a loop, not any(generator): every op call asks, ~0.2 us less)
+        if type(x) is DTensor:
+            return True
+    return False
 
 
 def _no_extras(op: str, **kw) -> None:

@@ -19,7 +19,8 @@ __all__ = ["array_module", "check_float", "check_policy", "finish", "widen", "sh
 
 
 def is_cupy(a: Any) -> bool:
-    return type(a).__module__.split(".", 1)[0] == "cupy"
+    t = type(a)
+    return t is not np.ndarray and t.__module__.split(".", 1)[0] == "cupy"
 
 
 def array_module(*arrays: Any):
@@ -34,13 +35,28 @@ def shape_str(a: Any) -> str:
     return f"{tuple(a.shape)} {dtype_name(a.dtype)}"
 
 
+_DTYPE_SETS: dict = {}
+
+
+def _dtype_set(allowed) -> frozenset:
+    """``allowed`` as a frozenset of NumPy dtypes, made once per (hashable) ``allowed``: every
+    kernel call checks its inputs, and building the set cost ~1 us a check."""
+    try:
+        s = _DTYPE_SETS.get(allowed)
+    except TypeError:                    # unhashable (a list): not cached
+        return frozenset(np.dtype(d) for d in allowed)
+    if s is None:
+        s = _DTYPE_SETS[allowed] = frozenset(np.dtype(d) for d in allowed)
+    return s
+
+
 def check_float(op: str, name: str, a: Any, allowed: Iterable[np.dtype] = FLOAT_DTYPES,
                 min_ndim: int = 1) -> None:
     """TypeError unless ``a`` is an array of an allowed float dtype with at least ``min_ndim`` dims."""
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
         raise TypeError(f"{op}: {name} must be a NumPy/CuPy array, got {type(a).__name__}")
-    allowed = frozenset(np.dtype(d) for d in allowed)
-    if np.dtype(a.dtype) not in allowed:
+    allowed = _dtype_set(allowed)
+    if a.dtype not in allowed and np.dtype(a.dtype) not in allowed:
         raise TypeError(f"{op}: {name} has dtype {dtype_name(a.dtype)}, which {op} does not support; "
                         f"cast it to one of {sorted(dtype_name(d) for d in allowed)}")
     if a.ndim < min_ndim:
