@@ -267,8 +267,10 @@ def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         n = int(np.prod([meta.shape[d] for d in axes])) if op == "mean" else 1
         if op == "mean" and n == 0:
             raise fail(op, kinds, "mean over an empty dim")
-        fn = ((lambda x: xp.sum(x, axis=ax, keepdims=keepdims)) if op == "sum" else
-              (lambda x: xp.sum(x, axis=ax, keepdims=keepdims) / n))
+        # the array's method: the same reduction as xp.sum without NumPy's function wrapper
+        # (~1.2 us a call)
+        fn = ((lambda x: x.sum(axis=ax, keepdims=keepdims)) if op == "sum" else
+              (lambda x: x.sum(axis=ax, keepdims=keepdims) / n))
     else:
         red = xp.max if op == "max" else xp.min
         if sharded_reduced:
