@@ -450,3 +450,18 @@ def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
     g = global_array((6, 5, 4), np.float32, seed=11)      # uneven parts at 4 ranks
     for src, dst in ((S[0], S[1]), (S[1], S[2]), (S[2], S[0])):
         check_compiled(g, src, dst, mesh)
+
+
+def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world):
+    """Equal parts of a dtype MPI reduces go straight to mpi4py (as the array collectives'
+    direct path); avg, uneven parts and GPU communicators take collectives._issue."""
+    from tessera_rt.dist import compiled_plan
+    g = get_mesh("1d").group("tp")
+    from tessera_rt.backend import get_backend
+    f32, direct = np.dtype(np.float32), not get_backend().is_gpu
+    cases = [("all_reduce", dict(op="sum"), direct), ("reduce_scatter", dict(counts=None, op="max"), direct),
+             ("all_gather", dict(counts=None), direct), ("all_to_all", dict(counts=(None, None)), direct),
+             ("all_reduce", dict(op="avg"), False), ("all_gather", dict(counts=[1] * g.size), False)]
+    for method, kw, raw in cases:
+        call = compiled_plan._caller(g.comm, method, "tp_collective", f32, **kw)
+        assert (call.__name__ == "raw_call") == raw, (method, kw)

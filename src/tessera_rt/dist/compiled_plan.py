@@ -166,7 +166,8 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
     reducing = method in ("all_reduce", "reduce_scatter")
     extra = {"all_reduce": (op,), "reduce_scatter": (counts, op), "all_gather": (counts,),
              "all_to_all": tuple(counts or (None, None))}[method]
-    fixed = all(c is None for c in (extra[:1] if reducing else extra))
+    sizes = {"all_reduce": (), "reduce_scatter": (counts,), "all_gather": (counts,), "all_to_all": extra}[method]
+    fixed = all(c is None for c in sizes)            # equal parts: the fixed-size MPI call
     if not (fixed and _mpi_direct(comm, False, dtype, reducing, op)):
         m, issue = getattr(comm, method), C._issue
         return lambda send, recv: issue(role, False, m, (send, recv) + extra, recv)
