@@ -159,6 +159,15 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
 _ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
 
 
+def after_role_worker(role: str) -> None:
+    """Before a blocking CPU call goes straight to MPI on the caller's thread: let the role's
+    worker finish what it was given first (stream order).  The plain collectives' direct
+    paths repeat these lines inline (see the note above ``all_reduce``)."""
+    s = _ROLE_STREAMS.get(role)
+    if s.__class__ is CpuWorkerStream and s._done != s._issued:
+        s.wait_tasks()
+
+
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
     on_gpu = _backend().is_gpu
@@ -308,9 +317,7 @@ def run_all_reduce(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
         return _hooked(("all_reduce", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op, p.comm.all_reduce,
                        (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None, tag=tag)
     if p.fn is not None:
-        s = _ROLE_STREAMS.get(role)
-        if s.__class__ is CpuWorkerStream and s._done != s._issued:
-            s.wait_tasks()
+        after_role_worker(role)
         p.fn(_IN_PLACE if x is out else x, out, p.mop)
         return out
     return _issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
@@ -368,9 +375,7 @@ def run_reduce_scatter(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
                        p.comm.reduce_scatter, (send, flat, p.counts, op), out,
                        det=(g, send, flat, p.counts, op, out) if op in ("sum", "avg") else None, tag=tag)
     if p.fn is not None:
-        s = _ROLE_STREAMS.get(role)
-        if s.__class__ is CpuWorkerStream and s._done != s._issued:
-            s.wait_tasks()
+        after_role_worker(role)
         p.fn(send, out, p.mop)
         return out
     return _issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
@@ -429,9 +434,7 @@ def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
         return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, _then_unpack(p, recv, out),
                     tag=tag)
     if p.fn is not None and info is None:
-        s = _ROLE_STREAMS.get(role)
-        if s.__class__ is CpuWorkerStream and s._done != s._issued:
-            s.wait_tasks()
+        after_role_worker(role)
         p.fn(x, out)
         return out
     return _run(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
@@ -492,7 +495,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out,
                     _then_unpack(p, recv, out), tag=tag)
     if p.fn is not None and info is None:
-        s = _ROLE_STREAMS.get(role)
+        s = _ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:
             s.wait_tasks()
         p.fn(send, out)
@@ -524,7 +527,7 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
         return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, p.extra), role,
                        async_op, p.comm.broadcast, (x, root), x, tag=tag)
     if p.fn is not None:
-        s = _ROLE_STREAMS.get(role)
+        s = _ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:
             s.wait_tasks()
         p.fn(x, root)

@@ -28,7 +28,7 @@ import math
 from typing import Callable
 
 from . import collectives as C
-from ..backend import CpuWorkerStream, mapped_empty
+from ..backend import mapped_empty
 from .comm import _MPI_OPS
 from .plans import _direct as _mpi_direct
 from .packing import _with_dim
@@ -175,12 +175,10 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
     fn = {"all_reduce": mpi.Allreduce, "reduce_scatter": mpi.Reduce_scatter_block, "all_gather": mpi.Allgather,
           "all_to_all": mpi.Alltoall}[method]
     args = (_MPI_OPS[op],) if reducing else ()
-    streams, worker = C._ROLE_STREAMS, CpuWorkerStream
+    after_worker = C.after_role_worker
 
     def raw_call(send, recv):            # (the watchdog knows this frame: it waits inside MPI)
-        s = streams.get(role)
-        if s.__class__ is worker and s._done != s._issued:
-            s.wait_tasks()
+        after_worker(role)
         fn(send, recv, *args)
         return recv
     return raw_call

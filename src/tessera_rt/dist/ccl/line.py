@@ -23,7 +23,6 @@ from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 from ... import runtime as rt
-from ...backend import CpuWorkerStream
 from ...dtypes import dtype_name
 from .. import collectives as C
 from ..comm import REDUCE_OPS, _displs as _offsets
@@ -243,7 +242,6 @@ def _miss(key: tuple, build: Callable, buffer_key: str | None, dtype, args: tupl
 
 _get = _PLANS.get            # the plan table's lookup (a miss builds through ``_miss``)
 _cycle = buffers.cycle
-_ROLE_STREAMS = C._ROLE_STREAMS
 _ND: list = [None]           # the backend's array type, once known
 
 
@@ -315,9 +313,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
             C._check_sig(cp)
         if between is None:
             if cp.fn is not None and cp.pack is None and not C._HOOKS:      # run_reduce_scatter's direct path
-                s = _ROLE_STREAMS.get(role)
-                if s.__class__ is CpuWorkerStream and s._done != s._issued:
-                    s.wait_tasks()
+                C.after_role_worker(role)
                 out = bufs["out"]
                 cp.fn(x, out, cp.mop)
                 return out
