@@ -228,14 +228,7 @@ class HostBufferPool:
                 spec = self._spec(shape, dtype)
             if spec is False:
                 return np.empty(shape, dtype)
-        size, blocks, dt = spec
-        with self._lock:
-            for block in blocks:
-                # refs: the list, the loop variable, getrefcount's argument (a handed-out array,
-                # and every view of it, has the block as its .base)
-                if sys.getrefcount(block) == 3:
-                    return np.ndarray(shape, dt, block)
-            return np.ndarray(shape, dt, self._new_block(size, blocks))
+        return self._take(shape, spec)
 
     def empty_like(self, x: np.ndarray) -> np.ndarray:
         """An uninitialized array of x's shape and dtype (C order)."""
@@ -247,16 +240,17 @@ class HostBufferPool:
         spec = self._spec(shape, dtype)
         if spec is False:
             return functools.partial(np.empty, shape, dtype)
-        size, blocks, dt = spec
-        lock, refs, new = self._lock, sys.getrefcount, self._new_block
+        return functools.partial(self._take, shape, spec)
 
-        def take() -> np.ndarray:
-            with lock:
-                for block in blocks:
-                    if refs(block) == 3:
-                        return np.ndarray(shape, dt, block)
-                return np.ndarray(shape, dt, new(size, blocks))
-        return take
+    def _take(self, shape, spec) -> np.ndarray:
+        size, blocks, dt = spec
+        with self._lock:
+            for block in blocks:
+                # refs: the list, the loop variable, getrefcount's argument (a handed-out array,
+                # and every view of it, has the block as its .base)
+                if sys.getrefcount(block) == 3:
+                    return np.ndarray(shape, dt, block)
+            return np.ndarray(shape, dt, self._new_block(size, blocks))
 
     def _new_block(self, size: int, blocks: list) -> np.ndarray:
         block = _mapped(size, np.uint8) if size >= self.MAPPED_BYTES else np.empty(size, np.uint8)

@@ -10,7 +10,8 @@ call k+1's communication can start while compute still reads call k's result.  O
 a call whose previous set nobody holds any more (the caller dropped call k's result and
 every view of it) takes that set again: the calls are synchronous there, so nothing is left
 to overlap, and the warm set is faster (16 MiB all_gather at 1 rank: 1.42 ms against 1.60
-ms cycling).  The sets are arrays that own their memory, so a view of a result holds its
+ms cycling).  The sets are arrays that are the ``.base`` of every view of them (NumPy's own
+memory, or a mapping of their own: ``backend.mapped_empty``), so a view of a result holds its
 array (the refcount test is sound; a view of a pooled block would not be).  Nothing is
 allocated after the first call.  A key reused with a different signature is an error that
 names both and where the key was first made.
