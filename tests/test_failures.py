@@ -127,6 +127,40 @@ def test_the_watchdog_reports_without_the_recorder_from_the_stack(tmp_path):
     _no_orphans(str(s))
 
 
+def test_the_watchdog_sees_a_hang_inside_the_c_path_and_not_a_loop_of_quick_calls(tmp_path):
+    # the repeat all_reduce runs in dist/_hot.c, which leaves no Python frame of its own: the
+    # watchdog must still see rank 0 waiting there, and must not mistake the 3 s loop of quick
+    # calls before it (one caller frame throughout) for a hang with TESSERA_TIMEOUT=1.5
+    s = _script(tmp_path, "hang_hot.py", """
+        import time
+        import numpy as np
+        from tessera_rt import dist
+        from tessera_rt.dist import collectives as C
+        w = dist.init(timeout=1.5)
+        mesh = dist.Mesh(axes=["x"], shape=(w.size,))
+        x = np.ones(64, np.float32)
+        def step():
+            return dist.all_reduce(x, "x", mesh=mesh)
+        t = time.monotonic()
+        while dist.broadcast(np.array([time.monotonic() - t]), "x", mesh=mesh)[0] < 3:
+            for _ in range(200):
+                step()
+        print("loop done, C path calls:", C.all_reduce.hits, flush=True)
+        if w.rank == 1:
+            time.sleep(60)
+        step()                     # a verified call site: the check passes, MPI waits
+    """)
+    p, took = _run([TESSERA_RUN, "-n", "2", str(s)], mpi_env(2))
+    err = p.stderr
+    assert "loop done, C path calls:" in p.stdout and "C path calls: 0" not in p.stdout, p.stdout + err
+    assert p.returncode not in (0, 124), p.stdout + err
+    assert took < 25, took
+    assert err.count("[tessera watchdog] rank") == 1, err
+    assert "rank 0 (" in err and "PENDING all_reduce(x) float32[64] at hang_hot.py:10 " in err, err
+    assert "rank 1 (" in err and "time.sleep(60)" in err, err
+    _no_orphans(str(s))
+
+
 def test_a_healthy_job_with_the_watchdog_on_exits_zero_promptly(tmp_path):
     s = _script(tmp_path, "ok_job.py", """
         import numpy as np

@@ -336,3 +336,92 @@ def test_all_to_all_tag(line, world):
                         mesh=line)
     with pytest.raises(ValueError, match="tag applies to arrays"):
         dist.all_to_all(D, "x", tag="ring")
+
+
+# --------------------------------------------------------------------------- the C path (dist/_hot.c)
+
+from tessera_rt.dist import collectives as C  # noqa: E402
+from tessera_rt.dist.plans import clear_plans, plans_made  # noqa: E402
+
+ON_CPU = not BACKEND.is_gpu
+
+
+def _hot_cases(world, line):
+    """(name, call, NumPy reference) for each plain collective over the line mesh."""
+    n, r = world.size, world.rank
+    full = [host_data(k, (2 * n, 3), np.float32, 7) for k in range(n)]
+    total = sum(full)
+    return [
+        ("all_reduce", lambda **kw: dist.all_reduce(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw), total),
+        ("reduce_scatter", lambda **kw: dist.reduce_scatter(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw),
+         total[2 * r:2 * r + 2]),
+        ("all_gather", lambda **kw: dist.all_gather(rank_data(r, (2, 3), np.float32, 7), "x", **kw),
+         np.concatenate([host_data(k, (2, 3), np.float32, 7) for k in range(n)])),
+        ("all_to_all", lambda **kw: dist.all_to_all(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw),
+         np.concatenate([f[2 * r:2 * r + 2] for f in full])),
+        ("broadcast", lambda **kw: dist.broadcast(rank_data(r, (2 * n, 3), np.float32, 7), "x", root=n - 1, **kw),
+         full[n - 1]),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_repeat_calls_take_the_c_path_with_the_python_result(world, line):
+    if C._hot is None:
+        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+    for name, call, want in _hot_cases(world, line):
+        fn = getattr(C, name)
+        for how in ({"mesh": line}, {}):            # mesh= given, then the current mesh
+            with line:
+                first = call(**how)                  # a miss: the Python function builds the plan
+                hits = fn.hits
+                again = call(**how)
+                assert fn.hits == hits + (1 if ON_CPU else 0), (name, how)
+            np.testing.assert_allclose(host(first), want, rtol=1e-5, err_msg=name)
+            np.testing.assert_array_equal(host(again), host(first), err_msg=name)
+
+
+@pytest.mark.timeout(60)
+def test_the_c_path_hands_everything_else_to_python(world, line):
+    if C._hot is None:
+        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+    x = rank_data(world.rank, (4, 6), np.float32, 3)
+    want = sum(host_data(k, (4, 6), np.float32, 3) for k in range(world.size))
+    dist.all_reduce(x, "x", mesh=line)
+    hits = C.all_reduce.hits
+    # a strided input, a bad out=, an unknown keyword, a DTensor, hooks on: all Python
+    y = dist.all_reduce(xp.asarray(np.repeat(host(x), 2, axis=1))[:, ::2], "x", mesh=line)
+    np.testing.assert_allclose(host(y), want, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"out= must be a contiguous float32\[4, 6\]"):
+        dist.all_reduce(x, "x", mesh=line, out=xp.empty((4, 5), np.float32))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'axes'"):
+        dist.all_reduce(x, axes="x", mesh=line)
+    b = dist.broadcast(dist.from_local(xp.full(3, float(world.rank)), mesh=line, shape=(3,), validate=False),
+                       axis="x", root=0)
+    assert (host(b.to_local()) == 0).all()
+    with dist.trace_collectives() as records:
+        dist.all_reduce(x, "x", mesh=line)
+    assert records.count("all_reduce") == 1
+    assert C.all_reduce.hits == hits
+    # in place through the C path
+    z = xp.asarray(host(x).copy())
+    dist.all_reduce(z, "x", mesh=line, out=z)
+    dist.all_reduce(xp.asarray(host(x).copy()), "x", mesh=line, out=z.copy())
+    z2 = xp.asarray(host(x).copy())
+    assert dist.all_reduce(z2, "x", mesh=line, out=z2) is z2
+    np.testing.assert_allclose(host(z2), want, rtol=1e-5)
+    assert C.all_reduce.hits == hits + (3 if ON_CPU else 0)
+
+
+@pytest.mark.timeout(60)
+def test_clearing_the_plans_is_seen_by_the_c_path(world, line):
+    x = rank_data(world.rank, (5,), np.float64, 1)
+    dist.all_gather(x, "x", mesh=line)
+    dist.all_gather(x, "x", mesh=line)
+    made = plans_made()
+    clear_plans()
+    y = dist.all_gather(x, "x", mesh=line)            # rebuilt, not the remembered plan
+    assert plans_made() == made + 1
+    dist.all_gather(x, "x", mesh=line)
+    assert plans_made() == made + 1
+    np.testing.assert_array_equal(host(y), np.concatenate([host_data(k, (5,), np.float64, 1)
+                                                           for k in range(world.size)]))

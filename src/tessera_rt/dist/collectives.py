@@ -579,3 +579,50 @@ def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_col
 
 
 from .debug import Call as _Call  # noqa: E402  (debug imports this module lazily)
+
+
+# --------------------------------------------------------------------------- the C path
+#
+# A plan hit on a plain array with mesh= given, no hooks and a raw MPI call to make runs the
+# steps above in C (dist/_hot.c): same order, same plan dict, the check's remembered-site
+# path; everything else is handed to the Python function before anything happens.  Each
+# spec lists what follows (op, id(group), type, shape, dtype) in that collective's plan key
+# above (the C side builds the same key) and the parameters that must be None there.
+# TESSERA_HOT=0 keeps the Python functions (and so does a build without a C compiler).
+
+_HOT_ARRAY_FIELDS = False     # whether the C path reads NumPy arrays' fields directly (setup's layout check)
+_HOT_SPECS = {
+    "all_reduce": (("op", "tag", "role", "async_op"), ()),
+    "reduce_scatter": (("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",)),
+    "all_gather": (("dim", "sizes", "tag", "role", "async_op"), ("sizes",)),
+    "all_to_all": (("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is None", "tag", "role",
+                    "async_op"), ("split_sizes", "recv_sizes")),
+    "broadcast": (("root", "tag", "role", "async_op"), ()),
+}
+
+
+def _accelerate():
+    import functools
+    import os
+    if os.environ.get("TESSERA_HOT", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    try:
+        from . import _hot
+    except ImportError:
+        return None
+    import numpy as np
+    from . import consistency
+    probe = np.zeros((3, 4), np.int16)[:, ::2]       # setup checks the array fields it reads on this
+    global _HOT_ARRAY_FIELDS
+    from . import mesh
+    from .plans import _CLEARS
+    _HOT_ARRAY_FIELDS = _hot.setup(_PLANS, _CLEARS, _ROUTES, _HOOKS, _ROLE_STREAMS, CpuWorkerStream, _IN_PLACE, globals(), vars(consistency),
+               consistency.check_plan, consistency._cfg, mesh._CURRENT, mesh._DEFAULT, _WORLD_GROUP, np.ndarray, probe,
+               probe.shape, probe.dtype)
+    for name, (key, none) in _HOT_SPECS.items():
+        fn = globals()[name]
+        globals()[name] = functools.update_wrapper(_hot.Collective(getattr(_hot, name.upper()), fn, key, none), fn)
+    return _hot
+
+
+_hot = _accelerate()

@@ -338,11 +338,16 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _intern
     return None
 
 
+ALONE = ()      # a plan's ``site`` over a group of one: check_plan (and dist/_hot.c) skip it
+
+
 def check_plan(p, depth: int = 2, _c=_cfg) -> None:
     """``check_sig`` for a call with a plan ``p`` (``p.st``, ``p.sig`` and ``p.site``, the last
     verified key of a plain call site): a repeat from that site skips the key and the lookup,
     since a verified key stays verified; the group's count and sampling still run."""
     site = p.site
+    if site is ALONE:
+        return                            # a group of one: nothing to agree on (check_sig's rule)
     if site is not None and not _c.metas:
         f = _getframe(depth)
         if f.f_code is site[0] and f.f_lasti == site[1]:

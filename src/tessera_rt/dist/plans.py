@@ -17,7 +17,7 @@ from typing import Any, Callable
 from .. import runtime as rt
 from ..dtypes import dtype_name
 from .comm import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
-from .consistency import group_state, sig
+from .consistency import ALONE, group_state, sig
 from .mesh import AxisGroup
 from .packing import _even, _pack, _with_dim
 from .process_group import world
@@ -28,6 +28,7 @@ __all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
 _MADE = [0]
+_CLEARS = [0]              # times the table was emptied: dist/_hot.c's memo of its last plan checks it
 
 
 def plan(key: tuple, build: Callable[[], Any]):
@@ -44,6 +45,7 @@ def keep(key, p):
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
+            _CLEARS[0] += 1
         _PLANS[key] = p
     return p
 
@@ -51,6 +53,7 @@ def keep(key, p):
 def clear_plans() -> None:
     """Forget every cached plan (the algorithm table, TESSERA_COMM_ALGO or the backend changed)."""
     _PLANS.clear()
+    _CLEARS[0] += 1
 
 
 def plans_made() -> int:
@@ -132,7 +135,7 @@ class Plan:
     dtypes, uneven parts); ``empty(shape, dtype)`` allocates the output."""
 
     __slots__ = ("op", "g", "comm", "st", "sig", "shape", "dtype", "empty", "fn", "mop", "rop", "extra", "gshape",
-                 "dim", "sizes", "even", "counts", "pack", "flat", "root", "exchange", "mine", "site")
+                 "dim", "sizes", "even", "counts", "pack", "flat", "root", "exchange", "mine", "site", "hot")
 
     def __init__(self, op: str, g: AxisGroup, comm, x, shape, extra, gshape, role: str, async_op: bool, **kw):
         self.op, self.g, self.comm, self.shape, self.dtype = op, g, comm, tuple(shape), x.dtype
@@ -147,9 +150,14 @@ class Plan:
         self.empty = b.xp.empty if not b.is_gpu and nbytes < b._pool.MIN_BYTES else b.empty
         self.fn = self.mop = self.rop = self.dim = self.sizes = self.counts = self.pack = self.root = None
         self.exchange, self.mine, self.even, self.flat = False, None, True, True
-        self.site = None                 # the agreement check's last verified call site
+        # the agreement check's last verified call site (a group of one has nothing to agree on)
+        self.site = ALONE if g.size == 1 else None
         for k, v in kw.items():
             setattr(self, k, v)
+        # what dist/_hot.c reads for a direct call (one attribute instead of six), or None:
+        # the raw MPI call takes this rank's input as it is and the output as the result
+        direct = self.fn is not None and self.pack is None and not self.exchange and self.flat
+        self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype) if direct else None
 
 
 def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:

@@ -69,12 +69,26 @@ def _main_frame():
     return frame
 
 
+def _hot_pending():
+    """(call number, plan, x) of the collective the main thread is in through the C path
+    (dist/_hot.c: from its check to the end of its MPI call), which leaves no Python frame
+    of its own, or None."""
+    from . import collectives
+    h = collectives._hot
+    got = h.pending() if h is not None else None
+    if got is None or got[3] != threading.main_thread().ident:
+        return None
+    return got[:3]
+
+
 def _in_collective(frame) -> bool:
-    """True if the main thread's innermost Python frame is one that waits inside MPI/NCCL."""
+    """True if the main thread's innermost Python frame is one that waits inside MPI/NCCL,
+    or the main thread is in a collective's C path."""
     if frame is None:
         return False
     fn = frame.f_code.co_filename
-    return fn in _WAIT_FILES or (os.path.basename(fn), frame.f_code.co_name) in _WAIT_FUNCS
+    return fn in _WAIT_FILES or (os.path.basename(fn), frame.f_code.co_name) in _WAIT_FUNCS or \
+        _hot_pending() is not None
 
 
 def _frame_summary(frame, limit: int = 4) -> str:
@@ -94,9 +108,16 @@ def _site_of(frame) -> str:
 
 
 def _pending_from_stack(frame) -> str:
-    """Describe the collective the main thread waits in, from the frames' locals (no recorder)."""
-    f = frame
+    """Describe the collective the main thread waits in, from the frames' locals (no recorder)
+    or the C path's plan."""
     checking = frame is not None and frame.f_code.co_name == "_verify"
+    hot = _hot_pending()
+    if hot is not None:
+        _, p, x = hot
+        axis = ",".join(p.g.name) if isinstance(p.g.name, (tuple, list)) else p.g.name
+        what = f"{p.op}({axis}) {dtype_name(x.dtype)}[{','.join(map(str, x.shape))}] at {_site_of(frame)}"
+        return ("the signature check of " + what) if checking else what
+    f = frame
     while f is not None:
         name = f.f_code.co_name
         if os.path.basename(f.f_code.co_filename) == "collectives.py" and name in _COLLECTIVES:
@@ -257,7 +278,11 @@ class _Watchdog:
                     frame = None
                     continue
                 now = time.monotonic()
-                if f is not frame:
+                # the C path runs in the caller's frame: a loop of quick collectives keeps
+                # that frame, so its call count tells one long wait from many short ones
+                hot = _hot_pending()
+                f = (f, None if hot is None else hot[0])
+                if frame is None or f[0] is not frame[0] or f[1] != frame[1]:
                     frame, since = f, now
                     continue
                 # another rank is already reporting: leave it the report (unless it went quiet)

@@ -1,0 +1,91 @@
+"""The plain collectives' C path (dist/_hot.c) on one process: built, wrapping the Python
+functions faithfully, building the same plan keys (a repeat call is a hit for every argument
+form the Python function caches), and leaving errors to Python.  Multi-rank behaviour:
+tests/mpi/test_collectives.py (results against NumPy at 1-4 ranks), tests/test_failures.py
+(the watchdog sees a hang inside the C path)."""
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+from tessera_rt import dist
+from tessera_rt.dist import collectives as C
+
+pytestmark = pytest.mark.timeout(60)
+
+NAMES = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"]
+
+
+@pytest.fixture(scope="module")
+def line():
+    w = dist.init()
+    return dist.Mesh(axes=["x"], shape=(w.size,))
+
+
+def test_the_extension_is_built_and_reads_numpy_arrays_directly():
+    if os.environ.get("TESSERA_HOT", "1") in ("0", "off", "false", "no"):
+        pytest.skip("TESSERA_HOT=0 keeps the Python collectives")
+    assert C._hot is not None, "tessera_rt.dist._hot did not build: run `pip install -e .` with a C compiler"
+    assert C._HOT_ARRAY_FIELDS, "the NumPy array layout check failed: the C path reads arrays through attributes"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_collective_keeps_its_python_signature_and_docs(name):
+    if C._hot is None:
+        pytest.skip("not built (see the first test)")
+    fn = getattr(dist, name)
+    assert fn is getattr(C, name) and isinstance(fn, C._hot.Collective)
+    py = fn.__wrapped__
+    assert inspect.signature(fn) == inspect.signature(py)
+    assert fn.__doc__ == py.__doc__ and fn.__name__ == name and fn.__module__ == py.__module__
+    assert repr(fn) == f"<tessera_rt collective {name}>"
+
+
+# every argument form of each collective that the Python function caches a plan for, and
+# whether the plan allows the direct call (a dim-1 reduce_scatter packs first: Python's path)
+FORMS = [
+    ("all_reduce", lambda m, x: dist.all_reduce(x, "x", mesh=m), True),
+    ("all_reduce", lambda m, x: dist.all_reduce(x, "x", "max", mesh=m, out=np.empty_like(x)), True),
+    ("all_reduce", lambda m, x: dist.all_reduce(x, "x", op="min", mesh=m, role="a2a"), True),
+    ("all_reduce", lambda m, x: dist.all_reduce(x, mesh=m, tag="ring"), True),
+    ("all_reduce", lambda m, x: dist.all_reduce(x), True),
+    ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", mesh=m), True),
+    ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", "max", dim=0, mesh=m), True),
+    ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", dim=1, mesh=m), False),
+    ("all_gather", lambda m, x: dist.all_gather(x, "x", mesh=m), True),
+    ("all_gather", lambda m, x: dist.all_gather(x, "x", dim=0, mesh=m, out=np.empty_like(x)), True),
+    ("all_to_all", lambda m, x: dist.all_to_all(x, "x", mesh=m), True),
+    ("all_to_all", lambda m, x: dist.all_to_all(x, "x", split_dim=0, mesh=m, out=np.empty_like(x)), True),
+    ("broadcast", lambda m, x: dist.broadcast(x, "x", root=0, mesh=m), True),
+    ("broadcast", lambda m, x: dist.broadcast(x, mesh=m), True),
+]
+
+
+@pytest.mark.parametrize("i", range(len(FORMS)))
+def test_a_repeat_call_finds_the_plan_the_python_function_made(line, i):
+    if C._hot is None:
+        pytest.skip("not built (see the first test)")
+    name, call, direct = FORMS[i]
+    fn = getattr(C, name)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    first = call(line, x.copy())
+    hits = fn.hits
+    again = call(line, x.copy())
+    assert fn.hits == hits + direct
+    np.testing.assert_array_equal(again, first)
+
+
+def test_errors_are_the_python_functions(line):
+    x = np.ones(4, np.float32)
+    dist.all_gather(x, "x", mesh=line)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dims'"):
+        dist.all_gather(x, "x", dims=0, mesh=line)
+    with pytest.raises(TypeError, match="multiple values for argument 'axis'"):
+        dist.all_gather(x, "x", axis="x", mesh=line)
+    with pytest.raises(ValueError, match=r"out= must be a contiguous float32\[4\], got float32\[4\]"):
+        dist.all_gather(x, "x", mesh=line, out=np.ones(8, np.float32)[::2])
+    with pytest.raises((TypeError, ValueError), match="all_gather"):
+        dist.all_gather([1.0, 2.0], "x", mesh=line)
+    with pytest.raises(ValueError, match="axis 'y'"):
+        dist.all_gather(x, "y", mesh=line)
