@@ -43,7 +43,7 @@ def test_each_collective_keeps_its_python_signature_and_docs(name):
 
 
 # every argument form of each collective that the Python function caches a plan for, and
-# whether the plan allows the direct call (a dim-1 reduce_scatter packs first: Python's path)
+# whether the plan allows the direct call
 FORMS = [
     ("all_reduce", lambda m, x: dist.all_reduce(x, "x", mesh=m), True),
     ("all_reduce", lambda m, x: dist.all_reduce(x, "x", "max", mesh=m, out=np.empty_like(x)), True),
@@ -52,7 +52,7 @@ FORMS = [
     ("all_reduce", lambda m, x: dist.all_reduce(x), True),
     ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", mesh=m), True),
     ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", "max", dim=0, mesh=m), True),
-    ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", dim=1, mesh=m), False),
+    ("reduce_scatter", lambda m, x: dist.reduce_scatter(x, "x", dim=1, mesh=m), True),      # packs first
     ("all_gather", lambda m, x: dist.all_gather(x, "x", mesh=m), True),
     ("all_gather", lambda m, x: dist.all_gather(x, "x", dim=0, mesh=m, out=np.empty_like(x)), True),
     ("all_to_all", lambda m, x: dist.all_to_all(x, "x", mesh=m), True),

@@ -355,6 +355,9 @@ def _hot_cases(world, line):
         ("all_reduce", lambda **kw: dist.all_reduce(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw), total),
         ("reduce_scatter", lambda **kw: dist.reduce_scatter(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw),
          total[2 * r:2 * r + 2]),
+        ("reduce_scatter", lambda **kw: dist.reduce_scatter(rank_data(r, (3, 2 * n), np.float32, 8), "x", dim=1,
+                                                            **kw),               # packs first
+         sum(host_data(k, (3, 2 * n), np.float32, 8) for k in range(n))[:, 2 * r:2 * r + 2]),
         ("all_gather", lambda **kw: dist.all_gather(rank_data(r, (2, 3), np.float32, 7), "x", **kw),
          np.concatenate([host_data(k, (2, 3), np.float32, 7) for k in range(n)])),
         ("all_to_all", lambda **kw: dist.all_to_all(rank_data(r, (2 * n, 3), np.float32, 7), "x", **kw),

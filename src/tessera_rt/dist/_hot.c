@@ -315,7 +315,7 @@ static PyObject *group_of(PyObject *mesh, PyObject *axis) {
 
 static PyObject *collective_call(Collective *c, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *v[MAXP], *p = NULL, *hot = NULL, *out = NULL, *res;
+    PyObject *v[MAXP], *p = NULL, *hot = NULL, *out = NULL, *send = NULL, *res;
     Pending outer;
     if (nargs < 1 || nargs > 1 + c->npos || PyList_GET_SIZE(HOOKS) != 0) goto fallback;
     PyObject *x = args[0];
@@ -336,9 +336,10 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
 
     /* everything that sends the call to Python is decided before anything happens */
     if ((p = find_plan(c, x, g, v)) == NULL) goto fallback;
-    hot = PyObject_GetAttr(p, S_hot);               /* (fn, mop, st, empty, shape, dtype) or None */
-    if (hot == NULL || !PyTuple_CheckExact(hot) || PyTuple_GET_SIZE(hot) != 6 || contiguous(x) != 1) goto fallback;
+    hot = PyObject_GetAttr(p, S_hot);         /* (fn, mop, st, empty, shape, dtype, pack) or None */
+    if (hot == NULL || !PyTuple_CheckExact(hot) || PyTuple_GET_SIZE(hot) != 7 || contiguous(x) != 1) goto fallback;
     PyObject *fn = PyTuple_GET_ITEM(hot, 0), *mop = PyTuple_GET_ITEM(hot, 1), *st = PyTuple_GET_ITEM(hot, 2);
+    PyObject *pack = PyTuple_GET_ITEM(hot, 6);
     if (c->kind != K_BROADCAST && v[c->i_out] != Py_None) {
         if (!out_fits(v[c->i_out], PyTuple_GET_ITEM(hot, 4), PyTuple_GET_ITEM(hot, 5)))
             goto fallback;                          /* Python names what out= must be */
@@ -373,7 +374,8 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
             Py_DECREF(w);
         }
     }
-    PyObject *a[3] = {x, out, mop};
+    if (pack != Py_None && (send = PyObject_CallOneArg(pack, x)) == NULL) goto error;  /* split dim != 0 */
+    PyObject *a[3] = {send ? send : x, out, mop};
     Py_ssize_t na = 2;
     if (c->kind == K_ALL_REDUCE || c->kind == K_REDUCE_SCATTER) {
         if (c->kind == K_ALL_REDUCE && x == out) a[0] = IN_PLACE;
@@ -383,6 +385,7 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
     }
     res = PyObject_Vectorcall(fn, a, na, NULL);
     pending = outer;
+    Py_CLEAR(send);
     if (res == NULL) goto error;
     Py_DECREF(res);
     Py_DECREF(hot);
@@ -395,7 +398,7 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
 
 error:
     pending = outer;
-    Py_XDECREF(out); Py_XDECREF(hot); Py_XDECREF(p);
+    Py_XDECREF(send); Py_XDECREF(out); Py_XDECREF(hot); Py_XDECREF(p);
     return NULL;
 fallback:
     PyErr_Clear();                  /* the Python function meets it again and says what */

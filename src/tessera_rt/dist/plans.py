@@ -154,10 +154,10 @@ class Plan:
         self.site = ALONE if g.size == 1 else None
         for k, v in kw.items():
             setattr(self, k, v)
-        # what dist/_hot.c reads for a direct call (one attribute instead of six), or None:
-        # the raw MPI call takes this rank's input as it is and the output as the result
-        direct = self.fn is not None and self.pack is None and not self.exchange and self.flat
-        self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype) if direct else None
+        # what dist/_hot.c reads for a direct call (one attribute instead of seven), or None:
+        # the raw MPI call takes this rank's input (packed first if ``pack``) and the output
+        direct = self.fn is not None and not self.exchange and self.flat
+        self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype, self.pack) if direct else None
 
 
 def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
