@@ -8,7 +8,8 @@ algbw = size / time and busbw = algbw * nccl-tests' factor (2(n-1)/n for all_red
 nccl-tests: the input of all_reduce, reduce_scatter and broadcast, the output of all_gather,
 the per-rank buffer of all_to_all.  The peer is the raw mpi4py call (NCCL on GPU) on the
 same buffers, with its output allocated once; tessera_rt allocates its output each call
-(from its pool), as a user's out-of-place call does.  ratio = peer time / tessera_rt time
+(from its pool), as a user's out-of-place call does; with ``--out`` it writes into a
+persistent ``out=`` buffer of its own (same kind of memory as the peer's), as the peer does.  ratio = peer time / tessera_rt time
 (>= 1 means tessera_rt is as fast); +us = tessera_rt time - peer time, the per-call cost.
 """
 from __future__ import annotations
@@ -76,15 +77,15 @@ class Peer:
             mpi.Bcast(x, root=0)
 
 
-def ours(op, x, mesh):
+def ours(op, x, mesh, out=None):
     if op == "all_reduce":
-        return dist.all_reduce(x, "x", mesh=mesh)
+        return dist.all_reduce(x, "x", mesh=mesh, out=out)
     if op == "reduce_scatter":
-        return dist.reduce_scatter(x, "x", mesh=mesh)
+        return dist.reduce_scatter(x, "x", mesh=mesh, out=out)
     if op == "all_gather":
-        return dist.all_gather(x, "x", mesh=mesh)
+        return dist.all_gather(x, "x", mesh=mesh, out=out)
     if op == "all_to_all":
-        return dist.all_to_all(x, "x", mesh=mesh)
+        return dist.all_to_all(x, "x", mesh=mesh, out=out)
     return dist.broadcast(x, "x", root=0, mesh=mesh)
 
 
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="repetitions per size (median taken)")
     ap.add_argument("--budget-ms", type=float, default=40.0, help="time per repetition and side")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
+    ap.add_argument("--out", action="store_true", help="tessera_rt writes into a persistent out= buffer of its "
+                    "own, as the peer does (broadcast is in place either way)")
     args = ap.parse_args()
 
     w = dist.init()
@@ -138,7 +141,7 @@ def main() -> None:
     if w.rank == 0:
         print(f"# tessera_rt {ts.__version__} collectives on {backend.name}, {w.size} ranks, "
               f"communicator {group.comm.kind}; peer: {'NCCL (cupy)' if peer.gpu else 'mpi4py'}; "
-              f"float32; median of {args.reps}")
+              f"float32; median of {args.reps}; tessera_rt output: {'out=' if args.out else 'allocated per call'}")
         head = ["op", "size", "time us", "algbw GB/s", "busbw GB/s", "peer us", "peer busbw", "ratio",
                 "+us"]
         if args.markdown:
@@ -151,14 +154,15 @@ def main() -> None:
         factor = dist.bus_factor(op, w.size)
         for nbytes in sizes:
             x, out, size = buffers(op, nbytes, w.size, xp)
-            ours(op, x, mesh), peer.run(op, x, out)          # warm up both paths and the pool
+            mine = (mapped_empty if xp is np else xp.empty)(out.shape, out.dtype) if args.out else None
+            ours(op, x, mesh, mine), peer.run(op, x, out)    # warm up both paths and the pool
             # calibrate iterations so each repetition takes about budget_ms
-            probe = timed(lambda: ours(op, x, mesh), 3, sync, w.mpi)
+            probe = timed(lambda: ours(op, x, mesh, mine), 3, sync, w.mpi)
             iters = max(3, min(20000, int(args.budget_ms / 1e3 / max(probe, 1e-7))))
             iters = w.mpi.bcast(iters, root=0)
             t_ours, t_peer = [], []
             for _ in range(args.reps):                       # interleaved: same noise for both
-                t_ours.append(timed(lambda: ours(op, x, mesh), iters, sync, w.mpi))
+                t_ours.append(timed(lambda: ours(op, x, mesh, mine), iters, sync, w.mpi))
                 t_peer.append(timed(lambda: peer.run(op, x, out), iters, sync, w.mpi))
             t, tp = statistics.median(t_ours), statistics.median(t_peer)
             alg, palg = size / t / 1e9, size / tp / 1e9

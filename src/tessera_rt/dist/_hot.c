@@ -2,18 +2,18 @@
  *
  * dist.all_reduce & co. stay Python functions (collectives.py): they build plans, check
  * input, raise the errors, run the hooks, the GPU and async paths.  `Collective` wraps one
- * of them.  A call whose plan is already cached, on a plain array with a mesh given, with no
- * hooks on and a raw mpi4py call to make (`plan.fn`), runs here: the same steps as the
- * Python function's direct path, in the same order, without the interpreter's per-bytecode
- * cost.  Anything else -- a miss, a DTensor, a bad `out=`, a non-contiguous input -- is
- * handed to the Python function before anything has happened, so errors and slow paths are
- * the Python ones, written once.
+ * of them.  A call on a C-contiguous NumPy array whose plan is already cached, over a group
+ * already made, with no hooks on and a direct mpi4py call in its plan (`plan.hot`), runs
+ * here: the same steps as the Python function's direct path, in the same order, without the
+ * interpreter's per-bytecode cost.  Anything else -- a miss, a DTensor, CuPy, a bad `out=`,
+ * a strided input -- is handed to the Python function before anything has happened, so
+ * errors and the other paths are the Python ones, written once.
  *
  * The agreement check's remembered-site path (consistency.check_plan) is done here too; its
  * other paths call check_plan(plan, 1): 1 because this wrapper adds no Python frame, so the
- * user's frame is check_plan's caller.  While the MPI call runs, `pending()` names the plan
- * and a call count, for the watchdog (it reads the main thread's frames, and this path
- * leaves none of its own).
+ * user's frame is check_plan's caller.  From the check to the end of the MPI call,
+ * `pending()` names the plan and a call number, for the watchdog (it reads the main
+ * thread's frames, and this path leaves none of its own).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +23,7 @@
 /* The leading fields of a NumPy array object (numpy's PyArrayObject_fields: part of its ABI,
  * unchanged from 1.7 through 2.x, which every compiled extension relies on).  Read only for
  * objects whose type is exactly the ndarray type setup() was given, and only after setup()
- * has checked them against a probe array (layout_ok); otherwise the attribute path runs. */
+ * has checked them against a probe array (layout_ok); otherwise every call goes to Python. */
 typedef struct {
     PyObject_HEAD
     char *data;
@@ -57,7 +57,7 @@ typedef struct {
 static Pending pending;
 static unsigned long long n_calls;
 
-static PyObject *S_groups, *S_shape, *S_dtype, *S_flags, *S_c_contiguous, *S_hot, *S_site, *S_seq, *S_metas,
+static PyObject *S_groups, *S_hot, *S_site, *S_seq, *S_metas,
     *S_mask, *S_done, *S_issued, *S_wait_tasks, *S_axes, *S_world, *S_check_sig, *S_RING, *S_verify, *ONE;
 
 typedef struct {
@@ -170,22 +170,13 @@ done:
     return rc;
 }
 
-static int contiguous(PyObject *a) {
-    if (layout_ok && Py_TYPE(a) == NDARRAY) return (((NpArray *)a)->flags & NP_C_CONTIGUOUS) != 0;
-    PyObject *flags = PyObject_GetAttr(a, S_flags);
-    if (flags == NULL) return -1;
-    PyObject *c = PyObject_GetAttr(flags, S_c_contiguous);
-    Py_DECREF(flags);
-    if (c == NULL) return -1;
-    int t = PyObject_IsTrue(c);
-    Py_DECREF(c);
-    return t;
+/* The NumPy arrays this path takes: exactly the ndarray type (the fields above are read
+ * directly), C-contiguous; anything else goes to the Python function. */
+static int plain_array(PyObject *a) {
+    return layout_ok && Py_TYPE(a) == NDARRAY && (((NpArray *)a)->flags & NP_C_CONTIGUOUS);
 }
 
-/* x.shape and x.dtype (new references) */
-static PyObject *array_shape(PyObject *a) {
-    if (!(layout_ok && Py_TYPE(a) == NDARRAY)) return PyObject_GetAttr(a, S_shape);
-    NpArray *n = (NpArray *)a;
+static PyObject *array_shape(NpArray *n) {          /* x.shape, a new reference */
     PyObject *t = PyTuple_New(n->nd);
     for (int i = 0; t != NULL && i < n->nd; i++) {
         PyObject *d = PyLong_FromSsize_t(n->dimensions[i]);
@@ -195,29 +186,14 @@ static PyObject *array_shape(PyObject *a) {
     return t;
 }
 
-static PyObject *array_dtype(PyObject *a) {
-    if (!(layout_ok && Py_TYPE(a) == NDARRAY)) return PyObject_GetAttr(a, S_dtype);
-    Py_INCREF(((NpArray *)a)->descr);
-    return ((NpArray *)a)->descr;
-}
-
-/* o has exactly the shape ps (a tuple of ints) and the dtype pd, and is C-contiguous:
- * 1 yes, 0 no (errors cleared: the Python function says what is wrong) */
+/* o is a plain array of exactly the shape ps (a tuple of ints) and the dtype pd */
 static int out_fits(PyObject *o, PyObject *ps, PyObject *pd) {
-    int ok = 0;
-    if (!PyTuple_Check(ps)) return 0;
-    if (layout_ok && Py_TYPE(o) == NDARRAY) {
-        NpArray *n = (NpArray *)o;
-        if (!(n->flags & NP_C_CONTIGUOUS) || n->nd != PyTuple_GET_SIZE(ps)) return 0;
-        for (int i = 0; i < n->nd; i++)
-            if (PyLong_AsSsize_t(PyTuple_GET_ITEM(ps, i)) != n->dimensions[i]) { PyErr_Clear(); return 0; }
-        ok = n->descr == pd || PyObject_RichCompareBool(n->descr, pd, Py_EQ) == 1;
-    } else {
-        PyObject *os = PyObject_GetAttr(o, S_shape), *od = PyObject_GetAttr(o, S_dtype);
-        ok = os && od && PyObject_RichCompareBool(os, ps, Py_EQ) == 1 && PyObject_RichCompareBool(od, pd, Py_EQ) == 1
-             && contiguous(o) == 1;
-        Py_XDECREF(os); Py_XDECREF(od);
-    }
+    if (!plain_array(o) || !PyTuple_Check(ps)) return 0;
+    NpArray *n = (NpArray *)o;
+    if (n->nd != PyTuple_GET_SIZE(ps)) return 0;
+    for (int i = 0; i < n->nd; i++)
+        if (PyLong_AsSsize_t(PyTuple_GET_ITEM(ps, i)) != n->dimensions[i]) { PyErr_Clear(); return 0; }
+    int ok = n->descr == pd || PyObject_RichCompareBool(n->descr, pd, Py_EQ) == 1;
     PyErr_Clear();
     return ok;
 }
@@ -253,10 +229,10 @@ static void memo_keep(Collective *c, PyObject *p, NpArray *x, PyObject *g, PyObj
     c->m_clears = clears();
 }
 
-/* The plan the Python function would find: the same key in the same dict (a new reference,
- * or NULL with no error set). */
+/* The plan the Python function would find for the plain array x: the same key in the same
+ * dict (a new reference, or NULL with no error set). */
 static PyObject *find_plan(Collective *c, PyObject *x, PyObject *g, PyObject **v) {
-    int memo = layout_ok && Py_TYPE(x) == NDARRAY && ((NpArray *)x)->nd <= MEMO_DIMS;
+    int memo = ((NpArray *)x)->nd <= MEMO_DIMS;
     if (memo && memo_hit(c, (NpArray *)x, g, v)) {
         Py_INCREF(c->m_plan);
         return c->m_plan;
@@ -268,14 +244,15 @@ static PyObject *find_plan(Collective *c, PyObject *x, PyObject *g, PyObject **v
     PyTuple_SET_ITEM(key, 1, PyLong_FromVoidPtr(g));                   /* id(g) */
     Py_INCREF(Py_TYPE(x));
     PyTuple_SET_ITEM(key, 2, (PyObject *)Py_TYPE(x));
-    PyTuple_SET_ITEM(key, 3, array_shape(x));
-    PyTuple_SET_ITEM(key, 4, array_dtype(x));
+    PyTuple_SET_ITEM(key, 3, array_shape((NpArray *)x));
+    Py_INCREF(((NpArray *)x)->descr);
+    PyTuple_SET_ITEM(key, 4, ((NpArray *)x)->descr);
     for (Py_ssize_t i = 0; i < c->nkey; i++) {
         PyObject *k = key_arg(c, v, i);
         Py_INCREF(k);
         PyTuple_SET_ITEM(key, 5 + i, k);
     }
-    if (PyTuple_GET_ITEM(key, 1) && PyTuple_GET_ITEM(key, 3) && PyTuple_GET_ITEM(key, 4)) {
+    if (PyTuple_GET_ITEM(key, 1) && PyTuple_GET_ITEM(key, 3)) {
         p = PyDict_GetItemWithError(PLANS, key);          /* (unhashable arguments: an error) */
         Py_XINCREF(p);
     }
@@ -319,6 +296,7 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
     Pending outer;
     if (nargs < 1 || nargs > 1 + c->npos || PyList_GET_SIZE(HOOKS) != 0) goto fallback;
     PyObject *x = args[0];
+    if (!plain_array(x)) goto fallback;          /* CuPy, a DTensor, a strided view, a list, ... */
     for (Py_ssize_t i = 0; i < c->np; i++)
         v[i] = i < nargs - 1 ? args[i + 1] : PyTuple_GET_ITEM(c->defaults, i);
     if (kwnames != NULL) {
@@ -332,12 +310,12 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
     if (g == NULL) goto fallback;
     for (Py_ssize_t i = 0; i < c->nnone; i++)
         if (v[c->none[i]] != Py_None) goto fallback;
-    if (PyDict_Contains(ROUTES, (PyObject *)Py_TYPE(x)) != 0) goto fallback;
+    if (PyDict_Contains(ROUTES, (PyObject *)Py_TYPE(x)) != 0) goto fallback;     /* (a registered ndarray) */
 
     /* everything that sends the call to Python is decided before anything happens */
     if ((p = find_plan(c, x, g, v)) == NULL) goto fallback;
     hot = PyObject_GetAttr(p, S_hot);         /* (fn, mop, st, empty, shape, dtype, pack) or None */
-    if (hot == NULL || !PyTuple_CheckExact(hot) || PyTuple_GET_SIZE(hot) != 7 || contiguous(x) != 1) goto fallback;
+    if (hot == NULL || !PyTuple_CheckExact(hot) || PyTuple_GET_SIZE(hot) != 7) goto fallback;
     PyObject *fn = PyTuple_GET_ITEM(hot, 0), *mop = PyTuple_GET_ITEM(hot, 1), *st = PyTuple_GET_ITEM(hot, 2);
     PyObject *pack = PyTuple_GET_ITEM(hot, 6);
     if (c->kind != K_BROADCAST && v[c->i_out] != Py_None) {
@@ -599,8 +577,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hot", NULL, -1, met
 PyMODINIT_FUNC PyInit__hot(void) {
     if (PyType_Ready(&CollectiveType) < 0) return NULL;
 #define INTERN(var, s) if ((var = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(S_groups, "_groups"); INTERN(S_shape, "shape"); INTERN(S_dtype, "dtype"); INTERN(S_flags, "flags");
-    INTERN(S_c_contiguous, "c_contiguous"); 
+    INTERN(S_groups, "_groups");
     INTERN(S_hot, "hot"); INTERN(S_axes, "axes"); INTERN(S_world, "world"); INTERN(S_site, "site");
     INTERN(S_seq, "seq"); INTERN(S_metas, "metas"); INTERN(S_mask, "mask");
     INTERN(S_done, "_done"); INTERN(S_issued, "_issued"); INTERN(S_wait_tasks, "wait_tasks");
