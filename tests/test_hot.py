@@ -89,3 +89,29 @@ def test_errors_are_the_python_functions(line):
         dist.all_gather([1.0, 2.0], "x", mesh=line)
     with pytest.raises(ValueError, match="axis 'y'"):
         dist.all_gather(x, "y", mesh=line)
+
+
+def test_an_output_is_reused_only_once_nothing_refers_to_it(line):
+    if C._hot is None:
+        pytest.skip("not built (see the first test)")
+    import weakref
+    n = dist.init().size
+    a, b = np.full(16, 1.0, np.float32), np.full(16, 2.0, np.float32)
+    dist.all_reduce(a, "x", mesh=line)                  # the plan
+    r1 = dist.all_reduce(a, "x", mesh=line)
+    r2 = dist.all_reduce(b, "x", mesh=line)
+    r3 = dist.all_reduce(a, "x", mesh=line)
+    assert r1 is not r2 and r2 is not r3 and r1 is not r3
+    kept = id(r1)
+    del r1                                              # only the C path refers to it now
+    r4 = dist.all_reduce(b, "x", mesh=line)
+    assert id(r4) == kept                               # reused, like the raw call's buffer
+    np.testing.assert_array_equal(r2, np.full(16, 2.0 * n))     # results still held are untouched
+    np.testing.assert_array_equal(r3, np.full(16, 1.0 * n))
+    np.testing.assert_array_equal(r4, np.full(16, 2.0 * n))
+    seen = weakref.ref(r4)
+    del r4                                              # a weak reference may still read it
+    r5 = dist.all_reduce(a, "x", mesh=line)
+    assert seen() is not r5
+    assert seen() is None or (seen() == 2.0 * n).all()
+    np.testing.assert_array_equal(r5, np.full(16, 1.0 * n))

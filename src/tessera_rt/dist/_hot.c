@@ -33,6 +33,7 @@ typedef struct {
     PyObject *base;
     PyObject *descr;
     int flags;
+    PyObject *weakreflist;
 } NpArray;
 #define NP_C_CONTIGUOUS 0x0001
 static PyTypeObject *NDARRAY;
@@ -57,7 +58,7 @@ typedef struct {
 static Pending pending;
 static unsigned long long n_calls;
 
-static PyObject *S_groups, *S_hot, *S_site, *S_seq, *S_metas,
+static PyObject *S_groups, *S_hot, *S_nbytes, *S_site, *S_seq, *S_metas,
     *S_mask, *S_done, *S_issued, *S_wait_tasks, *S_axes, *S_world, *S_check_sig, *S_RING, *S_verify, *ONE;
 
 typedef struct {
@@ -80,6 +81,10 @@ typedef struct {
     PyObject *m_plan, *m_g, *m_type, *m_descr, *m_extra[MAXP];
     int m_nd;
     Py_ssize_t m_dims[MEMO_DIMS], m_clears;
+    /* small outputs of m_plan handed out before (owned): one nobody else refers to any more
+     * is the next output, as the raw call's caller reuses its buffer (a `y = op(x)` loop
+     * frees every other one) */
+    PyObject *m_out[2];
 } Collective;
 
 static Py_ssize_t param_index(Collective *c, PyObject *name) {
@@ -220,6 +225,8 @@ static int memo_hit(Collective *c, NpArray *x, PyObject *g, PyObject **v) {
 static void memo_keep(Collective *c, PyObject *p, NpArray *x, PyObject *g, PyObject **v) {
     Py_INCREF(p);
     Py_XSETREF(c->m_plan, p);
+    Py_CLEAR(c->m_out[0]);
+    Py_CLEAR(c->m_out[1]);
     c->m_g = g;
     c->m_type = (PyObject *)Py_TYPE(x);
     c->m_descr = x->descr;
@@ -260,6 +267,33 @@ static PyObject *find_plan(Collective *c, PyObject *x, PyObject *g, PyObject **v
     PyErr_Clear();
     if (p != NULL && memo) memo_keep(c, p, (NpArray *)x, g, v);
     return p;
+}
+
+#define REUSE_MAX_BYTES (64 << 10)     /* larger outputs go back to the pool when freed */
+
+/* an earlier output of plan p that only this object refers to (a new reference), or NULL */
+static PyObject *reuse_out(Collective *c, PyObject *p) {
+    if (p != c->m_plan) return NULL;
+    for (int i = 0; i < 2; i++) {
+        PyObject *o = c->m_out[i];
+        if (o != NULL && Py_REFCNT(o) == 1 && ((NpArray *)o)->weakreflist == NULL) {
+            Py_INCREF(o);
+            return o;
+        }
+    }
+    return NULL;
+}
+
+static void keep_out(Collective *c, PyObject *p, PyObject *out) {
+    if (p != c->m_plan || !plain_array(out)) return;
+    PyObject *nb = PyObject_GetAttr(out, S_nbytes);
+    Py_ssize_t n = nb == NULL ? -1 : PyLong_AsSsize_t(nb);
+    Py_XDECREF(nb);
+    PyErr_Clear();
+    if (n < 0 || n > REUSE_MAX_BYTES) return;
+    int i = c->m_out[0] == NULL ? 0 : c->m_out[1] == NULL ? 1 : Py_REFCNT(c->m_out[0]) > 1;   /* both held: the other */
+    Py_INCREF(out);
+    Py_XSETREF(c->m_out[i], out);
 }
 
 /* collectives._group's hot path: the axis group of mesh (None: the current mesh, or the
@@ -335,9 +369,10 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
     pending.thread = PyThread_get_thread_ident();
     pending.n = ++n_calls;
     if (chk != Py_None && check(p, st) < 0) goto error;
-    if (c->kind != K_BROADCAST && out == NULL) {
+    if (c->kind != K_BROADCAST && out == NULL && (out = reuse_out(c, p)) == NULL) {
         PyObject *a[2] = {PyTuple_GET_ITEM(hot, 4), PyTuple_GET_ITEM(hot, 5)};
         if ((out = PyObject_Vectorcall(PyTuple_GET_ITEM(hot, 3), a, 2, NULL)) == NULL) goto error;
+        keep_out(c, p, out);
     }
     PyObject *s = PyDict_GetItemWithError(ROLE_STREAMS, v[c->i_role]);     /* stream order */
     if (s == NULL && PyErr_Occurred()) goto error;
@@ -474,6 +509,8 @@ static int collective_traverse(Collective *c, visitproc visit, void *arg) {
     Py_VISIT(c->dict);
     Py_VISIT(c->defaults);
     Py_VISIT(c->m_plan);
+    Py_VISIT(c->m_out[0]);
+    Py_VISIT(c->m_out[1]);
     return 0;
 }
 
@@ -484,6 +521,8 @@ static int collective_clear(Collective *c) {
     Py_CLEAR(c->params);
     Py_CLEAR(c->name);
     Py_CLEAR(c->m_plan);
+    Py_CLEAR(c->m_out[0]);
+    Py_CLEAR(c->m_out[1]);
     return 0;
 }
 
@@ -532,7 +571,7 @@ static int check_layout(PyObject *probe, PyObject *shape, PyObject *descr) {
     for (int i = 0; i < n->nd; i++)
         if (n->dimensions[i] != PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i))) return 0;
     PyErr_Clear();
-    return (n->flags & NP_C_CONTIGUOUS) == 0;
+    return (n->flags & NP_C_CONTIGUOUS) == 0 && NDARRAY->tp_weaklistoffset == offsetof(NpArray, weakreflist);
 }
 
 static PyObject *setup(PyObject *self, PyObject *args) {
@@ -577,7 +616,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hot", NULL, -1, met
 PyMODINIT_FUNC PyInit__hot(void) {
     if (PyType_Ready(&CollectiveType) < 0) return NULL;
 #define INTERN(var, s) if ((var = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(S_groups, "_groups");
+    INTERN(S_groups, "_groups"); INTERN(S_nbytes, "nbytes");
     INTERN(S_hot, "hot"); INTERN(S_axes, "axes"); INTERN(S_world, "world"); INTERN(S_site, "site");
     INTERN(S_seq, "seq"); INTERN(S_metas, "metas"); INTERN(S_mask, "mask");
     INTERN(S_done, "_done"); INTERN(S_issued, "_issued"); INTERN(S_wait_tasks, "wait_tasks");
