@@ -115,3 +115,16 @@ def test_an_output_is_reused_only_once_nothing_refers_to_it(line):
     assert seen() is not r5
     assert seen() is None or (seen() == 2.0 * n).all()
     np.testing.assert_array_equal(r5, np.full(16, 1.0 * n))
+
+
+def test_a_view_keeps_its_output_from_being_reused(line):
+    if C._hot is None:
+        pytest.skip("not built (see the first test)")
+    n = dist.init().size
+    for count in (16, 1 << 14):            # NumPy's own memory, and 64 KiB: a pool block's array
+        a, b = np.full(count, 1.0, np.float32), np.full(count, 2.0, np.float32)
+        dist.all_reduce(a, "x", mesh=line)
+        view = dist.all_reduce(a, "x", mesh=line)[1:]          # only the view is left
+        for _ in range(3):
+            dist.all_reduce(b, "x", mesh=line)
+        np.testing.assert_array_equal(view, np.full(count - 1, 1.0 * n))

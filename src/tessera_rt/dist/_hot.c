@@ -36,6 +36,7 @@ typedef struct {
     PyObject *weakreflist;
 } NpArray;
 #define NP_C_CONTIGUOUS 0x0001
+#define NP_OWNDATA 0x0004
 static PyTypeObject *NDARRAY;
 static int layout_ok;
 
@@ -276,7 +277,7 @@ static PyObject *reuse_out(Collective *c, PyObject *p) {
     if (p != c->m_plan) return NULL;
     for (int i = 0; i < 2; i++) {
         PyObject *o = c->m_out[i];
-        if (o != NULL && Py_REFCNT(o) == 1 && ((NpArray *)o)->weakreflist == NULL) {
+        if (o != NULL && Py_REFCNT(o) == 1 && ((NpArray *)o)->weakreflist == NULL) {   /* (keep_out) */
             Py_INCREF(o);
             return o;
         }
@@ -285,7 +286,9 @@ static PyObject *reuse_out(Collective *c, PyObject *p) {
 }
 
 static void keep_out(Collective *c, PyObject *p, PyObject *out) {
-    if (p != c->m_plan || !plain_array(out)) return;
+    /* only an array that owns its memory: every view of it then refers to it (a view of a
+     * pool block's array refers to the block), so its count says whether anyone can see it */
+    if (p != c->m_plan || !plain_array(out) || !(((NpArray *)out)->flags & NP_OWNDATA)) return;
     PyObject *nb = PyObject_GetAttr(out, S_nbytes);
     Py_ssize_t n = nb == NULL ? -1 : PyLong_AsSsize_t(nb);
     Py_XDECREF(nb);
