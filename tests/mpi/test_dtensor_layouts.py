@@ -465,3 +465,41 @@ def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world
     for method, kw, raw in cases:
         call = compiled_plan._caller(g.comm, method, "tp_collective", f32, **kw)
         assert (call.__name__ == "raw_call") == raw, (method, kw)
+
+
+def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
+    """From the second run at one call site, DTensor.redistribute and Plan.run take the
+    compiled plan's C path (dist/_hot.c: guard, the check's remembered site, the compiled
+    function); results match; a rank that disagrees later at that site is still caught by the
+    sampled check (every run here) on every rank, and the ranks go on in step."""
+    from tessera_rt.dist import collectives as C
+    if C._hot is None:
+        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+    mesh = get_mesh("1d")
+    S0, S1, R = (dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",)),
+                 dist.ReplicateSpec())
+    Xa, Xb = (dist.distribute(global_array(s), layout=S0, mesh=mesh) for s in [(6, 4), (6, 5)])
+    for dst, want in ((R, global_array((6, 4))), (S1, global_array((6, 4))[dist.local_slices((6, 4), dist.as_layout(S1, (6, 4), mesh), mesh)])):
+        hits = C._hot.compiled_hits()
+        outs = [Xa.redistribute(dst).to_local() for _ in range(4)]
+        plan = Xa.explain_redistribute(dst)
+        more = [Xa._meta.last[1][0].run(Xa.to_local()) for _ in range(3)]     # Plan.run itself
+        if SIZE > 1:
+            assert plan.collectives
+            assert C._hot.compiled_hits() - hits >= 2 + 2, (dst, C._hot.compiled_hits() - hits)
+        for o in outs + more:
+            np.testing.assert_array_equal(o, want)
+    if SIZE < 2:
+        return
+    site = lambda X: X.redistribute(R)                                  # noqa: E731  (one call site)
+    for _ in range(3):
+        site(Xa), site(Xb)
+    old, consistency._cfg.mask = consistency._cfg.mask, 0
+    try:
+        for _ in range(2):
+            site(Xa)                                                    # verified: the C path checks
+        with pytest.raises(consistency.CollectiveMismatchError):
+            site(Xb if world.rank == 1 else Xa)
+    finally:
+        consistency._cfg.mask = old
+    np.testing.assert_array_equal(site(Xa).to_local(), global_array((6, 4)))

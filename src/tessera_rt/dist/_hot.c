@@ -110,6 +110,7 @@ static Py_ssize_t named(Collective *c, const char *s) {
 /* consistency.check_plan's remembered-site path, else check_plan itself; 0 ok, -1 error (a
  * disagreement raised).  st: the plan's group state. */
 static int verified_site(PyObject *site, PyObject *st);
+static int verified_site_key(PyObject *st, PyObject *site);
 
 static int check(PyObject *p, PyObject *st) {
     PyObject *site = PyObject_GetAttr(p, S_site);
@@ -150,6 +151,12 @@ static int verified_site(PyObject *site, PyObject *st) {
     PyObject *at = PyTuple_GET_ITEM(site, 1);
     if ((PyObject *)code != PyTuple_GET_ITEM(site, 0) || !PyLong_CheckExact(at) || PyLong_AsLong(at) != lasti)
         return 1;
+    return verified_site_key(st, site);
+}
+
+/* One call of a verified key on a group: count it, ring it, verify the sampled one.  0 ok,
+ * -1 error (a disagreement raised). */
+static int verified_site_key(PyObject *st, PyObject *site) {
     PyObject *old = PyObject_GetAttr(st, S_seq), *seq = NULL, *rec = NULL, *r = NULL, *mask = NULL;
     int rc = -1;
     long long n = old == NULL ? 0 : PyLong_AsLongLong(old) + 1;
@@ -599,6 +606,93 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     return PyBool_FromLong(layout_ok);
 }
 
+/* ---------------------------------------------------------------- compiled redistributions
+ *
+ * run_compiled(plan, x, depth): redistribute.Plan.run's repeat path -- its guard (the
+ * compiled form's array type, dtype and shape), consistency.check_run's remembered-site
+ * path, then the compiled function -- for a plain array; NotImplemented (before anything has
+ * happened) when any of it does not apply, and the caller runs Plan.run.  depth: the
+ * caller's frame as check_run counts (1: Plan.run itself, 2: Plan.run's caller). */
+static PyObject *S_exec, *S_verified, *S_check;
+static unsigned long long compiled_hits;
+
+static PyObject *run_compiled(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "run_compiled(plan, x, depth)");
+    PyObject *plan = args[0], *x = args[1], *ex = NULL, *v = NULL, *res = NULL;
+    if (PyList_GET_SIZE(HOOKS) != 0 || !plain_array(x)) Py_RETURN_NOTIMPLEMENTED;
+    NpArray *n = (NpArray *)x;
+    ex = PyObject_GetAttr(plan, S_exec);             /* (type, dtype, shape, fn, checks) or None */
+    if (ex == NULL || !PyTuple_CheckExact(ex) || PyTuple_GET_SIZE(ex) != 5) goto not_here;
+    PyObject *shape = PyTuple_GET_ITEM(ex, 2);
+    if ((PyObject *)Py_TYPE(x) != PyTuple_GET_ITEM(ex, 0) || n->descr != PyTuple_GET_ITEM(ex, 1) ||
+        !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != n->nd)
+        goto not_here;
+    for (int i = 0; i < n->nd; i++)
+        if (PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)) != n->dimensions[i]) goto not_here;
+    PyObject *chk = PyDict_GetItemWithError(C_GLOBALS, S_check);
+    if (chk == NULL) goto not_here;
+    if (chk != Py_None) {
+        /* plan._verified: (depth from check_run, code, lasti, ((group state, key), ...)) */
+        v = PyObject_GetAttr(plan, S_verified);
+        if (v == NULL || !PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(v, 3)))
+            goto not_here;
+        PyObject *metas = PyObject_GetAttr(CFG, S_metas);
+        int busy = metas == NULL ? -1 : PyObject_IsTrue(metas);
+        Py_XDECREF(metas);
+        if (busy != 0) goto not_here;
+        long depth = PyLong_AsLong(PyTuple_GET_ITEM(v, 0)) - PyLong_AsLong(args[2]);
+        PyFrameObject *f = PyEval_GetFrame();
+        Py_XINCREF(f);
+        for (long i = 0; f != NULL && i < depth; i++) {
+            PyFrameObject *back = PyFrame_GetBack(f);
+            Py_DECREF(f);
+            f = back;
+        }
+        if (f == NULL || PyErr_Occurred()) { Py_XDECREF(f); goto not_here; }
+        PyCodeObject *code = PyFrame_GetCode(f);
+        Py_DECREF(code);
+#if PY_VERSION_HEX >= 0x030B0000
+        long lasti = PyFrame_GetLasti(f);
+#else
+        PyObject *l = PyObject_GetAttrString((PyObject *)f, "f_lasti");
+        long lasti = l == NULL ? -1 : PyLong_AsLong(l);
+        Py_XDECREF(l);
+#endif
+        int same = (PyObject *)code == PyTuple_GET_ITEM(v, 1) && PyLong_AsLong(PyTuple_GET_ITEM(v, 2)) == lasti;
+        Py_DECREF(f);
+        if (!same || PyErr_Occurred()) goto not_here;
+        /* the run is this verified site's: count each collective, ring it, verify the sampled */
+        PyObject *pairs = PyTuple_GET_ITEM(v, 3);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pairs); i++) {
+            PyObject *pair = PyTuple_GET_ITEM(pairs, i);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                PyErr_SetString(PyExc_RuntimeError, "tessera_rt.dist._hot: a malformed plan._verified");
+                goto error;
+            }
+            if (verified_site_key(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0) goto error;
+        }
+    }
+    compiled_hits++;
+    PyObject *a[1] = {x};
+    res = PyObject_Vectorcall(PyTuple_GET_ITEM(ex, 3), a, 1, NULL);
+    Py_DECREF(ex);
+    Py_XDECREF(v);
+    return res;
+not_here:
+    PyErr_Clear();
+    Py_XDECREF(ex);
+    Py_XDECREF(v);
+    Py_RETURN_NOTIMPLEMENTED;
+error:
+    Py_XDECREF(ex);
+    Py_XDECREF(v);
+    return NULL;
+}
+
+static PyObject *get_compiled_hits(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(compiled_hits);
+}
+
 static PyObject *get_pending(PyObject *self, PyObject *unused) {
     if (pending.plan == NULL) Py_RETURN_NONE;
     return Py_BuildValue("(KOOk)", pending.n, pending.plan, pending.x, pending.thread);
@@ -609,6 +703,9 @@ static PyMethodDef methods[] = {
      "setup(plans, plans_clears, routes, hooks, role_streams, worker_stream_type, in_place, collectives_globals, "
      "consistency_globals, check_plan, cfg, current_meshes, default_mesh, world_group, ndarray, probe, probe_shape, probe_dtype) -> whether the array "
      "fields are read directly"},
+    {"run_compiled", (PyCFunction)(void (*)(void))run_compiled, METH_FASTCALL,
+     "run_compiled(plan, x, depth): redistribute.Plan.run's repeat path, or NotImplemented"},
+    {"compiled_hits", get_compiled_hits, METH_NOARGS, "runs run_compiled took"},
     {"pending", get_pending, METH_NOARGS,
      "(call number, plan, x, thread ident) of the C-path collective in progress, or None"},
     {NULL},
@@ -619,7 +716,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hot", NULL, -1, met
 PyMODINIT_FUNC PyInit__hot(void) {
     if (PyType_Ready(&CollectiveType) < 0) return NULL;
 #define INTERN(var, s) if ((var = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(S_groups, "_groups"); INTERN(S_nbytes, "nbytes");
+    INTERN(S_groups, "_groups"); INTERN(S_exec, "_exec"); INTERN(S_verified, "_verified"); INTERN(S_check, "_check"); INTERN(S_nbytes, "nbytes");
     INTERN(S_hot, "hot"); INTERN(S_axes, "axes"); INTERN(S_world, "world"); INTERN(S_site, "site");
     INTERN(S_seq, "seq"); INTERN(S_metas, "metas"); INTERN(S_mask, "mask");
     INTERN(S_done, "_done"); INTERN(S_issued, "_issued"); INTERN(S_wait_tasks, "wait_tasks");

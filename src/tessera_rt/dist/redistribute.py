@@ -40,6 +40,10 @@ from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
 
+# Plan.run's repeat path in C (guard, the check's remembered site, the compiled function),
+# with the collectives' C path; None keeps it in Python (TESSERA_HOT=0, no compiler)
+_fast_run = C._hot.run_compiled if C._hot is not None else None
+
 __all__ = ["Step", "Plan", "plan_redistribute"]
 
 _COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -97,6 +101,10 @@ class Plan:
         ex = self._exec
         if ex is None:
             ex = self._compile(x)
+        elif _fast_run is not None:              # this path in C (dist/_hot.c), or NotImplemented
+            out = _fast_run(self, x, 1)          # (1: this frame, as check_run counts)
+            if out is not NotImplemented:
+                return out
         if ex and not _HOOKS and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
             if C._check is not None:         # (the agreement check is on)
                 _check_run(self, ex[4])
