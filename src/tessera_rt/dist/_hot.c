@@ -112,6 +112,22 @@ static Py_ssize_t named(Collective *c, const char *s) {
 static int verified_site(PyObject *site, PyObject *st);
 static int verified_site_key(PyObject *st, PyObject *site);
 
+/* frame f is at the call site (code, lasti): its code object and instruction offset */
+static int at_site(PyFrameObject *f, PyObject *code, PyObject *lasti) {
+    PyCodeObject *c = PyFrame_GetCode(f);
+    Py_DECREF(c);                                    /* (the frame keeps it) */
+#if PY_VERSION_HEX >= 0x030B0000
+    long at = PyFrame_GetLasti(f);
+#else
+    PyObject *l = PyObject_GetAttrString((PyObject *)f, "f_lasti");
+    long at = l == NULL ? -1 : PyLong_AsLong(l);
+    Py_XDECREF(l);
+#endif
+    int same = (PyObject *)c == code && PyLong_CheckExact(lasti) && PyLong_AsLong(lasti) == at;
+    PyErr_Clear();
+    return same;
+}
+
 static int check(PyObject *p, PyObject *st) {
     PyObject *site = PyObject_GetAttr(p, S_site);
     if (site == NULL) return -1;
@@ -137,20 +153,7 @@ static int verified_site(PyObject *site, PyObject *st) {
     Py_XDECREF(metas);
     if (busy) return busy < 0 ? -1 : 1;
     PyFrameObject *f = PyEval_GetFrame();
-    if (f == NULL) return 1;
-    PyCodeObject *code = PyFrame_GetCode(f);
-    Py_DECREF(code);                                 /* (the frame keeps it) */
-#if PY_VERSION_HEX >= 0x030B0000
-    long lasti = PyFrame_GetLasti(f);
-#else
-    PyObject *l = PyObject_GetAttrString((PyObject *)f, "f_lasti");
-    long lasti = l == NULL ? -1 : PyLong_AsLong(l);
-    Py_XDECREF(l);
-    PyErr_Clear();
-#endif
-    PyObject *at = PyTuple_GET_ITEM(site, 1);
-    if ((PyObject *)code != PyTuple_GET_ITEM(site, 0) || !PyLong_CheckExact(at) || PyLong_AsLong(at) != lasti)
-        return 1;
+    if (f == NULL || !at_site(f, PyTuple_GET_ITEM(site, 0), PyTuple_GET_ITEM(site, 1))) return 1;
     return verified_site_key(st, site);
 }
 
@@ -649,16 +652,7 @@ static PyObject *run_compiled(PyObject *self, PyObject *const *args, Py_ssize_t 
             f = back;
         }
         if (f == NULL || PyErr_Occurred()) { Py_XDECREF(f); goto not_here; }
-        PyCodeObject *code = PyFrame_GetCode(f);
-        Py_DECREF(code);
-#if PY_VERSION_HEX >= 0x030B0000
-        long lasti = PyFrame_GetLasti(f);
-#else
-        PyObject *l = PyObject_GetAttrString((PyObject *)f, "f_lasti");
-        long lasti = l == NULL ? -1 : PyLong_AsLong(l);
-        Py_XDECREF(l);
-#endif
-        int same = (PyObject *)code == PyTuple_GET_ITEM(v, 1) && PyLong_AsLong(PyTuple_GET_ITEM(v, 2)) == lasti;
+        int same = at_site(f, PyTuple_GET_ITEM(v, 1), PyTuple_GET_ITEM(v, 2));
         Py_DECREF(f);
         if (!same || PyErr_Occurred()) goto not_here;
         /* the run is this verified site's: count each collective, ring it, verify the sampled */
