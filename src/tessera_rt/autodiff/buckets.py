@@ -107,7 +107,19 @@ def grad_bucket_bytes(mb: float | None = None, model_bytes: int = 0) -> int:
 def largest_shard(shape, layout, mesh) -> int:
     """Elements of the largest shard of a ``shape`` tensor with ``layout`` on ``mesh`` (the
     same number on every rank; a dim split over axes of k ranks in all has parts of at most
-    ceil(n / k))."""
+    ceil(n / k)).  Cached: the finisher asks for every gradient inside the backward's window,
+    and ``mesh.size`` costs a NumPy product per axis."""
+    key = (tuple(shape), layout, mesh)
+    n = _SHARDS.get(key)
+    if n is None:
+        n = _SHARDS[key] = _largest_shard(shape, layout, mesh)
+    return n
+
+
+_SHARDS: dict = {}                       # (shape, layout, mesh) -> largest_shard
+
+
+def _largest_shard(shape, layout, mesh) -> int:
     n = 1
     for length, axes in zip(shape, layout.dims):
         k = 1

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, no_grad, vjp_rule
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _op, no_grad, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads"]
@@ -71,9 +71,17 @@ def tree_unflatten(struct, leaves) -> Any:
     return build(struct)
 
 
+_MODS: dict = {}
+
+
 def _dtensor_type():
-    from ..dist.dtensor import DTensor
-    return DTensor
+    # a function-level import costs a trip through the import machinery on every call; the
+    # finisher calls this once per gradient inside the backward's window
+    t = _MODS.get("DTensor")
+    if t is None:
+        from ..dist.dtensor import DTensor as t
+        _MODS["DTensor"] = t
+    return t
 
 
 def _check_param(value, path: str, fn_name: str) -> None:
@@ -99,13 +107,15 @@ def _zeros_like(x):
 
 
 def _add(a, b):
-    from .. import op
-    return op.add(a, b)
+    return _op().add(a, b)               # tape's cached module, not an import per call
 
 
 def backward(tape: Tape, out: Var, seed) -> None:
     """Sweep ``tape`` backwards from ``out`` (cotangent ``seed``).  Runs with no tape
     active, so the VJP rules' own ops are not recorded."""
+    # The loop's Python is time the gradient all-reduces issued during the sweep do not
+    # run under any op, so the globals it reads are bound to locals once per sweep.
+    rules, effects, add = VJPS, EFFECT_OPS, _add
     saved, STATE.tape = STATE.tape, None
     try:
         out.grad = seed
@@ -113,26 +123,28 @@ def backward(tape: Tape, out: Var, seed) -> None:
         for i in range(len(nodes) - 1, -1, -1):
             v = nodes[i]
             g = v.grad
-            if g is None and v.op not in EFFECT_OPS:
-                _release(v)
+            parents = v.parents
+            if g is None and v.op not in effects:
+                _release(parents)
                 continue
             v.grad = None
             needs = [False] * len(v.args)
-            for pos, _ in v.parents:
+            for pos, _ in parents:
                 needs[pos] = True
-            cts = VJPS[v.op](g, v.value, v.args, v.kw, needs)
-            for pos, p in v.parents:
+            cts = rules[v.op](g, v.value, v.args, v.kw, needs)
+            for pos, p in parents:
                 ct = cts[pos]
                 if ct is not None:
-                    p.grad = ct if p.grad is None else _add(p.grad, ct)
-            _release(v)
+                    pg = p.grad
+                    p.grad = ct if pg is None else add(pg, ct)
+            _release(parents)
             v.args = v.kw = None                   # drop the residuals as soon as they are used
     finally:
         STATE.tape = saved
 
 
-def _release(v: Var) -> None:
-    for _, p in v.parents:
+def _release(parents) -> None:
+    for _, p in parents:
         p.uses -= 1
         if p.leaf and p.uses == 0 and p.finish is not None:
             p.finish(p)
@@ -140,8 +152,11 @@ def _release(v: Var) -> None:
 
 def _issue_reduce(local, mesh, axis, out=None):
     """The async all-reduce of a gradient's (or a bucket's) pending sum on ``GRAD_ROLE``."""
-    from .. import runtime as rt
-    from ..dist import dtensor_collectives as dc
+    rt, dc = _MODS.get("rt"), _MODS.get("dc")
+    if dc is None:                       # imported once (this runs once per bucket, in the backward)
+        from .. import runtime as rt
+        from ..dist import dtensor_collectives as dc
+        _MODS["rt"], _MODS["dc"] = rt, dc
     if GRAD_ROLE not in rt.stream_map():
         rt.set_stream_map({GRAD_ROLE: rt.stream_map()["tp_collective"]})
     return dc.all_reduce(local, axis=axis, mesh=mesh, out=out, async_op=True, role=GRAD_ROLE)
