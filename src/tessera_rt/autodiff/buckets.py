@@ -112,6 +112,8 @@ def largest_shard(shape, layout, mesh) -> int:
     key = (tuple(shape), layout, mesh)
     n = _SHARDS.get(key)
     if n is None:
+        if len(_SHARDS) >= 4096:         # a bound: the keys hold their meshes
+            _SHARDS.clear()
         n = _SHARDS[key] = _largest_shard(shape, layout, mesh)
     return n
 
