@@ -259,10 +259,6 @@ def _matmul(g, out, args, kw, needs):
         ga, gb = _matmul(g2, None, (a2, b2), kw, needs)
         return (op.reshape(ga, sa) if ga is not None else None,
                 op.reshape(gb, sb) if gb is not None else None) + (None,) * (len(args) - 2)
-    if type(a) is DTensor and type(b) is DTensor and len(sb) == 2:
-        grads = _linear_grads(g, a, b, kw, needs)
-        if grads is not None:
-            return grads + (None,) * (len(args) - 2)
     ga = gb = None
     if needs[0]:
         ga = _as(sum_to(op.matmul(g, _swap(b)), sa), a)
@@ -275,41 +271,6 @@ def _matmul(g, out, args, kw, needs):
             gb = sum_to(op.matmul(_swap(a), g), sb)
         gb = _as(gb, b)
     return (ga, gb) + (None,) * (len(args) - 2)
-
-
-def _linear_grads(g, a, b, kw, needs):
-    """A linear layer's gradients (DTensor ``a`` of 2+ dims times a 2-D DTensor weight ``b``)
-    as two GEMMs on the local pieces, in the layouts the forward's rule gave a and b (six
-    dispatched ops otherwise: transposes, reshapes, the GEMMs).  ``ga = g @ b.T`` keeps a's
-    layout, pending over the mesh axes that shard n (the dim it contracts); ``gb = a.T @ g``
-    keeps b's, pending over the axes that shard a's rows.  None under fixed-order
-    reductions (their rule keeps no pending sums): the dispatched ops serve that case."""
-    from ..dist import determinism, dispatch
-    policy, tile = kw.get("policy"), kw.get("tile_shape")
-    if determinism.active(policy):
-        return None
-    dec = dispatch.explain("matmul", (None if tile is None else tuple(int(t) for t in tile), policy), (a, b))
-    la, lb = dec.strategy.inputs
-    lo = Layout(dec.layout.dims)                      # g, its pending sums done
-    al = (a if a.layout == la else a.redistribute(la))._local
-    bl = (b if b.layout == lb else b.redistribute(lb))._local
-    gl = (g if g.layout == lo else g.redistribute(lo))._local
-    mm = get_backend().kernel("matmul", like=gl)
-    mesh, ga, gb = dec.mesh, None, None
-    if needs[0]:
-        with compute_region("matmul_backward"):
-            loc = mm(gl, bl.T)
-        lay = Layout(la.dims, tuple(sorted((x, "sum") for x in set(lb.dims[1]))))
-        ga = DTensor._wrap(loc, meta_of(lay, a.shape, loc.dtype, mesh))
-        ga = _as(ga, a)
-    if needs[1]:
-        k, n = bl.shape
-        with compute_region("matmul_backward"):
-            loc = mm(al.reshape(-1, k).T, gl.reshape(-1, n))
-        lay = Layout(lb.dims, tuple(sorted((x, "sum") for x in set(ax for d in la.dims[:-1] for ax in d))))
-        gb = DTensor._wrap(loc, meta_of(lay, b.shape, loc.dtype, mesh))
-        gb = _as(gb, b)
-    return ga, gb
 
 
 def _promoted_shape(sa, sb, sg):
