@@ -244,7 +244,7 @@ def test_per_op_cost_adds_its_count_to_the_step():
     n_tensors = spec.n_layers * 9 + 3 + 1
     ops = (spec.n_layers * (spec.ops_per_layer + spec.bwd_ops_per_layer) + spec.ops_outside + spec.bwd_ops_outside
            + n_tensors * 16)
-    assert ops > 500                    # the profiler counts ~550 per train.py step (~650 before the fused gradients)
+    assert ops > 600                    # the profiler counts ~650 per train.py step
     assert b["total"] - a["total"] == pytest.approx(ops * 10e-6)
 
 
@@ -295,7 +295,7 @@ def test_calibration_of_the_op_mix_and_share():
     dist.init()
     mesh = dist.Mesh(axes=["dp"], shape={"dp": 1}, devices=[dist.init().rank])
     per_op, toy = measure_op_cost(mesh, reps=3)
-    assert 1e-6 < per_op < 1e-3 and toy > 60 * per_op           # ~78 ops in the toy block
+    assert 1e-6 < per_op < 1e-3 and toy > 100 * per_op          # ~110 ops in the toy block
     assert 0.0 < measure_lockstep_share(seconds=0.05) <= 1.0
 
 

@@ -192,35 +192,6 @@ def test_rmsnorm_backward_errors():
     assert gx.shape == (0, 8) and np.array_equal(gw, np.zeros(8))
 
 
-def test_swiglu_backward_is_the_gradient(rng):
-    """Against central differences of silu(h1) * h3 (f64), and f32 statistics for low precision."""
-    h1, h3, g = rng.standard_normal((3, 4)) * 3, rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
-    d1, d3 = K.swiglu_backward(h1, h3, g)
-    assert d1.dtype == d3.dtype == np.float64
-    gate = lambda a, b: (a / (1 + np.exp(-a)) * b * g).sum()          # noqa: E731
-    h = 1e-6
-    for arr, got in ((h1, d1), (h3, d3)):
-        num = np.empty_like(arr)
-        for i in np.ndindex(arr.shape):
-            keep = arr[i]
-            arr[i] = keep + h
-            up = gate(h1, h3)
-            arr[i] = keep - h
-            down = gate(h1, h3)
-            arr[i] = keep
-            num[i] = (up - down) / (2 * h)
-        np.testing.assert_allclose(got, num, rtol=1e-6, atol=1e-8)
-    for dt in (np.float16, BF16):
-        lo = [a.astype(dt) for a in (h1, h3, g)]
-        got = K.swiglu_backward(*lo)
-        want = K.swiglu_backward(*(a.astype(np.float64) for a in lo))
-        for x, y in zip(got, want):
-            assert x.dtype == np.float32
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"g has shape \(3, 5\) but h1 \(3, 4\)"):
-        K.swiglu_backward(h1, h3, np.ones((3, 5)))
-
-
 def test_norm_statistics_are_f32_for_bf16():
     # mean of 8192 values of 1+small in bf16: f32 statistics give var ~ 0 exactly right.
     x = np.full((1, 8192), 300.0, BF16)

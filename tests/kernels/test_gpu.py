@@ -143,17 +143,6 @@ def test_rmsnorm_backward_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_swiglu_backward_kernel(dtype):
-    from tessera_rt.kernels import rows_cuda as R
-    h1, h3, g = rnd((4, 70), dtype, scale=3), rnd((4, 70), dtype, seed=2), rnd((4, 70), dtype, seed=3)
-    want = K.swiglu_backward(*(a.astype(np.float64) for a in (h1, h3, g)))
-    got = R.swiglu_backward_cuda(cp.asarray(h1), cp.asarray(h3), cp.asarray(g))
-    for x, y in zip(got, want):
-        assert x.dtype == np.float32
-        np.testing.assert_allclose(x.get().astype(np.float64), y, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("h,hkv,d", [(4, 2, 64), (2, 2, 128)])
 def test_paged_decode_attention(dtype, h, hkv, d):
     from tessera_rt.kernels.paged_attention_cuda import paged_decode_attention_cuda

@@ -10,7 +10,7 @@ from .numerics import NumericPolicy, numeric
 from .gemm import gemm, matmul
 from .norms import layernorm, layernorm_safe, rmsnorm, rmsnorm_backward, rmsnorm_safe, softmax
 from .fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
-from .mlp import bias_act, bias_gelu, bias_silu, dual_matmul, gelu, silu, swiglu, swiglu_backward
+from .mlp import bias_act, bias_gelu, bias_silu, dual_matmul, gelu, silu, swiglu
 from .attention import flash_attention, flash_attention_backward
 from .paged_attention import paged_decode_attention
 from .spectral import conv2d_direct, conv2d_fft, fft2d, ifft2d
@@ -24,7 +24,7 @@ __all__ = [
     "NumericPolicy", "numeric",
     "matmul", "gemm", "softmax", "layernorm", "layernorm_safe", "rmsnorm", "rmsnorm_safe",
     "rmsnorm_backward", "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
-    "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu", "swiglu_backward", "dual_matmul",
+    "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu", "dual_matmul",
     "flash_attention", "flash_attention_backward", "paged_decode_attention",
     "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",
     "saxpy", "tile", "inspect_ir", "autotune",

@@ -18,7 +18,7 @@ from .gemm import matmul_shapes
 from .norms import NORM_DTYPES
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
-__all__ = ["ACTIVATIONS", "erf", "gelu", "silu", "bias_act", "bias_gelu", "bias_silu", "swiglu", "swiglu_backward"]
+__all__ = ["ACTIVATIONS", "erf", "gelu", "silu", "bias_act", "bias_gelu", "bias_silu", "swiglu"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "identity")
 
@@ -117,36 +117,6 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
     return finish(op, silu(both[..., :f]) * both[..., f:], out, result_dtype(x.dtype, policy))
 
 
-def swiglu_backward(h1: Any, h3: Any, g: Any, *, stream: Any | None = None):
-    """The gate's gradients: for ``y = silu(h1) * h3`` (``h1 = x @ w1``, ``h3 = x @ w3``) and
-    the cotangent ``g`` of y, ``(dh1, dh3) = (g·h3·s·(1 + h1·(1 - s)), g·silu(h1))`` with
-    ``s = sigmoid(h1)``, in the statistics dtype (f32; f64 for f64 inputs): they feed the
-    weight and input GEMMs of swiglu's backward, which accumulate in that dtype.  One pass
-    (autodiff's swiglu rule calls it in place of nine elementwise ops)."""
-    op = "swiglu_backward"
-    check_stream(op, stream)
-    for name, a in (("h1", h1), ("h3", h3), ("g", g)):
-        check_float(op, name, a, NORM_DTYPES, min_ndim=0)
-        if tuple(a.shape) != tuple(h1.shape):
-            raise ValueError(f"{op}: {name} has shape {tuple(a.shape)} but h1 {tuple(h1.shape)}; the gate's "
-                             "inputs and the cotangent of its output have one shape")
-    xp = array_module(h1)
-    acc = accum_dtype(h1.dtype)
-    a, b, gf = widen(h1, acc), widen(h3, acc), widen(g, acc)
-    s = xp.exp(-a)
-    s += 1
-    xp.reciprocal(s, out=s)                  # sigmoid(h1)
-    dh3 = a * s
-    dh3 *= gf                                # g · silu(h1)
-    dh1 = 1 - s
-    dh1 *= a
-    dh1 += 1
-    dh1 *= s
-    dh1 *= b
-    dh1 *= gf
-    return dh1, dh3
-
-
 def dual_reads_x_once(x: Any, w1: Any, w3: Any, policy: Any = None, *, on_gpu: bool = False) -> bool:
     """Whether ``dual_matmul`` computes both products in one pass over x: on the GPU the
     DUAL_OUT tile kernel takes fp16 (2-D or more, no policy); on the CPU ``x @ [w1 | w3]``
@@ -175,5 +145,5 @@ def dual_matmul(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: 
 
 
 for _name, _fn in (("bias_act", bias_act), ("bias_gelu", bias_gelu), ("bias_silu", bias_silu),
-                   ("swiglu", swiglu), ("swiglu_backward", swiglu_backward), ("dual_matmul", dual_matmul)):
+                   ("swiglu", swiglu), ("dual_matmul", dual_matmul)):
     register_kernel(_name, "cpu", _fn)

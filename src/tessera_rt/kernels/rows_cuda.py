@@ -1,5 +1,5 @@
 """Memory-bound RawKernels: softmax, layernorm, rmsnorm and rmsnorm's backward (one block per
-row), bias+activation, swiglu's gate backward, FP8 quantize/dequantize.
+row), bias+activation, FP8 quantize/dequantize.
 
 Row kernels read a row once into registers (up to ``ROW_MAX`` elements), reduce in f32
 with warp shuffles and a 32-float shared scratch, and write once: 2 bytes in + 2 bytes out
@@ -21,7 +21,6 @@ from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
 
 __all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda", "rmsnorm_backward_cuda",
-           "swiglu_backward_cuda",
            "bias_act_cuda", "quantize_fp8_cuda", "dequantize_fp8_bits_cuda", "ROW_MAX"]
 
 ROW_THREADS = 256
@@ -139,20 +138,6 @@ ts_rmsnorm_bwd(const in_t* __restrict__ x, const in_t* __restrict__ g, const in_
   }
 }
 
-// swiglu's gate backward, elementwise: with s = sigmoid(h1), dh3 = g·h1·s and
-// dh1 = g·h3·s·(1 + h1·(1 - s)), in f32 (they feed the backward's f32-accumulating GEMMs).
-extern "C" __global__ void ts_swiglu_bwd(const in_t* __restrict__ h1, const in_t* __restrict__ h3,
-                                         const in_t* __restrict__ g, float* __restrict__ dh1,
-                                         float* __restrict__ dh3, long long total) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const float a = to_f(h1[i]), b = to_f(h3[i]), d = to_f(g[i]);
-    const float s = 1.f / (1.f + __expf(-a));
-    dh3[i] = d * a * s;
-    dh1[i] = d * b * s * (1.f + a * (1.f - s));
-  }
-}
-
 // ACT 0 gelu(erf), 1 gelu(tanh), 2 silu, 3 relu, 4 identity; bias over the last dim (n).
 extern "C" __global__ void ts_bias_act(const in_t* __restrict__ x, const in_t* __restrict__ b,
                                        in_t* __restrict__ y, long long total, int n) {
@@ -234,7 +219,7 @@ def render_fp8(e5m2: bool = False, sr: bool = False) -> str:
     return f"#define E5M2 {int(e5m2)}\n#define SR {int(sr)}\n" + FP8_SOURCE
 
 
-register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act", "ts_rmsnorm_bwd", "ts_swiglu_bwd"),
+register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act", "ts_rmsnorm_bwd"),
                              configs=[dict(mode=m, half=h) for m in _MODES for h in (True, False)]
                              + [dict(mode="softmax", act=a) for a in _ACTS if a != "gelu"]))
 register_source(KernelSource("fp8", render_fp8, ("ts_quantize_fp8", "ts_dequantize_fp8"),
@@ -333,25 +318,6 @@ def rmsnorm_backward_cuda(x: Any, g: Any, weight: Any = None, *, eps: float = 1e
         return norms.rmsnorm_backward(x, g, weight, eps=eps, stream=stream)
 
 
-def swiglu_backward_cuda(h1: Any, h3: Any, g: Any, *, stream: Any = None):
-    """``mlp.swiglu_backward`` on the GPU (``ts_swiglu_bwd``: one elementwise pass, f32 out)."""
-    import cupy
-    parts = (h1, h3, g)
-    if (all(hasattr(a, "dtype") and a.dtype == h1.dtype and tuple(a.shape) == tuple(h1.shape)
-            and a.flags.c_contiguous for a in parts) and np.dtype(h1.dtype) in _GPU_DT):
-        check_stream("swiglu_backward", stream)
-        fn = get_function("rows", "ts_swiglu_bwd", dict(mode="softmax", act="gelu", half=h1.dtype == np.float16),
-                          render_rows)
-        with launch_stream(stream):
-            dh1 = cupy.empty(h1.shape, np.float32)
-            dh3 = cupy.empty(h1.shape, np.float32)
-            if h1.size:
-                fn((min(65535, (h1.size + 255) // 256),), (256,), (h1, h3, g, dh1, dh3, np.int64(h1.size)))
-        return dh1, dh3
-    with launch_stream(stream):
-        return mlp.swiglu_backward(h1, h3, g, stream=stream)
-
-
 def bias_act_cuda(x: Any, bias: Any = None, *, act: str = "gelu", out: Any = None, stream: Any = None,
                   policy: Any = None):
     import cupy
@@ -406,7 +372,6 @@ for _n in ("layernorm", "layernorm_safe"):
 for _n in ("rmsnorm", "rmsnorm_safe"):
     register_kernel(_n, "cuda", rmsnorm_cuda)
 register_kernel("rmsnorm_backward", "cuda", rmsnorm_backward_cuda)
-register_kernel("swiglu_backward", "cuda", swiglu_backward_cuda)
 register_kernel("bias_act", "cuda", bias_act_cuda)
 register_kernel("quantize_fp8", "cuda", quantize_fp8_cuda)
 

@@ -259,24 +259,23 @@ MODELS: dict[str, ModelSpec] = {
     # and its reshape (d/tp), swiglu (f/tp) and the logsumexp (heads/tp); outside: embedding,
     # +pos, final norm (d), two one-hots, logits, shifted, exp, picked (vocab/tp).  Kernel
     # and all-reduce counts per step are the profiler's and dist.trace_collectives' counts
-    # of one train.py step (forward 22 ops per block, backward 55 since rmsnorm's and swiglu's
-    # gradients became one fused kernel each (95 before); tp: 6 all-reduces of the block's
-    # activations per block).
+    # of one train.py step (forward 22 ops per block, backward 95; tp: 6 all-reduces of the
+    # block's activations per block).
     "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                       dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
                       act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
-                      bwd_ops_per_layer=55, bwd_ops_outside=24, tp_ar_per_layer=6, tp_ar_outside=2,
+                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2,
                       uneven_gathers=(11, 3, 2), notes="scripts/train.py defaults"),
-    # train.py --experts 4 --capacity-factor 1.25 (top-2): the profiler counts 28 forward and 57
-    # backward ops per MoE block (88 before the fused rmsnorm gradient), 5 all_to_alls (the counts, then dispatch and combine forward
+    # train.py --experts 4 --capacity-factor 1.25 (top-2): the profiler counts 28 forward and 88
+    # backward ops per MoE block, 5 all_to_alls (the counts, then dispatch and combine forward
     # and backward) and the same ops outside the blocks as "char".  Kept per block, read off
     # tessera_rt.moe.dispatch's saved tensors: per slot (top_k x CF, padded parts) the
     # dispatched rows (d) and h1, h3, sigmoid, silu and their product (5 f); per token the
     # combine gather (top_k d), the gate's logits and probabilities (2 E)
     "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                           dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
-                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=57,
-                          bwd_ops_outside=24, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
+                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=88,
+                          bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
                           capacity_factor=1.25, moe_act_coeffs=(1.0, 5.0, 2.0, 2.0),
                           notes="scripts/train.py --experts 4 --capacity-factor 1.25"),
 }
