@@ -15,9 +15,7 @@ import numpy as np
 
 from .. import op
 from ..backend import get_backend
-from ..dist.dtensor import DTensor, meta_of
-from ..dist.layout import Layout
-from ..profiler import compute_region
+from ..dist.dtensor import DTensor
 from .tape import vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
@@ -342,36 +340,18 @@ def _layernorm(g, out, args, kw, needs):
 
 @vjp_rule("rmsnorm", "rmsnorm_safe")
 def _rmsnorm(g, out, args, kw, needs):
-    """One fused kernel (``rmsnorm_backward``) in place of the formula's seventeen ops; on
-    DTensors it runs on the local rows in the forward rule's layout (rows sharded, the
-    normalized dim whole), and the weight's gradient is the local rows' sum, pending over
-    the mesh axes that shard the rows."""
     x, w = args[0], _row_param(args, 1)
     eps = kw.get("eps", 1e-6)
-    want_w = w is not None and len(needs) > 1 and needs[1]
-    if type(x) is not DTensor:
-        bwd = get_backend().kernel("rmsnorm_backward", like=x)
-        with compute_region("rmsnorm_backward"):
-            gx, gw = bwd(x, g, w, eps=eps)
-        return (gx if needs[0] else None, _as(gw, w) if want_w else None)[:len(args)]
-    from ..dist import dispatch
-    dec = dispatch.explain("rmsnorm", (float(eps), kw.get("policy")), (x, w))
-    rows = dec.strategy.inputs[0]                 # the forward's layout: rows sharded, last dim whole
-    xl = (x if x.layout == rows else x.redistribute(rows))._local
-    gl = (g if g.layout == rows else g.redistribute(rows))._local
-    wl = w
-    if type(w) is DTensor:
-        wl = (w if w.layout == dec.strategy.inputs[1] else w.redistribute(dec.strategy.inputs[1]))._local
-    bwd = get_backend().kernel("rmsnorm_backward", like=xl)
-    with compute_region("rmsnorm_backward"):
-        gx, gw = bwd(xl, gl, wl, eps=eps)
-    mesh = dec.mesh
-    gx = DTensor._wrap(gx, meta_of(rows, x.shape, gx.dtype, mesh)) if needs[0] else None
-    if want_w:
-        gw = gw.astype(w.dtype, copy=False)
-        lay = Layout(((),), tuple(sorted((a, "sum") for d in rows.dims[:-1] for a in d)))
-        gw = DTensor._wrap(gw, meta_of(lay, tuple(w.shape), gw.dtype, mesh))
-    return (gx, gw if want_w else None)[:len(args)]
+    xf, gf = _wide(x), _wide(g)
+    r = op.rsqrt(op.add(op.mean(op.mul(xf, xf), axis=-1, keepdims=True), eps))
+    gw = op.mul(gf, _wide(w)) if w is not None else gf
+    gx = gwx = None
+    if needs[0]:
+        m = op.mean(op.mul(gw, xf), axis=-1, keepdims=True)
+        gx = _as(op.sub(op.mul(gw, r), op.mul(xf, op.mul(m, op.mul(r, op.mul(r, r))))), x)
+    if len(needs) > 1 and needs[1]:
+        gwx = _as(_lead_sum(op.mul(gf, op.mul(xf, r)), None), w)
+    return (gx, gwx)[:len(args)]
 
 
 # --------------------------------------------------------------------------- fused kernels

@@ -8,7 +8,7 @@ backend picks the implementation: ``get_backend().kernel("matmul")``.  Everythin
 from . import numerics
 from .numerics import NumericPolicy, numeric
 from .gemm import gemm, matmul
-from .norms import layernorm, layernorm_safe, rmsnorm, rmsnorm_backward, rmsnorm_safe, softmax
+from .norms import layernorm, layernorm_safe, rmsnorm, rmsnorm_safe, softmax
 from .fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
 from .mlp import bias_act, bias_gelu, bias_silu, dual_matmul, gelu, silu, swiglu
 from .attention import flash_attention, flash_attention_backward
@@ -23,7 +23,7 @@ from .autotuner import autotune
 __all__ = [
     "NumericPolicy", "numeric",
     "matmul", "gemm", "softmax", "layernorm", "layernorm_safe", "rmsnorm", "rmsnorm_safe",
-    "rmsnorm_backward", "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
+    "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
     "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu", "dual_matmul",
     "flash_attention", "flash_attention_backward", "paged_decode_attention",
     "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",

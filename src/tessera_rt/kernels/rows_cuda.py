@@ -1,5 +1,5 @@
-"""Memory-bound RawKernels: softmax, layernorm, rmsnorm and rmsnorm's backward (one block per
-row), bias+activation, FP8 quantize/dequantize.
+"""Memory-bound RawKernels: softmax, layernorm, rmsnorm (one block per row), bias+activation,
+FP8 quantize/dequantize.
 
 Row kernels read a row once into registers (up to ``ROW_MAX`` elements), reduce in f32
 with warp shuffles and a 32-float shared scratch, and write once: 2 bytes in + 2 bytes out
@@ -20,7 +20,7 @@ from .cuda_common import HALF_IO, get_function, launch_stream
 from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
 
-__all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda", "rmsnorm_backward_cuda",
+__all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda",
            "bias_act_cuda", "quantize_fp8_cuda", "dequantize_fp8_bits_cuda", "ROW_MAX"]
 
 ROW_THREADS = 256
@@ -99,42 +99,6 @@ ts_rows(const in_t* __restrict__ x, in_t* __restrict__ y, const in_t* __restrict
   for (int i = 0; i < PT; ++i) {
     const int c = threadIdx.x + i * NT;
     if (c < n) y[base + c] = from_f(v[i]);
-  }
-}
-
-// rmsnorm's backward, one block per row of length n: with r = rsqrt(mean(x²) + eps), x̂ = x·r
-// and gy = g·w, gx = r·(gy - x̂·mean(gy·x̂)).  gxhat (f32, may be null) gets g·x̂, the rows of
-// the weight's gradient: the caller sums them over rows (no atomics, so the sum's order is
-// fixed and the result repeats bit for bit).
-extern "C" __global__ void __launch_bounds__(NT)
-ts_rmsnorm_bwd(const in_t* __restrict__ x, const in_t* __restrict__ g, const in_t* __restrict__ w,
-               in_t* __restrict__ gx, float* __restrict__ gxhat, int n, float eps) {
-  __shared__ float scratch[32];
-  const long long base = (long long)blockIdx.x * n;
-  float v[PT], d[PT];
-  float q = 0.f;
-  #pragma unroll
-  for (int i = 0; i < PT; ++i) {
-    const int c = threadIdx.x + i * NT;
-    v[i] = c < n ? to_f(x[base + c]) : 0.f;
-    d[i] = c < n ? to_f(g[base + c]) : 0.f;
-    q += v[i] * v[i];
-  }
-  const float r = rsqrtf(block_reduce<false>(q, scratch) / n + eps);
-  float s = 0.f;
-  #pragma unroll
-  for (int i = 0; i < PT; ++i) {
-    const int c = threadIdx.x + i * NT;
-    v[i] *= r;                                        // x̂
-    if (gxhat && c < n) gxhat[base + c] = d[i] * v[i];
-    if (w && c < n) d[i] *= to_f(w[c]);               // gy
-    s += d[i] * v[i];
-  }
-  const float m = block_reduce<false>(s, scratch) / n;
-  #pragma unroll
-  for (int i = 0; i < PT; ++i) {
-    const int c = threadIdx.x + i * NT;
-    if (c < n) gx[base + c] = from_f((d[i] - v[i] * m) * r);
   }
 }
 
@@ -219,7 +183,7 @@ def render_fp8(e5m2: bool = False, sr: bool = False) -> str:
     return f"#define E5M2 {int(e5m2)}\n#define SR {int(sr)}\n" + FP8_SOURCE
 
 
-register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act", "ts_rmsnorm_bwd"),
+register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act"),
                              configs=[dict(mode=m, half=h) for m in _MODES for h in (True, False)]
                              + [dict(mode="softmax", act=a) for a in _ACTS if a != "gelu"]))
 register_source(KernelSource("fp8", render_fp8, ("ts_quantize_fp8", "ts_dequantize_fp8"),
@@ -291,33 +255,6 @@ def rmsnorm_cuda(x: Any, weight: Any = None, *, eps: float = 1e-6, out: Any = No
     return _norm_cuda("rmsnorm", x, weight, None, eps, out, stream, policy)
 
 
-def rmsnorm_backward_cuda(x: Any, g: Any, weight: Any = None, *, eps: float = 1e-6, stream: Any = None):
-    """``norms.rmsnorm_backward`` on the GPU (``ts_rmsnorm_bwd``, one block per row; the
-    weight's gradient is the f32 sum over rows of the g·x̂ rows it writes)."""
-    import cupy
-    op = "rmsnorm_backward"
-    if (hasattr(x, "dtype") and hasattr(g, "dtype") and _row_kernel_ok(x, None, weight, g)
-            and tuple(g.shape) == tuple(x.shape) and g.flags.c_contiguous):
-        norms._check_row_param(op, "weight", weight, x)
-        check_stream(op, stream)
-        if not eps >= 0:
-            raise ValueError(f"{op}: eps must be >= 0, got {eps}")
-        n = x.shape[-1]
-        rows = x.size // n
-        fn = get_function("rows", "ts_rmsnorm_bwd", dict(mode="rmsnorm", act="gelu", half=x.dtype == np.float16),
-                          render_rows)
-        with launch_stream(stream):
-            gx = cupy.empty_like(x)
-            gxhat = cupy.empty((rows, n), np.float32) if weight is not None else None
-            if rows:
-                fn((rows,), (ROW_THREADS,), (x, g, null_ptr(_dense(weight)), gx, null_ptr(gxhat), np.int32(n),
-                                             np.float32(eps)))
-            gw = gxhat.sum(axis=0) if gxhat is not None else None
-        return gx, gw
-    with launch_stream(stream):
-        return norms.rmsnorm_backward(x, g, weight, eps=eps, stream=stream)
-
-
 def bias_act_cuda(x: Any, bias: Any = None, *, act: str = "gelu", out: Any = None, stream: Any = None,
                   policy: Any = None):
     import cupy
@@ -371,7 +308,6 @@ for _n in ("layernorm", "layernorm_safe"):
     register_kernel(_n, "cuda", layernorm_cuda)
 for _n in ("rmsnorm", "rmsnorm_safe"):
     register_kernel(_n, "cuda", rmsnorm_cuda)
-register_kernel("rmsnorm_backward", "cuda", rmsnorm_backward_cuda)
 register_kernel("bias_act", "cuda", bias_act_cuda)
 register_kernel("quantize_fp8", "cuda", quantize_fp8_cuda)
 
