@@ -412,9 +412,25 @@ def _spanning(metas, g) -> frozenset:
     """The DTensor metas on meshes that hold every rank of ``g``: ops on a mesh without some
     of the group's ranks (a pipeline stage's sub-mesh, seen from the pp group) say nothing
     about what those ranks must agree on."""
-    ranks = g.ranks
-    return frozenset(m for on in metas.values() for m in on
-                     if m.mesh is None or all(r in m.mesh.devices for r in ranks))
+    ranks, out = g.ranks, []
+    for on in metas.values():               # keyed by mesh: one answer per mesh (~30 us less a
+        mesh = next(iter(on)).mesh          # gradient bucket's issue inside the backward)
+        if mesh is None or _covers(mesh, ranks):
+            out.extend(on)
+    return frozenset(out)
+
+
+_COVERS: dict = {}                           # (mesh, group ranks) -> the mesh holds every rank
+
+
+def _covers(mesh, ranks) -> bool:
+    key = (mesh, ranks)
+    v = _COVERS.get(key)
+    if v is None:
+        if len(_COVERS) >= 4096:            # a bound: the keys hold their meshes
+            _COVERS.clear()
+        v = _COVERS[key] = all(r in mesh.devices for r in ranks)
+    return v
 
 
 def _desc(st, seq, key) -> tuple:
