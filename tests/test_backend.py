@@ -77,6 +77,42 @@ def test_cpu_stream_event_api():
     s.synchronize()
 
 
+class _Req:
+    """A request stand-in: ``done`` says whether test() finds it finished; tests are counted."""
+
+    def __init__(self, done=False):
+        self.done, self.tests, self.waited = done, 0, False
+
+    def test(self):
+        self.tests += 1
+        return self.done
+
+    def wait_done(self):
+        self.waited = True
+
+
+def test_cpu_stream_enqueue_polls_from_the_front_and_keeps_what_is_in_flight():
+    from tessera_rt.cpu_streams import CpuStream
+    s = CpuStream("probe")
+    first, second, third = _Req(), _Req(done=True), _Req()
+    for r in (first, second, third):
+        s.enqueue(r)
+    # the front is in flight: one poll per issue, nothing behind it is polled or dropped
+    assert s._pending == [first, second, third] and second.tests == 0 and first.tests == 2
+    first.done = True
+    s.enqueue(_Req())
+    assert s._pending[0] is third and len(s._pending) == 2      # finished ones leave from the front
+    ev = s.record()
+    s.synchronize()                                             # everything still tracked is waited for
+    assert third.waited and all(w.waited for w in ev._pending)
+    # a receive that waits at the front while later sends finish: a long list is swept whole
+    stuck = _Req()
+    s.enqueue(stuck)
+    for _ in range(40):
+        s.enqueue(_Req(done=True))
+    assert stuck in s._pending and len(s._pending) <= 34
+
+
 def test_stream_map_shares_slots_and_overlap_policy():
     try:
         rt.set_stream_map({"tp_collective": 0})

@@ -316,7 +316,6 @@ extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
 
 
 def test_real_emulator_saxpy():
-    pytest.importorskip("cuda_emu", reason="the CUDA emulation harness (tests/gpu_emu/cuda_emu) is not there yet")
     k = cupy.RawModule(code=SAXPY, options=("-std=c++17",)).get_function("saxpy")
     x = cupy.arange(100, dtype=np.float32)
     y = cupy.ones(100, np.float32)
