@@ -58,6 +58,18 @@ def test_pool_reuses_a_block_only_when_every_view_is_gone(n):
     assert small.base is None
 
 
+def test_pool_allocator_leaves_blocks_below_the_mapped_size_to_numpy():
+    pool = B.HostBufferPool()
+    small = pool.allocator((1 << 16,), np.dtype(np.float32))()         # 256 KiB: malloc's recycled block
+    assert small.base is None and small.shape == (1 << 16,)
+    big = pool.allocator((1 << 20,), np.dtype(np.float32))            # 4 MiB: a pooled huge-page mapping
+    a = big()
+    assert a.ctypes.data % (1 << 21) == 0 and isinstance(a.base.base, mmap.mmap)
+    ptr = a.ctypes.data
+    del a
+    assert big().ctypes.data == ptr                                   # handed back once it is dropped
+
+
 def test_pool_size_classes_bound_the_slack():
     for n in [65536, 100_000, 1 << 20, 3_000_001, 64 << 20]:
         c = B.HostBufferPool._size_class(n)
