@@ -174,3 +174,40 @@ def test_without_mpi_thread_multiple_cpu_streams_stay_in_order_and_say_so():
     assert p.returncode == 0, p.stderr
     assert "not MPI_THREAD_MULTIPLE" in p.stdout and "serialized" in p.stdout, p.stdout
     assert "STREAM CpuStream False" in p.stdout and "SUM [1.0, 1.0, 1.0]" in p.stdout, p.stdout
+
+
+_FAULTS = """
+import resource, sys
+import numpy as np
+from tessera_rt import backend
+tuned = backend.tune_host_malloc() if sys.argv[1] == "tuned" else False
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    xs = [np.ones(1 << 17, np.float32) for _ in range(4)]
+    del xs
+f0 = faults()
+for _ in range(20):                      # a step's temporaries: 4 x 512 KiB, written, freed
+    xs = [np.ones(1 << 17, np.float32) for _ in range(4)]
+    del xs
+print(tuned, (faults() - f0) / 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and page-fault counts are Linux's")
+def test_tuned_malloc_keeps_freed_temporaries_mapped():
+    """With glibc's defaults each step's freed 512 KiB temporaries go back to the kernel and
+    are faulted in again (~128 faults each); the CPU backend's settings keep them."""
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True,
+                             timeout=60, env={**os.environ, "TESSERA_MALLOC": ""}).stdout.split()
+        return out[0] == "True", float(out[1])
+    tuned, few = run("tuned")
+    if not tuned:
+        pytest.skip("not glibc: no mallopt")
+    _, many = run("default")
+    assert few < 10 and many > 200, (few, many)
+
+
+def test_tessera_malloc_default_keeps_glibcs_settings(monkeypatch):
+    monkeypatch.setenv("TESSERA_MALLOC", "default")
+    assert B.tune_host_malloc() is False
