@@ -312,3 +312,26 @@ def test_uneven_batch_is_gathered_and_run_whole():
     ag = plan.collective_time(_host(), "all_gather", 8 * 64 * 64 * 4, 3)[0]
     assert three["batch_gather"] > 22 * ag                                   # 22 of width d, 6 of f, 2 of vocab
     assert three["total"] > 1.5 * four["total"]
+
+
+def test_calibration_times_its_parts_in_rounds():
+    from tessera_rt.plan.calibrate import _elementwise_bw, _rounds
+    calls = []
+    t = _rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, calls=2)
+    # one warm-up call each, then per round a's two timed calls (and _cpu_time's warm-up) before b's
+    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 3 and all(len(v) == 3 for v in t.values())
+    rates = {"gemm": 5e10, "gemm_bwd": 5e10, "attention": 3e9, "attention_bwd": 4e9, "hbm_bw": 7e9}
+    slow, fast = _elementwise_bw(rates, 8e-3), _elementwise_bw(rates, 6e-3)
+    assert 0 < slow < fast                        # a block that takes longer leaves a lower rate
+    assert _elementwise_bw(rates, 1e-6) == 7e9    # nothing left after the math: op.add's rate
+
+
+def test_measure_compute_on_one_rank():
+    from tessera_rt import dist
+    from tessera_rt.plan.calibrate import measure_compute
+    dist.init()
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": 1}, devices=[dist.init().rank])
+    c = measure_compute(reps=3, mesh=mesh)
+    for k in ("gemm", "gemm_bwd", "attention", "attention_bwd", "hbm_bw"):
+        assert 1e6 < c[k] < 1e13, (k, c[k])
+    assert 1e-6 < c["op_overhead_s"] < 1e-3 and 0 < c["share"] <= 1.0 and 0 < c["lockstep_share"] <= 1.0

@@ -115,40 +115,64 @@ def measure_lockstep_share(seconds: float = 0.3, segment_s: float = 2e-3) -> flo
     return float(min(1.0, world.allreduce(share, op=MPI.SUM) / world.Get_size()))
 
 
+def _rounds(fns: dict, rounds: int, calls: int = 2) -> dict:
+    """{name: [CPU seconds per call, one per round]}: every function timed once per round, in
+    turn, so that quantities derived from several of them (a difference, a rate and the
+    time it models) come from the same state of the machine.  This VM's cores change speed
+    by ~1.8x over seconds; measured apart, one rate caught in a slow phase set another's
+    residual off by up to 8x."""
+    out: dict = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            out[k].append(_cpu_time(fn, calls))
+    return out
+
+
 def measure_compute(reps: int = 10, mesh=None) -> dict:
     """Rates on this rank, in CPU time: {"gemm", "gemm_bwd", "attention", "attention_bwd":
     FLOP/s, "hbm_bw": bytes/s of elementwise ops, "op_overhead_s": one traced op on a
-    DTensor}, and "share": the share of a core it gets (measure_share).
-    The backward rates are measured as the backward runs them: dgrad ``g @ W.T`` and wgrad
-    ``X.T @ g`` on transposed views (NumPy copies them), attention through ts.vjp."""
+    DTensor}, and "share": the share of a core it gets (measure_share).  The backward rates
+    are measured as the backward runs them: dgrad ``g @ W.T`` and wgrad ``X.T @ g`` on
+    transposed views (NumPy copies them), attention through ts.vjp.  The elementwise
+    bandwidth is what a block's time leaves (``_elementwise_bw``); all of it is timed in
+    rounds (``_rounds``) and each round's rates price that round's block."""
     from .. import op
     from ..autodiff import value_and_grad
-    from ..dist import dtensor
     rng = np.random.default_rng(0)
     f32 = np.float32
     shapes = [(512, 64, 64), (512, 64, 256), (512, 256, 64), (512, 64, 111)]
     share = measure_share()
-    flops = t_f = t_b = 0.0
+    mats = []
     for m, k, n in shapes:
         a, b = rng.standard_normal((m, k)).astype(f32), rng.standard_normal((k, n)).astype(f32)
-        g = rng.standard_normal((m, n)).astype(f32)
-        t_f += _cpu_time(lambda: op.matmul(a, b), reps)
-        t_b += _cpu_time(lambda: (op.matmul(g, b.T), op.matmul(a.T, g)), reps)
-        flops += 2 * m * k * n
+        mats.append((a, b, rng.standard_normal((m, n)).astype(f32)))
+    flops = sum(2 * m * k * n for m, k, n in shapes)
     q, k_, v = (rng.standard_normal((8, 4, 64, 16)).astype(f32) for _ in range(3))
     att = lambda q, k, v: op.flash_attention(q, k, v, causal=True)          # noqa: E731
-    t_att = _cpu_time(lambda: att(q, k_, v), reps)
     both = value_and_grad(lambda q, k, v: op.sum(att(q, k, v)), argnums=(0, 1, 2))
-    t_att_b = max(_cpu_time(lambda: both(q, k_, v), reps) - t_att, 1e-9)
     att_flops = 4 * 8 * 4 * 64 * 64 * 16 * 0.5
     x, y = rng.standard_normal((512, 64)).astype(f32), rng.standard_normal((512, 64)).astype(f32)
-    t_add = _cpu_time(lambda: op.add(x, y), reps * 5)
-    out = {"gemm": flops / t_f, "gemm_bwd": 2 * flops / t_b, "attention": att_flops / t_att,
-           "attention_bwd": 2 * att_flops / t_att_b, "hbm_bw": 3 * x.nbytes / t_add, "share": share}
-    toy_s = 0.0
+    ref, ref_params, _ = _block_step(mesh, 64, 256, (4, 64))
+    toy, toy_params, _ = _block_step(mesh, 16, 32, (2, 8))
+    t = _rounds({"mm": lambda: [op.matmul(a, b) for a, b, _ in mats],
+                 "mm_bwd": lambda: [(op.matmul(g, b.T), op.matmul(a.T, g)) for a, b, g in mats],
+                 "att": lambda: att(q, k_, v), "att_both": lambda: both(q, k_, v),
+                 "add": lambda: [op.add(x, y) for _ in range(5)],
+                 "ref": lambda: ref(ref_params), "toy": lambda: toy(toy_params)}, max(reps, 5))
+    per_round = []
+    for r in range(len(t["mm"])):
+        rates = {"gemm": flops / t["mm"][r], "gemm_bwd": 2 * flops / t["mm_bwd"][r],
+                 "attention": att_flops / t["att"][r],
+                 "attention_bwd": 2 * att_flops / max(t["att_both"][r] - t["att"][r], 1e-9),
+                 "hbm_bw": 5 * 3 * x.nbytes / t["add"][r]}
+        rates["elementwise"] = _elementwise_bw(rates, t["ref"][r] - t["toy"][r])
+        per_round.append(rates)
+    out = {k: float(np.median([pr[k] for pr in per_round])) for k in per_round[0]}
+    out["hbm_bw"] = out.pop("elementwise")
     if mesh is not None:
-        out["op_overhead_s"], toy_s = measure_op_cost(mesh, reps)
-    out["hbm_bw"] = _elementwise_bw(out, reps, mesh, toy_s)
+        out["op_overhead_s"], _ = measure_op_cost(mesh, reps)
     out["share"] = (share + measure_share()) / 2
     if mesh is not None:
         out["lockstep_share"] = measure_lockstep_share()
@@ -193,32 +217,29 @@ def measure_op_cost(mesh, reps: int = 10) -> tuple[float, float]:
     return t / max(n_ops, 1), t
 
 
-def _elementwise_bw(rates: dict, reps: int, mesh=None, toy_s: float = 0.0) -> float:
+def _elementwise_bw(rates: dict, block_s: float) -> float:
     """The effective bandwidth of everything in a block that is not a GEMM, attention or a
     fixed per-op cost (norms, activations, residual adds, reshapes, their backward, and the
-    temporaries NumPy allocates for them): one nn.TransformerBlock (d 64, 4 heads, hidden
-    256, 4 x 64 tokens) is timed forward + backward, the same block at toy size (the same
-    ops: their fixed cost, ``toy_s``) and the model's GEMM and attention time are taken
-    off, and the rest is divided by the model's elementwise bytes (differencing two blocks
-    of the same ops cancels the per-op cost, which a residual after a modeled per-op cost
-    did not: it swung the rate 10x between runs).  Falls back to op.add's bandwidth if the
-    rest is not positive."""
+    temporaries NumPy allocates for them), from ``block_s``: the CPU time of one
+    nn.TransformerBlock (d 64, 4 heads, hidden 256, 4 x 64 tokens) forward + backward less
+    that of the same block at toy size (the same ops: their fixed cost cancels, which a
+    residual after a modeled per-op cost did not: it swung the rate 10x between runs).  The
+    model's GEMM and attention time at ``rates`` are taken off and the rest is divided by the
+    model's elementwise bytes; op.add's bandwidth (``rates["hbm_bw"]``) if nothing is left."""
     import dataclasses
 
     from .memory import Layout
     from .specs import MODELS, Cluster
     from .timing import _mlp_ops, _roofline, compute_ops
-    step, params, _ = _block_step(mesh, 64, 256, (4, 64))
-    t = _median_cpu(lambda: step(params), reps)
     ref = dataclasses.replace(MODELS["char"], n_layers=1)
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
                     alpha=0.0, topology="host", op_rates={k: rates[k] for k in ("gemm", "gemm_bwd", "attention",
                                                                                  "attention_bwd")})
     ops = compute_ops(ref, Layout(), 256, 64, causal=0.5) + _mlp_ops(ref, Layout(), 256, False)
     math_ops = [o for o in ops if o[0] != "elementwise"]
-    modeled = _roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True) + toy_s
+    modeled = _roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True)
     elem_bytes = 3 * sum(o[2] for o in ops if o[0] == "elementwise")     # forward + twice for the backward
-    rest = t - modeled
+    rest = block_s - modeled
     return elem_bytes / rest if rest > 0 else rates["hbm_bw"]
 
 
