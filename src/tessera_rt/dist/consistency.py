@@ -217,34 +217,11 @@ def configure(on: bool) -> None:
     C._check = check if _cfg.on else None
     C._check_sig = check_plan if _cfg.on else None
     from . import dispatch as D
-    if _cfg.on and _DT_OPS not in D._PROF:
-        D._PROF.append(_DT_OPS)
-    elif not _cfg.on and _DT_OPS in D._PROF:
-        D._PROF.remove(_DT_OPS)
-
-
-class _DTensorOps:
-    """A dispatcher hook: remembers the global shapes/layouts DTensor ops ran on since the last
-    collective, so the next collective's signature carries them.  A DTensor whose global shape
-    differs across ranks may issue identical collectives (X.sum() all-reduces a scalar); its
-    ops' metadata is where the difference shows."""
-
-    def op_begin(self, dec, args) -> None:
-        metas = _cfg.metas
-        for a in args:
-            m = getattr(a, "_meta", None)
-            if m is not None:
-                on = metas.get(id(m.mesh))
-                if on is None:
-                    metas[id(m.mesh)] = {m}
-                elif len(on) < 16:
-                    on.add(m)
-
-    def op_end(self, dec, args, out) -> None:
-        pass
-
-
-_DT_OPS = _DTensorOps()
+    # Every DTensor op notes the global shapes/layouts it ran on since the last collective
+    # (dispatch.Decision.run, into _cfg.metas), so the next collective's signature carries
+    # them.  A DTensor whose global shape differs across ranks may issue identical
+    # collectives (X.sum() all-reduces a scalar); its ops' metadata is where that shows.
+    D._CHECK[0] = _cfg if _cfg.on else None
 
 
 class _GroupState:

@@ -26,6 +26,10 @@ __all__ = [
 
 _SCALAR_TYPES = (int, float, complex, bool)
 _PROF: list = []          # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
+# The default agreement check's record (consistency._cfg) while it is on, else None: each op
+# notes its DTensor arguments' metadata there, inline (a hook through _PROF cost ~3 us an
+# op, 12-14% of a toy transformer step)
+_CHECK: list = [None]
 _SCALAR_KINDS: dict = {}
 _CONST_KINDS: dict = {}
 _CACHE: dict = {}
@@ -34,18 +38,30 @@ _CACHE: dict = {}
 class Decision:
     """What one (op, argument metadata) does: plans per argument and the local function."""
 
-    __slots__ = ("op", "plans", "fn", "layout", "shape", "mesh", "_metas", "simple", "strategy", "_array_type")
+    __slots__ = ("op", "plans", "fn", "layout", "shape", "mesh", "_metas", "simple", "strategy", "_array_type",
+                 "arg_metas")
 
-    def __init__(self, op, plans, fn, layout, shape, mesh, strategy):
+    def __init__(self, op, plans, fn, layout, shape, mesh, strategy, arg_metas=()):
         self.op, self.plans, self.fn, self.layout, self.shape, self.mesh = op, plans, fn, layout, shape, mesh
         self.simple = all(p is None for p in plans)
         self._metas: dict = {}
         self.strategy = strategy
         self._array_type = get_backend().xp.ndarray
+        # (id of the mesh, metadata) of each DTensor argument: the decision is cached on them
+        self.arg_metas = arg_metas
 
     def run(self, args):
         if _PROF:
             return _profiled(self, args)
+        cfg = _CHECK[0]
+        if cfg is not None:                 # the default check is on: note the arguments
+            metas = cfg.metas
+            for mid, m in self.arg_metas:
+                on = metas.get(mid)
+                if on is None:
+                    metas[mid] = {m}
+                elif len(on) < 16:
+                    on.add(m)
         if self.simple:
             out = self.fn(*[a._local if type(a) is DTensor else a for a in args])
         else:
@@ -144,7 +160,8 @@ def _decide(op: str, params: tuple, kinds: tuple) -> Decision:
         else:
             plans.append(None)
     strat.out_layout.validate(strat.out_shape, mesh, what=f"{op} output layout")
-    return Decision(op, tuple(plans), strat.local, strat.out_layout, tuple(strat.out_shape), mesh, strat)
+    return Decision(op, tuple(plans), strat.local, strat.out_layout, tuple(strat.out_shape), mesh, strat,
+                    tuple((id(k.mesh), k) for k in kinds if isinstance(k, TensorMeta)))
 
 
 def decision(op: str, params: tuple, args: tuple) -> Decision:
