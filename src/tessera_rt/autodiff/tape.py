@@ -307,9 +307,13 @@ def _check_mix(name: str, vals) -> None:
     low = None
     for a in vals:
         dt = getattr(a, "dtype", None)
-        if dt is None or not hasattr(a, "shape"):
+        if dt is None:
             continue
-        k = _kind(dt)
+        k = _KINDS.get(dt)
+        if k is None:
+            k = _kind(dt)
+        if k == "f" or k == "" or not hasattr(a, "shape"):     # (f32/f64 first: the common case)
+            continue
         if k == "8":
             raise TypeError(f"{name}: an fp8 ({np.dtype(dt).name}) operand inside ts.grad; fp8 is a storage "
                             "format: dequantize to bf16/f32 (op.dequantize_fp8) or use op.fake_quantize_fp8 on "
