@@ -286,6 +286,9 @@ def test_error_dtype_policy():
     b = rand(3, dtype=np.float32).astype(np.float16)
     with pytest.raises(TypeError, match="bfloat16 and float16 operands"):
         ts.grad(lambda a: op.sum(op.astype(a * b, "float32")))(a)
+    q = rand(3, dtype=np.float32).astype("float8_e4m3fn")           # fp8 is storage, not a traced operand
+    with pytest.raises(TypeError, match="fp8 .*float8_e4m3fn.* operand inside ts.grad"):
+        ts.grad(lambda x: op.sum(op.mul(x, q)))(rand(3, dtype=np.float32))
 
 
 def test_error_no_rule_and_nested():
