@@ -186,7 +186,7 @@ class _Region:
         if prof.nvtx and _nvtx() is not None:
             _nvtx().pop()
         prof.compute.append((self.t0, t))
-        prof.events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
+        prof._events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
                             "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
                             "async": False})
 
@@ -241,15 +241,19 @@ _clock = time.perf_counter
 _DT: list = []                  # [DTensor], imported on the first profile (dist imports this module's users)
 
 
-def _op_info(dec, args) -> tuple:
-    """(row name, table key, flops per output element) of a dispatcher decision."""
+def _op_info(dec, args, out) -> tuple:
+    """(row name, table key, flops, bytes) of a dispatcher decision's run on this rank: the
+    decision is cached on its arguments' global shapes and layouts, which fix the local
+    pieces' sizes.  Bytes: the output's and every DTensor argument's local piece."""
     k = 0
     if dec.op == "matmul":
         from .dist.shard import local_shape
         a = args[0]
         tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
         k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
-    return _op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"), k
+    nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is _DT[0])
+    return (_op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"),
+            k * out._local.size, nbytes)
 
 
 # --------------------------------------------------------------------------- the profile
@@ -267,7 +271,10 @@ class Profile:
         self.trace_path, self.nvtx, self.name = trace, nvtx and _nvtx_listening(), name
         self.table_kind = table if print_table else None
         self.print_table = self.table_kind is not None
-        self.events: list[dict] = []           # this rank's: name, cat, role, t0, t1, bytes, flops, key
+        # this rank's events (name, cat, role, t0, t1, bytes, flops, key): ops are kept as
+        # (info, t0, t1) while the profile runs and become dicts when ``events`` is read
+        self._events: list = []
+        self._done = 0                          # _events[:_done] are dicts
         self.compute: list = []                 # compute intervals (s, relative to the epoch)
         self.collective: list = []
         self.result = None
@@ -276,6 +283,20 @@ class Profile:
         self._stack: list = []                  # open ops: [t_cursor]
         self._ops: dict = {}                    # decision -> _op_info(decision)
         self._epoch = 0.0
+
+    @property
+    def events(self) -> list[dict]:
+        """This rank's events, one dict each (name, cat, role, t0, t1, bytes, busbytes, flops,
+        key, async)."""
+        ev = self._events
+        for i in range(self._done, len(ev)):
+            e = ev[i]
+            if type(e) is tuple:
+                info, t0, t1 = e
+                ev[i] = {"name": info[0], "cat": "op", "role": "compute", "t0": t0, "t1": t1, "bytes": info[3],
+                         "busbytes": info[3], "flops": info[2], "key": info[1], "async": False}
+        self._done = len(ev)
+        return ev
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "Profile":
@@ -346,7 +367,7 @@ class Profile:
             # a CPU worker ran it: count the time it really ran, not issue-to-wait
             t0, t = ran.t0 - self._epoch, ran.t1 - self._epoch
         self.collective.append((t0, t))
-        self.events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": t0, "t1": t,
+        self._events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": t0, "t1": t,
                             "bytes": call.nbytes, "busbytes": busbw, "flops": 0,
                             "key": ("collective", call.op, call.axis, f"{call.dtype}[{','.join(map(str, call.shape))}]"),
                             "async": call.async_op})
@@ -371,15 +392,9 @@ class Profile:
         if out is None:                       # the op raised
             return
         info = self._ops.get(dec)
-        if info is None:                      # what the (cached) decision fixes: worked out once
-            info = self._ops[dec] = _op_info(dec, args)
-        nbytes = out._local.nbytes
-        for a in args:
-            if a.__class__ is _DT[0]:
-                nbytes += a._local.nbytes
-        self.events.append({"name": info[0], "cat": "op", "role": "compute", "t0": start, "t1": t,
-                            "bytes": nbytes, "busbytes": nbytes, "flops": info[2] * out._local.size,
-                            "key": info[1], "async": False})
+        if info is None:                      # what the (cached) decision fixes, worked out once:
+            info = self._ops[dec] = _op_info(dec, args, out)     # its local shapes fix bytes and flops
+        self._events.append((info, start, t))
 
     def region(self, name: str) -> "_Region":
         """Mark plain-array work as compute: ``with prof.region("mlp"): ...``."""
@@ -388,7 +403,7 @@ class Profile:
     def span(self, name: str, role: str, t0: float, t1: float) -> None:
         """Add a finished span (``time.perf_counter()`` times) on its own trace row ``role``
         (the pipeline's per-micro-batch stage timeline); in the trace only, not in the tables."""
-        self.events.append({"name": name, "cat": "pipeline", "role": role, "t0": t0 - self._epoch,
+        self._events.append({"name": name, "cat": "pipeline", "role": role, "t0": t0 - self._epoch,
                             "t1": t1 - self._epoch, "bytes": 0, "busbytes": 0, "flops": 0,
                             "key": ("pipeline", name, role, ""), "async": False})
 
