@@ -36,6 +36,13 @@ def test_profile_a_step_prints_a_table_and_merges_a_trace(world, mesh, tmp_path_
         assert ("collective", "all_gather") in rows
     mm = next(r for r in prof.rows() if r["op"] == "matmul")
     assert mm["calls"] == 1 and mm["achieved"].endswith("TFLOP/s") and mm["bytes"] > 0
+    # this rank's matmul event: its rows of X (16 x 8), W whole (gathered inside the op: the
+    # argument's piece counts) and its rows of the 16 x 4 output; 2 x 8 flops per output element
+    ev = next(e for e in prof.events if e["cat"] == "op" and e["key"][1] == "matmul")
+    rows_here = dist.split_sizes(16, world.size)[world.rank]
+    w_rows = dist.split_sizes(8, world.size)[world.rank]
+    assert ev["bytes"] == 4 * (rows_here * 8 + w_rows * 4 + rows_here * 4) == ev["busbytes"]
+    assert ev["flops"] == 2 * 8 * rows_here * 4 and ev["t1"] >= ev["t0"] and ev["role"] == "compute"
     if world.rank == 0:
         assert "tessera profile _step -- rank 0" in out and "\n  matmul " in out
         trace = json.load(open(path))
