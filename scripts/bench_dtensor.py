@@ -8,7 +8,9 @@ the local arrays (the kernel table for matmul/softmax/layernorm, NumPy for the r
 difference is the dispatcher's overhead (target: <= 10 us elementwise, <= 20 us matmul).
 Part 2 times each redistribution against the same data movement written by hand with
 mpi4py on COMM_WORLD (speed ratio = hand time / tessera time; target >= 0.9), their
-repeats interleaved so both meet the same load on a shared machine.  When torch
+repeats interleaved so both meet the same load on a shared machine; the hand-written side
+makes its buffers once, so each case is also timed with ``redistribute(dst, out=Y)`` into a
+kept result (the "out=" columns, against the same hand-written exchange).  When torch
 imports, torch.distributed.tensor on gloo runs the same ops in the same process.
 Times are medians over repeats of the slowest rank's mean per call (part 2 also gives the
 minimum over its repeats, the figure least disturbed by other load on a shared machine).
@@ -190,12 +192,14 @@ def run_redistribute(mesh, n, rank, sizes, calls):
         for name, src, dst in cases:
             X = dist.distribute(g, layout=src, mesh=mesh)
             plan = X.explain_redistribute(dst)
-            t_ts, t_hand, min_ts, min_hand = timeit_pair(lambda: X.redistribute(dst),
-                                       hand_written(name, np.ascontiguousarray(X.to_local()), shape, n, rank),
-                                       calls=calls)
+            hand = hand_written(name, np.ascontiguousarray(X.to_local()), shape, n, rank)
+            t_ts, t_hand, min_ts, min_hand = timeit_pair(lambda: X.redistribute(dst), hand, calls=calls)
+            Y = X.redistribute(dst)
+            t_out, t_hand_out, _, _ = timeit_pair(lambda: X.redistribute(dst, out=Y), hand, calls=calls)
             rows.append(dict(case=name, shape=list(shape), bytes=int(g.nbytes), steps=list(plan.collectives),
                              tessera_us=t_ts, mpi4py_us=t_hand, ratio=t_hand / t_ts,
-                             tessera_min_us=min_ts, mpi4py_min_us=min_hand, ratio_min=min_hand / min_ts))
+                             tessera_min_us=min_ts, mpi4py_min_us=min_hand, ratio_min=min_hand / min_ts,
+                             tessera_out_us=t_out, ratio_out=t_hand_out / t_out))
     return rows
 
 
@@ -384,12 +388,13 @@ def report(res) -> None:
     tred = {(r["case"], tuple(r["shape"])): r for r in tor.get("redistribute", [])}
     print(f"\n# redistribution, {res['ranks']} ranks, float32 (median us/call of the slowest rank)")
     print(f"{'case':<12}{'shape':<14}{'MB':>6}{'steps':<18}{'tessera':>10}{'mpi4py':>10}{'ratio':>7}{'torch':>10}"
-          f"{'min ts':>10}{'min mpi':>10}{'ratio':>7}")
+          f"{'min ts':>10}{'min mpi':>10}{'ratio':>7}{'out=':>10}{'ratio':>7}")
     for r in res["redistribute"]:
         t = tred.get((r["case"], tuple(r["shape"])))
         print(f"{r['case']:<12}{str(tuple(r['shape'])):<14}{r['bytes'] / 2**20:>6.1f} {','.join(r['steps']) or '-':<17}"
               f"{r['tessera_us']:>10.1f}{r['mpi4py_us']:>10.1f}{r['ratio']:>7.2f}"
-              f"{_fmt(t, 'torch_us'):>10}{r['tessera_min_us']:>10.1f}{r['mpi4py_min_us']:>10.1f}{r['ratio_min']:>7.2f}")
+              f"{_fmt(t, 'torch_us'):>10}{r['tessera_min_us']:>10.1f}{r['mpi4py_min_us']:>10.1f}{r['ratio_min']:>7.2f}"
+              f"{r['tessera_out_us']:>10.1f}{r['ratio_out']:>7.2f}")
     if "error" in tor:
         print(f"\n(torch peer: {tor['error']})")
     elif tor:

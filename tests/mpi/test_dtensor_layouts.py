@@ -503,3 +503,53 @@ def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
     finally:
         consistency._cfg.mask = old
     np.testing.assert_array_equal(site(Xa).to_local(), global_array((6, 4)))
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_redistribute_into_a_kept_output(world, kind):
+    """``redistribute(dst, out=Y)`` writes the result into Y's own piece (no new buffer), for
+    every layout pair (compiled and C paths from the second run, local steps last, nothing to
+    do), and equals the plain call; Y's piece keeps its address."""
+    from tessera_rt.dist import collectives as C
+    mesh = get_mesh(kind)
+    shape = (5, 3) if kind != "1d" else (7, 4)
+    g = global_array(shape)
+    lays = all_layouts(mesh, 2)
+    hits = C._hot.compiled_hits() if C._hot is not None else 0
+    for src, dst in itertools.product(lays, lays[:: 1 + len(lays) // 6]):
+        X = dist.from_local(make_local(g, src, mesh), layout=src, mesh=mesh, shape=g.shape)
+        want = X.redistribute(dst).to_local().copy()
+        Y = dist.zeros(shape, layout=dst, mesh=mesh, dtype=g.dtype)
+        addr = Y.to_local().ctypes.data
+        for _ in range(3):
+            Y.to_local()[...] = -1
+            assert X.redistribute(dst, out=Y) is Y
+            np.testing.assert_array_equal(Y.to_local(), want, err_msg=f"{src!r} -> {dst!r}")
+            assert Y.to_local().ctypes.data == addr
+    if C._hot is not None and SIZE > 1:
+        assert C._hot.compiled_hits() > hits                 # the C path took out= too
+
+
+def test_redistribute_out_is_checked_before_any_collective(world):
+    mesh = get_mesh("1d")
+    S0, S1, R = (dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",)),
+                 dist.ReplicateSpec())
+    X = dist.distribute(global_array((6, 4)), layout=S0, mesh=mesh)
+    Y = dist.distribute(global_array((6, 4)), layout=R, mesh=mesh)
+    wrong = [dist.zeros((6, 4), layout=R, mesh=mesh, dtype=np.float32),          # dtype
+             dist.zeros((6, 5), layout=R, mesh=mesh, dtype=np.float64),          # shape
+             np.zeros((6, 4))]                                                   # not a DTensor
+    if SIZE > 1:
+        wrong.append(dist.zeros((6, 4), layout=S1, mesh=mesh, dtype=np.float64))  # layout
+    strided = dist.from_local(np.zeros((4, 6)).T, layout=R, mesh=mesh, shape=(6, 4))
+    rows = dist.local_slices((6, 4), dist.as_layout(S0, (6, 4), mesh), mesh)
+    alias = dist.from_local(Y.to_local()[rows], layout=S0, mesh=mesh, shape=(6, 4))   # a view of Y's piece
+    with dist.trace_collectives() as log:
+        for out in wrong:
+            with pytest.raises(ValueError, match=r"out must be a DTensor float64\[6, 4\] in layout R"):
+                X.redistribute(R, out=out)
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            X.redistribute(R, out=strided)
+        with pytest.raises(ValueError, match="shares memory with the input's piece"):
+            Y.redistribute(S0, out=alias)
+    assert log.records == []

@@ -611,16 +611,17 @@ static PyObject *setup(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- compiled redistributions
  *
- * run_compiled(plan, x, depth): redistribute.Plan.run's repeat path -- its guard (the
+ * run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path -- its guard (the
  * compiled form's array type, dtype and shape), consistency.check_run's remembered-site
- * path, then the compiled function -- for a plain array; NotImplemented (before anything has
- * happened) when any of it does not apply, and the caller runs Plan.run.  depth: the
- * caller's frame as check_run counts (1: Plan.run itself, 2: Plan.run's caller). */
+ * path, then the compiled function (given ``out``, the caller's buffer for the result, when
+ * passed) -- for a plain array; NotImplemented (before anything has happened) when any of it
+ * does not apply, and the caller runs Plan.run.  depth: the caller's frame as check_run
+ * counts (1: Plan.run itself, 2: Plan.run's caller). */
 static PyObject *S_exec, *S_verified, *S_check;
 static unsigned long long compiled_hits;
 
 static PyObject *run_compiled(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "run_compiled(plan, x, depth)");
+    if (nargs != 3 && nargs != 4) return PyErr_Format(PyExc_TypeError, "run_compiled(plan, x, depth[, out])");
     PyObject *plan = args[0], *x = args[1], *ex = NULL, *v = NULL, *res = NULL;
     if (PyList_GET_SIZE(HOOKS) != 0 || !plain_array(x)) Py_RETURN_NOTIMPLEMENTED;
     NpArray *n = (NpArray *)x;
@@ -667,8 +668,8 @@ static PyObject *run_compiled(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     compiled_hits++;
-    PyObject *a[1] = {x};
-    res = PyObject_Vectorcall(PyTuple_GET_ITEM(ex, 3), a, 1, NULL);
+    PyObject *a[2] = {x, nargs == 4 ? args[3] : NULL};
+    res = PyObject_Vectorcall(PyTuple_GET_ITEM(ex, 3), a, nargs == 4 ? 2 : 1, NULL);
     Py_DECREF(ex);
     Py_XDECREF(v);
     return res;
@@ -698,7 +699,7 @@ static PyMethodDef methods[] = {
      "consistency_globals, check_plan, cfg, current_meshes, default_mesh, world_group, ndarray, probe, probe_shape, probe_dtype) -> whether the array "
      "fields are read directly"},
     {"run_compiled", (PyCFunction)(void (*)(void))run_compiled, METH_FASTCALL,
-     "run_compiled(plan, x, depth): redistribute.Plan.run's repeat path, or NotImplemented"},
+     "run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path, or NotImplemented"},
     {"compiled_hits", get_compiled_hits, METH_NOARGS, "runs run_compiled took"},
     {"pending", get_pending, METH_NOARGS,
      "(call number, plan, x, thread ident) of the C-path collective in progress, or None"},

@@ -195,8 +195,8 @@ def _all_reduce(b, mesh, shape, dtype, spec):
         return None
     call, new_out = _caller(g.comm, "all_reduce", "tp_collective", dtype, op=op), _keeper(b, shape, dtype)
 
-    def body(x):
-        return call(x, new_out())
+    def body(x, out=None):
+        return call(x, new_out() if out is None else out)
     return body, shape, ("all_reduce", g, dtype, shape, op)
 
 
@@ -214,13 +214,13 @@ def _all_gather(b, mesh, shape, dtype, spec):
     unpack = _unpacker(b.xp, out_shape, d, sizes)
     new_recv = _scratch(b, (math.prod(out_shape),), dtype)
     if unpack is None:
-        def body(x):
-            return call(x, new_out())
+        def body(x, out=None):
+            return call(x, new_out() if out is None else out)
         return body, out_shape, ("all_gather", g, dtype, check_shape, d)
 
-    def body_unpack(x):
+    def body_unpack(x, out=None):
         recv = call(x, new_recv())
-        out = new_out()
+        out = new_out() if out is None else out
         unpack(recv, out)
         return out
     return body_unpack, out_shape, ("all_gather", g, dtype, check_shape, d)
@@ -238,8 +238,8 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
     new_out = _keeper(b, out_shape, dtype)
     pack = _packer(b, shape, d, sizes, dtype)
 
-    def body(x):
-        return call(x if pack is None else pack(x), new_out())
+    def body(x, out=None):
+        return call(x if pack is None else pack(x), new_out() if out is None else out)
     return body, out_shape, ("reduce_scatter", g, dtype, shape, (op, d))
 
 
@@ -260,17 +260,17 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
     part_type = _strided_part(comm, in_shape, split_dim, split, dtype) if pack is not None and fixed else None
     if part_type is not None and unpack is None:
         # the parts are strided views of x: MPI reads them in place (no pack buffer)
-        def body_strided(x):
-            out = new_out()
+        def body_strided(x, out=None):
+            out = new_out() if out is None else out
             return issue("a2a", False, comm.all_to_all_strided, (x, part_type, out), out)
         return body_strided, out_shape
 
-    def body(x):
+    def body(x, out=None):
         send = x if pack is None else pack(x)
         if unpack is None:
-            return call(send, new_out())
+            return call(send, new_out() if out is None else out)
         got = call(send, new_got())
-        out = new_out()
+        out = new_out() if out is None else out
         unpack(got, out)
         return out
     return body, out_shape
@@ -333,12 +333,12 @@ def _direct(b, mesh, shape, dtype, spec):
         recvs.append((slice(at, at + cnt), shp, sl))
         at += cnt
 
-    def body(x):
+    def body(x, out=None):
         buf = new_buf()
         for flat, shp, sl in sends:
             xp.copyto(buf[flat].reshape(shp), x[sl])
         got = call(buf, new_got())
-        out = new_out()
+        out = new_out() if out is None else out
         for flat, shp, sl in recvs:
             xp.copyto(out[sl], got[flat].reshape(shp))
         return out
@@ -350,18 +350,21 @@ _COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scat
 
 
 def compile_plan(plan, backend, dtype):
-    """(the function running ``plan`` on this rank's piece, its input shape, the agreement
-    check's arguments for each collective), or None when a step's group does not exist yet
-    (the steps make it, collectively, on their first run)."""
+    """(the function running ``plan`` on this rank's piece -- ``fn(x)``, or ``fn(x, out)``
+    writing the result into ``out`` --, its input shape, the agreement check's arguments for
+    each collective), or None when a step's group does not exist yet (the steps make it,
+    collectively, on their first run)."""
     shape = local_shape(plan.shape, plan.src, plan.mesh)
-    in_shape, bodies, checks = shape, [], []
+    in_shape, bodies, checks, local_last = shape, [], [], False
     for s in plan.steps:
         if s.kind == "relabel":
             continue
         if s.spec is None:                       # a local step (slice, partialize): its own body
             bodies.append(s._run)
             shape = local_shape(plan.shape, s.dst, plan.mesh)
+            local_last = True
             continue
+        local_last = False
         kind = "direct" if s.detail.startswith("direct") else s.kind
         made = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
         if made is None:
@@ -370,13 +373,24 @@ def compile_plan(plan, backend, dtype):
         bodies.append(body)
         checks.append(check)
     assert shape == local_shape(plan.shape, plan.dst, plan.mesh), (plan, shape)
-    if not bodies:
-        return (lambda x: x), in_shape, ()
+    if not bodies or local_last:
+        # a local step last (or none at all): its result is a view of its input, copied into
+        # the caller's ``out`` when one is given
+        xp, local = backend.xp, (bodies.pop() if bodies else (lambda x: x))
+
+        def last_into(x, out=None):
+            y = local(x)
+            if out is None:
+                return y
+            xp.copyto(out, y)
+            return out
+        bodies.append(last_into)
     if len(bodies) == 1:
         return bodies[0], in_shape, tuple(checks)
+    first, last = bodies[:-1], bodies[-1]
 
-    def run(x):
-        for body in bodies:
+    def run(x, out=None):
+        for body in first:
             x = body(x)
-        return x
+        return last(x, out)
     return run, in_shape, tuple(checks)

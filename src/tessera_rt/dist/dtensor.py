@@ -211,14 +211,26 @@ class DTensor:
         """The whole tensor on every rank (the collectives its layout needs)."""
         return self.redistribute(REPLICATE(self._meta.ndim))._local
 
-    def redistribute(self, layout) -> "DTensor":
-        """This tensor in another layout (a spec or a Layout), moved one mesh axis per step."""
+    def redistribute(self, layout, *, out: "DTensor | None" = None) -> "DTensor":
+        """This tensor in another layout (a spec or a Layout), moved one mesh axis per step.
+
+        ``out=Y`` writes the result into Y's local piece and returns Y: a DTensor of the
+        result's global shape, layout, mesh and dtype (say, an earlier result of the same
+        call) whose piece is C-contiguous and shares no memory with this one.  A loop that
+        keeps Y allocates nothing per call, as a hand-written exchange into buffers made once."""
         m = self._meta
         last = m.last
         if last is not None and last[0] is layout:
             plan, out_meta = last[1]
         else:
             plan, out_meta = m.last_target(layout, self)
+        if out is not None:                  # (run from this frame, as below: the check's site depth)
+            loc = self._out_piece(plan, out_meta, out)
+            if loc is not None:
+                res = _fast_run(plan, self._local, 2, loc) if _fast_run is not None else NotImplemented
+                if res is NotImplemented:
+                    plan.run(self._local, loc)
+            return out
         if not plan.steps:
             return self
         t = _new(DTensor)
@@ -226,6 +238,28 @@ class DTensor:
         t._local = plan.run(self._local) if local is NotImplemented else local                 # caller)
         t._meta = out_meta
         return t
+
+    def _out_piece(self, plan: Plan, out_meta: TensorMeta, out):
+        """``out``'s local piece for ``redistribute(out=out)`` (None when nothing is left to
+        do), or a ValueError saying what out must be."""
+        if type(out) is not DTensor or out._meta is not out_meta:
+            got = repr(out) if type(out) is DTensor else type(out).__name__
+            raise ValueError(f"DTensor.redistribute(out=...): out must be a DTensor "
+                             f"{dtype_name(out_meta.dtype)}{list(out_meta.shape)} in layout {out_meta.layout!r} on "
+                             f"{out_meta.mesh!r} (the result's), got {got}; pass the result of an earlier "
+                             f"redistribute to the same layout, or dist.zeros(shape, layout=..., mesh=...)")
+        if out is self and not plan.steps:       # already in place
+            return None
+        loc, xp = out._local, get_backend().xp
+        shares = getattr(xp, "may_share_memory", None)       # (NumPy's and CuPy's: a bounds test)
+        if not loc.flags.c_contiguous or (shares is not None and shares(loc, self._local)):
+            why = "is not C-contiguous" if not loc.flags.c_contiguous else "shares memory with the input's piece"
+            raise ValueError(f"DTensor.redistribute(out=...): out's local piece {why} (rank "
+                             f"{world().rank}); pass a DTensor with a fresh piece of its own")
+        if not plan.steps:
+            xp.copyto(loc, self._local)
+            return None
+        return loc
 
     def explain_redistribute(self, layout) -> Plan:
         """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and

@@ -94,23 +94,29 @@ class Plan:
         self._exec = None
         self._verified = None            # consistency.check_run's record of the last verified run
 
-    def run(self, x):
-        """This rank's piece ``x`` in ``dst``.  A repeated run takes the compiled form
+    def run(self, x, out=None):
+        """This rank's piece ``x`` in ``dst`` (written into ``out``, a C-contiguous array of the
+        result's local shape and dtype, when given).  A repeated run takes the compiled form
         (compiled_plan: the communicator calls only) unless something watches collectives;
         the agreement check then runs for every collective of the plan before the first."""
         ex = self._exec
         if ex is None:
             ex = self._compile(x)
         elif _fast_run is not None:              # this path in C (dist/_hot.c), or NotImplemented
-            out = _fast_run(self, x, 1)          # (1: this frame, as check_run counts)
-            if out is not NotImplemented:
-                return out
+            # (1: this frame, as check_run counts)
+            res = _fast_run(self, x, 1) if out is None else _fast_run(self, x, 1, out)
+            if res is not NotImplemented:
+                return res
         if ex and not _HOOKS and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
             if C._check is not None:         # (the agreement check is on)
                 _check_run(self, ex[4])
-            return ex[3](x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x))
+            x = x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x)
+            return ex[3](x) if out is None else ex[3](x, out)
         for s in self.steps:
             x = s._run(x)
+        if out is not None:                      # the array collectives' result, into the caller's buffer
+            _backend().xp.copyto(out, x)
+            return out
         return x
 
     def _compile(self, x):
