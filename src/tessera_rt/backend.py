@@ -11,7 +11,6 @@ other roles) live in ``cpu_streams``; the names are re-exported here.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
 import mmap
@@ -164,9 +163,8 @@ def tune_host_malloc() -> bool:
     cost: the heap keeps up to TRIM_THRESHOLD_BYTES free at its top for reuse."""
     if os.environ.get("TESSERA_MALLOC", "").strip().lower() in ("default", "0", "off", "no"):
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)         # the process's own symbols (find_library runs ldconfig: ~3 ms)
         mallopt, version = libc.mallopt, libc.gnu_get_libc_version     # (glibc's; musl has neither)
     except (OSError, AttributeError, TypeError):
         return False
