@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _op, no_grad, vjp_rule
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, _op, no_grad, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads"]
@@ -89,8 +89,8 @@ def _check_param(value, path: str, fn_name: str) -> None:
     if dt is None:
         raise TypeError(f"ts.grad({fn_name}): argument {path or '0'} is a {type(value).__name__}; differentiate "
                         "with respect to arrays or DTensors (pass constants as other arguments)")
-    name = np.dtype(dt).name
-    if np.dtype(dt).kind not in "fc" and name != "bfloat16" or "float8" in name:
+    if _kind(dt) not in ("f", "b", "h"):         # float, bf16, fp16 (not fp8, not integers)
+        name = np.dtype(dt).name
         raise TypeError(f"ts.grad({fn_name}): argument {path or '0'} has dtype {name}; only float parameters "
                         "(f32, bf16, fp16) have gradients (fp8 and integer values are data: move them to "
                         "another argument, or keep bf16/f32 masters and quantize inside the function)")

@@ -16,11 +16,9 @@ import numpy as np
 from .. import op
 from ..backend import get_backend
 from ..dist.dtensor import DTensor
-from .tape import vjp_rule
+from .tape import _kind, vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
-
-_LOW = ("bfloat16", "float16")
 
 
 def _shape(x):
@@ -33,7 +31,7 @@ def _is_tensor(x) -> bool:
 
 def _wide(x):
     """f32 view of a low-precision value (the statistics dtype)."""
-    return op.astype(x, "float32") if np.dtype(x.dtype).name in _LOW else x
+    return op.astype(x, "float32") if _kind(x.dtype) in ("b", "h") else x     # (bf16, fp16)
 
 
 def _as(x, like):
