@@ -309,9 +309,7 @@ def _check_mix(name: str, vals) -> None:
         dt = getattr(a, "dtype", None)
         if dt is None:
             continue
-        k = _KINDS.get(dt)
-        if k is None:
-            k = _kind(dt)
+        k = _kind(dt)
         if k == "f" or k == "" or not hasattr(a, "shape"):     # (f32/f64 first: the common case)
             continue
         if k == "8":

@@ -221,7 +221,7 @@ def configure(on: bool) -> None:
     # (dispatch.Decision.run, into _cfg.metas), so the next collective's signature carries
     # them.  A DTensor whose global shape differs across ranks may issue identical
     # collectives (X.sum() all-reduces a scalar); its ops' metadata is where that shows.
-    D._CHECK[0] = _cfg if _cfg.on else None
+    D._CHECK = _cfg if _cfg.on else None
 
 
 class _GroupState:

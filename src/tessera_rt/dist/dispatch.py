@@ -26,10 +26,10 @@ __all__ = [
 
 _SCALAR_TYPES = (int, float, complex, bool)
 _PROF: list = []          # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
-# The default agreement check's record (consistency._cfg) while it is on, else None: each op
-# notes its DTensor arguments' metadata there, inline (a hook through _PROF cost ~3 us an
-# op, 12-14% of a toy transformer step)
-_CHECK: list = [None]
+# The default agreement check's record (consistency._cfg) while it is on, else None (set by
+# consistency.configure): each op notes its DTensor arguments' metadata there, inline (a
+# hook through _PROF cost ~3 us an op, 12-14% of a toy transformer step)
+_CHECK = None
 _SCALAR_KINDS: dict = {}
 _CONST_KINDS: dict = {}
 _CACHE: dict = {}
@@ -53,9 +53,8 @@ class Decision:
     def run(self, args):
         if _PROF:
             return _profiled(self, args)
-        cfg = _CHECK[0]
-        if cfg is not None:                 # the default check is on: note the arguments
-            metas = cfg.metas
+        if _CHECK is not None:              # the default check is on: note the arguments
+            metas = _CHECK.metas
             for mid, m in self.arg_metas:
                 on = metas.get(mid)
                 if on is None:

@@ -244,7 +244,7 @@ class DTensor:
         do), or a ValueError saying what out must be."""
         if type(out) is not DTensor or out._meta is not out_meta:
             got = repr(out) if type(out) is DTensor else type(out).__name__
-            raise ValueError(f"DTensor.redistribute(out=...): out must be a DTensor "
+            raise ValueError(f"DTensor.redistribute(out=...) on rank {world().rank}: out must be a DTensor "
                              f"{dtype_name(out_meta.dtype)}{list(out_meta.shape)} in layout {out_meta.layout!r} on "
                              f"{out_meta.mesh!r} (the result's), got {got}; pass the result of an earlier "
                              f"redistribute to the same layout, or dist.zeros(shape, layout=..., mesh=...)")
@@ -254,8 +254,9 @@ class DTensor:
         shares = getattr(xp, "may_share_memory", None)       # (NumPy's and CuPy's: a bounds test)
         if not loc.flags.c_contiguous or (shares is not None and shares(loc, self._local)):
             why = "is not C-contiguous" if not loc.flags.c_contiguous else "shares memory with the input's piece"
-            raise ValueError(f"DTensor.redistribute(out=...): out's local piece {why} (rank "
-                             f"{world().rank}); pass a DTensor with a fresh piece of its own")
+            raise ValueError(f"DTensor.redistribute(out=...) on rank {world().rank}: out's local piece "
+                             f"({dtype_name(loc.dtype)}{list(loc.shape)} of {out_meta!r}) {why}; pass a DTensor "
+                             f"with a fresh C-contiguous piece of its own (dist.zeros(..., layout=...))")
         if not plan.steps:
             xp.copyto(loc, self._local)
             return None
