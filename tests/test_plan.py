@@ -226,6 +226,19 @@ def test_bad_cluster_and_mesh(tmp_path):
         plan.get_model("llama9")
 
 
+@pytest.mark.parametrize("argv", [["--seq", "-4096"], ["--seq", "0"], ["--batch", "0"], ["--batch", "-4"],
+                                  ["--batch", "4.5"], ["--micro-batch", "0"], ["--top", "-1"],
+                                  ["--calibrate", "--ranks", "1,2"]])
+def test_cli_numeric_flags_are_checked_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", "char", "--cluster", "local", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"tessera-plan: error: argument {argv[-2]}: ") and argv[-1].split(",")[0] in err, err
+    with pytest.raises(ValueError, match="seq=-4096 must be a positive int"):
+        plan.evaluate("char", "local", dp=4, seq=-4096)
+
+
 # the CPU-rank terms of the time model (validated against train.py by scripts/validate_plan.py)
 def _host(**kw):
     base = dict(n_gpus=4, hbm_bytes=24e9, hbm_bw=5e9, flops={"f32": 1e11}, link_bw=2e9, alpha=50e-6,

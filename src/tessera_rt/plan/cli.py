@@ -30,24 +30,52 @@ def parse_mesh(text: str) -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line (not argparse's usage block), exit status 2 as argparse gives."""
+        self.exit(2, f"{self.prog}: error: {message} (tessera-plan --help lists the flags)\n")
+
+
+def _count(low: int):
+    """An argparse type: an int >= ``low`` (a negative or zero size would price nonsense)."""
+    def check(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+    check.__name__ = f"int >= {low}"
+    return check
+
+
+def _ranks(text: str) -> list:
+    """--ranks: comma-separated group sizes, each >= 2."""
+    sizes = [_count(2)(x) for x in text.split(",") if x.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r}: give group sizes, e.g. 2,3,4")
+    return sizes
+
+
 def _args(argv):
-    p = argparse.ArgumentParser(prog="tessera-plan", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="tessera-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or a JSON file")
     p.add_argument("--cluster", default="nvl72", help=f"a preset ({', '.join(CLUSTERS)}, local) or a JSON file")
     p.add_argument("--workload", default="train", choices=["train", "decode"])
-    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: the model's)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length; decode: context length")
+    p.add_argument("--batch", type=_count(1), default=None, help="global batch in sequences (default: the model's)")
+    p.add_argument("--seq", type=_count(1), default=None, help="sequence length; decode: context length")
     p.add_argument("--dtype", default=None, help="compute policy dtype (op.numeric), e.g. fp8_e4m3")
     p.add_argument("--mesh", default=None, help="price one factorization, e.g. tp=8,ep=9,pp=1,dp=1")
     p.add_argument("--remat", default=None, choices=["none", "every_other", "every"], help="fix remat (with --mesh)")
-    p.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (with --mesh)")
+    p.add_argument("--micro-batch", type=_count(1), default=None, help="fix the micro-batch (with --mesh)")
     p.add_argument("--recipes", action="store_true", help="add the seed's recipes for this cluster, labelled")
-    p.add_argument("--top", type=int, default=10, help="candidates to print (0: all)")
+    p.add_argument("--top", type=_count(0), default=10, help="candidates to print (0: all)")
     p.add_argument("--json", action="store_true", help="print the candidates as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="memory vs step time for every candidate")
     p.add_argument("--calibrate", action="store_true", help="measure this machine and save the `local` cluster")
-    p.add_argument("--ranks", default="2,3,4", help="--calibrate: group sizes to measure")
+    p.add_argument("--ranks", type=_ranks, default="2,3,4", help="--calibrate: group sizes to measure")
     return p.parse_args(argv)
 
 
@@ -67,7 +95,7 @@ def main(argv=None) -> int:
     try:
         if a.calibrate:
             from .calibrate import calibrate
-            path = calibrate(ranks=[int(x) for x in a.ranks.split(",") if x])
+            path = calibrate(ranks=a.ranks)
             print(f"saved the calibrated `local` cluster to {path}")
             return 0
         m, c = get_model(a.model), get_cluster(a.cluster)

@@ -123,6 +123,9 @@ def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int =
     """Price one factorization; picks micro-batch, remat, schedule and offload (the fastest
     setting that satisfies every rule, else the one with the least memory)."""
     m, c = get_model(model), get_cluster(cluster)
+    for name, v in (("batch", batch), ("seq", seq), ("micro_batch", (knobs or {}).get("micro_batch"))):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive int (or None for the model's default)")
     _validate(m, c, workload, tp * ep * pp * dp, (tp, ep, pp, dp))
     batch = batch or m.batch
     seq = seq or m.seq_len
