@@ -366,6 +366,20 @@ class Transformer(Module):
             out.append(cp)
         return out
 
+    def checkpoint_tree(self, tree: dict) -> dict:
+        """``tree`` (this rank's parameters, or anything of their structure: gradients, the
+        optimizer's masters) with the blocks keyed by their global layer number, for
+        ``dist.save``/``dist.load``: each pipeline stage's blocks then have names of their own,
+        the names ``init()``'s block list has on one rank (``blocks/2`` is layer 2 on any mesh).
+        ``from_checkpoint_tree`` turns a loaded tree back into this rank's structure."""
+        layers = self.stage_plan.local_layers if self.stage_plan is not None else range(len(tree["blocks"]))
+        return dict(tree, blocks={str(i): b for i, b in zip(layers, tree["blocks"])})
+
+    def from_checkpoint_tree(self, tree: dict) -> dict:
+        """The inverse of ``checkpoint_tree``: the blocks as this rank's list."""
+        layers = self.stage_plan.local_layers if self.stage_plan is not None else range(len(tree["blocks"]))
+        return dict(tree, blocks=[tree["blocks"][str(i)] for i in layers])
+
     def join_params(self, chunks: list[dict]) -> dict:
         """The inverse of ``split_params``."""
         p: dict = {"blocks": [b for cp in chunks for b in cp["blocks"]]}

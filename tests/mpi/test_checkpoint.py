@@ -111,9 +111,14 @@ def test_missing_checkpoint_and_wrong_shape_are_clear_errors(world, ckpt_dir):
         dist.load(ckpt_dir + "-nothing")
     mesh = dist.Mesh(axes=["dp"], shape={"dp": world.size})
     dist.save({"w": dist.zeros((4, 4), mesh=mesh)}, ckpt_dir)
-    with pytest.raises(dist.CheckpointError, match=r"'w' was saved with shape \(4, 4\), `like` has \(4, 5\)"):
+    with pytest.raises(dist.CheckpointError, match=r"'w' was saved with shape \(4, 4\) and dtype float32, `like` "
+                                                   r"has \(4, 5\) and float32; the saved entry is a dtensor of shape "
+                                                   r"\(4, 4\) float32.*passed by ranks \[0.*, in data-\S+/rank00000"):
         dist.load(ckpt_dir, like={"w": dist.zeros((4, 5), mesh=mesh)})
-    with pytest.raises(dist.CheckpointError, match="has no entry 'v'"):
+    with pytest.raises(dist.CheckpointError, match=r"'w' was saved with shape \(4, 4\) and dtype float32, `like` "
+                                                   r"has \(4, 4\) and float64"):
+        dist.load(ckpt_dir, like={"w": dist.zeros((4, 4), mesh=mesh, dtype="float64")})
+    with pytest.raises(dist.CheckpointError, match=r"has no entry 'v' \(.*index.json lists 1: \['w'\]\); no rank saved"):
         dist.load(ckpt_dir, like={"v": 1})
 
 
@@ -131,3 +136,92 @@ def test_a_dtensor_pickles_on_its_own_rank_and_numpy_calls_run_on_shards(world):
     if world.rank != 0:                        # rank 0's piece is not this rank's piece
         with pytest.raises(ValueError, match=r"holds rank 0's piece, so it can only be unpickled on rank 0"):
             pickle.loads(blob)
+
+
+# pipeline stages and experts: each stage saves its own blocks (named by their global layer
+# number), so ranks pass different trees; the index holds every rank's entries
+V, D, H, S = 11, 8, 2, 5
+MOE = dict(num_experts=4, top_k=2, capacity_factor=None)
+
+
+def _pp_meshes(n):
+    """pp = the world size (one-rank stages compute on plain arrays); at 4 ranks also stages
+    of 2 ranks over dp, over tp, and over ep with MoE blocks (pp2 x ep2)."""
+    out = [({"pp": n}, None)] if n > 1 else []
+    return out + ([({"pp": 2, "dp": 2}, None), ({"pp": 2, "tp": 2}, None), ({"pp": 2, "ep": 2}, MOE)]
+                  if n == 4 else [])
+
+
+def _flat(tree):
+    from tessera_rt.dist.checkpoint import _flatten
+    return _flatten(tree)
+
+
+def _full(x):
+    return x.full_tensor() if type(x) is dist.DTensor else np.asarray(x)
+
+
+def test_pipeline_and_expert_stages_round_trip_exactly(world, ckpt_dir):
+    from tessera_rt import nn
+    for shape, moe in _pp_meshes(world.size):
+        mesh = dist.Mesh(axes=list(shape), shape=shape)
+        model = nn.Transformer(V, D, H, 4, S, mesh=mesh, moe=moe)
+        params = model.init(seed=3)
+        dist.save({"params": model.checkpoint_tree(params), "step": 5}, ckpt_dir)
+        index = json.load(open(os.path.join(ckpt_dir, "index.json")))
+        last_stage = sorted(int(r) for r in np.asarray(mesh.device_grid)[-1].reshape(-1))
+        assert index["tensors"]["params/norm/w"]["ranks"] == last_stage         # held by the last stage only
+        assert sorted(k for k in index["tensors"] if k.endswith("attn/q/w")) == [
+            f"params/blocks/{i}/attn/q/w" for i in range(4)]
+        # the same mesh: each rank gets its own stage's pieces back, bit for bit
+        got = dist.load(ckpt_dir, like={"params": model.checkpoint_tree(model.init(seed=0)), "step": 0})
+        assert got["step"] == 5
+        back = _flat(model.from_checkpoint_tree(got["params"]))
+        saved = _flat(params)
+        assert list(back) == list(saved)
+        for k, a in saved.items():
+            b = back[k]
+            assert type(a) is type(b) and (type(a) is not dist.DTensor or a.layout == b.layout), k
+            assert np.array_equal(np.asarray(a.to_local() if type(a) is dist.DTensor else a),
+                                  np.asarray(b.to_local() if type(b) is dist.DTensor else b)), k
+        # onto one un-split model (the structure init() returns, lists included) on every
+        # rank: every stage's saved values, gathered from the stages that saved them
+        expected = {}
+        for part in MPI.COMM_WORLD.allgather({f"params/{k}": _full(v)
+                                              for k, v in _flat(model.checkpoint_tree(params)).items()}):
+            expected.update(part)
+        whole = dist.load(ckpt_dir, like={"params": nn.Transformer(V, D, H, 4, S, moe=moe).init(seed=0)})
+        assert isinstance(whole["params"]["blocks"], list) and len(whole["params"]["blocks"]) == 4
+        flat = {f"params/{k}": v for k, v in _flat(whole["params"]).items()}
+        assert sorted(flat) == sorted(expected)
+        for k, v in flat.items():
+            assert np.array_equal(v, expected[k]), k
+        MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs stages")
+def test_stages_that_reuse_each_others_names_are_refused(world, ckpt_dir):
+    from tessera_rt import nn
+    for shape, moe in _pp_meshes(world.size)[:2]:
+        mesh = dist.Mesh(axes=list(shape), shape=shape)
+        model = nn.Transformer(V, D, H, 4, S, mesh=mesh, moe=moe)
+        params = model.init(seed=3)
+        # every stage's own blocks under "blocks/0", ...: saved as they were, stage 1 would
+        # later read stage 0's weights
+        with pytest.raises(dist.CheckpointError, match=r"ranks 0 and \d disagree about 'params/blocks/0/\S+': rank 0 "
+                                                       r"passed a (dtensor|array) of shape .*checkpoint_tree"):
+            dist.save({"params": params}, ckpt_dir)
+        assert not os.path.exists(os.path.join(ckpt_dir, "index.json"))
+        if "dp" in shape:        # loading with such names onto DTensor stages is refused too
+            dist.save({"params": model.checkpoint_tree(params)}, ckpt_dir)
+            with pytest.raises(dist.CheckpointError, match=r"ranks 0 and 2 load 'params/blocks/0/\S+' as DTensors on "
+                                                           r"different meshes \(of ranks \[0, 1\] and \[2, 3\]\)"):
+                dist.load(ckpt_dir, like={"params": model.init()})
+    with pytest.raises(dist.CheckpointError, match=r"ranks 0 and 1 disagree about 'step': rank 0 passed the value 0, "
+                                                   r"rank 1 passed the value 1"):
+        dist.save({"step": world.rank}, ckpt_dir)
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": world.size})
+    W = dist.zeros((4, 4), mesh=mesh)
+    with pytest.raises(dist.CheckpointError, match=r"'w' is a dtensor .* but rank\(s\) \[1.*\] of that mesh did not "
+                                                   r"pass it \(only ranks \[0\] did\)"):
+        dist.save({"w": W} if world.rank == 0 else {}, ckpt_dir)
