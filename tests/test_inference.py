@@ -170,6 +170,46 @@ def test_bad_inputs_raise_clear_errors(ckpts, tmp_path):
         model.generate(cache, [[]], max_new_tokens=4)
 
 
+def test_a_config_that_disagrees_with_its_weights_is_refused_by_name(ckpts, tmp_path):
+    """Each field changed alone over B's weights (2 layers, hidden 48, vocab 97, 6/3 heads of 8):
+    loading names the file, the tensor and the field, instead of loading another model or
+    failing in a reshape."""
+    src = ckpts["B"][0]
+    cfg = json.loads((src / "config.json").read_text())
+
+    def variant(name, **fields):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        (d / "config.json").write_text(json.dumps(dict(cfg, **fields)))
+        return d
+    cases = [("layers1", dict(num_hidden_layers=1), r"holds 9 tensor\(s\) the config does not use \(model\.layers\.1\..*"
+                                                     r"num_hidden_layers=1 in .*config\.json but the weights hold 2 layers; "
+                                                     r"fix config\.json, or pass allow_unused=True"),
+             ("layers3", dict(num_hidden_layers=3), r"tensor 'model\.layers\.2\.input_layernorm\.weight' is not in the "
+                                                     r"checkpoint .*num_hidden_layers=3 in .*but the weights hold 2 layers"),
+             ("hidden", dict(hidden_size=96), r"tensor 'model\.embed_tokens\.weight' has shape \(97, 48\) but .*config"
+                                               r"\.json implies \(97, 96\) \(dim 1: hidden_size = 96, the tensor has 48\)"),
+             ("vocab", dict(vocab_size=100), r"'model\.embed_tokens\.weight' has shape \(97, 48\) .*dim 0: vocab_size"),
+             ("kv", dict(num_key_value_heads=6), r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(24, 48\) "
+                                                  r".*dim 0: num_key_value_heads x head_dim = 6 x 8 = 48"),
+             ("heads", dict(num_attention_heads=3), r"'model\.layers\.0\.self_attn\.q_proj\.weight' has shape "
+                                                     r"\(48, 48\) .*dim 0: num_attention_heads x head_dim = 3 x 8 = 24"),
+             ("ffn", dict(intermediate_size=32), r"'model\.layers\.0\.mlp\.gate_proj\.weight' .*intermediate_size")]
+    for name, fields, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            nn.Llama.from_pretrained(variant(name, **fields))
+        if name not in ("layers1", "layers3"):                               # the file holding the tensor
+            assert f"{tmp_path / name / 'model.safetensors'}: tensor" in str(e.value), str(e.value)
+    one = Llama.from_pretrained(tmp_path / "layers1", allow_unused=True)        # asked for: the first layer only
+    assert len(one.params["layers"]) == 1
+    bad = variant("truncated")
+    blob = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(blob[:5])
+    with pytest.raises(ValueError, match=r"truncated/model\.safetensors cannot be read as safetensors \(.*\): it is "
+                                         r"truncated or corrupt"):
+        nn.Llama.from_pretrained(bad)
+
+
 def test_generate_script_prints_the_tokens_last(ckpts):
     import subprocess
     import sys

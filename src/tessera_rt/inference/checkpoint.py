@@ -128,24 +128,99 @@ class CheckpointReader:
 
     def _open(self, f: Path):
         from safetensors import safe_open
-        return safe_open(str(f), framework="numpy")
+        try:
+            return safe_open(str(f), framework="numpy")
+        except Exception as e:              # safetensors' own errors name no file
+            raise ValueError(f"nn.Llama.from_pretrained: {f} cannot be read as safetensors ({e}): it is truncated or "
+                             "corrupt; save or download it again") from None
+
+    def _handle(self, name: str):
+        f = self.files[name]
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = self._open(f)
+        return h
 
     def has(self, name: str) -> bool:
         return name in self.files
+
+    def shape(self, name: str) -> tuple:
+        """A tensor's shape, from its file's header (no data read)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def check(self, cfg: LlamaConfig, where: str, allow_unused: bool = False) -> None:
+        """Every tensor ``cfg`` needs is there with the shape it implies, and (unless
+        ``allow_unused``) nothing else is: a config that disagrees with its weights is refused
+        before any read, naming the file, the tensor and the config field."""
+        expected = _expected_shapes(cfg, tied=cfg.tie_word_embeddings or "lm_head.weight" not in self.files)
+        cfg_file = self.path / "config.json"
+        for name, dims in expected.items():
+            if name not in self.files:
+                layer = _layer_of(name)
+                why = (f" (layer {layer}: num_hidden_layers={cfg.num_hidden_layers} in {cfg_file}, but the weights "
+                       f"hold {_n_layers(self.files)} layers)" if layer is not None else "")
+                raise ValueError(f"{where}: tensor {name!r} is not in the checkpoint at {self.path}{why}")
+            got = self.shape(name)
+            want = tuple(n for n, _ in dims)
+            if got != want:
+                bad = [f"dim {d}: {field} = {n}, the tensor has {g}"
+                       for d, ((n, field), g) in enumerate(zip(dims, got)) if n != g] or [
+                       f"{len(got)} dims, expected {len(want)}"]
+                raise ValueError(f"{where}: {self.files[name]}: tensor {name!r} has shape {got} but {cfg_file} "
+                                 f"implies {want} ({'; '.join(bad)}): the config does not describe these weights; "
+                                 "fix the field in config.json")
+        unused = sorted(k for k in self.files if k not in expected and not k.endswith("rotary_emb.inv_freq"))
+        if unused and not allow_unused:
+            layers = _n_layers(self.files)
+            hint = (f"num_hidden_layers={cfg.num_hidden_layers} in {cfg_file} but the weights hold {layers} layers; "
+                    if layers > cfg.num_hidden_layers else "")
+            files = sorted({str(self.files[k]) for k in unused})
+            raise ValueError(f"{where}: the checkpoint at {self.path} holds {len(unused)} tensor(s) the config does "
+                             f"not use ({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}, in {files}): "
+                             f"{hint}fix config.json, or pass allow_unused=True to load without them")
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
         """``tensor[rows, cols]`` as an f32 array, reading only that slice from disk."""
         if name not in self.files:
             raise ValueError(f"nn.Llama.from_pretrained: tensor {name!r} is not in the checkpoint at {self.path}")
         f = self.files[name]
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = self._open(f)
-        sl = h.get_slice(name)
+        sl = self._handle(name).get_slice(name)
         idx = (slice(None) if rows is None else rows,) + (() if cols is None else (cols,))
         if sl.get_dtype() == "BF16":        # NumPy has no bf16: read the raw bits and widen
             return _bf16_slice(f, name, sl.get_shape(), idx)
         return np.ascontiguousarray(sl[idx], dtype=np.float32)
+
+
+def _expected_shapes(cfg: LlamaConfig, tied: bool) -> dict:
+    """Each tensor a Llama of ``cfg`` reads: its Hugging Face (out, in) shape, each dim with
+    the config field(s) it comes from."""
+    h = (cfg.hidden_size, "hidden_size")
+    v = (cfg.vocab_size, "vocab_size")
+    f = (cfg.intermediate_size, "intermediate_size")
+    q = (cfg.num_attention_heads * cfg.head_dim,
+         f"num_attention_heads x head_dim = {cfg.num_attention_heads} x {cfg.head_dim}")
+    kv = (cfg.num_key_value_heads * cfg.head_dim,
+          f"num_key_value_heads x head_dim = {cfg.num_key_value_heads} x {cfg.head_dim}")
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not tied:
+        out["lm_head.weight"] = (v, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)})
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+
+def _n_layers(names) -> int:
+    return 1 + max((_layer_of(n) for n in names if _layer_of(n) is not None), default=-1)
 
 
 def _bf16_slice(f: Path, name: str, shape: list, idx: tuple) -> np.ndarray:

@@ -84,12 +84,16 @@ class Llama:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, mesh=None, tp_axis: str = "tp", dtype="float32") -> "Llama":
-        """Read a Hugging Face Llama checkpoint (config.json + safetensors), each rank only its slices."""
+    def from_pretrained(cls, path: str | Path, *, mesh=None, tp_axis: str = "tp", dtype="float32",
+                        allow_unused: bool = False) -> "Llama":
+        """Read a Hugging Face Llama checkpoint (config.json + safetensors), each rank only its
+        slices.  The config must describe the weights: every tensor's shape is checked against
+        it first, and tensors it does not use are refused unless ``allow_unused``."""
         cfg = LlamaConfig.from_dir(path)
         tp, index = _tp_of(mesh, tp_axis)
         shard = TPShard.of(cfg, tp, index, "nn.Llama.from_pretrained")
         reader = CheckpointReader(path)
+        reader.check(cfg, "nn.Llama.from_pretrained", allow_unused)
         dt = resolve_dtype(dtype)
         xp = get_backend().xp
         hd = cfg.head_dim
