@@ -145,10 +145,12 @@ MOE = dict(num_experts=4, top_k=2, capacity_factor=None)
 
 
 def _pp_meshes(n):
-    """pp = the world size (one-rank stages compute on plain arrays); at 4 ranks also stages
-    of 2 ranks over dp, over tp, and over ep with MoE blocks (pp2 x ep2)."""
-    out = [({"pp": n}, None)] if n > 1 else []
-    return out + ([({"pp": 2, "dp": 2}, None), ({"pp": 2, "tp": 2}, None), ({"pp": 2, "ep": 2}, MOE)]
+    """(mesh shape, MoE, virtual stages): pp = the world size (one-rank stages compute on plain
+    arrays), at 2 ranks also interleaved (stage 0 holds layers 0 and 2); at 4 ranks stages of 2
+    ranks over dp, over tp, and over ep with MoE blocks (pp2 x ep2)."""
+    out = [({"pp": n}, None, 1)] if n > 1 else []
+    out += [({"pp": 2}, None, 2)] if n == 2 else []
+    return out + ([({"pp": 2, "dp": 2}, None, 1), ({"pp": 2, "tp": 2}, None, 1), ({"pp": 2, "ep": 2}, MOE, 1)]
                   if n == 4 else [])
 
 
@@ -163,9 +165,9 @@ def _full(x):
 
 def test_pipeline_and_expert_stages_round_trip_exactly(world, ckpt_dir):
     from tessera_rt import nn
-    for shape, moe in _pp_meshes(world.size):
+    for shape, moe, virtual in _pp_meshes(world.size):
         mesh = dist.Mesh(axes=list(shape), shape=shape)
-        model = nn.Transformer(V, D, H, 4, S, mesh=mesh, moe=moe)
+        model = nn.Transformer(V, D, H, 4, S, mesh=mesh, moe=moe, virtual_stages=virtual)
         params = model.init(seed=3)
         dist.save({"params": model.checkpoint_tree(params), "step": 5}, ckpt_dir)
         index = json.load(open(os.path.join(ckpt_dir, "index.json")))
@@ -202,7 +204,7 @@ def test_pipeline_and_expert_stages_round_trip_exactly(world, ckpt_dir):
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs stages")
 def test_stages_that_reuse_each_others_names_are_refused(world, ckpt_dir):
     from tessera_rt import nn
-    for shape, moe in _pp_meshes(world.size)[:2]:
+    for shape, moe, _ in [m for m in _pp_meshes(world.size) if m[2] == 1][:2]:
         mesh = dist.Mesh(axes=list(shape), shape=shape)
         model = nn.Transformer(V, D, H, 4, S, mesh=mesh, moe=moe)
         params = model.init(seed=3)
