@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint at the end")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="train on when the loss or the gradient norm is inf/nan (by default the run stops there "
+                   "with an error naming the step; a non-finite state is never saved either way)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-step output")
     return p.parse_args(argv)
 
@@ -126,6 +129,43 @@ def _save_checkpoint(path: Path, params, opt, meta: dict):
     state = opt.state_dict()
     return dist.save({"params": _dicts(params), "masters": _dicts(state["masters"]), "step": int(state["t"]),
                       "meta": json.dumps(meta)}, str(path))
+
+
+def _refuse_non_finite(world, state: dict, step: int) -> None:
+    """Never write inf/nan weights as the run's checkpoint (over the last good one).  One pass
+    over this rank's pieces, once per save; every rank learns every rank's findings, so all
+    refuse together (dist.save is collective)."""
+    from tessera_rt import optim
+    everyone = world.mpi.allgather(optim.non_finite_leaves(state))
+    bad = [(r, paths) for r, paths in enumerate(everyone) if paths]
+    if bad:
+        rank, paths = bad[0]
+        raise optim.NonFiniteError(f"step {step}: not saving the checkpoint: {paths[0]} holds inf/nan on rank {rank}",
+                                   reason="the weights to save hold inf/nan", step=step, rank=world.rank,
+                                   what="weight", first=everyone[world.rank][0] if everyone[world.rank] else None,
+                                   count=len(everyone[world.rank]))
+
+
+def _stopped(args: argparse.Namespace, err) -> str:
+    """The job's one message for a non-finite step (every rank stops at the same step: the
+    loss and the norm are agreed), with every rank's first non-finite leaf."""
+    from tessera_rt import dist
+    world = dist.init()
+    firsts = world.mpi.allgather(err.first)
+    ranks: dict = {}
+    for r, path in enumerate(firsts):
+        if path is not None:
+            ranks.setdefault(path, []).append(r)
+    where = "; ".join(f"the first non-finite {err.what} is {path} on rank{'s' if len(rs) > 1 else ''} "
+                      f"{', '.join(map(str, rs))}" for path, rs in ranks.items())
+    hint = [f"lower --lr (now {args.lr:g})"]
+    if args.clip <= 0:
+        hint.append("clip the gradients (--clip 1.0; now 0: off)")
+    regardless = "" if args.no_check_finite else \
+        "; --no-check-finite trains on regardless (it still never saves a non-finite state)"
+    return (f"train.py: stopped at step {err.step} of {args.steps}: {err.reason}{'; ' + where if where else ''}. "
+            f"Nothing was saved (an earlier checkpoint in {args.out} is untouched). {' or '.join(hint).capitalize()}"
+            f"{regardless}")
 
 
 def _plot(path: Path, losses: list, title: str) -> str:
@@ -231,33 +271,39 @@ def train(args: argparse.Namespace) -> dict:
         except ImportError:
             print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
     losses, times, bubbles = [], [], []
-    for step in range(args.steps):
-        xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
-        t0 = time.perf_counter()
-        if pipe is not None:
-            loss, grads = pipe.value_and_grad(params, xb, yb)
-            bubbles.append(pipe.stats().bubble)
-        else:
-            loss, grads = step_fn(params, model.batch(xb), model.batch(yb))
-        finite = True
-        if scaler is not None:
-            grads, finite = scaler.unscale(grads)
-        if args.clip > 0 and finite:
-            grads, _ = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None)
-        if finite:
-            params = opt.step(params, grads)
-        if scaler is not None:
-            scaler.update(finite)
-        value = loss if pipe is not None else float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
-        times.append(time.perf_counter() - t0)
-        losses.append(value)
+    try:
+        for step in range(args.steps):
+            xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
+            t0 = time.perf_counter()
+            if pipe is not None:
+                loss, grads = pipe.value_and_grad(params, xb, yb)
+                bubbles.append(pipe.stats().bubble)
+            else:
+                loss, grads = step_fn(params, model.batch(xb), model.batch(yb))
+            finite, norm = True, None
+            if scaler is not None:
+                grads, finite = scaler.unscale(grads)
+            if args.clip > 0 and finite:
+                grads, norm = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None)
+            value = loss if pipe is not None else float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
+            if finite and not args.no_check_finite:
+                # the loss and the global norm, which every rank holds already: one scalar each
+                # (a step the loss scaler skips is its business)
+                optim.check_finite(loss=value, norm=norm, grads=grads, step=step + 1)
+            if finite:
+                params = opt.step(params, grads)
+            if scaler is not None:
+                scaler.update(finite)
+            times.append(time.perf_counter() - t0)
+            losses.append(value)
+            if bar is not None:
+                bar.set_postfix(loss=f"{value:.4f}")
+                bar.update(1)
+            elif rank0 and not args.quiet and (step % 10 == 0 or step == args.steps - 1):
+                print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
+    finally:
         if bar is not None:
-            bar.set_postfix(loss=f"{value:.4f}")
-            bar.update(1)
-        elif rank0 and not args.quiet and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
-    if bar is not None:
-        bar.close()
+            bar.close()
     moe_stats = model.moe_stats()           # collective: every rank reads it
     if moe_stats is not None and rank0 and not args.quiet:
         cvs = ", ".join(f"{v:.3f}" for v in moe_stats["load_cv"])
@@ -273,6 +319,7 @@ def train(args: argparse.Namespace) -> dict:
             print("train.py: no checkpoint with --pp/--microbatches (each stage holds other parameters; dist.save "
                   "takes one tree on every rank)", flush=True)
     if not args.no_checkpoint:
+        _refuse_non_finite(world, {"params": params, "masters": opt.state_dict()["masters"]}, args.steps)
         saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
     if args.export_hf:                      # collective (each parameter gathered); rank 0 writes
         from tessera_rt.inference.llama_train import export_hf
@@ -294,7 +341,15 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    train(parse_args(argv))
+    from tessera_rt.optim import NonFiniteError
+    args = parse_args(argv)
+    try:
+        train(args)
+    except NonFiniteError as err:
+        message = _stopped(args, err)
+        if err.rank in (None, 0):
+            print(message, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

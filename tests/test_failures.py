@@ -10,7 +10,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from conftest import MPIEXEC, mpi_env
+import pytest
+
+from conftest import MPIEXEC, ROOT, mpi_env
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
 
@@ -179,3 +181,19 @@ def test_the_default_timeout_ends_a_hung_job_in_minutes(monkeypatch):
     monkeypatch.delenv("TESSERA_TIMEOUT", raising=False)
     debug.configure()
     assert 60 <= debug.watchdog_timeout() <= 300
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_diverging_training_run_stops_with_one_message_and_saves_nothing(tmp_path, ranks):
+    # issue 31 item 5: --lr 1e8 --clip 0 goes to nan within a few steps; the job ends non-zero
+    # with one message for the job (not one per rank) naming the step, and writes no checkpoint
+    out, corpus = tmp_path / "out", ROOT / "tests" / "data" / "tiny_corpus.txt"
+    p, took = _run([TESSERA_RUN, "-n", str(ranks), str(ROOT / "scripts" / "train.py"), "--steps", "8", "--batch", "4",
+                    "--seq", "16", "--d-model", "16", "--heads", "2", "--layers", "2", "--lr", "1e8", "--clip", "0",
+                    "--quiet", "--no-plot", "--out", str(out), "--data", str(corpus)], mpi_env(ranks))
+    err = p.stderr
+    assert p.returncode == 1 and took < 40, (p.returncode, took, p.stdout + err)
+    assert err.count("train.py: stopped at step") == 1 and "Traceback" not in err, err
+    assert "of 8: the loss is nan; the first non-finite gradient is ['" in err, err
+    assert f"on rank{'s 0, 1' if ranks == 2 else ' 0'}. Nothing was saved" in err, err
+    assert "final loss" not in p.stdout and not (out / "checkpoint").exists()

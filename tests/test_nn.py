@@ -60,6 +60,31 @@ def test_clip_grad_norm():
         optim.clip_grad_norm(g, 0)
 
 
+def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(monkeypatch):
+    g = {"a": np.ones(3, np.float32), "b": [np.ones(2, np.float32), np.array([1.0, np.nan], np.float32)],
+         "c": np.array([np.inf], np.float32)}
+    search = optim.non_finite_leaves
+
+    def no_pass(tree):
+        raise AssertionError("a finite step searched the gradients")
+    monkeypatch.setattr(optim, "non_finite_leaves", no_pass)
+    optim.check_finite(loss=2.5, norm=np.float64(1e30), grads=g, step=1)     # finite: the scalars only
+    with pytest.raises(AssertionError, match="searched the gradients"):
+        optim.check_finite(loss=float("nan"), grads=g)
+    monkeypatch.setattr(optim, "non_finite_leaves", search)
+    with pytest.raises(optim.NonFiniteError, match=r"^step 7: the loss is nan and the gradient norm is inf; the "
+                       r"first non-finite gradient is \['b'\]\[1\] \(2 of 4 hold inf/nan\): stopped before this step's "
+                       "update") as e:
+        optim.check_finite(loss=float("nan"), norm=float("inf"), grads=g, step=7)
+    assert (e.value.step, e.value.first, e.value.count, e.value.total) == (7, "['b'][1]", 2, 4)
+    with pytest.raises(optim.NonFiniteError, match="the gradient norm is nan; every gradient is finite"):
+        optim.check_finite(norm=float("nan"), grads={"a": np.ones(2, np.float32)})
+    assert optim.non_finite_leaves(g) == ["['b'][1]", "['c']"] and optim.non_finite_leaves({"a": g["a"]}) == []
+    with pytest.raises(optim.NonFiniteError, match=r"gradient norm is nan; the first non-finite gradient is \['b'\]"):
+        optim.clip_grad_norm(g, 1.0, error_if_nonfinite=True)
+    assert optim.clip_grad_norm({"a": g["a"]}, 1.0, error_if_nonfinite=True)[1] == pytest.approx(math.sqrt(3))
+
+
 def test_dynamic_loss_scaler():
     s = optim.DynamicLossScaler(init_scale=8.0, growth_interval=2)
     g, finite = s.unscale({"w": np.array([8.0, np.inf], np.float16)})

@@ -83,14 +83,16 @@ def test_debug_mode_passes_then_a_boundary_tensor_of_another_dtype_is_named_befo
 
 @pytest.mark.mpi
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-def test_pp4_trains_on_the_nccl_standin_to_the_single_process_losses():
+@pytest.mark.parametrize("pp,schedule", [(4, "1f1b"), (2, "interleaved")])
+def test_pipeline_trains_on_the_nccl_standin_to_the_single_process_losses(pp, schedule):
+    # pp=2 interleaved: activations and gradients share each link, untagged (NCCL has no tags)
     sys.path.insert(0, str(ROOT / "tests" / "mpi"))
     from test_train import ARGS, TRAIN, reference_losses
     args = ARGS + ["--layers", "4", "--steps", "2"]
     ref = reference_losses(TRAIN.parse_args(args))
-    cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), TESSERA_RUN, "-n", "4", "scripts/train.py"] + \
-        [a for a in args if a != "--quiet"] + ["--pp", "4", "--microbatches", "4"]
-    p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(4, "cpu", standin_env(devices=4)), capture_output=True, text=True)
+    cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), TESSERA_RUN, "-n", str(pp), "scripts/train.py"] + \
+        [a for a in args if a != "--quiet"] + ["--pp", str(pp), "--microbatches", "4", "--schedule", schedule]
+    p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(pp, "cpu", standin_env(devices=pp)), capture_output=True, text=True)
     m = re.search(r"final loss ([0-9.]+) after 2 steps", p.stdout)
     assert p.returncode == 0 and m, p.stdout[-3000:] + p.stderr[-3000:]
     assert float(m.group(1)) == pytest.approx(ref[-1], rel=1e-4)

@@ -4,6 +4,7 @@ simulated bubble equals the textbook figure, and splits follow the rules."""
 import pytest
 
 from tessera_rt.pipeline import SCHEDULES, schedule_for, simulate, split_layers, theory_bubble
+from tessera_rt.pipeline.schedules import check_link_order
 
 pytestmark = pytest.mark.timeout(60)
 CASES = [(pp, m) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16, 32)]
@@ -38,6 +39,25 @@ def test_interleaved_is_complete_deadlock_free_and_bubbles_less(pp, v, k):
         # in chunk units the interleaved step is v times finer: its bubble is smaller
         assert max(sim["bubble"]) < max(one["bubble"])
         assert max(sim["bubble"]) <= theory_bubble("interleaved", pp, m, v) + 1e-9 or m == pp
+
+
+def test_every_link_carries_its_messages_in_the_order_they_are_taken():
+    # the runner sends boundary tensors untagged (NCCL has no tags): pp=2 interleaved sends
+    # activations and gradients over the same link, paired only by issue order
+    for name in SCHEDULES:
+        for pp in (2, 3, 4, 8):
+            for v in ((2, 3, 4) if name == "interleaved" else (1,)):
+                for m in (pp, 2 * pp, 3 * pp, 8 * pp) if name == "interleaved" else (1, 2, 3, 7, 16):
+                    check_link_order(name, pp, m, v)
+
+    def swapped(pp, stage, m, v=1):          # stage 0 sends micro-batch 1 before micro-batch 0
+        acts = SCHEDULES["gpipe"](pp, stage, m)
+        if stage == 0:
+            acts[0], acts[1] = acts[1], acts[0]
+        return acts
+    with pytest.raises(ValueError, match="message 0 from stage 0 to stage 1 is the activation of micro-batch 1 for "
+                                         "virtual stage 1, but stage 1 takes the activation of micro-batch 0"):
+        check_link_order("swapped", 2, 2, fn=swapped)
 
 
 def test_interleaved_needs_microbatches_divisible_by_pp():

@@ -9,6 +9,13 @@
     params = opt.step(params, grads) if finite else params
     scaler.update(finite)
 
+A step whose loss or gradients went non-finite (inf/nan, without loss scaling) should stop
+the run rather than train on and save NaN weights; ``check_finite`` does it on scalars every
+rank already agrees on (Megatron's ``check_for_nan_in_loss_and_grad``):
+
+    grads, norm = optim.clip_grad_norm(grads, 1.0)
+    optim.check_finite(loss=float(loss), norm=norm, grads=grads, step=step)   # NonFiniteError
+
 Parameters, gradients and optimizer state are pytrees of arrays or DTensors; the state
 of a DTensor parameter has the parameter's layout, so every update is local (no
 communication).  ``step`` returns the new parameters (in the parameters' dtype) and keeps
@@ -27,7 +34,8 @@ from .dist.dtensor import DTensor
 from .dtypes import dtype_name
 from .kernels._common import array_module
 
-__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler"]
+__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler", "NonFiniteError",
+           "check_finite", "non_finite_leaves"]
 
 _F32 = np.dtype(np.float32)
 
@@ -184,16 +192,84 @@ def global_norm(grads) -> float:
     return math.sqrt(local_total)
 
 
-def clip_grad_norm(grads, max_norm: float, norm: float | None = None):
-    """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards."""
+def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False):
+    """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards.
+    ``error_if_nonfinite``: raise ``NonFiniteError`` when the norm is inf or nan."""
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
     norm = global_norm(grads) if norm is None else norm
+    if error_if_nonfinite:
+        check_finite(norm=norm, grads=grads)
     if not math.isfinite(norm) or norm <= max_norm:
         return grads, norm
     leaves, _, struct = tree_flatten(grads)
     scale = max_norm / (norm + 1e-6)
     return tree_unflatten(struct, [op.mul(g, scale) for g in leaves]), norm
+
+
+# --------------------------------------------------------------------------- non-finite steps
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients of a step are inf or nan (``check_finite``).  ``reason`` says
+    which; ``step``, ``rank`` and ``first`` (the path of this rank's first non-finite leaf
+    among the ``what``s searched, or None) say where; ``count`` of ``total`` hold inf/nan."""
+
+    def __init__(self, message: str, *, reason: str = "", step=None, rank=None, what: str = "gradient", first=None,
+                 count: int = 0, total: int = 0):
+        super().__init__(message)
+        self.reason, self.step, self.rank, self.what = reason, step, rank, what
+        self.first, self.count, self.total = first, count, total
+
+
+def non_finite_leaves(tree) -> list[str]:
+    """The paths of the leaves of ``tree`` whose local pieces (this rank's) hold inf or nan:
+    one pass over every leaf, for after a step was found non-finite or before a save."""
+    leaves, paths, _ = tree_flatten(tree)
+    bad = []
+    for x, path in zip(leaves, paths):
+        a = _local(x)
+        if np.dtype(a.dtype).kind in "iub":
+            continue
+        xp = array_module(a)
+        if not bool(xp.isfinite(a).all()):
+            bad.append(path)
+    return bad
+
+
+def _rank():
+    from .dist.process_group import is_initialized, world
+    return world().rank if is_initialized() else None
+
+
+def check_finite(loss=None, norm=None, *, grads=None, step: int | None = None, what: str = "gradient") -> None:
+    """Raise ``NonFiniteError`` if ``loss`` or ``norm`` is inf or nan.
+
+    Pass scalars every rank agrees on (the reduced loss, the global gradient norm that
+    ``clip_grad_norm`` / ``global_norm`` / ``Pipeline.grad_norm`` return), so every rank
+    stops at the same step; the check costs only those scalars.  Only when one is not finite
+    are ``grads`` (this rank's pieces; ``what`` names them) searched, to name the first leaf
+    holding inf/nan.  Call it before ``opt.step``, so the non-finite update never reaches
+    the weights.  With ``DynamicLossScaler``, check only steps it did not skip."""
+    bad = [f"the {name} is {v}" for name, v in (("loss", loss), (f"{what} norm", norm))
+           if v is not None and not math.isfinite(float(v))]
+    if not bad:
+        return
+    rank = _rank()
+    at = f"step {step}: " if step is not None else ""
+    on = f" on rank {rank}" if rank is not None else ""
+    first, count, total = None, 0, 0
+    found = ""
+    if grads is not None:
+        paths = non_finite_leaves(grads)
+        count, total = len(paths), len(tree_flatten(grads)[1])
+        first = paths[0] if paths else None
+        found = (f"; the first non-finite {what}{on} is {first or '(the root)'} ({count} of {total} hold inf/nan)"
+                 if paths else f"; every {what}{on} is finite")
+    reason = " and ".join(bad)
+    raise NonFiniteError(
+        f"{at}{reason}{found}: stopped before this step's update. Lower the learning rate, "
+        "clip the gradients (optim.clip_grad_norm), or for fp16 scale the loss (optim.DynamicLossScaler)",
+        reason=reason, step=step, rank=rank, what=what, first=first, count=count, total=total)
 
 
 # --------------------------------------------------------------------------- loss scaling

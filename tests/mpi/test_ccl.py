@@ -370,6 +370,39 @@ def test_double_matmul_line_reduce_scatter(world, algo):
                                                       mesh=mesh)
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+def test_the_overlapped_matmul_runs_while_the_transfer_travels(world, monkeypatch, algo):
+    # overlap=True: x @ w3 runs after the reduce-scatter's first messages are launched (NCCL
+    # holds non-blocking send/recv until a wait) and, on a GPU, on the compute stream (not
+    # queued behind the transfer on the collective's stream)
+    from tessera_rt import runtime as rt
+    from tessera_rt.dist.ccl import fused
+    mesh, ca, axis = meshes(world)[0]
+    n, g = mesh.size(axis), mesh.group(axis)
+    comm = g.comm.raw if BACKEND.is_gpu else g.comm          # NCCL's launches, or MPI's posts
+    log = []
+    for name in ("send", "recv", "reduceScatter" if BACKEND.is_gpu else "reduce_scatter"):
+        real = getattr(comm, name)
+        monkeypatch.setattr(comm, name, lambda *a, _real=real, _name=name, **k: (log.append(_name), _real(*a, **k))[1])
+    matmul = fused.op.matmul
+
+    def logged(a, b):
+        cur = __import__("cupy").cuda.get_current_stream() if BACKEND.is_gpu else None
+        log.append(("matmul", cur == rt.stream("compute").raw if BACKEND.is_gpu else True))
+        return matmul(a, b)
+    monkeypatch.setattr(fused.op, "matmul", logged)
+    x = xp.asarray(data(world.rank, (2, 3, 8), np.float32, salt=2))
+    w1, w3 = (xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=s)) for s in (3, 4))
+    rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, mesh=mesh, algo=algo, overlap=True)
+    check(y3, host(x) @ host(w3), np.float32)
+    mm = [i for i, e in enumerate(log) if isinstance(e, tuple)]
+    assert len(mm) == 2 and log[mm[0]] == ("matmul", True), log          # x @ w1, before the transfer
+    assert log[mm[1]] == ("matmul", True), f"x @ w3 ran on {rt.stream('tp_collective')}, not compute: {log}"
+    launched = log[mm[0] + 1:mm[1]]
+    if n > 1:        # (a line's first step may only send, or only receive, on this rank)
+        assert launched, f"x @ w3 ran before the transfer started: {log}"
+
+
 @pytest.mark.parametrize("algo", ["ring", "library"])
 def test_llama_rs_create_heads(world, algo):
     for mesh, ca, axis in meshes(world):

@@ -106,3 +106,49 @@ def test_checkpoint_and_bad_mesh(world, tmp_path):
     assert set(ck["params"]["blocks"]) == {"0", "1"}
     with pytest.raises(SystemExit, match="ranks but the job has"):
         TRAIN.train(TRAIN.parse_args(ARGS + ["--tp", str(SIZE + 1), "--dp", "1"]))
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_step_and_saves_nothing(world, tmp_path):
+    # --lr 1e8 --clip 0 diverges: the run stops before the update of the first step whose loss
+    # is inf/nan (found by the same run with the check off), on every rank, and the good
+    # checkpoint already in --out stays as it was (with the check off, the end's save refuses)
+    out_dir = MPI.COMM_WORLD.bcast(str(tmp_path), root=0)
+    good = [a for a in ARGS if a != "--no-checkpoint"] + ["--steps", "1", "--out", out_dir]
+    TRAIN.train(TRAIN.parse_args(good))
+    MPI.COMM_WORLD.Barrier()
+    before = _files(Path(out_dir))
+    bad = [a for a in good if a not in ("--lr", "1e-2")] + ["--lr", "1e8", "--clip", "0", "--steps", "6"]
+    free = TRAIN.train(TRAIN.parse_args(bad + ["--no-check-finite", "--no-checkpoint"]))["losses"]
+    first = next(i for i, v in enumerate(free) if not np.isfinite(v)) + 1
+    with pytest.raises(optim.NonFiniteError, match=f"^step {first}: the loss is nan; the first non-finite gradient "
+                       r"on rank \d+ is \['\w+'\]") as e:
+        TRAIN.train(TRAIN.parse_args(bad))
+    assert e.value.step == first and e.value.rank == world.rank
+    with pytest.raises(optim.NonFiniteError, match=r"step 6: not saving the checkpoint: \['params'\]\['\w+'\]"):
+        TRAIN.train(TRAIN.parse_args(bad + ["--no-check-finite"]))
+    MPI.COMM_WORLD.Barrier()
+    assert _files(Path(out_dir)) == before
+
+
+@pytest.mark.timeout(120)
+def test_loss_scaling_still_skips_a_non_finite_step_and_finite_steps_check_only_scalars(world, monkeypatch):
+    # fp16 with a loss scale of 2^17: the scaled gradients overflow fp16, so the scaler skips
+    # steps (halving the scale) as before the finiteness check, which leaves those steps alone;
+    # the other steps check the loss and the norm only (no pass over the gradients)
+    made = []
+
+    def no_pass(tree):
+        raise AssertionError("a finite step searched the gradients")
+    monkeypatch.setattr(optim, "non_finite_leaves", no_pass)
+
+    class Scaler(optim.DynamicLossScaler):
+        def __init__(self):
+            super().__init__(init_scale=2.0 ** 17)
+            made.append(self)
+    monkeypatch.setattr(optim, "DynamicLossScaler", Scaler)
+    out = TRAIN.train(TRAIN.parse_args(ARGS + ["--dtype", "fp16", "--steps", "6"]))
+    assert 1 <= made[0].skipped < 6 and np.isfinite(out["losses"][-1]), (made[0].skipped, out["losses"])

@@ -42,7 +42,7 @@ from ..dist.dtensor import DTensor, full, zeros
 from ..dist.layout import as_layout
 from ..dist.process_group import world
 from ..dist.shard import split_sizes
-from .schedules import schedule_for
+from .schedules import check_link_order, schedule_for
 from .stats import PipelineStats, record_spans
 
 __all__ = ["Pipeline", "ROLE"]
@@ -125,8 +125,9 @@ class Pipeline:
         self.microbatches, self.schedule = int(microbatches), schedule
         self.stage = plan.stage
         self.actions = self.schedule_fn(plan.pp, self.stage, self.microbatches, plan.virtual)
-        # backward tags: only pp=2 interleaved sends activations and gradients over the same link
-        self._btag = 1 if plan.pp == 2 and plan.virtual > 1 else 0
+        # Boundary messages carry no tag (NCCL has none): activations and gradients that share
+        # a link (pp=2 interleaved) pair up because both ends issue them in the same order.
+        check_link_order(schedule, plan.pp, self.microbatches, plan.virtual, self.schedule_fn)
         _ensure_role()
         mesh.group(axis)                       # made now, on every rank at once (collective)
         self._stats: PipelineStats | None = None
@@ -182,8 +183,7 @@ class Pipeline:
         smesh = self.model.mesh
         t = zeros(shape, layout=spec, mesh=smesh, dtype=dtype) if smesh is not None else _xp().zeros(shape, dtype)
         buf = t.to_local() if smesh is not None else t
-        work = C.recv(buf, src, axis=self.axis, mesh=self.mesh, tag=0 if kind == "F" else self._btag,
-                      async_op=True, role=ROLE)
+        work = C.recv(buf, src, axis=self.axis, mesh=self.mesh, async_op=True, role=ROLE)
         self._recvs[key] = (work, t)
 
     def _take(self, key):
@@ -219,8 +219,7 @@ class Pipeline:
         if dst == self.stage:
             self._handed[(kind, dst_vs // self.plan.pp, mb)] = t
             return
-        work = DC.send(t, dst, axis=self.axis, mesh=self.mesh, tag=0 if kind == "F" else self._btag,
-                       async_op=True, role=ROLE)
+        work = DC.send(t, dst, axis=self.axis, mesh=self.mesh, async_op=True, role=ROLE)
         self._sends.append(work)
 
     # ------------------------------------------------------------------ the step

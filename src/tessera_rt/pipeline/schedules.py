@@ -12,10 +12,14 @@ pipeline stage runs in one step (seed 000 §5.2's wave).
 An action is ``(kind, chunk, microbatch)``.  ``simulate`` runs the schedules of all stages
 against each other (a stage blocks on an input that is not there yet; sends never block),
 so tests can prove a schedule deadlock-free and read its bubble and peak live activations.
+``check_link_order`` proves that every stage sends along each link in the order the
+receiving stage takes the messages: the runner sends untagged, as NCCL (which has no tags)
+matches messages between two ranks in issue order.
 """
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate", "theory_bubble"]
+__all__ = ["SCHEDULES", "check_link_order", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate",
+           "theory_bubble"]
 
 Action = tuple  # (kind "F" | "B", chunk, microbatch)
 
@@ -58,6 +62,41 @@ def schedule_for(name: str):
     except (KeyError, TypeError):
         raise ValueError(f"unknown pipeline schedule {name!r}; the schedules are "
                          f"{', '.join(repr(k) for k in SCHEDULES)}") from None
+
+
+def check_link_order(name: str, pp: int, m: int, v: int = 1, fn=None) -> None:
+    """Raise ValueError unless, on every link between two stages, the sender's boundary
+    messages (activations and gradients alike) come in the order the receiver takes them.
+    ``fn``: the schedule function (default: ``SCHEDULES[name]``)."""
+    fn = fn or schedule_for(name)
+    nv = pp * v
+    sent: dict = {}                     # (from stage, to stage) -> messages in issue order
+    taken: dict = {}                    # the same, in the order the receiver needs them
+    for s in range(pp):
+        for kind, c, mb in fn(pp, s, m, v):
+            vs = c * pp + s
+            dst = vs + 1 if kind == "F" else vs - 1
+            if 0 <= dst < nv and dst % pp != s:                  # out along a link
+                sent.setdefault((s, dst % pp), []).append((kind, dst, mb))
+            src = vs - 1 if kind == "F" else vs + 1
+            if 0 <= src < nv and src % pp != s:                  # in along a link
+                taken.setdefault((src % pp, s), []).append((kind, vs, mb))
+
+    def what(msgs, i):
+        if i >= len(msgs):
+            return "no message"
+        kind, vs, mb = msgs[i]
+        return f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {mb} for virtual stage {vs}"
+
+    for link in sorted(set(sent) | set(taken)):
+        a, b = sent.get(link, []), taken.get(link, [])
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise ValueError(
+                f"pipeline schedule {name!r} (pp={pp}, m={m}, v={v}): message {i} from stage {link[0]} to stage "
+                f"{link[1]} is {what(a, i)}, but stage {link[1]} takes {what(b, i)} there; boundary messages "
+                "carry no tag (NCCL matches them in issue order), so a schedule must send along each link in "
+                "the order the receiver takes the messages")
 
 
 def theory_bubble(name: str, pp: int, m: int, v: int = 1) -> float:

@@ -125,7 +125,8 @@ def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | 
     """Execute ``prog`` (``compile_steps``) on this rank: post each step's recvs then sends
     (non-blocking; a message goes as ``links`` sub-messages, all in flight together: seed
     004's num_links), wait, and reduce what arrived (``op``) or leave it in place (a gather).
-    ``between`` runs once, after the first step is posted and before it is waited for."""
+    ``between`` runs once, after the first step is launched and before it is waited for
+    (``_beside``)."""
     comm = g.comm
     recv, send = comm.recv, comm.send
     ufunc = getattr(C._backend().xp, _UFUNC[op]) if op is not None else None
@@ -134,7 +135,7 @@ def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | 
                 for src, k, a, b in recvs]
         reqs += [send(work[a:b], dst, 0, blocking=False, stream=stream) for dst, a, b in sends]
         if between is not None:
-            between()
+            _beside(comm, between)
             between = None
         for req in reqs:
             if req is not None:
@@ -142,6 +143,23 @@ def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | 
         for lo, hi, k in reduces:
             ufunc(work[lo:hi], slots[k][:hi - lo], out=work[lo:hi])
     if between is not None:
+        _beside(comm, between)
+
+
+def _beside(comm, between: Callable) -> None:
+    """Run ``between`` while the messages just posted travel.  NCCL holds non-blocking
+    send/recv until a wait: launch them first, or they would start only after ``between``.
+    On a GPU ``between`` runs on the compute stream (inside ``_OnRole`` the current stream
+    is the role's, where its kernels would queue behind the transfer); _OnRole's events
+    order it: the role stream waited for compute's earlier work, and compute waits for the
+    role stream when the ring ends."""
+    flush = getattr(comm, "flush", None)
+    if flush is not None:
+        flush()
+    if C._backend().is_gpu:
+        with rt.stream("compute"):
+            between()
+    else:
         between()
 
 
