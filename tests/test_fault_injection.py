@@ -6,6 +6,7 @@ process is left behind.  Disagreements of each kind in the default mode are also
 1-4 ranks inside tests/mpi/test_debug.py (one launch per size).
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,9 @@ def test_a_rank_sigkilled_mid_collective_ends_the_job(tmp_path):
     assert p.returncode not in (0, 124), p.stdout + p.stderr
     assert took < 30, took
     assert "unreachable" not in p.stdout
+    # MPICH's banner names a PID (the first process it saw end badly): tessera-run says its rank
+    assert "EXIT CODE: 9" in p.stdout and re.search(r"MPICH reports \(pid \d+, exit code 9 .*\) is rank [0-3]\n",
+                                                    p.stderr), p.stdout + p.stderr
     assert not _left(str(s))
 
 
@@ -145,6 +149,99 @@ def test_ranks_on_different_axes_are_reported_within_the_timeout(tmp_path):
     assert "all_gather(tp) float32[16] at axis_job.py:7" in err, err
     assert "all_reduce(dp) float32[16] at axis_job.py:9" in err, err
     assert not _left(str(s))
+
+
+_LATE = """
+    import os, time
+    import numpy as np
+    from tessera_rt import dist
+    w = dist.init()                                  # the default timeout (300 s)
+    kind = os.environ["KIND"]
+    x = np.ones(8, np.float32)
+    for i in range(10):
+        if i == 2 and w.rank == w.size - 1 and os.environ.get("SLOW"):
+            time.sleep(8)                            # slow but agreeing: the others keep waiting
+        y, op = x, "sum"
+        if i == 5 and w.rank == 1:                   # the site's 6th call: verified before, not sampled
+            y = {"shape": x.reshape(2, 4), "dtype": x.astype(np.float64), "size": x[:6], "op": x}[kind]
+            op = "max" if kind == "op" else "sum"
+        dist.all_reduce(y, op=op)
+    print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nranks,kind,differs", [
+    (2, "size", "rank 1 all_reduce(world) float32[6] at late_job.py:15"),
+    (3, "dtype", "rank 1 all_reduce(world) float64[8] at late_job.py:15"),
+    (4, "op", "rank 1 all_reduce(world) float32[8] at late_job.py:15 with op='max'"),
+    (4, "shape", "rank 1 all_reduce(world) float32[2,4] at late_job.py:15")])
+def test_a_late_disagreement_ends_the_job_in_seconds_naming_the_rank(tmp_path, nranks, kind, differs):
+    # the 6th call of a verified site is not checked (every 1024th is): rank 1 waits in the
+    # check, the others in the call; the waiting ranks compare notes and end the job at once
+    s = _script(tmp_path, "late_job.py", _LATE)
+    env = mpi_env(nranks, extra={"KIND": kind, "SLOW": "1" if nranks == 3 else ""})
+    env.pop("TESSERA_TIMEOUT", None)
+    p, took = _run([TESSERA_RUN, "-n", str(nranks), str(s)], env)
+    err = p.stderr
+    assert p.returncode == 1, p.stdout + err
+    assert took < 15 + (8 if nranks == 3 else 0) + 5, took        # (+ start-up on a loaded machine)
+    assert err.count("CollectiveMismatchError:") == 1 and "[tessera watchdog]" not in err, err
+    others = "rank 0" if nranks == 2 else f"ranks [0,{','.join(map(str, range(2, nranks)))}]"
+    assert (f"rank 1 differs from the others: {differs}" if nranks > 2 else differs) in err, err
+    assert f"{others} all_reduce(world) float32[8] at late_job.py:15" in err, err
+    field = {"size": "shape", "dtype": "dtype", "op": "arguments (op)", "shape": "shape"}[kind]
+    assert f"call #6 on it" in err and f"disagree on {field}." in err, err
+    assert "unreachable" not in p.stdout
+    assert not _left(str(s))
+
+
+def test_ranks_making_different_axis_groups_end_the_job_in_seconds(tmp_path):
+    # a first call: rank 1 makes the dp group while the others make tp groups (making a
+    # group's communicator is collective too, before any check can run)
+    s = _script(tmp_path, "axis_first.py", """
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init()
+        mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": 2, "tp": 2})
+        dist.all_reduce(np.ones(8, np.float32), axis="dp" if w.rank == 1 else "tp", mesh=mesh)
+    """)
+    env = mpi_env(4)
+    env.pop("TESSERA_TIMEOUT", None)
+    p, took = _run([TESSERA_RUN, "-n", "4", str(s)], env)
+    err = p.stderr
+    assert p.returncode == 1 and took < 20, (took, p.stdout + err)
+    assert err.count("CollectiveMismatchError:") == 1, err
+    assert "rank 0 all_reduce(tp) float32[8] at axis_first.py:6; rank 1 all_reduce(dp) float32[8] at axis_first.py:6" \
+        in err and "disagree on mesh axis" in err, err
+    assert not _left(str(s))
+
+
+def test_the_early_comparison_finds_blocked_ranks_only():
+    from tessera_rt.dist.watchdog import disagreement
+    g, h = ((0, 1, 2), "x"), ((1, 2), "y")
+
+    def waiting(gkey, n, phase, shape, seqs=None):
+        return {"wait": (gkey, n, phase, (n, "all_reduce", gkey[1], "float32", shape, "a.py:3", "sum", None)),
+                "waited": 5.0, "seqs": seqs or {}}
+    running = {"wait": None, "waited": 0.0, "seqs": {}}
+    same = waiting(g, 6, "call", (8,))
+    # a slow rank (running) or one not answering: the others wait on
+    assert disagreement({0: same, 1: same, 2: running}) is None
+    assert disagreement({0: same, 1: same, 2: None}) is None
+    # rank 2 checks a call new to it, the others are in the call: nobody can move
+    odd = waiting(g, 6, "check", (4,))
+    found = disagreement({0: same, 1: same, 2: odd})
+    assert found is not None and found[0] == g and found[1][2] == odd["wait"] and found[2] == {0, 1, 2}
+    # ... even while another member still runs: 0 and 2 are blocked on each other
+    assert disagreement({0: same, 1: running, 2: odd})[2] == {0, 2}
+    # rank 2 waits in another group whose other member runs: it may come back (a pipeline)
+    assert disagreement({0: same, 1: running, 2: waiting(h, 1, "call", (8,))}) is None
+    # ... or one it already called #6 on g before: no obstacle
+    ahead = waiting(h, 1, "call", (8,), seqs={g: 6})
+    assert disagreement({0: same, 1: same, 2: ahead}) is None
+    # a member that finished leaves the others blocked; they disagree only if their calls differ
+    assert disagreement({0: same, 1: same, 2: None}, finished={2}) is None
+    assert disagreement({0: same, 1: waiting(h, 3, "call", (8,)), 2: None}, finished={2})[1].keys() == {0, 1}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP])

@@ -63,3 +63,59 @@ def test_a_clean_program_exits_zero(tmp_path):
     p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2),
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_rank_that_vanishes_with_status_0_fails_the_job_by_rank(tmp_path):
+    # mpiexec reports success when a rank leaves with os._exit(0) mid-run; tessera-run counts
+    # a rank as finished only at a normal interpreter exit
+    script = tmp_path / "vanish.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        import numpy as np
+        from tessera_rt import dist
+        w = dist.init()
+        for i in range(20):
+            if i == 5 and w.rank == 1:
+                os._exit(0)
+            dist.all_reduce(np.ones(2))
+            time.sleep(0.1)
+        print("finished", w.rank, flush=True)
+    """))
+    p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2),
+                       capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "finished 0" not in p.stdout
+    assert "did not finish the program" in p.stderr and ("rank 1 " in p.stderr or "ranks 0, 1 " in p.stderr), p.stderr
+
+
+def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
+    import os
+    import signal
+    script = tmp_path / "spin.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import numpy as np
+        from tessera_rt import dist
+        dist.init()
+        dist.all_reduce(np.ones(2))
+        print("ready", flush=True)
+        while True:
+            dist.all_reduce(np.ones(2))
+            time.sleep(0.01)
+    """))
+    # Ctrl-C in a terminal signals the whole foreground process group: launcher, mpiexec, ranks
+    p = subprocess.Popen([TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "ready" not in p.stdout.readline():
+            pass
+        time.sleep(0.3)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip() == "tessera-run: stopped by SIGINT; the 2 ranks were ended", err

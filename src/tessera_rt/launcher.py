@@ -11,12 +11,18 @@ frames, the other failing ranks summarized in one line; ``dist.process_group.rep
   (``PR_SET_PDEATHSIG``), so no rank outlives the launcher.
 * MPI's own "application called MPI_Abort" lines are dropped from stderr (the rank's report
   says why the job ended).
+* A rank counts as finished only when its interpreter exits normally (it leaves a mark in a
+  folder tessera-run made for the job): a rank that vanished with status 0 (``os._exit(0)``,
+  a library that exits) fails the job, by rank, where mpiexec would report success; a rank
+  that died is named by rank beside MPICH's PID banner.
+* Ctrl-C (SIGINT) ends the job with one line, not one KeyboardInterrupt traceback per rank.
 * BLAS/OpenMP/Numba threads are capped per rank (cores // ranks) unless already set, so N
   ranks do not start N x cores threads.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import runpy
@@ -24,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -70,13 +77,34 @@ def rank_env(nranks: int, env: dict | None = None) -> dict:
 
 
 _MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Abort|\[unset\]: .*MPI_Abort)")
+# MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID and status
+_BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT .*\n=\s+EXIT CODE: (\d+)")
+RUN_DIR_VAR = "TESSERA_RUN_DIR"        # the folder where each rank leaves its pid and its finished mark
 
 
-def _copy_stderr(src, dst) -> None:
+_HYDRA = re.compile(r"^\[(proxy:|mpiexec@)|^Ctrl-C caught")     # mpiexec's own lines as it is stopped
+
+
+def _copy_stderr(src, dst, seen: dict) -> None:
     for line in iter(src.readline, b""):
-        if not _MPI_NOISE.match(line.decode(errors="replace")):
+        text = line.decode(errors="replace")
+        if not _MPI_NOISE.match(text) and not ("signal" in seen and _HYDRA.match(text)):
             dst.write(line)
             dst.flush()
+
+
+def _copy_stdout(src, dst, deaths: dict) -> None:
+    """Pass mpiexec's stdout through as it comes (partial lines too), noting the PID and exit
+    code of each rank MPICH reports as ended badly."""
+    tail = b""
+    for chunk in iter(lambda: os.read(src.fileno(), 65536), b""):
+        if b"Ctrl-C" in chunk:          # mpiexec's own lines as Ctrl-C stops it (tessera-run says it once)
+            chunk = b"".join(ln for ln in chunk.splitlines(keepends=True) if not _HYDRA.match(ln.decode(errors="replace")))
+        dst.write(chunk)
+        dst.flush()
+        tail = (tail + chunk)[-4096:]
+        for pid, code in _BANNER.findall(tail):
+            deaths[int(pid)] = int(code)
 
 
 def _die_with_parent() -> None:
@@ -88,13 +116,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch(cmd: list[str], env: dict) -> int:
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
+def _launch(cmd: list[str], env: dict, seen: dict | None = None) -> int:
+    """Run mpiexec; ``seen`` gets "deaths" ({pid: exit code} from MPICH's banners) and
+    "signal" (the last signal forwarded)."""
+    seen = {} if seen is None else seen
+    deaths = seen.setdefault("deaths", {})
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)
-    copier.start()
+    copiers = [threading.Thread(target=_copy_stderr, args=(proc.stderr, sys.stderr.buffer, seen), daemon=True),
+               threading.Thread(target=_copy_stdout, args=(proc.stdout, sys.stdout.buffer, deaths), daemon=True)]
+    for c in copiers:
+        c.start()
 
     def forward(signum, frame):
+        seen["signal"] = signum
         try:
             proc.send_signal(signum)
         except ProcessLookupError:
@@ -110,23 +145,69 @@ def _launch(cmd: list[str], env: dict) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    copier.join(timeout=5)
+    for c in copiers:
+        c.join(timeout=5)
     return 128 - rc if rc < 0 else rc
+
+
+def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> int:
+    """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank)."""
+    sig = seen.get("signal")
+    if sig is not None:
+        sys.stderr.write(f"tessera-run: stopped by {signal.Signals(sig).name}; the {nranks} ranks were ended\n")
+        return 128 + sig
+    pids = {}
+    for r in range(nranks):
+        try:
+            pids[int(Path(run_dir, f"{r}.pid").read_text())] = r
+        except (OSError, ValueError):
+            pass
+    for pid, code in sorted(seen.get("deaths", {}).items()):
+        if pid in pids:
+            how = f" (signal {code}: {signal.Signals(code).name})" if 0 < code < 32 else ""
+            sys.stderr.write(f"tessera-run: the process MPICH reports (pid {pid}, exit code {code}{how}) is rank "
+                             f"{pids[pid]}\n")
+    unfinished = [r for r in range(nranks) if not Path(run_dir, f"{r}.done").exists()]
+    if rc == 0 and unfinished:
+        sys.stderr.write(
+            f"tessera-run: mpiexec reported success, but rank{'s' if len(unfinished) > 1 else ''} "
+            f"{', '.join(map(str, unfinished))} did not finish the program: a rank ended with status 0 before the end "
+            "(os._exit(0), or a library that exits the process) and MPI ended the ranks waiting for it; the job "
+            "failed (exit code 1)\n")
+        return 1
+    return rc
+
+
+def _mark(run_dir: str, name: str, text: str) -> None:
+    try:
+        Path(run_dir, name).write_text(text)
+    except OSError:
+        pass
 
 
 def _rank_main(argv: list[str]) -> None:
     """One rank: install the one-error-per-job hook, then run the script as __main__."""
     from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    run_dir = os.environ.get(RUN_DIR_VAR)
+    if run_dir:
+        _mark(run_dir, f"{rank}.pid", str(os.getpid()))
+        atexit.register(_mark, run_dir, f"{rank}.done", "")      # at a normal exit only (not os._exit)
     if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
         from tessera_rt.dist import process_group
-        process_group._install_excepthook(MPI.COMM_WORLD.Get_rank())
+        process_group._install_excepthook(rank)
     sys.argv = list(argv)
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank and the launcher, which says it once: no traceback per rank
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    return _launch(cmd, env)
+    with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
+        env[RUN_DIR_VAR] = run_dir
+        seen: dict = {}
+        rc = _launch(cmd, env, seen)
+        return _verdict(rc, run_dir, args.nranks, seen)
 
 
 if __name__ == "__main__":

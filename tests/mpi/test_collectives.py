@@ -320,6 +320,22 @@ def test_bad_input_on_a_cached_plan_still_errors_first(line, world):
 
 
 @pytest.mark.timeout(60)
+def test_ranks_passing_different_tags_get_the_agreement_error(line, world):
+    """A tagged all-reduce on NCCL runs on a communicator of its own, made collectively: made
+    before the agreement check, rank 0 (tag="tree") would wait in its creation while the
+    others (no tag) wait in the check.  Every rank gets the check's error, and the group
+    still works after it."""
+    if world.size == 1:
+        pytest.skip("a group of one has nothing to agree on")
+    x = rank_data(world.rank, (4,), np.float32)
+    with pytest.raises(dist.CollectiveMismatchError, match=r"rank 0 differs from the others.*'tag', 'tree'"
+                       if world.size > 2 else r"'tag', 'tree'"):
+        dist.all_reduce(x, "x", mesh=line, tag="tree" if world.rank == 0 else None)
+    want = sum(host_data(r, (4,), np.float32) for r in range(world.size))
+    np.testing.assert_allclose(host(dist.all_reduce(x, "x", mesh=line, tag="ring")), want, rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
 def test_all_to_all_tag(line, world):
     """tag= on all_to_all: checked, recorded, and the same data as untagged (MPI and NCCL
     have no algorithm choice per all-to-all call)."""

@@ -311,6 +311,26 @@ class _GroupedP2P:
         self._comm.flush()
 
 
+class _TaggedNccl:
+    """``NcclCommunicator.tagged``'s communicator, made on first use of anything but its
+    identity (``kind``, ``mpi``, ``rank``, ``size``, ``algo_env``, what it was made with)."""
+
+    kind = "nccl"
+
+    def __init__(self, base: "NcclCommunicator", algo: str):
+        self._comm = None
+        self._base, self.algo_env = base, algo
+        self.mpi, self.rank, self.size = base.mpi, base.rank, base.size
+
+    def __getattr__(self, name):         # (only for names not set above: the communicator's calls)
+        if self._comm is None:
+            self._comm = self._base._made_with(self.algo_env)
+        return getattr(self._comm, name)
+
+    def __repr__(self) -> str:
+        return f"NcclCommunicator(rank={self.rank}, size={self.size}, NCCL_ALGO={self.algo_env})"
+
+
 class NcclCommunicator(Communicator):
     """CuPy buffers over NCCL; every call is enqueued on ``stream`` and returns at once.
 
@@ -339,23 +359,30 @@ class NcclCommunicator(Communicator):
     def tagged(self, op: str, tag: str) -> "Communicator":
         """NCCL reads NCCL_ALGO once, when a communicator is created, and takes no per-call
         choice; so a tagged all-reduce runs on a second communicator of this group created
-        (on first use, collectively, like the group's first) with NCCL_ALGO=Tree or Ring.
-        NCCL has no tree for the other collectives: they keep this communicator."""
+        with NCCL_ALGO=Tree or Ring, on its first call (collectively, like the group's first;
+        after that call's agreement check, so ranks passing different tags get the check's
+        error instead of hanging in the creation).  NCCL has no tree for the other
+        collectives: they keep this communicator."""
         if op != "all_reduce":
             return self
         cache = self.__dict__.setdefault("_by_tag", {})
         comm = cache.get(tag)
         if comm is None:
-            old = os.environ.get("NCCL_ALGO")
-            os.environ["NCCL_ALGO"] = self._ALGO_NAMES[tag]
-            try:
-                comm = cache[tag] = NcclCommunicator(self.mpi)
-            finally:
-                if old is None:
-                    os.environ.pop("NCCL_ALGO", None)
-                else:
-                    os.environ["NCCL_ALGO"] = old
-            comm.algo_env = self._ALGO_NAMES[tag]      # what it was made with (for tests and traces)
+            comm = cache[tag] = _TaggedNccl(self, self._ALGO_NAMES[tag])
+        return comm
+
+    def _made_with(self, algo: str) -> "NcclCommunicator":
+        """A communicator of this group made with NCCL_ALGO=algo (collective over the group)."""
+        old = os.environ.get("NCCL_ALGO")
+        os.environ["NCCL_ALGO"] = algo
+        try:
+            comm = NcclCommunicator(self.mpi)
+        finally:
+            if old is None:
+                os.environ.pop("NCCL_ALGO", None)
+            else:
+                os.environ["NCCL_ALGO"] = old
+        comm.algo_env = algo
         return comm
 
     @staticmethod

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 import zlib
 from collections import deque
 
@@ -226,10 +227,13 @@ def configure(on: bool) -> None:
 
 class _GroupState:
     """Per-group: the calls this group has verified and how many calls it has issued."""
-    __slots__ = ("seq", "seen", "comm", "g")
+    __slots__ = ("seq", "seen", "comm", "g", "__weakref__")
 
     def __init__(self, g):
         self.seq, self.seen, self.comm, self.g = 0, set(), None, g
+
+
+_STATES: "weakref.WeakSet" = weakref.WeakSet()      # every group's state, for group_seqs
 
 
 def _state(g) -> _GroupState:
@@ -237,7 +241,24 @@ def _state(g) -> _GroupState:
     if st is None:
         st = _GroupState(g)
         object.__setattr__(g, "_consistency", st)      # AxisGroup is frozen; this is bookkeeping
+        _STATES.add(st)
     return st
+
+
+def group_key(g) -> tuple:
+    """A group as the ranks name it to each other: (world ranks, mesh axis)."""
+    return tuple(g.ranks), g.name
+
+
+def group_seqs() -> dict:
+    """How many calls this rank has issued on each of its groups: {group_key: count} (read by
+    the watchdog's thread while the main thread waits)."""
+    for _ in range(3):
+        try:
+            return {group_key(st.g): st.seq for st in list(_STATES)}
+        except RuntimeError:                # the set changed while it was copied: again
+            continue
+    return {}
 
 
 class Sig:

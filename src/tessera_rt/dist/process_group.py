@@ -74,7 +74,7 @@ def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -
 
     ``debug="collectives"`` (or ``TESSERA_DEBUG=collectives``) checks before every collective
     that all ranks of the mesh issue the same one and keeps a flight recorder; ``"flight"``
-    keeps only the recorder.  ``timeout`` (``TESSERA_TIMEOUT``, default 600 s, 0 = off) is the
+    keeps only the recorder.  ``timeout`` (``TESSERA_TIMEOUT``, default 300 s, 0 = off) is the
     watchdog's limit on one collective (see ``dist.debug``).  Given to a later call, they
     change the modes (every rank must pass the same)."""
     global _WORLD

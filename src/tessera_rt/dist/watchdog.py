@@ -13,6 +13,18 @@ and aborts the job.  The report:
   same call number of a group), not only the later line where they hang;
 * tells ranks that finished normally (they send a goodbye with their last calls at exit)
   from ranks that are dead or do not answer.
+
+Long before the timeout, a collective that has waited ``PROBE_AFTER_S`` asks the other
+ranks' watchdogs, on the same channel, what they wait in (``wait_state``: the group, the
+call number on it, whether in the agreement check or the call, and the call as the check
+describes it).  Ranks blocked in different calls of one group, none of which can move (each
+waits for a rank that is blocked too, or finished), disagree: seen by two probes in a row,
+the job ends at once with the agreement check's ``CollectiveMismatchError`` text, naming
+the odd rank, the call sites and what differs (``disagreement``).  This is how a rank that
+changes a call after its site was verified (the check then samples every 1024th call), or
+makes another axis's group on a first call, is caught in seconds.  A rank that is busy
+elsewhere, or waits in the same call, may still come: the others keep waiting.  Only the
+waiting path does this work.
 """
 from __future__ import annotations
 
@@ -32,7 +44,10 @@ from . import consistency
 __all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status"]
 
 WATCHDOG_EXIT_CODE = 14
-_REQ, _REP, _BYE = 7701, 7702, 7703
+_REQ, _REP, _BYE, _PROBE, _PROBE_REP = 7701, 7702, 7703, 7705, 7706
+# the early comparison: first after this long in one call, then this often; a peer's wait
+# counts once it is this old (a rank passing through a call is not blocked in it)
+PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
 _WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
@@ -198,12 +213,120 @@ def divergence(histories: dict) -> list[str]:
     return out
 
 
+def _ring_state(st, phase: str):
+    """(group key, call #, phase, description) of the call the group state ``st`` is in: the
+    check appended it to the ring just before the call (None if the ring no longer has it)."""
+    if st is None:
+        return None
+    for s, seq, key in reversed(list(consistency._cfg.ring)):
+        if s is st:
+            return (consistency.group_key(st.g), seq, phase, consistency._desc(st, seq, key)) if seq == st.seq else None
+    return None
+
+
+def wait_state(frame):
+    """What the main thread waits in, in the terms the ranks compare: (group key, call number
+    on the group, "check" | "call" | "new group", the call as ``consistency`` describes it),
+    or None where that is not known (send/recv, an async wait, a DTensor plan's step, the
+    agreement check off): those never count as a disagreement."""
+    making = None
+    f = frame
+    while f is not None and consistency._is_internal(f.f_code):
+        base, name, loc = os.path.basename(f.f_code.co_filename), f.f_code.co_name, f.f_locals
+        if base == "consistency.py" and name == "_verify":
+            st, seq = loc["st"], loc["seq"]
+            return consistency.group_key(st.g), seq, "check", consistency._desc(st, seq, loc["key"])
+        if base == "mesh.py" and name == "group" and "ranks" in loc:
+            making = (tuple(loc["ranks"]), ",".join(loc["self"]._axes_of(loc["axis"])))
+        elif base == "collectives.py" and name.removeprefix("run_") in _COLLECTIVES:
+            if name in ("send", "recv"):
+                return None
+            if making is not None:          # the group's first call: its communicator is being made
+                x = loc.get("x")
+                shape = tuple(x.shape) if hasattr(x, "shape") else ()
+                dt = dtype_name(x.dtype) if hasattr(x, "dtype") else ""
+                return making, 1, "new group", (1, name, making[1], dt, shape, _site_of(f), None, None)
+            g = loc.get("g") or getattr(loc.get("p"), "g", None)
+            return _ring_state(None if g is None else g.__dict__.get("_consistency"), "call")
+        f = f.f_back
+    hot = _hot_pending()
+    return None if hot is None else _ring_state(hot[1].st, "call")
+
+
+def _past(answer, ws, gkey, n: int) -> bool:
+    """Whether a rank waiting in ``ws`` has already issued call #n of the group ``gkey``."""
+    return ws[1] > n if ws[0] == gkey else answer["seqs"].get(gkey, 0) >= n
+
+
+def disagreement(states: dict, finished=()):
+    """From every rank's answer ({rank: {"wait": wait_state or None, "waited": s, "seqs":
+    group_seqs()}} or None) and the ranks that finished: (group key, the waiting members'
+    {rank: wait}, the blocked ranks) when ranks of a group are blocked in different calls
+    that none of them can leave, else None.
+
+    A rank waiting in call #n of group G needs each other member of G to reach that call: a
+    member in the same call (same description and phase) or past it (more than n calls on G)
+    is no obstacle, nor is one that is running or unknown (it may come).  A member blocked in
+    another call, or finished, is; the ranks whose obstacles are all blocked themselves can
+    never move."""
+    waits = {r: a["wait"] for r, a in states.items()
+             if a is not None and a["wait"] is not None and a["waited"] >= PROBE_MIN_WAIT_S}
+    finished = set(finished) - set(waits)
+    needs = {}
+    for r, w in waits.items():
+        gkey, n = w[0], w[1]
+        needs[r] = set()
+        for s in gkey[0]:
+            ws = waits.get(s)
+            if s == r or s not in finished and (ws is None or ws == w or _past(states[s], ws, gkey, n)):
+                continue
+            needs[r].add(s)
+    blocked = finished | {r for r in waits if needs[r]}
+    while True:
+        free = {r for r in blocked - finished if not needs[r] & blocked}
+        if not free:
+            break
+        blocked -= free
+    for r in sorted(blocked - finished):
+        gkey = waits[r][0]
+        members = {s: waits[s] for s in gkey[0] if s in waits and s in blocked}
+        if len(set(members.values())) > 1:
+            return gkey, members, blocked - finished
+    return None
+
+
+def _mismatch_report(rank: int, gkey, members: dict, waited: float) -> str:
+    """The agreement check's error for ranks found blocked in different calls of a group."""
+    ranks, axis = gkey
+    n = min(w[1] for w in members.values())
+    phases = {}
+    for r, w in sorted(members.items()):
+        phases.setdefault(w[2], []).append(r)
+    how = "; ".join(f"{consistency._ranks_str(rs)} {_PHASES[p]}" for p, rs in phases.items())
+    where = f"in group {list(ranks)} (mesh axis {axis!r}, call #{n} on it)"
+    msg = consistency.mismatch_message(
+        rank, where, [w[3] for w in members.values()], list(members),
+        "Every rank of a group must pass the same op, dtype, shape and layout at the same point "
+        "(look for rank-dependent branches, dtypes or shapes at those lines). "
+        f"Found after {waited:.0f} s of waiting: {how}, and none of them can go on.")
+    return f"[rank {rank}] CollectiveMismatchError; ending the job:\nCollectiveMismatchError: {msg}\n"
+
+
+_PHASES = {"check": "in its agreement check (a call new to it, or the check's every-1024th sample)",
+           "call": "in the collective", "new group": "making its group's communicator (a first call on that group)"}
+
+
 class _Watchdog:
     _thread: threading.Thread | None = None
     _stop = threading.Event()
     _comm = None
     _asked_by: int | None = None          # a rank that is collecting the report
     _asked_at = 0.0
+    _since: float | None = None           # when the main thread's current wait began (None: not waiting)
+    _ident = None                         # which wait that is (frame id, C path call number)
+    _round = 0                            # this rank's probes, to drop late answers to old ones
+    _found = None                         # what the last probe found (reported when the next agrees)
+    _finished: dict = {}                  # rank -> its last calls, from its goodbye
 
     @classmethod
     def start(cls, world) -> None:
@@ -258,11 +381,31 @@ class _Watchdog:
             cls._asked_by, cls._asked_at = src, time.monotonic()
             lower |= src < rank
             comm.send(status(), dest=src, tag=_REP)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROBE, status=st):
+            src = st.Get_source()
+            n = comm.recv(source=src, tag=_PROBE)
+            comm.send((n, cls._answer()), dest=src, tag=_PROBE_REP)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BYE, status=st):
+            cls._finished[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_BYE)[1]
         return lower
+
+    @staticmethod
+    def _wait_ident(f):
+        hot = _hot_pending()
+        return id(f), None if hot is None else hot[0]
+
+    @classmethod
+    def _answer(cls) -> dict:
+        """This rank's side of a probe: what its main thread waits in, and for how long."""
+        since, f = cls._since, _main_frame()
+        w = None
+        if since is not None and _in_collective(f) and cls._wait_ident(f) == cls._ident:
+            w = wait_state(f)
+        return {"wait": w, "waited": 0.0 if w is None else time.monotonic() - since, "seqs": consistency.group_seqs()}
 
     @classmethod
     def _loop(cls, rank: int, size: int) -> None:
-        frame, since = None, 0.0
+        frame, since, probe_at = None, 0.0, 0.0
         threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         while not cls._stop.is_set():
             timeout = _cfg().timeout
@@ -275,7 +418,7 @@ class _Watchdog:
                     cls._serve(rank)
                 f = _main_frame()
                 if not _in_collective(f):
-                    frame = None
+                    frame = cls._since = None
                     continue
                 now = time.monotonic()
                 # the C path runs in the caller's frame: a loop of quick collectives keeps
@@ -284,12 +427,16 @@ class _Watchdog:
                 f = (f, None if hot is None else hot[0])
                 if frame is None or f[0] is not frame[0] or f[1] != frame[1]:
                     frame, since = f, now
+                    cls._since, cls._ident, cls._found, probe_at = now, (id(f[0]), f[1]), None, now + PROBE_AFTER_S
                     continue
                 # another rank is already reporting: leave it the report (unless it went quiet)
                 if cls._asked_by is not None and now - cls._asked_at < 10.0:
                     continue
                 if now - since >= timeout:
                     cls._fire(rank, size, now - since, threaded)
+                elif threaded and now >= probe_at and consistency._cfg.on:
+                    probe_at = now + PROBE_EVERY_S
+                    cls._probe(rank, size, f[0], now - since)
             except Exception as e:          # the watchdog must never take the job down by itself
                 sys.stderr.write(f"[tessera watchdog rank {rank}] internal error: {e!r}\n")
             finally:
@@ -300,7 +447,7 @@ class _Watchdog:
         comm = cls._comm
         mine = status(waited)
         reports = {rank: mine}
-        finished: dict = {}
+        finished = cls._finished
         if threaded and size > 1:
             for r in range(size):
                 if r != rank:
@@ -312,16 +459,18 @@ class _Watchdog:
                     return cls._yield()                          # a lower rank reports
                 if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REP, status=st):
                     reports[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_REP)
-                elif comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BYE, status=st):
-                    finished[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_BYE)[1]
                 else:
                     time.sleep(0.01)
-            while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BYE, status=st):
-                finished[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_BYE)[1]
+            cls._serve(rank)                                     # (the goodbyes that came meanwhile)
             time.sleep(0.2)                                      # a lower rank firing at the same time wins
             if cls._serve(rank):
                 return cls._yield()
-        sys.stderr.write(cls._report(rank, size, waited, mine, reports, finished))
+        cls._end(cls._report(rank, size, waited, mine, reports, finished), WATCHDOG_EXIT_CODE)
+
+    @staticmethod
+    def _end(report: str, code: int) -> None:
+        """Print the one report of the job and end every rank."""
+        sys.stderr.write(report)
         sys.stderr.flush()
         for c in list(_NCCL_COMMS):
             try:
@@ -329,7 +478,46 @@ class _Watchdog:
             except Exception:
                 pass
         time.sleep(0.3)          # let mpiexec forward the report before the abort kills the pipes
-        MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)
+        MPI.COMM_WORLD.Abort(code)
+
+    @classmethod
+    def _probe(cls, rank: int, size: int, frame, waited: float) -> None:
+        """The early comparison (module docstring): ask every rank what it waits in; end the
+        job when two probes in a row find the same disagreement."""
+        mine = wait_state(frame)
+        if mine is None or size < 2:
+            return
+        comm = cls._comm
+        cls._round += 1
+        for r in range(size):
+            if r != rank:
+                comm.isend(cls._round, dest=r, tag=_PROBE)
+        states = {rank: {"wait": mine, "waited": waited, "seqs": consistency.group_seqs()}}
+        deadline = time.monotonic() + 1.5
+        st = MPI.Status()
+        while len(states) + len(cls._finished) < size and time.monotonic() < deadline:
+            if cls._serve(rank):
+                return                                   # a lower rank collects the watchdog's report
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROBE_REP, status=st):
+                n, answer = comm.recv(source=st.Get_source(), tag=_PROBE_REP)
+                if n == cls._round:
+                    states[st.Get_source()] = answer
+            else:
+                time.sleep(0.01)
+        found = disagreement(states, cls._finished)
+        if found is None or found != cls._found:
+            cls._found = found
+            return
+        gkey, members, blocked = found
+        if rank != min(blocked):
+            # the lowest blocked rank reports; if it has not ended the job in a while, report here
+            end = time.monotonic() + 2 * PROBE_EVERY_S + 2.0
+            while time.monotonic() < end:
+                cls._serve(rank)
+                time.sleep(0.05)
+        if cls._wait_ident(_main_frame()) != cls._ident:
+            return                                       # this rank's call completed after all
+        cls._end(_mismatch_report(rank, gkey, members, waited), 1)
 
     @classmethod
     def _yield(cls) -> None:
