@@ -73,7 +73,7 @@ def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(
         optim.check_finite(loss=float("nan"), grads=g)
     monkeypatch.setattr(optim, "non_finite_leaves", search)
     with pytest.raises(optim.NonFiniteError, match=r"^step 7: the loss is nan and the gradient norm is inf; the "
-                       r"first non-finite gradient is \['b'\]\[1\] \(2 of 4 hold inf/nan\): stopped before this step's "
+                       r"first non-finite gradient( on rank 0)? is \['b'\]\[1\] \(2 of 4 hold inf/nan\): stopped before this step's "
                        "update") as e:
         optim.check_finite(loss=float("nan"), norm=float("inf"), grads=g, step=7)
     assert (e.value.step, e.value.first, e.value.count, e.value.total) == (7, "['b'][1]", 2, 4)
