@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _bridge
+from . import _bridge, _tracker
 from .cuda import memory as _memory
 from .cuda.stream import LEGACY_STREAM_HANDLE, get_current_stream, resolve_stream
 
@@ -115,11 +115,11 @@ class ndarray:
 
     # -- host transfers --------------------------------------------------
     def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
-        """Copy to the host on ``stream`` (default: current), then synchronize it (blocking)."""
-        s = resolve_stream(stream)
-        host = _bridge.device_to_host("ndarray.get (device->host copy)", self, s._state)
-        if blocking:
-            s.synchronize()
+        """Copy to the host on ``stream`` (default: current), then synchronize it (blocking).
+
+        ``blocking=False`` leaves the copy running: the host array holds garbage (0xFF bytes)
+        until the host has seen the copy complete (the stream or a later event synchronized,
+        or a ``done`` query answering True)."""
         if out is not None:
             if not isinstance(out, np.ndarray):
                 raise TypeError("Only numpy.ndarray can be obtained fromcupy.ndarray")
@@ -127,9 +127,22 @@ class ndarray:
                 raise TypeError(f"{out.dtype} array cannot be obtained from {self.dtype} array")
             if out.shape != self.shape:
                 raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
+        s = resolve_stream(stream)
+        host = _bridge.device_to_host("ndarray.get (device->host copy)", self, s._state)
+        if out is None:
+            out = np.empty(self.shape, self.dtype, order=order if order in "CF" else "C")
+        if blocking:
+            s.synchronize()
             out[...] = host
             return out
-        return np.asarray(host, order=order if order != "A" else "K")
+        garbage = np.empty(self.shape, self.dtype)
+        garbage.reshape(-1).view(np.uint8).fill(0xFF)
+        out[...] = garbage
+
+        def land(out=out, host=host):
+            out[...] = host
+        _tracker.defer_until_complete(s._state, land)
+        return out
 
     def set(self, arr, stream=None) -> None:
         """Copy host ``arr`` in, asynchronously on ``stream`` (core.pyx ``set``'s checks)."""
