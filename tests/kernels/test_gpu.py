@@ -189,10 +189,18 @@ def test_fp8_dequantize_bits_matches_cpu(fmt):
     assert np.abs(got - x).max() <= np.abs(x).max(axis=1).max() * 2 ** -3
 
 
-def test_tile_saxpy_on_gpu():
+def test_tile_saxpy_on_gpu(monkeypatch):
+    from numba.cuda.cudadrv import driver
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
     x, y = cp.arange(10_000, dtype=cp.float32), cp.ones(10_000, cp.float32)
     cp.testing.assert_allclose(saxpy_tile(x, y, 2.0), 2 * x + 1)
+    # compiled now: a launch with CuPy arrays makes Numba synchronize no stream on the host
+    syncs, real = [], driver.Stream.synchronize
+    monkeypatch.setattr(driver.Stream, "synchronize", lambda self: (syncs.append(self), real(self))[1])
+    out = saxpy_tile(x, y, 2.0)
+    assert syncs == []
+    monkeypatch.undo()
+    cp.testing.assert_allclose(out, 2 * x + 1)
     cp.testing.assert_allclose(staged_axpy_tile(x, y, 2.0, groups=7), 2 * x + 1)
     a, b = cp.asarray(rnd((100, 70), np.float32)), cp.asarray(rnd((70, 50), np.float32, seed=2))
     cp.testing.assert_allclose(tiled_matmul_tile(a, b), a @ b, rtol=1e-4, atol=1e-4)
