@@ -271,6 +271,26 @@ def test_queries_and_nonblocking_get_model_pending_work():
     np.testing.assert_array_equal(out, [1, 2, 3, 4])
 
 
+def test_pinned_memory_and_host_writes_during_an_async_copy():
+    # planted bug: the host refills a pinned buffer right after ndarray.set, before the copy
+    # (asynchronous from pinned memory) is known complete; the old stand-in had no pinned memory
+    import cupyx
+    mem = cupy.cuda.alloc_pinned_memory(16)
+    assert mem.size() == 16 and np.frombuffer(mem, np.float32, 4).ctypes.data == mem.ptr
+    s = cupy.cuda.Stream(non_blocking=True)
+    pinned, d = cupyx.zeros_pinned((4,), np.float32), cupy.empty(4, np.float32)
+    d.set(pinned, stream=s)
+    pinned[...] = 1
+    with pytest.raises(cupy.StreamOrderError, match="pinned-memory race.*test_cupy_standin.py"):
+        s.synchronize()
+    d.set(pinned, stream=s)
+    s.synchronize()
+    pinned[...] = 2                                 # after the synchronize: fine
+    np.testing.assert_array_equal(d.get(), 1)
+    with pytest.raises(AttributeError, match="stand-in's cupyx has only"):
+        cupyx.scipy
+
+
 def test_streams_current_and_external():
     s = cupy.cuda.Stream(non_blocking=True)
     assert s.ptr != 0 and cupy.cuda.get_current_stream() is cupy.cuda.Stream.null

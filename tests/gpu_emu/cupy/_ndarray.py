@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _bridge, _tracker
 from .cuda import memory as _memory
+from .cuda.pinned_memory import is_pinned
 from .cuda.stream import LEGACY_STREAM_HANDLE, get_current_stream, resolve_stream
 
 _NO_UFUNC = object()
@@ -154,7 +155,12 @@ class ndarray:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
-        _bridge.host_to_device("ndarray.set (host->device copy)", arr, self, resolve_stream(stream)._state)
+        state = resolve_stream(stream)._state
+        _bridge.host_to_device("ndarray.set (host->device copy)", arr, self, state)
+        # CuPy copies with cudaMemcpyAsync, which stages a pageable source before returning but
+        # reads a pinned one while the copy runs: the host must not write it meanwhile
+        if is_pinned(arr):
+            _tracker.watch_pinned_source(state, arr, "ndarray.set (host->device copy)")
 
     def item(self, *args):
         return self.get().item(*args)

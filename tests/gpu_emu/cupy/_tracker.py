@@ -118,6 +118,23 @@ def defer_until_complete(state: StreamState, apply) -> None:
         _DEFERRED.append((state.ptr, state.seq, apply))
 
 
+def watch_pinned_source(state: StreamState, host, kind: str) -> None:
+    """``host`` (pinned memory) is the source of the copy last issued on ``state``: a copy
+    from pinned memory runs asynchronously, reading ``host`` until it completes, so the host
+    must not write it before.  Checked when the host sees the copy complete."""
+    import numpy as np
+    before, where, seq = np.array(host, copy=True), caller_site(), state.seq
+
+    def check():
+        if host.tobytes() != before.tobytes():
+            raise StreamOrderError(
+                f"pinned-memory race: the host wrote a pinned buffer ({host.shape} {host.dtype}) that "
+                f"{kind} (op #{seq} on stream {state.describe()}, issued at {where}) copies from "
+                "asynchronously, before that copy was known to be complete; synchronize the stream "
+                "(or an event recorded after the copy) before writing the buffer")
+    defer_until_complete(state, check)
+
+
 def _run_deferred() -> None:
     ready = [d for d in _DEFERRED if HOST_CLOCK.get(d[0], 0) >= d[1]]
     for d in ready:

@@ -14,7 +14,7 @@ import mmap
 
 from .._errors import StandinLimitation
 
-__all__ = ["PinnedMemoryPointer", "alloc_pinned_memory"]
+__all__ = ["PinnedMemoryPointer", "alloc_pinned_memory", "is_pinned"]
 
 
 class PinnedMemoryPointer(mmap.mmap):
@@ -50,3 +50,10 @@ class PinnedMemoryPointer(mmap.mmap):
 
 def alloc_pinned_memory(size: int) -> PinnedMemoryPointer:
     return PinnedMemoryPointer(size)
+
+
+def is_pinned(a) -> bool:
+    """Whether NumPy array ``a`` is a view of pinned memory (through its bases)."""
+    while a is not None and not isinstance(a, PinnedMemoryPointer):
+        a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
+    return a is not None
