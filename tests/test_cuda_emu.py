@@ -154,6 +154,13 @@ extern "C" __global__ void dynamic_reverse(const float* x, float* y, int n, int 
   y[t] = s[n - 1 - t + extra];
 }
 
+extern "C" __global__ void block_order(int* order, int* count, float* chain) {
+  const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  order[*count] = b;                        // a race on a GPU; here blocks run one at a time
+  *count += 1;
+  chain[b] = b == 0 ? 0.f : chain[b - 1] + 1.f;   // planted bug: reads the previous block's write
+}
+
 extern "C" __global__ void convert(const float* x, unsigned short* f16, unsigned short* bf16, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -177,6 +184,25 @@ def test_barrier_reverses_through_shared_memory_and_exited_threads_count_as_arri
     dev.launch(harness.get_function("reverse"), 1, 128, x, y, np.int32(40), np.int32(1))   # 88 threads exit first
     np.testing.assert_array_equal(y[:40], x[:40][::-1])
     assert (y[40:] == -1).all()
+
+
+def test_blocks_run_in_a_shuffled_order(harness):
+    """Every block runs once, in an order shuffled per launch (reproducible from the seed), so
+    the planted bug -- block b reading what block b-1 wrote -- shows; in 0..n order it passed."""
+    dev, fn, n = Device(), harness.get_function("block_order"), 24
+
+    def run(**seed):
+        order, count, chain = dev.empty(n, np.int32), dev.put(np.zeros(1, np.int32)), dev.empty(n, np.float32)
+        fn.launch((4, 3, 2), 1, [dev.pack(a) for a in (order, count, chain)],
+                  buffers=[(a.ctypes.data, a.nbytes) for a in dev.arrays], **seed)
+        assert count[0] == n and sorted(order) == list(range(n))
+        return order.tolist(), chain.copy()
+
+    first, chain = run(seed=7)
+    assert first != list(range(n))
+    assert not np.array_equal(chain, np.arange(n, dtype=np.float32))
+    assert run(seed=7)[0] == first and run(seed=8)[0] != first
+    assert run()[0] != run()[0]                 # by default each launch takes a new seed
 
 
 def test_shuffles_butterfly_sum(harness):

@@ -252,6 +252,45 @@ def test_events_and_elapsed_time():
         cupy.cuda.get_elapsed_time(cupy.cuda.Event(), e2)
 
 
+def test_queries_and_nonblocking_get_model_pending_work():
+    # planted bug: a host array read after get(blocking=False) with no synchronize, and a
+    # first `done` taken as "finished"; the old stand-in copied at once and answered True
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(4, dtype=np.float32) + 1
+    host = x.get(stream=s, blocking=False)
+    assert np.isnan(host).all()                     # the copy is still running
+    e = s.record()
+    assert not s.done and not e.done                # first queries: still running
+    assert np.isnan(host).all()                     # ... which told the host nothing
+    assert s.done and e.done and s.done             # the next ones: complete, and the copy landed
+    np.testing.assert_array_equal(host, [1, 2, 3, 4])
+    out = np.zeros(4, np.float32)
+    assert x.get(stream=s, out=out, blocking=False) is out and np.isnan(out).all()
+    s.record().synchronize()                        # an event after the copy: it has landed
+    np.testing.assert_array_equal(out, [1, 2, 3, 4])
+
+
+def test_pinned_memory_and_host_writes_during_an_async_copy():
+    # planted bug: the host refills a pinned buffer right after ndarray.set, before the copy
+    # (asynchronous from pinned memory) is known complete; the old stand-in had no pinned memory
+    import cupyx
+    mem = cupy.cuda.alloc_pinned_memory(16)
+    assert mem.size() == 16 and np.frombuffer(mem, np.float32, 4).ctypes.data == mem.ptr
+    s = cupy.cuda.Stream(non_blocking=True)
+    pinned, d = cupyx.zeros_pinned((4,), np.float32), cupy.empty(4, np.float32)
+    d.set(pinned, stream=s)
+    pinned[...] = 1
+    with pytest.raises(cupy.StreamOrderError, match="pinned-memory race.*test_cupy_standin.py"):
+        s.synchronize()
+    d.set(pinned, stream=s)
+    s.synchronize()
+    pinned[...] = 2                                 # after the synchronize: fine
+    np.testing.assert_array_equal(d.get(), 1)
+    with pytest.raises(AttributeError, match="stand-in's cupyx has only"):
+        cupyx.scipy
+
+
 def test_streams_current_and_external():
     s = cupy.cuda.Stream(non_blocking=True)
     assert s.ptr != 0 and cupy.cuda.get_current_stream() is cupy.cuda.Stream.null
@@ -280,7 +319,7 @@ def test_rawkernel_packs_args_like_cupy(fake_emulator):
     assert launch["args"] == [struct.pack("<Q", x.data.ptr)] * 2 + [
         struct.pack("<i", -1), struct.pack("<f", 1.5), struct.pack("<q", 7), struct.pack("<d", 2.5),
         struct.pack("<q", 1), bytes(8), struct.pack("<h", 3)]
-    assert (x.data.mem.ptr, x.data.mem.size) in launch["buffers"]
+    assert (x.data.mem.ptr, x.nbytes) in launch["buffers"]          # the bytes asked for, not the 512 rounded
     with pytest.raises(TypeError, match="Only numpy.ndarrays of size one"):
         k((1,), (1,), (np.ones(3, np.float32),))
     with pytest.raises(TypeError, match="expected tuple"):
@@ -321,6 +360,17 @@ def test_real_emulator_saxpy():
     y = cupy.ones(100, np.float32)
     k((2,), (64,), (np.float32(2.0), x, y, np.int32(100)))
     np.testing.assert_allclose(y.get(), 2 * np.arange(100) + 1)
+
+
+def test_bounds_are_the_requested_size_not_the_pools_rounding():
+    # planted bug: the bounds test is `i <= n`, one element past the array; the pool rounds the
+    # 400 bytes up to a 512-byte block, which the old bounds check allowed
+    import cuda_emu
+    k = cupy.RawModule(code=SAXPY.replace("i < n", "i <= n")).get_function("saxpy")
+    x, y = cupy.arange(100, dtype=np.float32), cupy.ones(100, np.float32)
+    assert y.data.mem.size == 512
+    with pytest.raises(cuda_emu.OutOfBounds, match="out-of-bounds"):
+        k((2,), (64,), (np.float32(2.0), x, y, np.int32(100)))
 
 
 # --------------------------------------------------------------------------- NCCL over MPI

@@ -252,6 +252,7 @@ def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):
 STANDIN_SCRIPT = """
 import json, sys
 import llama_tiny as L
+from cupy.cuda.pinned_memory import is_pinned     # the stand-in's
 from tessera_rt import nn
 from tessera_rt.backend import get_backend
 assert get_backend().is_gpu
@@ -260,14 +261,14 @@ for name in ("A", "big"):          # A: head_dim 8 (the reference kernel); big: 
     m = nn.Llama.from_pretrained(sys.argv[1] if name == "A" else sys.argv[2])
     c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=16)
     out[name] = m.generate(c, L.PROMPTS[:2], max_new_tokens=5)
-    assert c.stats()["moved_to_host"] > 0
+    assert c.stats()["moved_to_host"] > 0 and is_pinned(c.host_k) and is_pinned(c.host_v)   # not pageable
 print(json.dumps(out))
 """
 
 
 def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
     """The cuda backend's path (CuPy arrays, the paged RawKernel run by the emulation harness,
-    pinned-host tier) on the strict CuPy stand-in gives the CPU backend's tokens."""
+    the host tier in pinned memory) on the strict CuPy stand-in gives the CPU backend's tokens."""
     import json
     import subprocess
     import sys

@@ -84,6 +84,36 @@ def test_numba_tile_kernels_compile_to_ptx(arch):
     assert "tile.linear_id()" in saxpy_kernel.inspect_ir("tile")
 
 
+def test_tile_launch_passes_cupy_arrays_as_unsynchronized_numba_views(monkeypatch):
+    """A tile launch hands Numba device views made with sync=False (Numba's own import of a
+    CUDA-array-interface argument synchronizes its stream on the host, once per array)."""
+    from tessera_rt.kernels import tile
+    from tessera_rt.kernels.tile_kernels import saxpy_kernel
+    if tile.SIMULATOR:
+        pytest.skip("the simulator takes CuPy arrays as they are")
+    launched, imports = [], []
+
+    class Dispatcher:                      # Numba's configured launch, recording its arguments
+        def __getitem__(self, config):
+            return lambda *args: launched.append(args)
+
+    class CupyLike:                        # a device array known only by its interface
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False),
+                                    "version": 3, "stream": 0x5EE0}
+
+    def import_cai(desc, owner=None, sync=True):
+        imports.append(sync)
+        return ("numba view of", owner)
+
+    monkeypatch.setattr(saxpy_kernel, "_jit", Dispatcher())
+    monkeypatch.setattr(tile.cuda, "from_cuda_array_interface", import_cai)
+    monkeypatch.setattr(tile, "numba_stream", lambda stream=None: 0)
+    x, y, alpha = CupyLike(), CupyLike(), np.float32(2)
+    saxpy_kernel.launch(4, x, y, alpha)
+    assert imports == [False, False]
+    assert launched == [(("numba view of", x), ("numba view of", y), alpha)]
+
+
 def test_tile_shape_over_shared_memory_is_rejected_before_launch():
     from tessera_rt.kernels.gemm import check_tile_shape
     with pytest.raises(ValueError, match="shared memory"):

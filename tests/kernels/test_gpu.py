@@ -67,6 +67,21 @@ def test_dual_matmul_one_pass_kernel():
         np.testing.assert_allclose(got.get().astype(np.float64), x.astype(np.float64) @ w, rtol=rtol, atol=atol * 8)
 
 
+@pytest.mark.parametrize("name", ["swiglu", "dual_matmul"])
+@pytest.mark.parametrize("w3_shape, w3_dtype, error", [((48, 20), np.float16, ValueError),
+                                                        ((48, 24), np.float32, TypeError)])
+def test_swiglu_and_dual_matmul_check_w3_before_the_launch(name, w3_shape, w3_dtype, error):
+    """A w3 of another shape or dtype than w1 is refused as the CPU reference refuses it (the
+    kernel indexes w3 with w1's shape: it would read past a smaller w3 and return garbage)."""
+    from tessera_rt.kernels import gemm_cuda
+    x, w1, w3 = rnd((8, 48)), rnd((48, 24), seed=3), rnd(w3_shape, w3_dtype, seed=4)
+    with pytest.raises(error) as want:
+        getattr(K, name)(x, w1, w3)
+    with pytest.raises(error) as got:
+        getattr(gemm_cuda, f"{name}_cuda")(cp.asarray(x), cp.asarray(w1), cp.asarray(w3))
+    assert str(got.value) == str(want.value)
+
+
 ATTN = [(2, 4, 4, 128, 128, 64, False), (1, 8, 2, 100, 130, 64, True), (1, 4, 1, 64, 256, 128, True),
         (2, 2, 2, 77, 77, 128, False), (1, 2, 2, 200, 50, 64, True)]
 
@@ -174,10 +189,18 @@ def test_fp8_dequantize_bits_matches_cpu(fmt):
     assert np.abs(got - x).max() <= np.abs(x).max(axis=1).max() * 2 ** -3
 
 
-def test_tile_saxpy_on_gpu():
+def test_tile_saxpy_on_gpu(monkeypatch):
+    from numba.cuda.cudadrv import driver
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
     x, y = cp.arange(10_000, dtype=cp.float32), cp.ones(10_000, cp.float32)
     cp.testing.assert_allclose(saxpy_tile(x, y, 2.0), 2 * x + 1)
+    # compiled now: a launch with CuPy arrays makes Numba synchronize no stream on the host
+    syncs, real = [], driver.Stream.synchronize
+    monkeypatch.setattr(driver.Stream, "synchronize", lambda self: (syncs.append(self), real(self))[1])
+    out = saxpy_tile(x, y, 2.0)
+    assert syncs == []
+    monkeypatch.undo()
+    cp.testing.assert_allclose(out, 2 * x + 1)
     cp.testing.assert_allclose(staged_axpy_tile(x, y, 2.0, groups=7), 2 * x + 1)
     a, b = cp.asarray(rnd((100, 70), np.float32)), cp.asarray(rnd((70, 50), np.float32, seed=2))
     cp.testing.assert_allclose(tiled_matmul_tile(a, b), a @ b, rtol=1e-4, atol=1e-4)

@@ -168,7 +168,9 @@ class TileKernel:
         """``kernel[grid, block]`` (or ``[grid, block, stream]``): always on an explicit stream."""
         grid, block, *rest = config
         stream = rest[0] if rest else None
-        return self._jit[(grid, block, numba_stream(stream)) + tuple(rest[1:])]
+        launch = self._jit[(grid, block, numba_stream(stream)) + tuple(rest[1:])]
+        # the simulator takes CuPy arrays as they are (and has no external streams)
+        return launch if SIMULATOR else _UnsyncedLaunch(launch)
 
     def configure(self, grid, block, stream: Any = None):
         """The launchable kernel for ``grid`` x ``block`` on ``stream`` (default: CuPy's current)."""
@@ -191,6 +193,29 @@ class TileKernel:
             from .compile import numba_ptx
             return numba_ptx(self.py_func, signature, arch)
         raise ValueError(f"inspect_ir: level={level!r}; use 'tile'/'source' or 'target'/'ptx'")
+
+
+class _UnsyncedLaunch:
+    """A configured Numba launch that passes CUDA-array-interface arguments (CuPy arrays) as
+    Numba device views made with ``sync=False``.  Left to Numba (numba-cuda 0.30), each array
+    is imported per launch through DLPack or, lacking it, through the interface with a host
+    synchronization of its stream; the launch is already ordered on CuPy's stream
+    (``numba_stream``), so neither the exchange nor a synchronization is needed."""
+
+    __slots__ = ("_launch",)
+
+    def __init__(self, launch):
+        self._launch = launch
+
+    def __call__(self, *args):
+        return self._launch(*(_device_view(a) for a in args))
+
+
+def _device_view(a: Any) -> Any:
+    desc = getattr(a, "__cuda_array_interface__", None)
+    if desc is None or getattr(a, "__cuda_memory__", False):      # a scalar, or Numba's own
+        return a
+    return cuda.from_cuda_array_interface(desc, owner=a, sync=False)
 
 
 class SimulatorStream:

@@ -99,6 +99,9 @@ class ExpertTiers:
         """Copy expert ``e`` of ``lt`` from the host tier on the io stream; compute waits for it."""
         b = get_backend()
         io, compute = rt.stream(self.stream), rt.stream("compute")
+        # An evicted expert's blocks went back to io's pool arena (they were allocated there)
+        # while compute's reads of them may still run: io allocates only after those reads.
+        io.wait_event(compute.record())
         with io:
             ws = tuple(b.xp.asarray(lt.host[n][e]) for n in _NAMES)
         compute.wait_event(io.record())

@@ -18,6 +18,11 @@ Launch convention (what ``cupy.RawModule``'s stand-in passes to :meth:`Function.
   (all live ones); any other address is an :class:`OutOfBounds`.  The kernels need the
   GPU's alignment: allocate device memory 256-byte aligned like CuPy.
 * ``grid``/``block``: 1-3 ints; ``shared_mem``: dynamic shared memory bytes.
+* ``seed``: the blocks run one at a time in an order shuffled from it (a GPU promises no
+  order), so a kernel that depends on block order or reads another block's writes fails.
+  By default each launch takes the next seed of a per-process sequence starting at
+  ``$TESSERA_EMU_BLOCK_SEED`` (0): reproducible run to run, different launch to launch.
+  A failure's message names its seed.
 
 Compiled modules are cached on disk by the SHA-256 of the source, the headers, the runtime
 and the compiler flags, under ``$TESSERA_EMU_CACHE`` or ``~/.cache/tessera_rt/cuda_emu``.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -240,6 +246,7 @@ def _shared_symbols(obj: Path, name: str) -> list[tuple[int, int, str]]:
     return shared
 
 
+_BLOCK_SEEDS = itertools.count(int(os.environ.get("TESSERA_EMU_BLOCK_SEED", "0")))
 _MODULES: dict[str, "Module"] = {}
 _MODULES_LOCK = threading.Lock()
 
@@ -283,7 +290,7 @@ class Module:
         self._lib.ts_emu_launch.argtypes = [
             ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
             ctypes.POINTER(ctypes.c_uint), ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int,
-            ctypes.c_char_p, ctypes.c_int]
+            ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong]
         self._lib.ts_emu_static_smem_bytes.restype = ctypes.c_ulonglong
         self.static_smem_bytes = int(self._lib.ts_emu_static_smem_bytes())
         self._shared_names = [ctypes.c_char_p(sym.encode()) for _, _, sym in shared]   # kept alive for the runtime
@@ -335,8 +342,9 @@ class Function:
                                   f"the launch passed {len(arg)} bytes; a GPU would silently misread it")
 
     def launch(self, grid: Sequence[int] | int, block: Sequence[int] | int, args: Sequence[bytes],
-               shared_mem: int = 0, buffers: Sequence[tuple[int, int]] = ()) -> None:
-        """Run the kernel to completion; raises an :class:`EmuError` subclass on any failed check."""
+               shared_mem: int = 0, buffers: Sequence[tuple[int, int]] = (), seed: int | None = None) -> None:
+        """Run the kernel to completion, its blocks in an order shuffled from ``seed`` (default:
+        the next of the process's sequence); raises an :class:`EmuError` subclass on any failed check."""
         grid3 = _dims(self.name, "grid", grid, MAX_GRID)
         block3 = _dims(self.name, "block", block, MAX_BLOCK)
         if block3[0] * block3[1] * block3[2] > MAX_THREADS_PER_BLOCK:
@@ -359,6 +367,6 @@ class Function:
         message = ctypes.create_string_buffer(4096)
         status = self.module._lib.ts_emu_launch(
             self.name.encode(), self._entry, argv, (ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
-            shared_mem, ranges, len(flat) // 2, message, len(message))
+            shared_mem, ranges, len(flat) // 2, message, len(message), next(_BLOCK_SEEDS) if seed is None else seed)
         if status:
             raise _ERRORS[status](message.value.decode(errors="replace"))

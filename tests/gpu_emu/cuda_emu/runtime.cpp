@@ -21,7 +21,9 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <algorithm>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -565,10 +567,14 @@ TS_EMU_EXPORT void ts_emu_name_shared(unsigned long long offset, unsigned long l
 }
 
 // Run a grid.  `buffers` holds (pointer, bytes) pairs of the device memory the kernel may
-// touch.  Returns an ErrorKind; on failure `message` holds a readable report.
+// touch.  Blocks run one at a time in an order shuffled from `seed` (a GPU runs them in no
+// set order, concurrently): a kernel that relies on block order or on another block's
+// writes gets a wrong result here.  Returns an ErrorKind; on failure `message` holds a
+// readable report.
 TS_EMU_EXPORT int ts_emu_launch(const char* kernel, void (*entry)(void**), void** args, const unsigned* grid,
                                 const unsigned* block, unsigned long long dynamic_bytes,
-                                const unsigned long long* buffers, int nbuffers, char* message, int message_len) {
+                                const unsigned long long* buffers, int nbuffers, char* message, int message_len,
+                                unsigned long long seed) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   L.kernel = kernel;
   L.entry = entry;
@@ -594,13 +600,19 @@ TS_EMU_EXPORT int ts_emu_launch(const char* kernel, void (*entry)(void**), void*
   }
   L.warps.assign((L.nthreads + 31) / 32, Warp{});
   for (size_t w = 0; w < L.warps.size(); ++w) L.warps[w].lanes = min(32, L.nthreads - (int)w * 32);
+  const unsigned long long nx = grid[0], nxy = nx * grid[1], nblocks = nxy * grid[2];
+  std::vector<unsigned long long> order(nblocks);
+  for (unsigned long long i = 0; i < nblocks; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
   int status = OK;
-  for (unsigned z = 0; z < grid[2] && status == OK; ++z)
-    for (unsigned y = 0; y < grid[1] && status == OK; ++y)
-      for (unsigned x = 0; x < grid[0] && status == OK; ++x) {
-        L.block_idx = {x, y, z};
-        status = run_block();
-      }
-  if (status != OK) snprintf(message, message_len, "%s", L.message.c_str());
+  unsigned long long ran = 0;
+  while (ran < nblocks && status == OK) {
+    const unsigned long long b = order[ran++];
+    L.block_idx = {(unsigned)(b % nx), (unsigned)(b / nx % grid[1]), (unsigned)(b / nxy)};
+    status = run_block();
+  }
+  if (status != OK)
+    snprintf(message, message_len, "%s (block %llu of %llu in the shuffled order, seed %llu)", L.message.c_str(),
+             ran, nblocks, seed);
   return status;
 }

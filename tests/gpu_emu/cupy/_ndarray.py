@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _bridge
+from . import _bridge, _tracker
 from .cuda import memory as _memory
+from .cuda.pinned_memory import is_pinned
 from .cuda.stream import LEGACY_STREAM_HANDLE, get_current_stream, resolve_stream
 
 _NO_UFUNC = object()
@@ -115,11 +116,11 @@ class ndarray:
 
     # -- host transfers --------------------------------------------------
     def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
-        """Copy to the host on ``stream`` (default: current), then synchronize it (blocking)."""
-        s = resolve_stream(stream)
-        host = _bridge.device_to_host("ndarray.get (device->host copy)", self, s._state)
-        if blocking:
-            s.synchronize()
+        """Copy to the host on ``stream`` (default: current), then synchronize it (blocking).
+
+        ``blocking=False`` leaves the copy running: the host array holds garbage (0xFF bytes)
+        until the host has seen the copy complete (the stream or a later event synchronized,
+        or a ``done`` query answering True)."""
         if out is not None:
             if not isinstance(out, np.ndarray):
                 raise TypeError("Only numpy.ndarray can be obtained fromcupy.ndarray")
@@ -127,9 +128,22 @@ class ndarray:
                 raise TypeError(f"{out.dtype} array cannot be obtained from {self.dtype} array")
             if out.shape != self.shape:
                 raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
+        s = resolve_stream(stream)
+        host = _bridge.device_to_host("ndarray.get (device->host copy)", self, s._state)
+        if out is None:
+            out = np.empty(self.shape, self.dtype, order=order if order in "CF" else "C")
+        if blocking:
+            s.synchronize()
             out[...] = host
             return out
-        return np.asarray(host, order=order if order != "A" else "K")
+        garbage = np.empty(self.shape, self.dtype)
+        garbage.reshape(-1).view(np.uint8).fill(0xFF)
+        out[...] = garbage
+
+        def land(out=out, host=host):
+            out[...] = host
+        _tracker.defer_until_complete(s._state, land)
+        return out
 
     def set(self, arr, stream=None) -> None:
         """Copy host ``arr`` in, asynchronously on ``stream`` (core.pyx ``set``'s checks)."""
@@ -141,7 +155,12 @@ class ndarray:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
-        _bridge.host_to_device("ndarray.set (host->device copy)", arr, self, resolve_stream(stream)._state)
+        state = resolve_stream(stream)._state
+        _bridge.host_to_device("ndarray.set (host->device copy)", arr, self, state)
+        # CuPy copies with cudaMemcpyAsync, which stages a pageable source before returning but
+        # reads a pinned one while the copy runs: the host must not write it meanwhile
+        if is_pinned(arr):
+            _tracker.watch_pinned_source(state, arr, "ndarray.set (host->device copy)")
 
     def item(self, *args):
         return self.get().item(*args)

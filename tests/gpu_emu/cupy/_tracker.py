@@ -42,7 +42,7 @@ HOST_CLOCK: dict[int, int] = {}
 class StreamState:
     """Ordering state of one CUDA stream, shared by every Python object with its ptr."""
 
-    __slots__ = ("ptr", "name", "blocking", "seq", "clock")
+    __slots__ = ("ptr", "name", "blocking", "seq", "clock", "queried")
 
     def __init__(self, ptr: int, name: str, blocking: bool):
         self.ptr = ptr
@@ -50,6 +50,7 @@ class StreamState:
         self.blocking = blocking   # False for non_blocking=True streams (no null-stream sync)
         self.seq = 0
         self.clock: dict[int, int] = {}
+        self.queried = 0           # ``seq`` when a query last answered "still running"
 
     def snapshot(self) -> dict[int, int]:
         """The clock an event recorded now would carry: everything issued here so far."""
@@ -87,16 +88,58 @@ def merge_into(clock: dict[int, int], other: dict[int, int]) -> None:
             clock[ptr] = seq
 
 
+# Host-visible effects of ops that complete asynchronously (``get(blocking=False)``'s copy
+# into host memory): (stream ptr, seq, apply), run once the host has seen that op complete.
+_DEFERRED: list = []
+
+
 def host_observed(clock: dict[int, int]) -> None:
     """The host saw everything ``clock`` covers complete."""
     with _LOCK:
         merge_into(HOST_CLOCK, clock)
+        _run_deferred()
 
 
 def host_synchronized_all() -> None:
     with _LOCK:
         for state in STREAMS.values():
             merge_into(HOST_CLOCK, state.snapshot())
+        _run_deferred()
+
+
+def pending(clock: dict[int, int]) -> bool:
+    """Whether some op ``clock`` covers is not yet known to the host as complete."""
+    return any(HOST_CLOCK.get(ptr, 0) < seq for ptr, seq in clock.items())
+
+
+def defer_until_complete(state: StreamState, apply) -> None:
+    """Run ``apply()`` when the host sees the op last issued on ``state`` complete."""
+    with _LOCK:
+        _DEFERRED.append((state.ptr, state.seq, apply))
+
+
+def watch_pinned_source(state: StreamState, host, kind: str) -> None:
+    """``host`` (pinned memory) is the source of the copy last issued on ``state``: a copy
+    from pinned memory runs asynchronously, reading ``host`` until it completes, so the host
+    must not write it before.  Checked when the host sees the copy complete."""
+    import numpy as np
+    before, where, seq = np.array(host, copy=True), caller_site(), state.seq
+
+    def check():
+        if host.tobytes() != before.tobytes():
+            raise StreamOrderError(
+                f"pinned-memory race: the host wrote a pinned buffer ({host.shape} {host.dtype}) that "
+                f"{kind} (op #{seq} on stream {state.describe()}, issued at {where}) copies from "
+                "asynchronously, before that copy was known to be complete; synchronize the stream "
+                "(or an event recorded after the copy) before writing the buffer")
+    defer_until_complete(state, check)
+
+
+def _run_deferred() -> None:
+    ready = [d for d in _DEFERRED if HOST_CLOCK.get(d[0], 0) >= d[1]]
+    for d in ready:
+        _DEFERRED.remove(d)
+        d[2]()
 
 
 def before_issue(state: StreamState) -> None:

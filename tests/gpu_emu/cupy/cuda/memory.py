@@ -2,7 +2,10 @@
 
 What matters for correctness testing, and is kept:
 
-* sizes round up to 512 bytes (``ALLOCATION_UNIT_SIZE``, ``_round_size``);
+* sizes round up to 512 bytes (``ALLOCATION_UNIT_SIZE``, ``_round_size``), but the bytes an
+  allocation may be used through are the ones requested (``PooledMemory.requested``): a
+  kernel or NCCL call running into the rounding is out of bounds here, as it would be on a
+  GPU where another allocator (or a larger array in the same block) owns those bytes;
 * one arena of free chunks per stream: ``_malloc`` looks only in the arena of the *current*
   stream, takes the best-fitting chunk and splits off the rest;
 * a freed chunk (its last array or view garbage collected) goes back to the arena of the
@@ -76,6 +79,7 @@ class Memory:
 
     ptr = 0
     size = 0
+    requested = 0
     segment = None
     alloc_id = 0
     device_id = 0
@@ -88,14 +92,16 @@ class PooledMemory:
     """A live allocation.  Garbage collection of the last array or view using it returns the
     chunk to its stream's arena (``__del__``, like CuPy's ``PooledMemory.__dealloc__``)."""
 
-    __slots__ = ("ptr", "size", "segment", "chunk", "alloc_id", "device_id", "_pool", "__weakref__")
+    __slots__ = ("ptr", "size", "requested", "segment", "chunk", "alloc_id", "device_id", "_pool",
+                 "__weakref__")
 
-    def __init__(self, pool: "MemoryPool", chunk: _Chunk, device_id: int):
+    def __init__(self, pool: "MemoryPool", chunk: _Chunk, device_id: int, requested: int):
         self._pool = pool
         self.chunk = chunk
         self.segment = chunk.segment
         self.ptr = chunk.ptr
-        self.size = chunk.size
+        self.size = chunk.size          # the rounded block, as CuPy reports it
+        self.requested = requested      # what bounds checks allow
         self.alloc_id = next(_alloc_ids)
         self.device_id = device_id
 
@@ -175,7 +181,7 @@ class MemoryPool:
                 segment = _Segment(rounded, state.ptr)
                 bisect.insort(self._segments, segment, key=lambda s: s.base)
                 chunk = _Chunk(segment, 0, rounded)
-            mem = PooledMemory(self, chunk, current_device_id())
+            mem = PooledMemory(self, chunk, current_device_id(), size)
             self._live[mem.ptr] = weakref.ref(mem)
             bisect.insort(self._live_ptrs, mem.ptr)
             self._used_bytes += chunk.size

@@ -169,10 +169,10 @@ class NcclCommunicator:
             # for count 0, whatever the pointer: an empty part of an uneven collective
             return None, np.empty(0, dtype)
         mem, offset = resolve_pointer(ptr)
-        if offset + nbytes > mem.size:
+        if offset + nbytes > mem.requested:
             raise NcclError(_INVALID_ARGUMENT,
                             f"{what} buffer {ptr:#x}: {count} x {dtype} = {nbytes} bytes from offset "
-                            f"{offset} runs past its {mem.size}-byte pool block")
+                            f"{offset} runs past its {mem.requested}-byte allocation")
         return mem, mem.host_view(offset, nbytes).view(dtype)
 
     def _record(self, kind: str, stream: int, reads=(), writes=()) -> None:

@@ -1,9 +1,11 @@
 """Streams and events with CUDA's ordering semantics, fed to the tracker (``_tracker``).
 
-Work runs eagerly, so every stream is always idle: ``done`` is True and ``synchronize()``
-returns at once.  What they change is what the tracker knows is *ordered*: a synchronize or
-a ``done`` query tells the host the stream's work so far is complete; ``wait_event`` orders a
-stream after the work an event covers.
+Work runs eagerly, so ``synchronize()`` returns at once.  What it changes is what the tracker
+knows is *ordered*: a synchronize, or a ``done`` query answering True, tells the host the
+stream's work so far is complete; ``wait_event`` orders a stream after the work an event
+covers.  A query models work still running: the first ``done`` after new work the host has
+not seen complete answers False (as a GPU still running it would), and tells the host
+nothing; the next answers True (so polling loops end).
 """
 from __future__ import annotations
 
@@ -36,8 +38,11 @@ class BaseStream:
 
     @property
     def done(self) -> bool:
-        # the query succeeds, so the host now knows everything issued so far completed
-        self.synchronize()
+        state = self._state
+        if state.queried != state.seq and _tracker.pending(state.snapshot()):
+            state.queried = state.seq
+            return False
+        self.synchronize()      # True: the host now knows everything issued so far completed
         return True
 
     def record(self, event: "Event | None" = None) -> "Event":
@@ -144,12 +149,14 @@ class Event:
         self.disable_timing = disable_timing
         self.interprocess = interprocess
         self._clock: dict[int, int] | None = None   # the recording stream's snapshot
+        self._queried = False                        # a query answered "still running"
         self._time: float | None = None
 
     def record(self, stream=None) -> None:
         state = resolve_stream(stream)._state
         _tracker.before_issue(state)
         self._clock = state.snapshot()
+        self._queried = False
         self._time = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -158,6 +165,10 @@ class Event:
 
     @property
     def done(self) -> bool:
+        """As ``BaseStream.done``: False once while the covered work is not known complete."""
+        if not self._queried and self._clock is not None and _tracker.pending(self._clock):
+            self._queried = True
+            return False
         self.synchronize()
         return True
 
