@@ -73,6 +73,11 @@ def _backend_written_for(request):
     yield
 
 
+# The multi-rank suites written against the backend's array module (tests/mpi): they run on the
+# cuda backend too, on the GPU machine (tests/test_gpu_suites.py) and on the stand-in.
+BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
+
+
 # The strict CuPy/NCCL stand-in (tests/gpu_emu/cupy) and the CUDA emulation harness
 # (tests/gpu_emu/cuda_emu): a process with this on its path runs the cuda backend on the CPU.
 GPU_EMU = ROOT / "tests" / "gpu_emu"

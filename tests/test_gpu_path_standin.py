@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
-
-# the multi-rank suites written against the backend's array module (tests/mpi), one launch each
-BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
+from conftest import BACKEND_AGNOSTIC, LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
 
 
 @pytest.mark.mpi
