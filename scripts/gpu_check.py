@@ -68,7 +68,7 @@ class Run:
     """The run's settings, environment and clock."""
 
     def __init__(self, args):
-        self.args, self.quick = args, args.quick
+        self.quick = args.quick
         self.python = sys.executable
         self.out = Path(args.out or os.environ.get("OUT") or ROOT / "gpu_check_out").resolve()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +117,9 @@ class Run:
                 + (f", CUDA runtime {cuda // 1000}.{cuda % 1000 // 10}" if cuda else "")
                 + (f", driver API {g['driver'] // 1000}.{g['driver'] % 1000 // 10}" if g.get("driver") else "") + ")")
 
-    def env(self, device: str | None = "cuda", **extra) -> dict:
-        env = dict(self.base, **extra)
+    def env(self, device: str | None = "cuda") -> dict:
+        """The parts' environment; ``device`` sets TESSERA_DEVICE (None: left to tests/conftest.py)."""
+        env = dict(self.base)
         if device:
             env["TESSERA_DEVICE"] = device
         return env
@@ -137,7 +138,10 @@ class Run:
             timed_out = False
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
+            try:
+                out, _ = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:     # a process outside the group holds the pipe open
+                out = "(output lost: a process left the killed group and kept its pipe open)"
             timed_out = True
         with open(log, "a") as f:
             f.write(out + (f"\n[killed after {limit:.0f} s]\n" if timed_out else f"\n[exit {p.returncode}]\n"))
@@ -379,6 +383,13 @@ def decode_only(quick: bool) -> int:
 
 # ------------------------------------------------------------------------------------ report
 
+def last_line(output: str) -> str:
+    """The last line a part's commands printed (the usual place of the reason it failed)."""
+    lines = [ln.strip() for ln in output.splitlines()
+             if ln.strip() and not ln.startswith(("$ ", "[exit ", "[killed ")) and set(ln.strip()) != {"="}]
+    return lines[-1] if lines else ""
+
+
 def table(first: str, header: str, parts: list[dict]) -> str:
     head = ("part", "item", "tessera_rt", "peer", "ratio", "notes", "status")
     lines = [first, "", header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -443,6 +454,8 @@ def main(argv=None) -> int:
                 rows, (status, detail) = exc.args[0], ("FAILED", f"{exc.args[1]}; see {log.name}")
             except Exception as exc:             # a defect of this script: reported like a failed part
                 status, detail = "FAILED", f"{type(exc).__name__}: {exc}"
+            if status == "FAILED" and log.exists() and last_line(log.read_text()):
+                detail += f"; its output ends: {last_line(log.read_text())[-160:]}"
         results.append(dict(name=name, title=title, status=status, detail=detail, rows=rows,
                             seconds=time.monotonic() - t0, limit_s=limit))
         print(f"   {status} {detail}", flush=True)

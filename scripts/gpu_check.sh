@@ -5,12 +5,13 @@
 #
 #   bash scripts/gpu_check.sh [--quick] [--emulate] [--with-torch] [--out DIR] [--budget SECONDS]
 #
-# Python: $TESSERA_PYTHON, else .venv/bin/python, else python3 when it already has CuPy
-# (a machine image with the CUDA stack).  Where a GPU is present and CuPy, MPI or pytest is
-# missing, it installs them (tessera_rt[cuda12,mpich], pytest, pytest-timeout) into .venv:
-# from wheels in $TESSERA_WHEELS when set (offline machines), else from the package index,
-# each pip under a time limit; what could not be installed is said, and the parts that need it
-# fail in the table.  torch (the attention peer) is used when already installed; --with-torch
+# Python: $TESSERA_PYTHON, else .venv/bin/python, else python3 (a machine image's, with its
+# CuPy and torch).  Where a GPU is present and CuPy, MPI or pytest is missing, it installs
+# tessera_rt[cuda12,mpich]'s dependencies (only [mpich]'s where a CuPy already sees the GPU),
+# pytest and pytest-timeout, into .venv (made over python3, whose packages it still sees):
+# from wheels in $TESSERA_WHEELS when set (offline machines), else from the package index when
+# one answers, pip under a time limit; what could not be installed is said, and the parts that
+# need it fail in the table.  tessera_rt itself runs from src/ (PYTHONPATH): nothing is built.  torch (the attention peer) is used when already installed; --with-torch
 # also tries to install it.  Without a GPU nothing is installed: the same parts run on the CuPy
 # stand-in and the emulation harness (tests/gpu_emu), and the first line says so.
 set -uo pipefail
@@ -56,8 +57,27 @@ EOF
 pip_install() {   # pip_install PY ARGS...: limited in time, quiet; 0 on success
   local py="$1"; shift
   local src=(--timeout 20 --retries 1)
-  if [ -n "${TESSERA_WHEELS:-}" ]; then src=(--no-index --find-links "$TESSERA_WHEELS"); fi
+  if [ -n "${TESSERA_WHEELS:-}" ]; then
+    src=(--no-index --find-links "$TESSERA_WHEELS")
+  elif ! timeout 15 "$py" -c "import urllib.request as u; u.urlopen('https://pypi.org/simple/pip/', timeout=10)" \
+      >/dev/null 2>&1; then
+    echo "WARNING: no package index reachable (and TESSERA_WHEELS unset): not installing $*"
+    return 1
+  fi
   timeout -k 5 "$PIP_LIMIT_S" "$py" -m pip install --quiet --disable-pip-version-check "${src[@]}" "$@"
+}
+
+requirements() {  # requirements EXTRAS: tessera_rt's dependencies from setup.cfg (the package itself
+  # runs from src/ through PYTHONPATH: nothing to build)
+  "$PY" - "$1" <<'EOF'
+import configparser, sys
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+lines = cfg["options"]["install_requires"].splitlines()
+for extra in sys.argv[1].split(","):
+    lines += cfg["options.extras_require"][extra].splitlines()
+print("\n".join(line.strip() for line in lines if line.strip() and not line.strip().startswith("#")))
+EOF
 }
 
 PY="${TESSERA_PYTHON:-}"
@@ -80,11 +100,12 @@ if [ "$emulate" = 0 ] && have_gpu; then
     fi
   fi
   if [ -n "$need" ]; then
-    echo "== $PY lacks $need: installing tessera_rt[cuda12,mpich], pytest, pytest-timeout (limit ${PIP_LIMIT_S} s)"
     extras="mpich"
     PYTHONPATH="" "$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null || extras="cuda12,mpich"
-    pip_install "$PY" -e "$ROOT[$extras]" pytest pytest-timeout \
-      || echo "WARNING: installing tessera_rt[$extras] failed or ran over ${PIP_LIMIT_S} s (no package index reachable? set TESSERA_WHEELS to a folder of wheels)"
+    echo "== $PY lacks $need: installing tessera_rt[$extras]'s dependencies, pytest, pytest-timeout (limit ${PIP_LIMIT_S} s)"
+    mapfile -t reqs < <(requirements "$extras")
+    pip_install "$PY" "${reqs[@]}" pytest pytest-timeout \
+      || echo "WARNING: installing tessera_rt[$extras]'s dependencies failed or ran over ${PIP_LIMIT_S} s (offline? set TESSERA_WHEELS to a folder of wheels)"
     need="$(missing "$PY")"
     [ -n "$need" ] && echo "WARNING: still missing: $need; the parts that need it will fail below"
   fi
