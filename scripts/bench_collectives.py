@@ -155,6 +155,7 @@ def main() -> None:
         factor = dist.bus_factor(op, w.size)
         for nbytes in sizes:
             x, out, size = buffers(op, nbytes, w.size, xp)
+            backend.synchronize()       # x is filled on compute; the peer's stream does not wait for it
             mine = (mapped_empty if xp is np else xp.empty)(out.shape, out.dtype) if args.out else None
             ours(op, x, mesh, mine), peer.run(op, x, out)    # warm up both paths and the pool
             # calibrate iterations so each repetition takes about budget_ms

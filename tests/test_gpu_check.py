@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,18 @@ def test_nccl_peer_queues_its_calls_like_tessera(monkeypatch):
     for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
         peer.run(op, buf, buf)
     assert peer.comm.raw.calls == ["allReduce", "reduceScatter", "allGather", "broadcast"]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_bench_collectives_runs_on_the_standin_nccl():
+    # the NCCL peer on 2 emulated GPUs: its stream must be ordered after the inputs' fill on
+    # compute (the stand-in reports the hazard a GPU would race on)
+    from conftest import mpi_env, standin_env
+    cmd = ["timeout", "-k", "5", "180", str(Path(sys.executable).parent / "tessera-run"), "-n", "2",
+           "scripts/bench_collectives.py", "--max", "32", "--reps", "1", "--budget-ms", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(2, "cuda", standin_env(2)), capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "peer: NCCL" in out, out[-4000:]
+    ops = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
+    assert sorted(set(ops)) == ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"], out
