@@ -62,8 +62,7 @@ class Peer:
                     raw.allGather(p, o, x.size, 7, stream)
                 elif op == "broadcast":
                     raw.broadcast(p, p, x.size, 7, 0, stream)
-            s.synchronize()
-            return
+            return          # queued, like tessera's calls: the loop's one sync() waits for both
         mpi = self.comm.mpi
         if op == "all_reduce":
             mpi.Allreduce(x, out)
@@ -105,6 +104,8 @@ def buffers(op, nbytes, n, xp):
 
 
 def timed(fn, iters, sync, mpi):
+    """Seconds per call of the slowest rank: ``iters`` calls queued, then one ``sync()`` (the
+    same for tessera_rt and the peer: on the GPU it waits for every role's stream)."""
     mpi.Barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -154,6 +155,7 @@ def main() -> None:
         factor = dist.bus_factor(op, w.size)
         for nbytes in sizes:
             x, out, size = buffers(op, nbytes, w.size, xp)
+            backend.synchronize()       # x is filled on compute; the peer's stream does not wait for it
             mine = (mapped_empty if xp is np else xp.empty)(out.shape, out.dtype) if args.out else None
             ours(op, x, mesh, mine), peer.run(op, x, out)    # warm up both paths and the pool
             # calibrate iterations so each repetition takes about budget_ms

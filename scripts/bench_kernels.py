@@ -1,18 +1,29 @@
 #!/usr/bin/env python
-"""Benchmark the tile kernels beside their peers, in one run (DESIGN.md convention 8).
+"""Benchmark the kernels beside their peers, in one run (DESIGN.md convention 8).
 
     python scripts/bench_kernels.py            # the backend's device (GPU if CuPy sees one)
     python scripts/bench_kernels.py --quick    # small sizes (CI, CPU)
     python scripts/bench_kernels.py --device cpu --markdown >> BENCHMARKS.md
+    python scripts/bench_kernels.py --json out.json   # the rows as JSON too (scripts/gpu_check.py)
 
-GPU: the tile GEMM beside cuBLAS (cupy.matmul), flash attention forward/backward beside
-PyTorch's scaled_dot_product_attention (when torch sees the GPU), the row kernels and FP8
-quantize beside a device-to-device copy; each with TFLOP/s or GB/s and the fraction of the
-device's peak.  CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA.
+GPU: the tile GEMM beside cuBLAS (cupy.matmul) at 4096^3 fp16 and bf16 and two skinny decode
+shapes, the dual GEMM and SwiGLU beside two matmuls, flash attention forward and backward
+beside PyTorch's scaled_dot_product_attention (when torch sees the GPU; else the fraction of
+the tensor-core peak), the row kernels, FP8 quantize and paged decode beside a
+device-to-device copy; each with TFLOP/s or GB/s and the fraction of the device's peak.
+CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA.  On the CuPy
+stand-in (tests/gpu_emu) the GPU path runs in the emulation harness at tiny shapes: the
+figures say the code ran, not how fast a GPU is.
+
+Fair by construction: both sides get the same input arrays (torch reads CuPy's memory through
+DLPack), run on the same stream (torch on an ExternalStream of it), are timed by the same
+clock (events around a loop of calls, no synchronization inside the window), and alternate
+sample by sample.  Forward-only peers run without autograd.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -21,8 +32,9 @@ import time
 
 import numpy as np
 
-# dense fp16 tensor-core TFLOP/s and HBM TB/s (vendor datasheets, SXM parts)
-PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0), "L40S": (362.0, 0.864)}
+# dense fp16/bf16 tensor-core TFLOP/s and HBM TB/s (vendor datasheets); first match wins
+PEAKS = {"H100 PCIe": (756.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0),
+         "L40S": (362.0, 0.864)}
 
 
 def peak_for(name: str):
@@ -32,36 +44,309 @@ def peak_for(name: str):
     return (None, None)
 
 
-class Timer:
-    def __init__(self, gpu: bool, reps: int):
-        self.gpu, self.reps = gpu, reps
+class Clock:
+    """Median milliseconds per call, the two sides of a comparison sampled alternately.
+
+    A sample is a loop of ``iters`` calls between two timestamps (CUDA events recorded on the
+    one stream both sides run on, or the host clock on the CPU), then one wait for the end
+    event: the same synchronization for every side.  ``iters`` is set per side from a first
+    timed call so that a sample lasts about ``target_ms``."""
+
+    def __init__(self, gpu: bool, reps: int, stream=None, target_ms: float = 2.0, max_iters: int = 200):
+        self.gpu, self.reps, self.stream = gpu, reps, stream
+        self.target_ms, self.max_iters = target_ms, max_iters
         if gpu:
             import cupy
             self.cp = cupy
 
-    def __call__(self, fn, *args, **kw) -> float:
-        """Median milliseconds of ``reps`` runs after one warmup."""
-        fn(*args, **kw)
-        times = []
-        for _ in range(self.reps):
-            if self.gpu:
-                s, e = self.cp.cuda.Event(), self.cp.cuda.Event()
-                s.record()
-                fn(*args, **kw)
-                e.record()
-                e.synchronize()
-                times.append(self.cp.cuda.get_elapsed_time(s, e))
-            else:
-                t0 = time.perf_counter()
-                fn(*args, **kw)
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+    def _sample(self, fn, iters: int) -> float:
+        if self.gpu:
+            start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+            start.record(self.stream)
+            for _ in range(iters):
+                fn()
+            end.record(self.stream)
+            end.synchronize()
+            return self.cp.cuda.get_elapsed_time(start, end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+    def _iters(self, fn) -> int:
+        fn()                                   # warm-up: compiles, fills the memory pools
+        once = self._sample(fn, 1)
+        return int(max(1, min(self.max_iters, self.target_ms / max(once, 1e-4))))
+
+    def pair(self, ours, peer=None):
+        """(ours ms, peer ms or None): medians over ``reps`` samples each, interleaved."""
+        sides = [ours] + ([peer] if peer is not None else [])
+        iters = [self._iters(fn) for fn in sides]
+        times: list[list[float]] = [[] for _ in sides]
+        for r in range(self.reps):
+            order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+            for i in order:
+                times[i].append(self._sample(sides[i], iters[i]))
+        meds = [statistics.median(t) for t in times]
+        return meds[0], (meds[1] if peer is not None else None)
 
 
-def rate(flops=None, nbytes=None, ms=1.0):
-    if flops is not None:
-        return flops / ms / 1e9, "TFLOP/s"
-    return nbytes / ms / 1e6, "GB/s"
+def max_rel_err(got, want) -> float:
+    g, w = (np.asarray(x, np.float64) for x in (got, want))
+    return float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30))
+
+
+class Bench:
+    def __init__(self, args):
+        if args.device != "auto":
+            os.environ["TESSERA_DEVICE"] = args.device
+        from tessera_rt import runtime
+        from tessera_rt.backend import get_backend
+        self.be = get_backend()
+        self.gpu, self.xp, self.quick = self.be.is_gpu, self.be.xp, args.quick
+        self.emulated = self.gpu and bool(getattr(self.xp, "__tessera_standin__", False))
+        self.rows: list[dict] = []
+        self.rng = np.random.default_rng(0)
+        self.stream = None
+        self.torch, self.tdev = self._torch()
+        if self.gpu:
+            cp = self.xp
+            self.stream = runtime.stream("compute").raw      # CuPy's current stream from here on
+            props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            self.device = name + (" (emulated: CuPy stand-in + CUDA emulation harness)" if self.emulated else "")
+        else:
+            import platform
+            self.device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        self.peak_tf, self.peak_bw = peak_for(self.device) if self.gpu and not self.emulated else (None, None)
+        reps = args.reps or (2 if self.emulated else 3 if args.quick else 10)
+        self.clock = Clock(self.gpu, reps, self.stream, target_ms=2.0 if self.gpu else 5.0,
+                           max_iters=1 if self.emulated else 200)
+
+    def pick(self, emulated, quick, gpu, cpu):
+        """The sizes for this run: tiny in the emulation harness, small with --quick."""
+        return emulated if self.emulated else quick if self.quick else gpu if self.gpu else cpu
+
+    def _torch(self):
+        """(torch, device) for the peers: on the GPU only a torch that sees it."""
+        try:
+            import torch
+        except Exception:              # not installed, or a broken install: bench without it
+            return None, None
+        if not self.gpu:
+            return torch, "cpu"
+        return (torch, "cuda") if not self.emulated and torch.cuda.is_available() else (None, None)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def arr(self, shape, dtype=None, scale=1.0):
+        dtype = dtype or (np.float16 if self.gpu else np.float32)
+        return self.xp.asarray((self.rng.standard_normal(shape) * scale).astype(dtype))
+
+    def tt(self, a, grad: bool = False):
+        """A torch tensor on ``a``'s own memory (DLPack on the GPU, from_numpy on the CPU)."""
+        t = self.torch.from_dlpack(a) if self.gpu else self.torch.from_numpy(np.asarray(a))
+        return t.detach().requires_grad_() if grad else t
+
+    def on_stream(self, fn):
+        """``fn`` run by torch on the benchmark's stream (so the same events time it)."""
+        if not self.gpu:
+            return fn
+        torch = self.torch
+        ext = torch.cuda.ExternalStream(self.stream.ptr)
+
+        def run():
+            with torch.cuda.stream(ext):
+                return fn()
+        return run
+
+    def add(self, kernel, shape, ms, peer="", peer_ms=None, *, flops=None, nbytes=None, check="", note=""):
+        unit, work = ("TFLOP/s", flops / 1e9) if flops is not None else ("GB/s", nbytes / 1e6)
+        r = work / ms
+        peak = (self.peak_tf if unit == "TFLOP/s" else (self.peak_bw * 1e3 if self.peak_bw else None))
+        self.rows.append(dict(
+            kernel=kernel, shape=shape, ms=ms, rate=r, unit=unit, of_peak=r / peak if peak else None, peer=peer,
+            peer_ms=peer_ms, peer_rate=work / peer_ms if peer_ms else None, speedup=peer_ms / ms if peer_ms else None,
+            check=check, note=note))
+
+    def checked(self, got, want, tol) -> str:
+        err = max_rel_err(self.be.to_host(got), self.be.to_host(want))
+        return f"{'ok' if err <= tol else 'MISMATCH'} (err {err:.1e})"
+
+    # ---- sections --------------------------------------------------------------------------
+    def gemm(self):
+        xp = self.xp
+        if not self.gpu:
+            from tessera_rt import kernels as K
+            from tessera_rt.dtypes import resolve_dtype
+            sizes = self.pick(None, [(256, 256, 256)], None, [(512, 512, 512), (1024, 1024, 1024), (8, 1024, 4096)])
+            for m, k, n in sizes:
+                a, b = self.arr((m, k)), self.arr((k, n))
+                ms, peer_ms = self.clock.pair(lambda: K.matmul(a, b, tile_shape=(128, 128, 64)), lambda: xp.matmul(a, b))
+                self.add("matmul ref (K-tiled)", f"{m}x{k}x{n} f32", ms, "np.matmul", peer_ms, flops=2 * m * n * k)
+                ab, bb = a.astype(resolve_dtype("bf16")), b.astype(resolve_dtype("bf16"))
+                ms, peer_ms = self.clock.pair(lambda: K.matmul(ab, bb), lambda: xp.matmul(a, b))
+                self.add("matmul ref bf16->f32 acc", f"{m}x{k}x{n} bf16", ms, "np.matmul f32", peer_ms,
+                         flops=2 * m * n * k)
+            return
+        from tessera_rt.kernels.gemm_cuda import tile_gemm
+        sizes = self.pick([(64, 64, 64), (2, 64, 128)], [(256, 256, 256), (8, 256, 1024)],
+                          [(4096, 4096, 4096), (8, 4096, 4096), (8, 4096, 14336)], None)
+        for m, k, n in sizes:
+            a, b = self.arr((m, k)), self.arr((k, n))
+            tiles = [(128, 128, 32)] if m >= 128 else [(64, 64, 32), (64, 128, 32)]
+            best = None
+            for tile in tiles:                  # skinny shapes: the better of the 64-row tiles
+                ms, peer_ms = self.clock.pair(lambda: tile_gemm(a, b, tile), lambda: xp.matmul(a, b))
+                if best is None or ms < best[1]:
+                    best = (tile, ms, peer_ms)
+            tile, ms, peer_ms = best
+            self.add(f"tile_gemm{tile}", f"{m}x{k}x{n} f16", ms, "cuBLAS (cupy.matmul)", peer_ms,
+                     flops=2 * m * n * k, check=self.checked(tile_gemm(a, b, tile), xp.matmul(a, b), 2e-2))
+        m, k, n = sizes[0]
+        self.gemm_bf16(m, k, n)
+
+    def gemm_bf16(self, m, k, n):
+        """The tile kernel's bf16 variant (operands as bit patterns: CuPy has no bfloat16 dtype)
+        beside cuBLAS's bf16 GEMM through torch.matmul on the same memory."""
+        xp = self.xp
+        from tessera_rt.kernels.cuda_common import get_function
+        from tessera_rt.kernels.gemm_cuda import GEMM_CONFIGS, render_gemm
+        import ml_dtypes
+        tile = (128, 128, 32)
+        host = [(self.rng.standard_normal(s)).astype(ml_dtypes.bfloat16) for s in ((m, k), (k, n))]
+        a, b = (xp.asarray(h.view(np.uint16)) for h in host)
+        fn = get_function("tile_gemm", "ts_gemm", dict(BM=tile[0], BN=tile[1], BK=tile[2], dtype="bf16"), render_gemm)
+        grid, block = ((n + tile[1] - 1) // tile[1], (m + tile[0] - 1) // tile[0], 1), (math.prod(GEMM_CONFIGS[tile]) * 32,)
+
+        def ours():
+            c = xp.empty((m, n), np.uint16)
+            fn(grid, block, (a, b, b, c, c, np.int32(m), np.int32(n), np.int32(k), np.int64(0), np.int64(0),
+                             np.int64(m * n)))
+            return c
+        peer, peer_ms = "", None
+        want = xp.matmul(*(xp.asarray(h.astype(np.float32)) for h in host))
+        if self.torch is not None:
+            ta, tb = (self.tt(x.view(np.int16)).view(self.torch.bfloat16) for x in (a, b))
+            run_peer = self.on_stream(lambda: self.torch.matmul(ta, tb))
+            ms, peer_ms = self.clock.pair(ours, run_peer)
+            peer = "cuBLAS bf16 (torch.matmul)"
+        else:
+            ms, _ = self.clock.pair(ours)
+        got = self.be.to_host(ours()).view(ml_dtypes.bfloat16).astype(np.float32)
+        self.add(f"tile_gemm{tile} bf16", f"{m}x{k}x{n} bf16", ms, peer, peer_ms, flops=2 * m * n * k,
+                 check=self.checked(got, want, 2e-2),
+                 note="" if peer else "no bf16 cuBLAS peer: CuPy has no bfloat16 dtype and torch does not see the GPU")
+
+    def dual(self):
+        xp, kern = self.xp, self.be.kernel
+        t_, d_, f_ = self.pick((32, 64, 128), (128, 256, 512), (4096, 4096, 11008), (512, 1024, 2048))
+        xs, w1, w3 = self.arr((t_, d_)), self.arr((d_, f_), scale=0.05), self.arr((d_, f_), scale=0.05)
+        flops = 2 * 2 * t_ * d_ * f_
+        two = (lambda: (xp.matmul(xs, w1), xp.matmul(xs, w3)))
+        ms, peer_ms = self.clock.pair(lambda: kern("dual_matmul")(xs, w1, w3), two)
+        self.add("dual_matmul (one pass over x)", f"{t_}x{d_}->2x{f_}", ms, "2x matmul", peer_ms, flops=flops)
+
+        def swiglu_peer():
+            a, b = two()
+            return a / (1 + xp.exp(-a)) * b
+        ms, peer_ms = self.clock.pair(lambda: kern("swiglu")(xs, w1, w3), swiglu_peer)
+        self.add("swiglu (dual GEMM, fused)", f"{t_}x{d_}->{f_}", ms, "2x matmul + silu*mul", peer_ms, flops=flops,
+                 check=self.checked(kern("swiglu")(xs, w1, w3), swiglu_peer(), 3e-2))
+
+    def attention(self):
+        kern = self.be.kernel
+        configs = self.pick([(1, 2, 2, 64, 64, True)], [(1, 4, 4, 128, 64, True)],
+                            [(4, 16, 16, 2048, 64, True), (4, 16, 16, 2048, 128, True), (2, 32, 8, 4096, 128, True)],
+                            [(1, 8, 8, 512, 64, True), (1, 8, 2, 512, 128, True)])
+        torch = self.torch
+        roofline = "" if torch is not None or not self.gpu else (
+            "no CUDA torch: against the tensor-core roofline (of peak)")
+        fa, fab = kern("flash_attention"), kern("flash_attention_backward")
+        for b_, h_, hkv, s_, d_, causal in configs:
+            q, k, v = self.arr((b_, h_, s_, d_)), self.arr((b_, hkv, s_, d_)), self.arr((b_, hkv, s_, d_))
+            flops = 4 * b_ * h_ * s_ * s_ * d_ * (0.5 if causal else 1.0)
+            label = f"B{b_} H{h_}/{hkv} S{s_} D{d_}{' causal' if causal else ''}"
+            o, lse = fa(q, k, v, causal=causal, return_lse=True)
+            do = self.arr(q.shape)
+            peer, fwd_peer, bwd_peer, check = "", None, None, ""
+            if torch is not None:
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                kw = dict(is_causal=causal, enable_gqa=h_ != hkv)
+                tq, tk, tv = (self.tt(t) for t in (q, k, v))
+
+                def fwd():
+                    with torch.no_grad():
+                        return sdpa(tq, tk, tv, **kw)
+                fwd_peer = self.on_stream(fwd)
+                gq, gk, gv = (self.tt(t, grad=True) for t in (q, k, v))
+                to = self.on_stream(lambda: sdpa(gq, gk, gv, **kw))()
+                tdo = self.tt(do)
+                bwd_peer = self.on_stream(lambda: torch.autograd.grad(to, (gq, gk, gv), tdo, retain_graph=True))
+                peer = "torch SDPA"
+                ref = fwd_peer()
+                check = self.checked(o, self.xp.from_dlpack(ref) if self.gpu else ref.numpy(), 2e-2)
+            ms, peer_ms = self.clock.pair(lambda: fa(q, k, v, causal=causal), fwd_peer)
+            self.add("flash_attention fwd", label, ms, peer, peer_ms, flops=flops, check=check, note=roofline)
+            ms, peer_ms = self.clock.pair(lambda: fab(q, k, v, o, do, lse, causal=causal), bwd_peer)
+            self.add("flash_attention bwd", label, ms, peer + (" backward" if peer else ""), peer_ms,
+                     flops=2.5 * flops, note=roofline)
+
+    def memory_bound(self):
+        xp, kern = self.xp, self.be.kernel
+        shape = self.pick((8, 256), (256, 1024), (8192, 4096), (2048, 1024))
+        x, w, bvec = self.arr(shape, scale=2), self.arr(shape[-1:]), self.arr(shape[-1:])
+        nbytes = 2 * x.size * x.dtype.itemsize                     # read x, write y
+        copy = "D2D copy" if self.gpu else "memcpy"
+        dt = np.dtype(x.dtype).name
+        for name, fn in (("softmax", lambda: kern("softmax")(x)), ("layernorm", lambda: kern("layernorm")(x, w, bvec)),
+                         ("rmsnorm", lambda: kern("rmsnorm")(x, w)), ("bias_gelu", lambda: kern("bias_act")(x, bvec)),
+                         ("bias_silu", lambda: kern("bias_act")(x, bvec, act="silu"))):
+            ms, peer_ms = self.clock.pair(fn, x.copy)
+            self.add(name, f"{shape} {dt}", ms, copy, peer_ms, nbytes=nbytes)
+        xf = self.arr(shape, np.float32, scale=3)
+        same_bytes = xp.zeros(xf.size * 5 // 2, np.uint8)       # its copy reads + writes 5 B per element of xf
+        ms, peer_ms = self.clock.pair(lambda: kern("quantize_fp8")(xf, "fp8_e4m3", scale="per_channel"),
+                                      same_bytes.copy)
+        self.add("quantize_fp8 e4m3/ch", f"{shape} f32", ms, f"{copy}, same bytes", peer_ms, nbytes=xf.size * 5)
+        self.paged_decode()
+
+    def paged_decode(self):
+        xp, kern = self.xp, self.be.kernel
+        b, h, hkv, d, bs, n = self.pick((2, 4, 2, 64, 16, 40), (4, 8, 2, 64, 16, 256), (16, 32, 8, 128, 16, 2048),
+                                        (4, 8, 2, 64, 16, 512))
+        per = -(-n // bs)
+        nb = b * per
+        tables = xp.asarray(np.random.default_rng(1).permutation(nb).reshape(b, per).astype(np.int32))
+        lens = xp.asarray(np.full(b, n, np.int32))
+        q, kp, vp = self.arr((b, h, d)), self.arr((nb, hkv, bs, d)), self.arr((nb, hkv, bs, d))
+        item = np.dtype(q.dtype).itemsize
+        nbytes = 2 * b * n * hkv * d * item + 2 * q.size * item     # K and V read, q read, out written
+        # a copy of the K pages reads and writes as many bytes as the kernel reads from K and V
+        ms, peer_ms = self.clock.pair(lambda: kern("paged_decode_attention")(q, kp, vp, tables, lens), kp.copy)
+        self.add("paged_decode_attention", f"B{b} H{h}/{hkv} D{d} len {n} page {bs}", ms,
+                 f"{'D2D copy' if self.gpu else 'memcpy'} of the K pages", peer_ms, nbytes=nbytes)
+
+    def conv(self):
+        from tessera_rt import kernels as K
+        n_, c_, hw, kk = self.pick((1, 4, 32, 7), (1, 4, 32, 7), (4, 16, 256, 15), (4, 16, 64, 15))
+        xi, wk = self.arr((n_, c_, hw, hw), np.float32), self.arr((c_, c_, kk, kk), np.float32)
+        peer = None if self.gpu else (lambda: K.conv2d_direct(xi, wk))
+        ms, peer_ms = self.clock.pair(lambda: K.conv2d_fft(xi, wk), peer)
+        self.add("conv2d_fft", f"{n_}x{c_}x{hw}x{hw} k{kk}", ms, "direct conv" if peer else "", peer_ms,
+                 flops=2 * n_ * c_ * c_ * hw * hw * kk * kk)
+
+
+def format_rows(rows: list[dict], markdown: bool) -> list[str]:
+    head = ("kernel", "shape", "ms", "rate", "of peak", "peer", "peer ms", "peer rate", "speedup vs peer", "check")
+    def fmt(v, spec, suffix=""):
+        return "" if v is None else f"{v:{spec}}{suffix}"
+    cells = [(r["kernel"], r["shape"], fmt(r["ms"], ".3f"), fmt(r["rate"], ".3g", " " + r["unit"]),
+              fmt(r["of_peak"], ".1%"), r["peer"], fmt(r["peer_ms"], ".3f"), fmt(r["peer_rate"], ".3g"),
+              fmt(r["speedup"], ".2f", "x"), (r["check"] + " " + r["note"]).strip()) for r in rows]
+    if markdown:
+        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(c) + " |" for c in cells]
+    widths = [max(len(str(c[i])) for c in cells + [head]) for i in range(len(head))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(c_, widths)).rstrip() for c_ in [head] + cells]
 
 
 def main(argv=None) -> int:
@@ -69,149 +354,26 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, few reps")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None, help="samples per side (median taken)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
-    if args.device != "auto":
-        os.environ["TESSERA_DEVICE"] = args.device
-    from tessera_rt.backend import get_backend
-    import tessera_rt.kernels as K
-    be = get_backend()
-    gpu = be.is_gpu
-    xp = be.xp
-    timer = Timer(gpu, args.reps or (3 if args.quick else 10))
-    if gpu:
-        import cupy
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    else:
-        import platform
-        device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    peak_tf, peak_bw = peak_for(device) if gpu else (None, None)
-    rows: list[tuple] = []
-
-    def add(kernel, shape, ms, r, unit, peer, peer_ms, peer_r=None):
-        frac = ""
-        if unit == "TFLOP/s" and peak_tf:
-            frac = f"{r / peak_tf:.1%}"
-        elif unit == "GB/s" and peak_bw:
-            frac = f"{r / (peak_bw * 1e3):.1%}"
-        ratio = f"{peer_ms / ms:.2f}x" if peer_ms else ""
-        rows.append((kernel, shape, f"{ms:.3f}", f"{r:.2f} {unit}", frac, peer,
-                     f"{peer_ms:.3f}" if peer_ms else "", f"{peer_r:.2f}" if peer_r else "", ratio))
-
-    rng = np.random.default_rng(0)
-
-    def arr(shape, dtype=np.float16 if gpu else np.float32, scale=1.0):
-        return xp.asarray((rng.standard_normal(shape) * scale).astype(dtype))
-
-    # ---- GEMM
-    sizes = [(256, 256, 256)] if args.quick else [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192)]
-    if not gpu and not args.quick:
-        sizes = [(512, 512, 512), (1024, 1024, 1024)]
-    for m, k, n in sizes:
-        a, b = arr((m, k)), arr((k, n))
-        flops = 2 * m * n * k
-        peer_ms = timer(xp.matmul, a, b)
-        peer_r = rate(flops, ms=peer_ms)[0]
-        if gpu:
-            from tessera_rt.kernels.gemm_cuda import tile_gemm
-            for tile in ((128, 128, 32), (64, 64, 32)):
-                ms = timer(tile_gemm, a, b, tile)
-                add(f"tile_gemm{tile}", f"{m}x{k}x{n} f16", ms, *rate(flops, ms=ms), "cuBLAS", peer_ms, peer_r)
-        else:
-            ms = timer(K.matmul, a, b, tile_shape=(128, 128, 64))
-            add("matmul ref (K-tiled)", f"{m}x{k}x{n} f32", ms, *rate(flops, ms=ms), "np.matmul", peer_ms, peer_r)
-            from tessera_rt.dtypes import resolve_dtype
-            ab, bb = a.astype(resolve_dtype("bf16")), b.astype(resolve_dtype("bf16"))
-            ms = timer(K.matmul, ab, bb)
-            add("matmul ref bf16->f32 acc", f"{m}x{k}x{n} bf16", ms, *rate(flops, ms=ms), "np.matmul f32",
-                peer_ms, peer_r)
-
-    # ---- memory-bound: norms, softmax, bias+act, fp8 vs a device copy
-    shape = (256, 1024) if args.quick else ((8192, 4096) if gpu else (2048, 1024))
-    x = arr(shape, scale=2)
-    w = arr(shape[-1:])
-    bvec = arr(shape[-1:])
-    nbytes = 2 * x.size * x.dtype.itemsize
-    copy_ms = timer(lambda: x.copy())
-    copy_r = rate(nbytes=nbytes, ms=copy_ms)[0]
-    kern = be.kernel
-    for name, fn in (("softmax", lambda: kern("softmax")(x)), ("layernorm", lambda: kern("layernorm")(x, w, bvec)),
-                     ("rmsnorm", lambda: kern("rmsnorm")(x, w)), ("bias_gelu", lambda: kern("bias_act")(x, bvec)),
-                     ("bias_silu", lambda: kern("bias_act")(x, bvec, act="silu"))):
-        ms = timer(fn)
-        add(name, f"{shape} {np.dtype(x.dtype).name}", ms, *rate(nbytes=nbytes, ms=ms), "D2D copy" if gpu else "memcpy",
-            copy_ms, copy_r)
-    xf = arr(shape, np.float32, scale=3)
-    ms = timer(kern("quantize_fp8"), xf, "fp8_e4m3", scale="per_channel")
-    add("quantize_fp8 e4m3/ch", f"{shape} f32", ms, *rate(nbytes=xf.size * 5, ms=ms), "copy", copy_ms, copy_r)
-
-    # ---- SwiGLU double matmul
-    t_, d_, f_ = (128, 256, 512) if args.quick else ((4096, 4096, 11008) if gpu else (512, 1024, 2048))
-    xs, w1, w3 = arr((t_, d_)), arr((d_, f_), scale=0.05), arr((d_, f_), scale=0.05)
-    flops = 2 * 2 * t_ * d_ * f_
-    peer_ms = timer(lambda: (xp.matmul(xs, w1), xp.matmul(xs, w3)))
-    ms = timer(kern("swiglu"), xs, w1, w3)
-    add("swiglu (dual GEMM)", f"{t_}x{d_}->{f_}", ms, *rate(flops, ms=ms), "2x matmul", peer_ms, rate(flops, ms=peer_ms)[0])
-
-    # ---- attention
-    try:
-        import torch
-        tdev = "cuda" if gpu and torch.cuda.is_available() else "cpu"
-        if gpu and tdev == "cpu":
-            torch = None
-    except Exception:              # not installed, or a broken install: bench without the peer
-        torch = None
-    configs = [(1, 4, 4, 128, 64, True)] if args.quick else (
-        [(4, 16, 16, 2048, 64, True), (4, 16, 16, 2048, 128, True), (2, 32, 8, 4096, 128, True)] if gpu
-        else [(1, 8, 8, 512, 64, True), (1, 8, 2, 512, 128, True)])
-    for b_, h_, hkv, s_, d_, causal in configs:
-        q, k, v = arr((b_, h_, s_, d_)), arr((b_, hkv, s_, d_)), arr((b_, hkv, s_, d_))
-        flops = 4 * b_ * h_ * s_ * s_ * d_ * (0.5 if causal else 1.0)
-        peer, peer_ms = "", None
-        if torch is not None:
-            tq, tk, tv = (torch.as_tensor(t_ if not gpu else t_.get(), device=tdev).requires_grad_()
-                          for t_ in (q, k, v))
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            def run_sdpa():
-                r = sdpa(tq, tk, tv, is_causal=causal, enable_gqa=h_ != hkv)
-                if tdev == "cuda":
-                    torch.cuda.synchronize()
-                return r
-            peer, peer_ms = "torch SDPA", timer(run_sdpa)
-        fa = kern("flash_attention")
-        ms = timer(fa, q, k, v, causal=causal)
-        label = f"B{b_} H{h_}/{hkv} S{s_} D{d_}{' causal' if causal else ''}"
-        add("flash_attention fwd", label, ms, *rate(flops, ms=ms), peer, peer_ms,
-            rate(flops, ms=peer_ms)[0] if peer_ms else None)
-        o, lse = fa(q, k, v, causal=causal, return_lse=True)
-        do = arr(q.shape)
-        ms = timer(kern("flash_attention_backward"), q, k, v, o, do, lse, causal=causal)
-        add("flash_attention bwd", label, ms, *rate(2.5 * flops, ms=ms), "", None)
-
-    # ---- spectral conv
-    n_, c_, hw, kk = (1, 4, 32, 7) if args.quick else (4, 16, 64 if not gpu else 256, 15)
-    xi, wk = arr((n_, c_, hw, hw), np.float32), arr((c_, c_, kk, kk), np.float32)
-    flops = 2 * n_ * c_ * c_ * hw * hw * kk * kk
-    ms = timer(K.conv2d_fft, xi, wk)
-    peer, peer_ms = "", None
-    if not gpu:
-        peer, peer_ms = "direct conv", timer(K.conv2d_direct, xi, wk)
-    add("conv2d_fft", f"{n_}x{c_}x{hw}x{hw} k{kk}", ms, *rate(flops, ms=ms), peer, peer_ms,
-        rate(flops, ms=peer_ms)[0] if peer_ms else None)
-
-    head = ("kernel", "shape", "ms", "rate", "of peak", "peer", "peer ms", "peer rate", "speedup vs peer")
-    print(f"# tessera_rt kernel benchmarks on {device}" + (" (quick)" if args.quick else ""))
-    if args.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-    else:
-        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-        for r in [head] + rows:
-            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    return 0
+    bench = Bench(args)
+    errors = []
+    for section in (bench.gemm, bench.dual, bench.attention, bench.memory_bound, bench.conv):
+        try:
+            section()
+        except Exception as exc:         # one broken section must not hide the others' figures
+            errors.append(f"{section.__name__}: {type(exc).__name__}: {exc}")
+    title = f"# tessera_rt kernel benchmarks on {bench.device}" + (" (quick)" if args.quick else "")
+    print(title)
+    print("\n".join(format_rows(bench.rows, args.markdown)))
+    for e in errors:
+        print(f"FAILED {e}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=bench.device, gpu=bench.gpu, emulated=bench.emulated, quick=args.quick,
+                           rows=bench.rows, errors=errors), f, indent=1)
+    return 1 if errors or any(r["check"].startswith("MISMATCH") for r in bench.rows) else 0
 
 
 if __name__ == "__main__":

@@ -30,11 +30,14 @@ def gpu_available() -> bool:
 # Decided when this file is imported, before any test module is: tests/test_cupy_standin.py
 # and tests/test_cuda_emu.py put the stand-in on sys.path during collection, and its
 # `cupy` must not make this process look like a GPU machine.  A process started with the
-# stand-in on PYTHONPATH (TESSERA_DEVICE=cuda, tests/test_gpu_path_standin.py) runs the
+# stand-in on PYTHONPATH (tests/test_gpu_path_standin.py, tests/test_gpu_machine.py) runs the
 # gpu-marked tests on it, emulated.
 GPU_AT_START = gpu_available()
-if not GPU_AT_START:
-    os.environ.setdefault("TESSERA_DEVICE", "cpu")
+# Every test runs on the backend it was written for, whatever the machine: the tests are
+# written for the CPU unless marked `gpu`, and the backend is chosen once per process from
+# TESSERA_DEVICE (an unset one picks cuda where CuPy sees a GPU).  Subprocesses and mpiexec
+# launches inherit it; the fixture below switches to cuda for the gpu-marked tests.
+os.environ["TESSERA_DEVICE"] = "cpu"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,6 +46,36 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def use_backend(device: str) -> None:
+    """Make ``device`` ("cpu" or "cuda") this process's backend from the next get_backend().
+
+    The runtime's streams belong to the old backend: they are finished and dropped (a fresh
+    compute stream is made on the new one if there were any).  A dist world, made once per
+    process, keeps the backend it was made on: the gpu-marked tests that use the cuda backend
+    in this process (tests/kernels/test_gpu.py) use no world, and the multi-rank ones launch
+    their ranks."""
+    from tessera_rt import runtime
+    from tessera_rt.backend import reset_backend
+    os.environ["TESSERA_DEVICE"] = device
+    reset_backend()
+    runtime.reset()
+
+
+@pytest.fixture(autouse=True)
+def _backend_written_for(request):
+    """gpu-marked tests on the cuda backend, every other test on the CPU backend (switched
+    only where a test of the other kind follows: the gpu-marked ones sit together)."""
+    want = "cuda" if request.node.get_closest_marker("gpu") else "cpu"
+    if os.environ.get("TESSERA_DEVICE") != want:
+        use_backend(want)
+    yield
+
+
+# The multi-rank suites written against the backend's array module (tests/mpi): they run on the
+# cuda backend too, on the GPU machine (tests/test_gpu_suites.py) and on the stand-in.
+BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
 
 
 # The strict CuPy/NCCL stand-in (tests/gpu_emu/cupy) and the CUDA emulation harness
@@ -67,10 +100,13 @@ def mpi_env(nranks: int, device: str = "cpu", extra: dict | None = None) -> dict
     return env
 
 
-def run_mpi_suite(suite, nranks: int, device: str = "cpu", env: dict | None = None, folder: str = "mpi") -> None:
+def run_mpi_suite(suite, nranks: int, device: str | None = None, env: dict | None = None,
+                  folder: str = "mpi") -> None:
     """Run tests/<folder>/<suite> (a file name, or a list run in one launch) under mpiexec;
-    fail with the job's output if it fails or hangs.  ``env`` adds variables (e.g.
-    ``standin_env()``, which also sets the device)."""
+    fail with the job's output if it fails or hangs.  ``device`` defaults to the one the
+    folder is written for (tests/mpi: cpu, tests/mpi_cuda: cuda), on a GPU machine too;
+    ``env`` adds variables (e.g. ``standin_env()``, which also sets the device)."""
+    device = device or ("cuda" if folder == "mpi_cuda" else "cpu")
     where = ROOT / "tests" / folder
     files = [str(where / s) for s in ([suite] if isinstance(suite, str) else suite)]
     # the hypothesis and anyio pytest plugins cost ~1.2 s of CPU per rank at start-up and no

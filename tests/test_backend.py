@@ -18,7 +18,10 @@ def test_cpu_backend_by_default_here():
 
 def test_asking_for_cuda_without_gpu_is_one_clear_line():
     code = "import tessera_rt as ts; ts.get_backend()"
-    env = dict(os.environ, TESSERA_DEVICE="cuda")
+    # no usable GPU on a GPU machine too: no device visible, and not the stand-in's CuPy
+    from conftest import GPU_EMU
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != str(GPU_EMU)]
+    env = dict(os.environ, TESSERA_DEVICE="cuda", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(path))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]

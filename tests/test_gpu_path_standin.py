@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
-
-# the multi-rank suites written against the backend's array module (tests/mpi), one launch each
-BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
+from conftest import BACKEND_AGNOSTIC, LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
 
 
 @pytest.mark.mpi
@@ -67,3 +64,36 @@ def test_kernels_run_through_their_launchers_on_the_standin():
                           cwd=ROOT, env=mpi_env(1, "cuda", standin_env()), capture_output=True, text=True)
     tail = proc.stdout[-5000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and " passed" in tail and "skipped" not in tail, tail
+
+
+# What `scripts/test.sh` runs on a GPU machine, in miniature: CPU-written tests from each area
+# around a few gpu-marked ones (so the backend switches both ways), in a process where CuPy
+# sees one GPU (the stand-in) and TESSERA_DEVICE is unset.
+GPU_MACHINE_TESTS = [
+    "tests/test_layout.py", "tests/test_nn.py",
+    "tests/kernels/test_gpu.py::test_matmul_cuda_default_is_cublas_and_tile_is_opt_in",
+    "tests/kernels/test_gpu.py::test_swiglu_dual_gemm",
+    "tests/kernels/test_gpu.py::test_row_kernels[256-float16]",
+    "tests/kernels/test_gpu.py::test_kernels_run_on_runtime_stream",
+    "tests/kernels/test_gpu.py::test_ordering_events_skip_timing_and_timed_ones_time",
+    "tests/kernels/test_gpu.py::test_outputs_are_allocated_on_the_launch_stream",
+    "tests/test_autodiff.py", "tests/kernels/test_gemm_norms.py",
+    "tests/test_inference.py::test_decode_through_the_cache_equals_full_recompute",
+    "tests/test_inference.py::test_continuous_batching_gives_the_same_tokens",
+    "tests/test_inference.py::test_window_drops_stale_pages_and_limits_look_back",
+    "tests/test_inference.py::test_bf16_weights_and_cache",
+    "tests/test_inference.py::test_bad_inputs_raise_clear_errors",
+]
+
+
+@pytest.mark.timeout(240)
+def test_single_process_tests_pass_on_a_gpu_machine():
+    env = {k: v for k, v in mpi_env(1).items() if k != "TESSERA_DEVICE"}
+    env.update(standin_env(devices=1))
+    del env["TESSERA_DEVICE"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *GPU_MACHINE_TESTS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+    out = proc.stdout + proc.stderr
+    gpu = [t for t in GPU_MACHINE_TESTS if "test_gpu.py" in t]
+    ran_on_gpu = [t for t in gpu if f"PASSED {t}" in out]
+    assert proc.returncode == 0 and ran_on_gpu == gpu and " failed" not in out, out[-6000:]

@@ -189,6 +189,8 @@ def test_fp8_dequantize_bits_matches_cpu(fmt):
     assert np.abs(got - x).max() <= np.abs(x).max(axis=1).max() * 2 ** -3
 
 
+@pytest.mark.skipif(EMULATED, reason="Numba tile kernels need the CUDA driver; on the CPU they run in "
+                    "Numba's simulator (tests/cudasim)")
 def test_tile_saxpy_on_gpu(monkeypatch):
     from numba.cuda.cudadrv import driver
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
@@ -268,10 +270,18 @@ def test_outputs_are_allocated_on_the_launch_stream():
     x, w = cp.asarray(rnd((8, 256))), cp.asarray(rnd((256,), seed=1))
     other.wait_event(cp.cuda.get_current_stream().record())     # x and w are ready
     y = R.rmsnorm_cuda(x, w, stream=other)
+    block = y.data.ptr
     del y
     z = cp.empty_like(x)                # must not get the block the kernel may still write
     z.fill(0)
+    assert z.data.ptr != block, ("rmsnorm_cuda(stream=other) allocated its output on the current stream: the "
+                                 "freed block went back to the current stream's arena while the kernel may still write it")
     other.synchronize()
+    y = R.rmsnorm_cuda(x, w, stream=other)
+    other.synchronize()
+    np.testing.assert_allclose(y.get().astype(np.float64), K.rmsnorm(rnd((8, 256)).astype(np.float64),
+                                                                     rnd((256,), seed=1).astype(np.float64)),
+                               rtol=1e-2, atol=2e-2)
 
 
 def test_launches_stay_within_the_grid_limits(monkeypatch):

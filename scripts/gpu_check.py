@@ -1,0 +1,474 @@
+#!/usr/bin/env python
+"""One short run that says what tessera_rt does on this machine's GPU (scripts/gpu_check.sh
+sets up the Python environment and calls this).
+
+    python scripts/gpu_check.py [--quick] [--emulate] [--out DIR] [--budget SECONDS]
+
+Parts, each in its own processes under its own time limit (a part that runs over is killed
+and reported as such; one that finds the run's budget spent is reported as not run):
+
+  gpu tests    the `gpu`-marked single-process tests (pass/fail counts)
+  kernels      scripts/bench_kernels.py: tile GEMM vs cuBLAS, dual GEMM vs two matmuls,
+               flash attention vs torch SDPA (or the tensor-core roofline), row kernels,
+               FP8 quantize and paged decode vs a device-to-device copy
+  train        scripts/train.py on the GPU beside the same run on the CPU (final losses equal
+               within the dtype's tolerance)
+  decode       nn.Llama decode ms/token on the GPU (random weights)
+  multi-rank   the backend-agnostic multi-rank suites at 1, 2 and 4 ranks on the one GPU
+               (ranks sharing it use the host-staged path)
+
+Without a GPU the same parts run on the CuPy stand-in and the CUDA emulation harness
+(tests/gpu_emu), and the first line says so: the figures are then not GPU figures.  Prints one
+table and writes it to OUT/table.md, with everything in OUT/results.json and each part's
+output in OUT/<part>.log (OUT: --out, else $OUT, else ./gpu_check_out).  Exit status 0 when
+every part ran and passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_EMU = ROOT / "tests" / "gpu_emu"
+NO_GPU = ("NO GPU: running on the CuPy stand-in and the CUDA emulation harness "
+          "(figures are not GPU figures)")
+# final-loss agreement of train.py on the two backends (as tests/test_gpu_path_standin.py)
+TRAIN_RTOL = {"float32": 1e-4, "fp16": 2e-3}
+# the quick run's single-process gpu tests: each launcher kind, the backend switch, the streams
+QUICK_TESTS = ("matmul_cuda_default or swiglu_dual_gemm or row_kernels and 256-float16 or "
+               "paged_decode_attention and 4-2-64-float16 or ordering_events or flash_forward and case4")
+
+PROBE = r"""
+import json
+import cupy
+n = cupy.cuda.runtime.getDeviceCount()
+props = cupy.cuda.runtime.getDeviceProperties(0) if n else {}
+name = props.get("name", b"")
+info = dict(count=n, name=name.decode() if isinstance(name, bytes) else name, cupy=cupy.__version__,
+            standin=bool(getattr(cupy, "__tessera_standin__", False)))
+try:
+    info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    info["driver"] = cupy.cuda.runtime.driverGetVersion()
+except Exception:
+    pass
+print(json.dumps(info))
+"""
+
+
+class Run:
+    """The run's settings, environment and clock."""
+
+    def __init__(self, args):
+        self.quick = args.quick
+        self.python = sys.executable
+        self.out = Path(args.out or os.environ.get("OUT") or ROOT / "gpu_check_out").resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start = time.monotonic()
+        self.deadline = self.start + args.budget
+        self.base = dict(os.environ)
+        self.base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), self.base.get("PYTHONPATH")) if p)
+        self.base.setdefault("PYTHONUNBUFFERED", "1")
+        self.gpu = None if args.emulate else self.probe()
+        self.emulated = self.gpu is None
+        if self.emulated:
+            self.base["PYTHONPATH"] = os.pathsep.join((str(GPU_EMU), self.base["PYTHONPATH"]))
+            self.base["TESSERA_STANDIN_DEVICES"] = "1"
+        self.base.pop("TESSERA_DEVICE", None)
+
+    def probe(self) -> dict | None:
+        """The GPU CuPy sees (its own CuPy, never the stand-in), or None."""
+        env = dict(self.base)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep)
+                                            if p and Path(p).resolve() != GPU_EMU.resolve())
+        try:
+            p = subprocess.run([self.python, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+            info = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+            error = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+            info, error = None, f"{type(exc).__name__}: {exc}"
+        if info and info["count"] > 0 and not info["standin"]:
+            return info
+        self.probe_error = error if not info else "CuPy reports 0 devices"
+        return None
+
+    def gpu_cupy_cannot_use(self) -> str:
+        """The GPU nvidia-smi lists when CuPy sees none (a broken or missing CuPy), else ''."""
+        try:
+            p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else ""
+
+    def first_line(self) -> str:
+        if self.emulated:
+            return NO_GPU
+        g = self.gpu
+        cuda = g.get("cuda_runtime")
+        return (f"GPU: {g['name']} (CuPy {g['cupy']}"
+                + (f", CUDA runtime {cuda // 1000}.{cuda % 1000 // 10}" if cuda else "")
+                + (f", driver API {g['driver'] // 1000}.{g['driver'] % 1000 // 10}" if g.get("driver") else "") + ")")
+
+    def env(self, device: str | None = "cuda") -> dict:
+        """The parts' environment; ``device`` sets TESSERA_DEVICE (None: left to tests/conftest.py)."""
+        env = dict(self.base)
+        if device:
+            env["TESSERA_DEVICE"] = device
+        return env
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def sh(self, cmd, env, limit, log: Path):
+        """Run ``cmd`` (its whole process group killed at ``limit`` seconds); (rc, output, timed out)."""
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(map(str, cmd))}\n")
+        p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=max(1.0, limit))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                out, _ = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:     # a process outside the group holds the pipe open
+                out = "(output lost: a process left the killed group and kept its pipe open)"
+            timed_out = True
+        with open(log, "a") as f:
+            f.write(out + (f"\n[killed after {limit:.0f} s]\n" if timed_out else f"\n[exit {p.returncode}]\n"))
+        return p.returncode, out, timed_out
+
+
+class PartFailed(Exception):
+    """The part ran but did not pass; the message says what failed."""
+
+
+class TimedOut(Exception):
+    pass
+
+
+def row(item, value="", peer="", ratio="", note=""):
+    return dict(item=item, value=value, peer=peer, ratio=ratio, note=note)
+
+
+# ------------------------------------------------------------------------------------ parts
+
+def pytest_counts(out: str) -> dict:
+    tail = "\n".join(out.strip().splitlines()[-3:])
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", tail)}
+
+
+def gpu_test_files() -> list[str]:
+    """The suite's files that hold gpu-marked tests (collecting only these keeps the optional
+    test dependencies, hypothesis or transformers, out of the way)."""
+    return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                  if f.parent.name not in ("gpu_emu", "mpi", "mpi_cuda", "cudasim") and "mark.gpu" in f.read_text())
+
+
+def mpiexec(python: str) -> str | None:
+    """The mpiexec tests/conftest.py launches with (the venv's own, else the PATH's)."""
+    here = Path(python).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+def pytest_part(run: Run, limit: float, log: Path, args: list, item) -> list[dict]:
+    """Run pytest with ``args`` (the process's backend left to tests/conftest.py); one row
+    ``item(passed, failed, skipped)`` plus one per failing test.  Fails unless all passed."""
+    cmd = [run.python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args]
+    rc, out, timed_out = run.sh(cmd, run.env(device=None), limit, log)
+    if timed_out:
+        raise TimedOut
+    counts = pytest_counts(out)
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    rows = [item(counts.get("passed", 0), failed, counts.get("skipped", 0))]
+    rows += [row("  " + line.split(" ", 1)[1][:110], "FAILED") for line in out.splitlines()
+             if line.startswith(("FAILED ", "ERROR "))][:20]
+    if rc != 0 or failed or not counts.get("passed"):
+        raise PartFailed(rows, f"pytest exited {rc}")
+    return rows
+
+
+def part_tests(run: Run, limit: float, log: Path) -> list[dict]:
+    where = "on the stand-in, kernels in the emulation harness" if run.emulated else "on the GPU"
+    args = ["-m", "gpu and not mpi"] + (["tests/kernels/test_gpu.py", "-k", QUICK_TESTS] if run.quick
+                                        else gpu_test_files())
+    return pytest_part(run, limit, log, args, lambda passed, failed, skipped: row(
+        "gpu-marked tests" + (" (quick subset)" if run.quick else ""),
+        f"{passed} passed, {failed} failed, {skipped} skipped", note=where))
+
+
+def part_kernels(run: Run, limit: float, log: Path) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernels.json"
+        cmd = [run.python, "scripts/bench_kernels.py", "--json", path] + (["--quick"] if run.quick else [])
+        rc, out, timed_out = run.sh(cmd, run.env(), limit, log)
+        if timed_out:
+            raise TimedOut
+        if not path.exists():
+            raise PartFailed([], f"bench_kernels.py exited {rc} without results")
+        res = json.loads(path.read_text())
+    rows = []
+    for r in res["rows"]:
+        unit = r["unit"]
+        peak = f"{r['of_peak']:.0%} of peak" if r.get("of_peak") else ""
+        rows.append(row(f"{r['kernel']} {r['shape']}", f"{r['rate']:.3g} {unit}",
+                        f"{r['peer']} {r['peer_rate']:.3g}" if r.get("peer_rate") else r["peer"],
+                        f"{r['speedup']:.2f}x" if r.get("speedup") else "",
+                        "; ".join(x for x in (peak, r["check"], r["note"], "emulated" if res["emulated"] else "") if x)))
+    rows += [row("  " + e[:110], "FAILED") for e in res["errors"]]
+    if rc != 0:
+        raise PartFailed(rows, f"bench_kernels.py exited {rc}")
+    return rows
+
+
+def train_args(quick: bool, dtype: str) -> list[str]:
+    return ["--steps", "3" if quick else "6", "--batch", "8", "--seq", "32" if quick else "64", "--d-model",
+            "32" if quick else "64", "--heads", "4", "--layers", "2", "--no-plot", "--no-checkpoint", "--quiet",
+            "--data", "tests/data/tiny_corpus.txt", "--dtype", dtype]
+
+
+def train_only(argv: list[str]) -> int:
+    """scripts/train.py in this process (its losses at full precision): one TRAIN line."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train                           # sets the thread pools' sizes before NumPy loads
+    import numpy as np
+    res = train.train(train.parse_args(argv))
+    times = res["step_times"][1:] or res["step_times"]
+    print("TRAIN " + json.dumps(dict(loss=float(res["losses"][-1]), step_ms=float(np.median(times)) * 1e3)))
+    return 0
+
+
+def part_train(run: Run, limit: float, log: Path) -> list[dict]:
+    rows, bad = [], []
+    end = time.monotonic() + limit
+    for dtype in (["float32"] if run.quick else ["float32", "fp16"]):
+        got = {}
+        args = train_args(run.quick, dtype)
+        for device in ("cuda", "cpu"):
+            cmd = [run.python, "scripts/gpu_check.py", "--train-only", *args]
+            rc, out, timed_out = run.sh(cmd, run.env(device), end - time.monotonic(), log)
+            if timed_out:
+                raise TimedOut(rows)
+            res = [json.loads(line[len("TRAIN "):]) for line in out.splitlines() if line.startswith("TRAIN ")]
+            if rc != 0 or not res:
+                raise PartFailed(rows, f"train.py --dtype {dtype} on {device} exited {rc}")
+            got[device] = (res[0]["loss"], res[0]["step_ms"])
+        (gl, gms), (cl, cms) = got["cuda"], got["cpu"]
+        rel = abs(gl - cl) / abs(cl)
+        same = rel <= TRAIN_RTOL[dtype]
+        bad += [] if same else [dtype]
+        rows.append(row(f"train.py {dtype}, {args[1]} steps: final loss / median step",
+                        f"{gl:.6f} / {gms:.1f} ms", f"CPU {cl:.6f} / {cms:.1f} ms", f"{cms / gms:.2f}x",
+                        f"{'equal' if same else 'DIFFERENT'}: rel diff {rel:.1e} "
+                        f"({'<=' if same else '>'} {TRAIN_RTOL[dtype]:g})"))
+    if bad:
+        raise PartFailed(rows, f"GPU and CPU losses differ beyond tolerance for {', '.join(bad)}")
+    return rows
+
+
+def part_decode(run: Run, limit: float, log: Path) -> list[dict]:
+    cmd = [run.python, "scripts/gpu_check.py", "--decode-only"] + (["--quick"] if run.quick or run.emulated else [])
+    rc, out, timed_out = run.sh(cmd, run.env(), limit, log)
+    if timed_out:
+        raise TimedOut
+    lines = [json.loads(line[len("DECODE "):]) for line in out.splitlines() if line.startswith("DECODE ")]
+    if rc != 0 or not lines:
+        raise PartFailed([], f"the decode run exited {rc}")
+    rows = []
+    for r in lines:
+        rows.append(row(f"nn.Llama decode, {r['model']}, batch {r['batch']}, prompt {r['prompt']}",
+                        f"{r['ms_per_token']:.2f} ms/token", f"weights at HBM peak {r['roofline_ms']:.2f} ms"
+                        if r.get("roofline_ms") else "", "",
+                        f"{r['tokens_per_s']:.0f} tokens/s; prefill {r['prefill_ms']:.1f} ms"))
+    return rows
+
+
+def part_multirank(run: Run, limit: float, log: Path) -> list[dict]:
+    if mpiexec(run.python) is None:
+        raise PartFailed([], "no mpiexec beside this Python or on PATH: install tessera_rt[mpich]")
+    ranks = "2 ranks" if run.quick else "1, 2 and 4 ranks"
+    args = ["-m", "gpu and mpi", "tests/test_gpu_suites.py"] + (["-k", "test_suites_on_gpu and 2"] if run.quick else [])
+    return pytest_part(run, limit, log, args, lambda passed, failed, skipped: row(
+        f"multi-rank suites (collectives, mesh, numeric scope, streams) at {ranks} on one "
+        f"{'emulated GPU' if run.emulated else 'GPU'}", f"{passed} launches passed, {failed} failed",
+        note="1 rank: NCCL; several: host-staged (ranks share the GPU)"))
+
+
+# (name, title, limit in seconds on a GPU, on the stand-in with --quick, on the stand-in)
+PARTS = [("tests", "gpu tests", part_tests, 150, 60, 500),
+         ("kernels", "kernels vs the vendor library", part_kernels, 150, 60, 300),
+         ("train", "train.py GPU vs CPU", part_train, 60, 60, 120),
+         ("decode", "decode", part_decode, 60, 40, 60),
+         ("multirank", "multi-rank suites on one GPU", part_multirank, 150, 60, 400)]
+
+
+# ------------------------------------------------------------------------------------ decode
+
+def decode_only(quick: bool) -> int:
+    """Decode ms/token of nn.Llama on this process's backend, random fp16 weights written as a
+    Hugging Face checkpoint (the public loading path): one JSON line per batch size."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tessera_rt import nn
+    from tessera_rt.backend import get_backend
+    be = get_backend()
+    if quick:
+        cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+        prompt, new, batches, reps = 8, 4, [1], 1
+    else:
+        cfg = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=4, head_dim=128)
+        prompt, new, batches, reps = 128, 32, [1, 8], 3
+    h, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+                       p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)})
+    # random values, one block reused: the timing does not depend on them
+    block = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(np.float16)
+    tensors = {k: (np.ones(s, np.float16) if len(s) == 1 else np.resize(block, s)) for k, s in shapes.items()}
+    root = Path(tempfile.mkdtemp(prefix="ts_gpu_check_decode_"))
+    try:
+        save_file(tensors, str(root / "model.safetensors"))
+        (root / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", hidden_act="silu",
+                                                          max_position_embeddings=4096)))
+        model = nn.Llama.from_pretrained(root, dtype="fp16")
+        weight_bytes = sum(int(np.prod(s)) * 2 for s in shapes.values()) - cfg["vocab_size"] * h * 2  # embed: gathered
+        peak_bw = None
+        if be.is_gpu and not getattr(be.xp, "__tessera_standin__", False):
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from bench_kernels import peak_for
+            props = be.xp.cuda.runtime.getDeviceProperties(be.xp.cuda.Device().id)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            peak_bw = peak_for(name)[1]
+        rng = np.random.default_rng(1)
+        for b in batches:
+            prompts = rng.integers(0, cfg["vocab_size"], (b, prompt)).tolist()
+
+            def gen(n):
+                cache = nn.KVCache(model, max_tokens=b * (prompt + n + 16), block_size=16)
+                t = time.perf_counter()
+                model.generate(cache, prompts, max_new_tokens=n)        # returns host token lists: synced
+                return time.perf_counter() - t
+            gen(2)                                                      # warm-up: compiles the kernels
+            t1 = sorted(gen(1) for _ in range(reps))[reps // 2]
+            tn = sorted(gen(1 + new) for _ in range(reps))[reps // 2]
+            per = max(tn - t1, 0.0) / new
+            print("DECODE " + json.dumps(dict(
+                model=f"{cfg['num_hidden_layers']} layers, hidden {h}, heads {cfg['num_attention_heads']}/"
+                      f"{cfg['num_key_value_heads']}, fp16 ({weight_bytes / 1e9:.2f} GB of weights)",
+                batch=b, prompt=prompt, ms_per_token=per * 1e3, tokens_per_s=b / per if per else 0.0,
+                prefill_ms=t1 * 1e3, roofline_ms=weight_bytes / (peak_bw * 1e12) * 1e3 if peak_bw else None)),
+                flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ report
+
+def last_line(output: str) -> str:
+    """The last line a part's commands printed (the usual place of the reason it failed)."""
+    lines = [ln.strip() for ln in output.splitlines()
+             if ln.strip() and not ln.startswith(("$ ", "[exit ", "[killed ")) and set(ln.strip()) != {"="}]
+    return lines[-1] if lines else ""
+
+
+def table(first: str, header: str, parts: list[dict]) -> str:
+    head = ("part", "item", "tessera_rt", "peer", "ratio", "notes", "status")
+    lines = [first, "", header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in parts:
+        status = p["status"] + (f" ({p['detail']})" if p["detail"] else "")
+        rows = p["rows"] or [row("", "", "", "", "")]
+        for i, r in enumerate(rows):
+            cells = (p["title"] if i == 0 else "", r["item"], r["value"], r["peer"], r["ratio"], r["note"],
+                     f"{status}, {p['seconds']:.0f} s" if i == 0 else "")
+            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a subset and small sizes (the suite runs this)")
+    ap.add_argument("--out", default=None, help="output folder (default: $OUT, else ./gpu_check_out)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for all the parts together")
+    ap.add_argument("--emulate", action="store_true", help="run on the stand-in even where a GPU is present")
+    ap.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--train-only"]:                 # (internal) the rest is train.py's command line
+        return train_only(argv[1:])
+    args = ap.parse_args(argv)
+    if args.decode_only:
+        return decode_only(args.quick)
+    run = Run(args)
+    first = run.first_line()
+    print(first, flush=True)
+    unused = run.gpu_cupy_cannot_use() if run.emulated and not args.emulate else ""
+    if unused:
+        print(f"WARNING: nvidia-smi lists {unused}, but CuPy cannot use it ({run.probe_error}): install "
+              "tessera_rt[cuda12] (or [cuda13]) into this Python; this run is emulated", flush=True)
+    header = (f"tessera_rt gpu_check{' --quick' if run.quick else ''}, commit {git_commit()}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, Python {sys.version.split()[0]}, "
+              f"budget {args.budget:.0f} s")
+    results = []
+    for name, title, fn, gpu_s, quick_s, emu_s in PARTS:
+        limit = min(gpu_s if not run.emulated else quick_s if run.quick else emu_s, run.left())
+        log = run.out / f"{name}.log"
+        log.write_text("")
+        t0 = time.monotonic()
+        rows, status, detail = [], "ok", ""
+        if run.left() < 5:
+            status, detail = "NOT RUN", f"the run's {args.budget:.0f} s budget was spent"
+        else:
+            print(f"== {title} (limit {limit:.0f} s)", flush=True)
+            try:
+                rows = fn(run, limit, log)
+            except TimedOut as exc:
+                rows = exc.args[0] if exc.args else []
+                status, detail = "TIMED OUT", f"killed after {limit:.0f} s; see {log.name}"
+            except PartFailed as exc:
+                rows, (status, detail) = exc.args[0], ("FAILED", f"{exc.args[1]}; see {log.name}")
+            except Exception as exc:             # a defect of this script: reported like a failed part
+                status, detail = "FAILED", f"{type(exc).__name__}: {exc}"
+            if status == "FAILED" and log.exists() and last_line(log.read_text()):
+                detail += f"; its output ends: {last_line(log.read_text())[-160:]}"
+        results.append(dict(name=name, title=title, status=status, detail=detail, rows=rows,
+                            seconds=time.monotonic() - t0, limit_s=limit))
+        print(f"   {status} {detail}", flush=True)
+    text = table(first, header, results)
+    (run.out / "table.md").write_text(text)
+    (run.out / "results.json").write_text(json.dumps(dict(
+        first_line=first, header=header, gpu=run.gpu, gpu_cupy_cannot_use=unused or None, emulated=run.emulated,
+        quick=run.quick, budget_s=args.budget, elapsed_s=time.monotonic() - run.start, parts=results), indent=1))
+    print()
+    print(text, end="")
+    print(f"\nwritten: {run.out / 'table.md'}, {run.out / 'results.json'} and a log per part")
+    return 0 if all(p["status"] == "ok" for p in results) and not unused else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
