@@ -37,7 +37,11 @@ GPU_AT_START = gpu_available()
 # written for the CPU unless marked `gpu`, and the backend is chosen once per process from
 # TESSERA_DEVICE (an unset one picks cuda where CuPy sees a GPU).  Subprocesses and mpiexec
 # launches inherit it; the fixture below switches to cuda for the gpu-marked tests.
-os.environ["TESSERA_DEVICE"] = "cpu"
+# A rank of a multi-rank suite (this file is loaded there too) keeps the device its launch
+# chose: tests/mpi on cpu, tests/mpi_cuda and tests/test_gpu_suites.py's launches on cuda.
+UNDER_MPIEXEC = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+if not UNDER_MPIEXEC:
+    os.environ["TESSERA_DEVICE"] = "cpu"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,7 +72,7 @@ def _backend_written_for(request):
     """gpu-marked tests on the cuda backend, every other test on the CPU backend (switched
     only where a test of the other kind follows: the gpu-marked ones sit together)."""
     want = "cuda" if request.node.get_closest_marker("gpu") else "cpu"
-    if os.environ.get("TESSERA_DEVICE") != want:
+    if not UNDER_MPIEXEC and os.environ.get("TESSERA_DEVICE") != want:
         use_backend(want)
     yield
 
