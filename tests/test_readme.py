@@ -40,6 +40,8 @@ SKIP = {
     ".venv/bin/tessera-run -n 4 my_program.py": "a placeholder program",
     ".venv/bin/tessera-run -n 8": "needs 8 ranks on two hosts",
     "TESSERA_NVTX=1 nsys": "needs Nsight Systems",
+    "bash scripts/gpu_check.sh": "measures a GPU machine for minutes; its no-GPU form (--quick on the stand-in) "
+                                 "runs in tests/test_gpu_check.py",
 }
 # what demo.sh runs, for the line above (demo.sh ends with `exec tessera-run -n 4 scripts/demo.py`)
 DEMO = ".venv/bin/tessera-run -n 4 scripts/demo.py"
