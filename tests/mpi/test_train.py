@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 import tessera_rt as ts
 from tessera_rt import dist, nn, op, optim
+from tessera_rt.autodiff.engine import tree_flatten
 
 SIZE = MPI.COMM_WORLD.Get_size()
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +106,13 @@ def test_checkpoint_and_bad_mesh(world, tmp_path):
     assert ck["optimizer"]["masters"]["head"]["w"].dtype == np.float32 and ck["optimizer"]["t"] == 1
     assert ck["optimizer"]["v"]["head"]["w"].shape == ck["params"]["head"]["w"].shape
     assert set(ck["params"]["blocks"]) == {"0", "1"}
+    # the structure model.init() returns (the blocks a list) reads it back (issue 27)
+    model = nn.Transformer(ck["params"]["head"]["w"].shape[1], 16, 2, 2, 16)
+    got = dist.load(str(Path(out_dir) / "checkpoint"), like={"params": model.init(0)})
+    assert isinstance(got["params"]["blocks"], list)
+    for a, b in zip(tree_flatten(got["params"])[0], tree_flatten(dict(ck["params"], blocks=[
+            ck["params"]["blocks"][i] for i in ("0", "1")]))[0]):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(SystemExit, match="ranks but the job has"):
         TRAIN.train(TRAIN.parse_args(ARGS + ["--tp", str(SIZE + 1), "--dp", "1"]))
 
@@ -175,12 +183,13 @@ def _crash_after_save_at(monkeypatch, step: int):
 
 _MESHES = {"dp": ["--dp", str(SIZE)], "tp": ["--dp", "1", "--tp", str(SIZE)],
            "pp": ["--pp", str(SIZE), "--schedule", "1f1b", "--microbatches", str(2 * SIZE)],
+           "gpipe": ["--pp", str(SIZE), "--schedule", "gpipe", "--microbatches", str(SIZE)],
            "ep": ["--experts", "4", "--ep", str(SIZE), "--dp", "1"],
            "pp2xtp2": ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "interleaved", "--layers", "4",
                        "--microbatches", "2"],
            "fp16": ["--dp", str(SIZE), "--dtype", "fp16"],          # the loss scaler's state too
            "llama": ["--dp", str(SIZE), "--arch", "llama"]}
-_SAME_MESH = {1: ["dp", "pp", "ep", "fp16", "llama"], 2: ["dp", "tp", "pp", "ep"], 3: ["fp16"], 4: ["pp2xtp2"]}[SIZE]
+_SAME_MESH = {1: ["dp", "pp", "ep", "fp16", "llama"], 2: ["dp", "tp", "pp", "gpipe", "ep"], 3: ["fp16"], 4: ["pp2xtp2"]}[SIZE]
 # saved on one mesh, resumed on another of the same job
 _CROSS = {2: [("ep", ["--experts", "4", "--ep", "1", "--dp", "2"])],
           4: [("pp2xtp2", ["--dp", "4", "--layers", "4"])]}.get(SIZE, [])
