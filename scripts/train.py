@@ -10,6 +10,17 @@ after N steps agrees across mesh shapes up to float rounding.  Rank 0 shows a tq
 (when tqdm is installed), writes a loss-curve PNG (when matplotlib is installed) and a
 checkpoint at the end.
 
+Checkpoints and resuming: each run writes into its own directory (--run-dir DIR, or a new
+out/<UTC time>; a non-empty one is refused unless --resume).  --save-every K also saves at
+steps K, 2K, ...; each save replaces DIR/checkpoint atomically (a killed save leaves the
+previous one whole).  --resume continues from it, on any mesh: parameters, AdamW's masters
+and moments, the loss scaler, the step and the data position (the batches are a function
+of (--seed, step), so there is no other RNG state), so the losses continue as if the run
+had never stopped (bitwise on the same mesh; up to float rounding on another).
+
+    tessera-run -n 4 scripts/train.py --pp 2 --tp 2 --steps 200 --save-every 50 --run-dir out/a
+    tessera-run -n 4 scripts/train.py --dp 4 --steps 300 --run-dir out/a --resume
+
 Threads: each rank's BLAS/OpenMP/Numba pools default to one thread (set before NumPy is
 imported; a variable you set yourself, or tessera-run's share of the cores, wins).  The
 model's GEMMs are small, so extra threads only add spin-waiting and contention: an
@@ -80,9 +91,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="--arch llama: save the trained model as a Hugging Face Llama checkpoint in DIR "
                         "(scripts/generate.py --model DIR reads it)")
-    p.add_argument("--out", default=str(ROOT / "out" / "train"), help="directory for the PNG and checkpoint")
+    p.add_argument("--run-dir", "--out", dest="run_dir", default=None, metavar="DIR",
+                   help="the run's directory, for its checkpoint and PNG (default: a new out/<UTC time>); a "
+                   "non-empty one is refused unless --resume")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="also save the checkpoint after steps K, 2K, ... (0: at the end only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its checkpoint (any mesh); --steps is the total")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
-    p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint at the end")
+    p.add_argument("--no-checkpoint", action="store_true", help="save no checkpoint (neither --save-every nor at "
+                   "the end)")
     p.add_argument("--no-check-finite", action="store_true",
                    help="train on when the loss or the gradient norm is inf/nan (by default the run stops there "
                    "with an error naming the step; a non-finite state is never saved either way)")
@@ -112,23 +130,90 @@ def get_batch(data: np.ndarray, step: int, batch: int, seq: int, seed: int):
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def _dicts(tree):
-    """dist.save takes nested dicts: lists (the transformer's blocks) become {"0": ..., "1": ...}."""
-    if isinstance(tree, (list, tuple)):
-        return {str(i): _dicts(v) for i, v in enumerate(tree)}
-    if isinstance(tree, dict):
-        return {k: _dicts(v) for k, v in tree.items()}
+# ----------------------------------------------------------------- run directory and checkpoints
+
+# flags a resumed run must keep: they shape the model or the batches (the mesh flags, --steps,
+# --lr and the like may change)
+_SAME_ON_RESUME = ("arch", "d_model", "heads", "kv_heads", "layers", "seq", "batch", "seed", "experts", "top_k",
+                   "capacity_factor", "aux_coef", "dtype")
+
+
+def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
+    """The run's directory, the same on every rank (rank 0 decides): --run-dir, else a new
+    out/<UTC time>.  A fresh run refuses a non-empty one (nothing is silently replaced);
+    --resume needs one holding a checkpoint.  None when the run writes nothing."""
+    if not (writes or args.resume):
+        return None
+    path, err = None, None
+    if world.rank == 0:
+        if args.run_dir:
+            path = Path(args.run_dir)
+        elif args.resume:
+            err = "train.py: --resume needs --run-dir DIR, the directory of the run to continue"
+        else:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            path = next(p for p in (ROOT / "out" / f"{stamp}{f'-{i}' if i else ''}" for i in range(1000))
+                        if not p.exists())
+        if err is None and args.resume and not (path / "checkpoint" / "index.json").is_file():
+            err = (f"train.py: --resume: {path} holds no checkpoint ({path / 'checkpoint' / 'index.json'} does not "
+                   "exist); pass the --run-dir of a run that saved one, or drop --resume to start a new run")
+        elif err is None and not args.resume and path.is_dir() and any(path.iterdir()):
+            err = (f"train.py: the run directory {path} is not empty; pass --resume to continue that run, or a new "
+                   "--run-dir (by default each run gets a new out/<UTC time>)")
+        elif err is None:
+            path.mkdir(parents=True, exist_ok=True)
+    path, err = world.mpi.bcast((path, err), root=0)
+    if err:
+        raise SystemExit(err)
+    if world.rank == 0 and not args.quiet:
+        print(f"train.py: run directory {path}{' (resuming)' if args.resume else ''}", flush=True)
+    return path
+
+
+def _state_tree(model, params, opt, scaler, step: int, seed: int, meta: str) -> dict:
+    """What a checkpoint holds: the parameters and optimizer state with the blocks named by
+    their global layer number (each pipeline stage passes its own), the loss scaler, the step
+    and the data position (the global batch index: the batches are drawn from (seed, step)
+    alone, so it is the same on every mesh), and the run's settings as JSON."""
+    named = getattr(model, "checkpoint_tree", lambda tree: tree)
+    opt_state = opt.state_dict()
+    tree = {"params": named(params), "step": step, "data": {"seed": seed, "next_batch": step}, "meta": meta,
+            "optimizer": {k: v if k == "t" else named(v) for k, v in opt_state.items()}}
+    if scaler is not None:
+        tree["scaler"] = scaler.state_dict()
     return tree
 
 
-def _save_checkpoint(path: Path, params, opt, meta: dict):
-    """The parameters (in their layouts), the optimizer's f32 masters and step, and the run's
-    settings, as a distributed checkpoint: one safetensors file per rank plus an index
-    (dist.load(path, like=...) reads it back onto any mesh)."""
+def save_checkpoint(world, path: Path, model, params, opt, scaler, step: int, seed: int, meta: dict):
+    """Save the run's state after ``step`` steps into ``path`` (dist.save: one safetensors file
+    per rank plus an index, committed atomically over the previous save; dist.load reads it
+    onto any mesh).  Never a non-finite state."""
     from tessera_rt import dist
-    state = opt.state_dict()
-    return dist.save({"params": _dicts(params), "masters": _dicts(state["masters"]), "step": int(state["t"]),
-                      "meta": json.dumps(meta)}, str(path))
+    _refuse_non_finite(world, {"params": params, "masters": opt.state_dict()["masters"]}, step)
+    return dist.save(_state_tree(model, params, opt, scaler, step, seed, json.dumps(meta)), str(path))
+
+
+def resume_checkpoint(path: Path, model, params, opt, scaler, args: argparse.Namespace, vocab: str):
+    """Load ``path`` onto this run's mesh (the DTensor loads reshard): sets the optimizer's and
+    the scaler's state; returns (params, the step to continue after, the saved losses)."""
+    from tessera_rt import dist
+    from tessera_rt.dist.checkpoint import read_index
+    meta = json.loads(read_index(str(path))["values"]["meta"])       # the flags first: a clear error
+    saved = meta["config"]
+    changed = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})" for k in _SAME_ON_RESUME
+               if k in saved and saved[k] != getattr(args, k)]
+    if meta["vocab"] != vocab:
+        changed.append("--data (another character set)")
+    if changed:
+        raise SystemExit(f"train.py: --resume: {path} was saved with {', '.join(changed)}; a resumed run keeps the "
+                         "flags that shape the model and the batches (the mesh flags and --steps may change)")
+    ck = dist.load(str(path), like=_state_tree(model, params, opt, scaler, 0, 0, ""))
+    unnamed = getattr(model, "from_checkpoint_tree", lambda tree: tree)
+    opt.load_state_dict({k: v if k == "t" else unnamed(v) for k, v in ck["optimizer"].items()})
+    if scaler is not None:
+        scaler.load_state_dict(ck["scaler"])
+    step = int(ck["data"]["next_batch"])
+    return unnamed(ck["params"]), step, list(meta["losses"][:step])
 
 
 def _refuse_non_finite(world, state: dict, step: int) -> None:
@@ -164,7 +249,8 @@ def _stopped(args: argparse.Namespace, err) -> str:
     regardless = "" if args.no_check_finite else \
         "; --no-check-finite trains on regardless (it still never saves a non-finite state)"
     return (f"train.py: stopped at step {err.step} of {args.steps}: {err.reason}{'; ' + where if where else ''}. "
-            f"Nothing was saved (an earlier checkpoint in {args.out} is untouched). {' or '.join(hint).capitalize()}"
+            f"Nothing was saved (an earlier checkpoint in the run directory is untouched). "
+            f"{' or '.join(hint).capitalize()}"
             f"{regardless}")
 
 
@@ -237,6 +323,8 @@ def train(args: argparse.Namespace) -> dict:
     else:
         mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
     rank0 = world.rank == 0
+    if args.save_every < 0:
+        raise SystemExit(f"train.py: --save-every {args.save_every}: pass K >= 1 (0: save at the end only)")
 
     text = load_text(args.data)
     chars = sorted(set(text))
@@ -262,17 +350,33 @@ def train(args: argparse.Namespace) -> dict:
         return scaler.scale(loss) if scaler is not None else loss
 
     step_fn = ts.value_and_grad(loss_fn, bucket_mb=args.grad_bucket_mb)
+    out = run_dir(args, world, writes=not (args.no_checkpoint and args.no_plot))
+    meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "ep": ep, "pp": pp, "steps": args.steps,
+            "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
+    start, history = 0, []
+    if args.resume:
+        params, start, history = resume_checkpoint(out / "checkpoint", model, params, opt, scaler, args, meta["vocab"])
+        if start >= args.steps:
+            raise SystemExit(f"train.py: --resume: {out} is at step {start} already; pass --steps above {start}")
+        if rank0 and not args.quiet:
+            print(f"train.py: resumed at step {start} from {out / 'checkpoint'}", flush=True)
+    saved = None
+
+    def save(done: int):
+        return save_checkpoint(world, out / "checkpoint", model, params, opt, scaler, done, args.seed,
+                               dict(meta, losses=history + losses))
     bar = None
     if rank0 and not args.quiet:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else "")
+            bar = tqdm(total=args.steps, initial=start,
+                       desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else "")
                        + (f" pp={pp}" if pp > 1 else ""), unit="step")
         except ImportError:
             print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
     losses, times, bubbles = [], [], []
     try:
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
             t0 = time.perf_counter()
             if pipe is not None:
@@ -301,6 +405,9 @@ def train(args: argparse.Namespace) -> dict:
                 bar.update(1)
             elif rank0 and not args.quiet and (step % 10 == 0 or step == args.steps - 1):
                 print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
+            if args.save_every and not args.no_checkpoint and (step + 1) % args.save_every == 0 \
+                    and step + 1 < args.steps:
+                saved = save(step + 1)
     finally:
         if bar is not None:
             bar.close()
@@ -309,18 +416,9 @@ def train(args: argparse.Namespace) -> dict:
         cvs = ", ".join(f"{v:.3f}" for v in moe_stats["load_cv"])
         print(f"MoE load std/mean per block (last step): {cvs}; dropped pairs {moe_stats['dropped']}", flush=True)
 
-    out = Path(args.out)
-    meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "steps": args.steps, "losses": losses,
-            "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
-    saved = None
-    if pipe is not None and not args.no_checkpoint:
-        args.no_checkpoint = True
-        if rank0 and not args.quiet:
-            print("train.py: no checkpoint with --pp/--microbatches (each stage holds other parameters; dist.save "
-                  "takes one tree on every rank)", flush=True)
     if not args.no_checkpoint:
-        _refuse_non_finite(world, {"params": params, "masters": opt.state_dict()["masters"]}, args.steps)
-        saved = _save_checkpoint(out / "checkpoint", params, opt, meta)
+        saved = save(args.steps)
+    losses = history + losses
     if args.export_hf:                      # collective (each parameter gathered); rank 0 writes
         from tessera_rt.inference.llama_train import export_hf
         hf_dir = export_hf(model, params, args.export_hf, chars, rank=world.rank)
@@ -337,7 +435,7 @@ def train(args: argparse.Namespace) -> dict:
         if pipe is not None:
             print(f"{pipe.stats()}\nmedian measured bubble over the steps {float(np.median(bubbles)):.1%}", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": bubbles,
-            "params": params, "moe": moe_stats}
+            "params": params, "moe": moe_stats, "start": start, "run_dir": out}
 
 
 def main(argv=None) -> int:

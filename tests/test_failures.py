@@ -3,6 +3,7 @@
 Each test launches its own job (tessera-run or plain mpiexec) under ``timeout`` and checks
 the exit status, the time it took, what was printed, and that no rank process is left.
 """
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import MPIEXEC, ROOT, mpi_env
@@ -197,3 +199,30 @@ def test_a_diverging_training_run_stops_with_one_message_and_saves_nothing(tmp_p
     assert "of 8: the loss is nan; the first non-finite gradient is ['" in err, err
     assert f"on rank{'s 0, 1' if ranks == 2 else ' 0'}. Nothing was saved" in err, err
     assert "final loss" not in p.stdout and not (out / "checkpoint").exists()
+
+
+def _saved_losses(run: Path) -> list:
+    from tessera_rt.dist.checkpoint import read_index
+    return json.loads(read_index(str(run / "checkpoint"))["values"]["meta"])["losses"]
+
+
+def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
+    # issue 27 §2: pp2 x tp2 saves (each stage its blocks, named by layer); one plain process
+    # resumes it and ends where the same run on one process ends (float tolerance)
+    corpus = ROOT / "tests" / "data" / "tiny_corpus.txt"
+    run = [str(ROOT / "scripts" / "train.py"), "--batch", "4", "--seq", "16", "--d-model", "16", "--heads", "2",
+           "--layers", "2", "--lr", "1e-2", "--quiet", "--no-plot", "--data", str(corpus)]
+    p, _ = _run([TESSERA_RUN, "-n", "4"] + run + ["--pp", "2", "--tp", "2", "--steps", "2", "--run-dir",
+                                                  str(tmp_path / "a")], mpi_env(4), limit=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p, _ = _run([sys.executable] + run + ["--steps", "3", "--run-dir", str(tmp_path / "a"), "--resume"], mpi_env(1))
+    assert p.returncode == 0, p.stdout + p.stderr
+    p, _ = _run([sys.executable] + run + ["--steps", "3", "--run-dir", str(tmp_path / "b")], mpi_env(1))
+    assert p.returncode == 0, p.stdout + p.stderr
+    resumed, whole = _saved_losses(tmp_path / "a"), _saved_losses(tmp_path / "b")
+    assert len(resumed) == 3
+    np.testing.assert_allclose(resumed, whole, rtol=2e-5)
+    # a new run into it is refused, naming --resume; the checkpoint stays
+    p, _ = _run([sys.executable] + run + ["--steps", "1", "--run-dir", str(tmp_path / "a")], mpi_env(1))
+    assert p.returncode != 0 and "is not empty; pass --resume to continue that run" in p.stderr, p.stderr
+    assert _saved_losses(tmp_path / "a") == resumed

@@ -128,6 +128,28 @@ def test_optimizer_errors():
         opt.step({"w": rand(3)}, [rand(3), rand(3)])
 
 
+@pytest.mark.parametrize("make", [lambda p: optim.AdamW(p, lr=0.1), lambda p: optim.SGD(p, lr=0.1, momentum=0.9)],
+                         ids=["adamw", "sgd-momentum"])
+def test_an_optimizer_continues_exactly_from_its_state_dict(make):
+    # a fresh optimizer given another's state_dict (masters, moments or momentum, step count)
+    # takes the same next step; a state of another structure or shape is refused by name
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": [rng.standard_normal(4).astype(np.float32)]}
+    grads = [{"w": rng.standard_normal((3, 4)).astype(np.float32), "b": [rng.standard_normal(4).astype(np.float32)]}
+             for _ in range(3)]
+    a = make(params)
+    p = a.step(a.step(params, grads[0]), grads[1])
+    b = make(params)
+    b.load_state_dict(a.state_dict())
+    assert b.t == 2
+    np.testing.assert_array_equal(b.step(p, grads[2])["w"], a.step(p, grads[2])["w"])
+    state = a.state_dict()
+    with pytest.raises(ValueError, match=r"'masters' has the leaves \['w'\], the parameters \['w'\] \['b'\]\[0\]"):
+        b.load_state_dict(dict(state, masters={"w": state["masters"]["w"]}))
+    with pytest.raises(ValueError, match=r"masters\['w'\] is float32\[4, 3\], the optimizer keeps float32\[3, 4\]"):
+        b.load_state_dict(dict(state, masters=dict(state["masters"], w=state["masters"]["w"].T.copy())))
+
+
 def test_module_shapes_and_errors():
     with pytest.raises(ValueError, match="not a multiple of n_heads"):
         nn.Attention(10, 3)

@@ -115,8 +115,36 @@ class Optimizer:
     def _update(self, i: int, w, g):
         raise NotImplementedError
 
+    # per-parameter state lists beside the masters (AdamW's moments, SGD's momentum buffers)
+    _slots: tuple = ()
+
     def state_dict(self) -> dict:
-        return {"t": self.t, "masters": tree_unflatten(self._struct, self.masters)}
+        """{"t": steps taken, "masters": f32 masters, and each slot (e.g. "m", "v")}, the
+        trees in the parameters' structure: what a resumed run needs to continue exactly."""
+        out = {"t": self.t, "masters": tree_unflatten(self._struct, self.masters)}
+        out.update({k: tree_unflatten(self._struct, getattr(self, k)) for k in self._slots})
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s values (e.g. ``dist.load``'s, on another mesh): the
+        trees must have the parameters' structure, shapes and layouts."""
+        where = f"{type(self).__name__}.load_state_dict"
+        lists = {}
+        for k in ("masters",) + self._slots:
+            if k not in state:
+                raise KeyError(f"{where}: the state has no {k!r} (it has {sorted(state)})")
+            leaves, paths, _ = tree_flatten(state[k])
+            if paths != self._paths:
+                raise ValueError(f"{where}: {k!r} has the leaves {' '.join(paths) or '(none)'}, the parameters "
+                                 f"{' '.join(self._paths)}; pass the state_dict() of an optimizer of these parameters")
+            for w, x, path in zip(self.masters, leaves, paths):
+                if tuple(x.shape) != tuple(w.shape) or np.dtype(x.dtype) != _F32:
+                    raise ValueError(f"{where}: {k}{path} is {dtype_name(x.dtype)}{list(x.shape)}, the optimizer "
+                                     f"keeps float32{list(w.shape)}")
+            lists[k] = list(leaves)
+        self.t = int(state["t"])
+        for k, v in lists.items():
+            setattr(self, k, v)
 
 
 class SGD(Optimizer):
@@ -126,6 +154,7 @@ class SGD(Optimizer):
         super().__init__(params, lr)
         self.momentum, self.wd = float(momentum), float(weight_decay)
         self.bufs = [_zeros(m) if momentum else None for m in self.masters]
+        self._slots = ("bufs",) if momentum else ()
 
     def _update(self, i, w, g):
         if self.wd:
@@ -138,6 +167,7 @@ class SGD(Optimizer):
 
 class AdamW(Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), state in f32."""
+    _slots = ("m", "v")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
@@ -317,3 +347,11 @@ class DynamicLossScaler:
             self.skipped += 1
             self.good_steps = 0
             self.scale_value = max(self.scale_value * self.backoff, self.min_scale)
+
+    def state_dict(self) -> dict:
+        """The scale and its counters (JSON values), for a resumed run to continue with."""
+        return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_value = float(state["scale"])
+        self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])

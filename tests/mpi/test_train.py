@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 import tessera_rt as ts
 from tessera_rt import dist, nn, op, optim
+from tessera_rt.autodiff.engine import tree_flatten
 
 SIZE = MPI.COMM_WORLD.Get_size()
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,8 +103,16 @@ def test_checkpoint_and_bad_mesh(world, tmp_path):
     TRAIN.train(TRAIN.parse_args(args))
     ck = dist.load(str(Path(out_dir) / "checkpoint"))       # collective; whole arrays on every rank
     assert ck["params"]["head"]["w"].shape[0] == 16 and ck["step"] == 1
-    assert ck["masters"]["head"]["w"].dtype == np.float32
+    assert ck["optimizer"]["masters"]["head"]["w"].dtype == np.float32 and ck["optimizer"]["t"] == 1
+    assert ck["optimizer"]["v"]["head"]["w"].shape == ck["params"]["head"]["w"].shape
     assert set(ck["params"]["blocks"]) == {"0", "1"}
+    # the structure model.init() returns (the blocks a list) reads it back (issue 27)
+    model = nn.Transformer(ck["params"]["head"]["w"].shape[1], 16, 2, 2, 16)
+    got = dist.load(str(Path(out_dir) / "checkpoint"), like={"params": model.init(0)})
+    assert isinstance(got["params"]["blocks"], list)
+    for a, b in zip(tree_flatten(got["params"])[0], tree_flatten(dict(ck["params"], blocks=[
+            ck["params"]["blocks"][i] for i in ("0", "1")]))[0]):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(SystemExit, match="ranks but the job has"):
         TRAIN.train(TRAIN.parse_args(ARGS + ["--tp", str(SIZE + 1), "--dp", "1"]))
 
@@ -115,13 +124,14 @@ def _files(folder: Path) -> dict:
 def test_a_diverging_run_stops_at_its_first_non_finite_step_and_saves_nothing(world, tmp_path):
     # --lr 1e8 --clip 0 diverges: the run stops before the update of the first step whose loss
     # is inf/nan (found by the same run with the check off), on every rank, and the good
-    # checkpoint already in --out stays as it was (with the check off, the end's save refuses)
+    # checkpoint already in the run directory stays as it was (with the check off, the end's save
+    # refuses); the diverging runs resume that run
     out_dir = MPI.COMM_WORLD.bcast(str(tmp_path), root=0)
     good = [a for a in ARGS if a != "--no-checkpoint"] + ["--steps", "1", "--out", out_dir]
     TRAIN.train(TRAIN.parse_args(good))
     MPI.COMM_WORLD.Barrier()
     before = _files(Path(out_dir))
-    bad = [a for a in good if a not in ("--lr", "1e-2")] + ["--lr", "1e8", "--clip", "0", "--steps", "6"]
+    bad = [a for a in good if a not in ("--lr", "1e-2")] + ["--lr", "1e8", "--clip", "0", "--steps", "6", "--resume"]
     free = TRAIN.train(TRAIN.parse_args(bad + ["--no-check-finite", "--no-checkpoint"]))["losses"]
     first = next(i for i, v in enumerate(free) if not np.isfinite(v)) + 1
     with pytest.raises(optim.NonFiniteError, match=f"^step {first}: the loss is nan; the first non-finite gradient "
@@ -152,3 +162,92 @@ def test_loss_scaling_still_skips_a_non_finite_step_and_finite_steps_check_only_
     monkeypatch.setattr(optim, "DynamicLossScaler", Scaler)
     out = TRAIN.train(TRAIN.parse_args(ARGS + ["--dtype", "fp16", "--steps", "6"]))
     assert 1 <= made[0].skipped < 6 and np.isfinite(out["losses"][-1]), (made[0].skipped, out["losses"])
+
+
+# ------------------------------------------------------------------ --save-every and --resume
+
+class _Stopped(Exception):
+    """A run ended after a save (as by a dead rank), standing in for the crash."""
+
+
+def _crash_after_save_at(monkeypatch, step: int):
+    real = TRAIN.save_checkpoint
+
+    def save_then_stop(*a, **k):
+        info = real(*a, **k)
+        if a[6] == step:                # save_checkpoint(world, path, model, params, opt, scaler, step, ...)
+            raise _Stopped
+        return info
+    monkeypatch.setattr(TRAIN, "save_checkpoint", save_then_stop)
+
+
+_MESHES = {"dp": ["--dp", str(SIZE)], "tp": ["--dp", "1", "--tp", str(SIZE)],
+           "pp": ["--pp", str(SIZE), "--schedule", "1f1b", "--microbatches", str(2 * SIZE)],
+           "gpipe": ["--pp", str(SIZE), "--schedule", "gpipe", "--microbatches", str(SIZE)],
+           "ep": ["--experts", "4", "--ep", str(SIZE), "--dp", "1"],
+           "pp2xtp2": ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "interleaved", "--layers", "4",
+                       "--microbatches", "2"],
+           "fp16": ["--dp", str(SIZE), "--dtype", "fp16"],          # the loss scaler's state too
+           "llama": ["--dp", str(SIZE), "--arch", "llama"]}
+_SAME_MESH = {1: ["dp", "pp", "ep", "fp16", "llama"], 2: ["dp", "tp", "pp", "gpipe", "ep"], 3: ["fp16"], 4: ["pp2xtp2"]}[SIZE]
+# saved on one mesh, resumed on another of the same job
+_CROSS = {2: [("ep", ["--experts", "4", "--ep", "1", "--dp", "2"])],
+          4: [("pp2xtp2", ["--dp", "4", "--layers", "4"])]}.get(SIZE, [])
+_RUN = [a for a in ARGS if a != "--no-checkpoint"]
+
+
+def _stop_and_resume(monkeypatch, tmp_path, saved_on: list, resumed_on: list) -> list:
+    """Losses of a run saved every 2 steps on ``saved_on``, stopped after the save at step 2, and
+    resumed from its run directory on ``resumed_on``."""
+    run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
+    with monkeypatch.context() as m:
+        _crash_after_save_at(m, 2)
+        with pytest.raises(_Stopped):
+            TRAIN.train(TRAIN.parse_args(_RUN + saved_on + ["--save-every", "2", "--run-dir", run]))
+    out = TRAIN.train(TRAIN.parse_args(_RUN + resumed_on + ["--save-every", "2", "--run-dir", run, "--resume"]))
+    assert out["start"] == 2 and len(out["losses"]) == STEPS
+    return out["losses"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mesh", _SAME_MESH)
+def test_a_resumed_run_continues_bitwise_on_the_same_mesh(world, monkeypatch, tmp_path, mesh):
+    """Parameters, AdamW's masters and moments, the step and the data position come back: the
+    losses after the resume are the uninterrupted run's, bit for bit.  fp16 starts at a loss
+    scale whose first step overflows: the halved scale must come back too."""
+    if mesh == "fp16":
+        scaler = functools.partial(optim.DynamicLossScaler, init_scale=2.0 ** 16)
+        monkeypatch.setattr(optim, "DynamicLossScaler", scaler)
+    whole = TRAIN.train(TRAIN.parse_args(_RUN + _MESHES[mesh] + ["--no-checkpoint"]))["losses"]
+    resumed = _stop_and_resume(monkeypatch, tmp_path, _MESHES[mesh], _MESHES[mesh])
+    assert resumed == whole, (resumed, whole)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("saved_on,resumed_on", _CROSS, ids=[c[0] for c in _CROSS])
+def test_a_run_resumes_onto_another_mesh(world, monkeypatch, tmp_path, saved_on, resumed_on):
+    """pp2 x tp2 (interleaved) saved, dp4 resumed; ep2 saved, ep1 x dp2 resumed: the losses
+    continue as the uninterrupted run's, up to float rounding."""
+    whole = TRAIN.train(TRAIN.parse_args(_RUN + _MESHES[saved_on] + ["--no-checkpoint"]))["losses"]
+    resumed = _stop_and_resume(monkeypatch, tmp_path, _MESHES[saved_on], resumed_on)
+    np.testing.assert_allclose(resumed, whole, rtol=2e-5)
+    assert resumed[:2] == whole[:2]
+
+
+def test_a_run_directory_is_never_replaced(world, tmp_path):
+    run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
+    args = _RUN + ["--steps", "1", "--run-dir", run]
+    TRAIN.train(TRAIN.parse_args(args))
+    MPI.COMM_WORLD.Barrier()
+    before = _files(Path(run))
+    with pytest.raises(SystemExit, match=f"the run directory {run} is not empty; pass --resume"):
+        TRAIN.train(TRAIN.parse_args(args))
+    with pytest.raises(SystemExit, match="is at step 1 already; pass --steps above 1"):
+        TRAIN.train(TRAIN.parse_args(args + ["--resume"]))
+    with pytest.raises(SystemExit, match=r"was saved with --d-model 16 \(now 32\)"):
+        TRAIN.train(TRAIN.parse_args(args + ["--resume", "--steps", "2", "--d-model", "32"]))
+    empty = MPI.COMM_WORLD.bcast(str(tmp_path / "empty"), root=0)
+    with pytest.raises(SystemExit, match=f"--resume: {empty} holds no checkpoint"):
+        TRAIN.train(TRAIN.parse_args(args[:-1] + [empty, "--resume"]))
+    MPI.COMM_WORLD.Barrier()
+    assert _files(Path(run)) == before
