@@ -446,12 +446,14 @@ def test_cli_commands_notes_and_table(uncalibrated, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["char", "char-moe"])
 def test_planner_commands_run(model, uncalibrated, tmp_path):
-    """The top 3 candidates' launch lines, as tessera-plan --json prints them, train 2 steps."""
+    """The top 3 candidates' launch lines, as tessera-plan --json prints them, and the best
+    pipelined one's, train 2 steps."""
     from conftest import mpi_env
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli.main(["--model", model, "--cluster", "local", "--json", "--top", "3"]) == 0
-    for k in json.loads(out.getvalue()):
+        assert cli.main(["--model", model, "--cluster", "local", "--json", "--top", "0"]) == 0
+    cands = [k for k in json.loads(out.getvalue()) if k["feasible"]]
+    for k in cands[:3] + [next(k for k in cands if k["pp"] > 1)]:
         cmd = k["command"].split()
         assert cmd[0] == "tessera-run"
         cmd = ["timeout", "-k", "5", "120", TESSERA_RUN] + cmd[1:] + \

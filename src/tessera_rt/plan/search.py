@@ -137,7 +137,7 @@ def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str, n_mi
     return bad
 
 
-def _why(m: ModelSpec, lay: Layout, mem: dict, t: dict) -> list[str]:
+def _why(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, t: dict) -> list[str]:
     g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
     ms = duration
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
@@ -152,6 +152,8 @@ def _why(m: ModelSpec, lay: Layout, mem: dict, t: dict) -> list[str]:
     if m.n_heads % lay.tp:
         why.append(f"heads {m.n_heads} do not split evenly over tp={lay.tp}: the busiest GPU has "
                    f"{-(-m.n_heads // lay.tp)} heads ({-(-m.n_heads // lay.tp) * lay.tp / m.n_heads - 1:.0%} over even)")
+    if c.devices_per_node and lay.tp > c.devices_per_node:     # asked for with --mesh
+        why.append(f"tp={lay.tp} crosses nodes of {c.devices_per_node} devices: its all-reduces leave the node")
     if m.n_experts and m.n_experts % lay.ep:
         why.append(f"experts {m.n_experts} do not split evenly over ep={lay.ep}: {-(-m.n_experts // lay.ep)} on the "
                    "busiest GPU")
@@ -186,7 +188,7 @@ def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int =
         if best is None or key < best[0]:
             best = (key, lay, mem, t, bad)
     _, lay, mem, t, bad = best
-    k = Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, lay, mem, t), bad, label)
+    k = Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, c, lay, mem, t), bad, label)
     k.launch = launch_command(k, m.name, batch)
     return k
 
