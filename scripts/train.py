@@ -334,6 +334,14 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
     virtual = args.virtual_stages if piped and args.schedule == "interleaved" else 1
+    # the runtime's rules, which the planner's search applies too (tessera-plan ranks only these)
+    from tessera_rt.pipeline.schedules import layout_problems
+    bad = layout_problems(n_layers=args.layers, pp=pp, schedule=args.schedule if piped else "1f1b", virtual=virtual,
+                          microbatches=args.microbatches or min(2 * pp, args.batch) if piped else 1, batch=args.batch,
+                          rows_multiple=dp * ep if args.experts else 1, remat=args.remat, moe=bool(args.experts))
+    if bad:
+        raise SystemExit(f"train.py: {'; '.join(bad)} (flags --layers, --pp, --microbatches, --schedule, "
+                         "--virtual-stages, --batch, --remat)")
     if args.arch == "llama":
         model = llama_model(args, len(chars), mesh)
     else:

@@ -4,7 +4,10 @@ with their reasons, the CLI's JSON, and the errors for bad input."""
 import io
 import json
 import math
+import subprocess
+import sys
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -348,3 +351,112 @@ def test_measure_compute_on_one_rank():
     for k in ("gemm", "gemm_bwd", "attention", "attention_bwd", "hbm_bw"):
         assert 1e6 < c[k] < 1e13, (k, c[k])
     assert 1e-6 < c["op_overhead_s"] < 1e-3 and 0 < c["share"] <= 1.0 and 0 < c["lockstep_share"] <= 1.0
+
+
+# ------------------------------------------------------------------ the planner's plans run
+ROOT = Path(__file__).resolve().parents[1]
+TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
+# a cluster file as a user writes one: 1024 H100s, no devices_per_node (tp may cross nodes)
+H100 = dict(name="h100-1024", n_gpus=1024, hbm_bytes=80e9, hbm_bw=3.35e12, flops={"bf16": 989e12, "f32": 67e12},
+            link_bw=450e9, alpha=5e-6)
+
+
+@pytest.fixture
+def uncalibrated(monkeypatch, tmp_path):
+    """The `local` cluster's defaults (4 ranks), not this machine's calibration."""
+    monkeypatch.setenv("TESSERA_PLAN_HOME", str(tmp_path))
+
+
+def _runtime_rules(m, k) -> list:
+    """pipeline.schedules.layout_problems with the flags the candidate's command passes."""
+    from tessera_rt.pipeline.schedules import layout_problems
+    return layout_problems(n_layers=m.n_layers, pp=k.pp, microbatches=k.step_time["n_micro"],
+                           schedule=k.layout.schedule, virtual=2 if k.layout.schedule == "interleaved" else 1,
+                           batch=m.batch, rows_multiple=k.dp * k.ep if m.n_experts else 1, remat=k.layout.remat,
+                           moe=m.name == "char-moe")
+
+
+@pytest.mark.parametrize("model,cluster", [("llama3-70b", "nvl72"), ("llama3-70b", {**H100, "devices_per_node": 8}),
+                                           ("sr-moe", "nvl72"), ("char", "local"), ("char-moe", "local")])
+def test_search_ranks_only_what_the_runtime_runs(model, cluster, uncalibrated):
+    m, c = plan.get_model(model), plan.get_cluster(cluster)
+    cands = plan.search(m, c, require_feasible=False)
+    assert cands[0].feasible
+    for k in cands:
+        rules = _runtime_rules(m, k)
+        assert (k.feasible and not rules) or (not k.feasible and set(rules) <= set(k.violations)), (k.layout, rules)
+        if c.devices_per_node:                               # tp stays inside a node
+            assert k.tp <= c.devices_per_node, k.layout
+
+
+@pytest.mark.parametrize("flags", [["--experts", "4", "--remat", "every_other"],
+                                   ["--microbatches", "9", "--batch", "8"],
+                                   ["--layers", "3", "--schedule", "interleaved", "--microbatches", "2"]])
+def test_train_py_refuses_with_the_shared_rules(flags):
+    """train.py stops on what layout_problems refuses, with its words and the flags to change
+    (before: a ValueError from deep in nn or the pipeline).  tests/mpi/test_plan.py: the MoE
+    rows rule and the Pipeline's refusal on several ranks."""
+    from tessera_rt.pipeline.schedules import layout_problems
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train
+    a = train.parse_args(flags + ["--steps", "1", "--quiet", "--no-plot", "--no-checkpoint"])
+    piped = a.pp > 1 or a.microbatches > 0
+    virtual = a.virtual_stages if piped and a.schedule == "interleaved" else 1
+    want = layout_problems(n_layers=a.layers, pp=a.pp, microbatches=a.microbatches or 1, schedule=a.schedule,
+                           virtual=virtual, batch=a.batch, rows_multiple=1, remat=a.remat, moe=bool(a.experts))
+    assert want
+    with pytest.raises(SystemExit) as e:
+        train.train(a)
+    assert str(e.value).startswith("train.py: ") and all(w in str(e.value) for w in want), str(e.value)
+
+
+def test_cli_commands_notes_and_table(uncalibrated, tmp_path):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--model", "char", "--cluster", "local", "--json"]) == 0
+    for k in json.loads(out.getvalue()):
+        flags = k["command"].split()
+        assert flags[:4] == ["tessera-run", "-n", str(k["tp"] * k["ep"] * k["pp"] * k["dp"]), "scripts/train.py"]
+        got = dict(zip(flags[4::2], flags[5::2]))
+        assert (got["--tp"], got["--dp"], got["--pp"]) == (str(k["tp"]), str(k["dp"]), str(k["pp"]))
+        if k["pp"] > 1:
+            assert (got["--schedule"], got["--microbatches"]) == (k["schedule"], str(k["n_micro"]))
+    f = tmp_path / "h100.json"
+    f.write_text(json.dumps(H100))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--model", "llama3-70b", "--cluster", str(f), "--top", "3", "--json"]) == 0
+    assert all("YOUR_SCRIPT.py --tp" in k["command"] for k in json.loads(out.getvalue()))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--model", "llama3-70b", "--cluster", str(f), "--top", "3"]) == 0
+    text = out.getvalue()
+    assert "gives no devices_per_node, so tp may cross nodes" in text and "global batch 32 sequences" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--model", "sr-moe", "--cluster", "nvl72", "--recipes", "--top", "3"]) == 0
+    text = out.getvalue()
+    labels = [k.label for k in plan.recipes("sr-moe", "nvl72")]
+    assert all(f"\n{label} " in text for label in labels), text            # whole labels
+    assert "e+0" not in text and "e-0" not in text                         # ms or s, no exponents
+    assert "(no: tp*ep*pp*dp = 144" in text                                # an infeasible row says why
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["char", "char-moe"])
+def test_planner_commands_run(model, uncalibrated, tmp_path):
+    """The top 3 candidates' launch lines, as tessera-plan --json prints them, and the best
+    pipelined one's, train 2 steps."""
+    from conftest import mpi_env
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["--model", model, "--cluster", "local", "--json", "--top", "0"]) == 0
+    cands = [k for k in json.loads(out.getvalue()) if k["feasible"]]
+    for k in cands[:3] + [next(k for k in cands if k["pp"] > 1)]:
+        cmd = k["command"].split()
+        assert cmd[0] == "tessera-run"
+        cmd = ["timeout", "-k", "5", "120", TESSERA_RUN] + cmd[1:] + \
+            ["--steps", "2", "--quiet", "--no-plot", "--no-checkpoint", "--out", str(tmp_path)]
+        p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(int(cmd[6])), capture_output=True, text=True)
+        assert p.returncode == 0, f"{k['command']}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"

@@ -60,3 +60,31 @@ def test_moe_bytes_per_rank_match_the_model():
     assert MPI.COMM_WORLD.allreduce(local_bytes(params), op=MPI.MAX) == mem["params"]
     act = traced_activation_bytes(model.loss, model.init(0), model.batch(x), model.batch(y))
     assert MPI.COMM_WORLD.allreduce(act, op=MPI.MAX) == pytest.approx(mem["activations"], rel=0.10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(SIZE == 1, reason="the rules below need several ranks")
+def test_runtime_refuses_what_layout_problems_refuses():
+    """train.py and dist.Pipeline refuse with the rules the planner's search applies
+    (pipeline.schedules.layout_problems), on every rank alike."""
+    import sys
+    from pathlib import Path
+    from tessera_rt.pipeline.schedules import layout_problems
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import train
+    dist.init()
+    # MoE: 1 micro-batch of SIZE + 1 sequences cannot shard over dp x ep = SIZE ranks
+    want = layout_problems(n_layers=2, batch=SIZE + 1, rows_multiple=SIZE, moe=True)
+    assert want
+    a = train.parse_args(["--experts", "4", "--ep", str(SIZE), "--batch", str(SIZE + 1), "--steps", "1", "--quiet",
+                          "--no-plot", "--no-checkpoint"])
+    with pytest.raises(SystemExit) as e:
+        train.train(a)
+    assert all(w in str(e.value) for w in want), str(e.value)
+    if SIZE % 2 == 0:                   # interleaved over pp=2 with 3 micro-batches
+        mesh = dist.Mesh(axes=["pp", "dp"], shape={"pp": 2, "dp": SIZE // 2})
+        model = nn.Transformer(SPEC.vocab, SPEC.d_model, SPEC.n_heads, 4, SPEC.seq_len, mesh=mesh, virtual_stages=2)
+        want = layout_problems(n_layers=4, pp=2, microbatches=3, schedule="interleaved", virtual=2)
+        with pytest.raises(ValueError) as e:
+            dist.Pipeline(model, mesh=mesh, microbatches=3, schedule="interleaved")
+        assert want and all(w in str(e.value) for w in want), str(e.value)

@@ -42,7 +42,7 @@ from ..dist.dtensor import DTensor, full, zeros
 from ..dist.layout import as_layout
 from ..dist.process_group import world
 from ..dist.shard import split_sizes
-from .schedules import check_link_order, schedule_for
+from .schedules import check_link_order, layout_problems, schedule_for
 from .stats import PipelineStats, record_spans
 
 __all__ = ["Pipeline", "ROLE"]
@@ -115,9 +115,11 @@ class Pipeline:
             if plan.virtual < 2:
                 raise ValueError(f"rank {rank}: schedule='interleaved' needs virtual stages: build the model with "
                                  "nn.Transformer(..., virtual_stages=2) (or more)")
-            if microbatches % plan.pp:
-                raise ValueError(f"rank {rank}: schedule='interleaved' needs microbatches ({microbatches}) to be a "
-                                 f"multiple of pp={plan.pp}")
+            # the layers were split by the StagePlan already (stage_of= may be uneven): the rules left
+            bad = layout_problems(n_layers=plan.n_virtual, pp=plan.pp, microbatches=int(microbatches),
+                                  schedule=schedule, virtual=plan.virtual)
+            if bad:
+                raise ValueError(f"rank {rank}: {'; '.join(bad)}")
         elif plan.virtual > 1:
             raise ValueError(f"rank {rank}: the model has virtual_stages={plan.virtual}: use "
                              f"schedule='interleaved' (or build it with virtual_stages=1 for {schedule!r})")

@@ -18,7 +18,7 @@ matches messages between two ranks in issue order.
 """
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "check_link_order", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate",
+__all__ = ["SCHEDULES", "check_link_order", "layout_problems", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate",
            "theory_bubble"]
 
 Action = tuple  # (kind "F" | "B", chunk, microbatch)
@@ -62,6 +62,44 @@ def schedule_for(name: str):
     except (KeyError, TypeError):
         raise ValueError(f"unknown pipeline schedule {name!r}; the schedules are "
                          f"{', '.join(repr(k) for k in SCHEDULES)}") from None
+
+
+def layout_problems(*, n_layers: int, pp: int = 1, microbatches: int = 1, schedule: str = "1f1b",
+                    virtual: int = 1, batch: int | None = None, rows_multiple: int = 1, remat: str = "none",
+                    moe: bool = False) -> list[str]:
+    """Why a pipeline layout cannot run (empty: it can): the one rule book of ``Pipeline``,
+    ``scripts/train.py`` and the planner's search (``tessera_rt.plan``), so the planner never
+    ranks what the runtime refuses.  ``microbatches`` is the count per step over the whole
+    batch; ``rows_multiple``: MoE blocks shard each micro-batch's rows over dp x ep ranks;
+    ``remat`` with ``moe``: nn.Transformer does not rematerialize MoE blocks."""
+    if schedule not in SCHEDULES:
+        return [f"unknown pipeline schedule {schedule!r}; the schedules are {', '.join(map(repr, SCHEDULES))}"]
+    bad = []
+    if moe and remat != "none":
+        bad.append(f"rematerializing MoE blocks is not supported (remat {remat!r}); use remat 'none'")
+    if pp * virtual > n_layers:
+        bad.append(f"pp={pp} x virtual stages={virtual} is more than the {n_layers} layers; every stage needs a "
+                   f"layer: use pp <= {n_layers // virtual} or more layers")
+    if schedule == "interleaved":
+        if virtual < 2:
+            bad.append("schedule='interleaved' needs virtual stages >= 2")
+        if microbatches % pp:
+            bad.append(f"schedule='interleaved' needs microbatches ({microbatches}) to be a multiple of pp={pp}")
+        if n_layers % (pp * virtual):
+            bad.append(f"{n_layers} layers do not divide over pp={pp} x virtual stages={virtual}; use a layer "
+                       f"count that is a multiple of {pp * virtual}")
+    elif virtual > 1:
+        bad.append(f"virtual stages={virtual} need schedule='interleaved', not {schedule!r}")
+    if batch is not None:
+        if microbatches > batch:
+            bad.append(f"microbatches ({microbatches}) is larger than the batch ({batch} sequences)")
+        elif rows_multiple > 1:
+            sizes = {batch // microbatches + (i < batch % microbatches) for i in range(microbatches)}
+            if any(r % rows_multiple for r in sizes):
+                bad.append(f"{microbatches} micro-batches of the batch of {batch} have {sorted(sizes)} sequences, but "
+                           f"MoE blocks shard each micro-batch over dp x ep = {rows_multiple} ranks and need a "
+                           f"multiple of {rows_multiple}")
+    return bad
 
 
 def check_link_order(name: str, pp: int, m: int, v: int = 1, fn=None) -> None:

@@ -325,7 +325,7 @@ def cluster_from(compute: dict, collectives: dict, *, n_gpus: int, cores: int, n
     # costs one step, not a whole all_reduce (which over-priced pp=2's sends 2x)
     alpha = float(np.median([v[0] / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 30e-6
     beta = float(np.median([v[1] * int(n) / (2 * (int(n) - 1)) for n, v in ar.items()])) if ar else 1 / (2 * GB)
-    return Cluster(name, n_gpus=n_gpus, hbm_bytes=24 * GB, hbm_bw=compute["hbm_bw"], share=compute.get("share", 1.0),
+    return Cluster(name, n_gpus=n_gpus, devices_per_node=n_gpus, hbm_bytes=24 * GB, hbm_bw=compute["hbm_bw"], share=compute.get("share", 1.0),
                    flops={"f32": compute["gemm"], "bf16": compute["gemm"] / 8},
                    link_bw=1.0 / beta if beta > 0 else 10 * GB, alpha=alpha, topology="host",
                    op_overhead_s=compute.get("op_overhead_s", 20e-6), cores=cores, overlap=0.0, dp_overlap=1.0,

@@ -13,6 +13,7 @@ import json
 import sys
 
 from .search import GB, evaluate, recipes, search
+from .timing import duration
 from .specs import CLUSTERS, MODELS, get_cluster, get_model
 
 __all__ = ["main", "parse_mesh"]
@@ -80,14 +81,37 @@ def _args(argv):
 
 
 def _table(cands: list) -> str:
-    rows = [f"{'':24} {'tp':>3} {'ep':>3} {'pp':>3} {'dp':>3}  {'fits':4} {'GB/GPU':>7} {'step ms':>9} "
-            f"{'compute':>8} {'exposed':>8} {'bubble':>7}  remat/mb"]
+    """One row per candidate; labels are never cut (the column is as wide as the longest), and
+    an infeasible row says why (every rule it breaks)."""
+    w = max([len(c.label) for c in cands] + [0])
+    rows = [f"{'':{w}} {'tp':>3} {'ep':>3} {'pp':>3} {'dp':>3}  {'fits':4} {'GB/GPU':>7} {'step':>9} "
+            f"{'compute':>9} {'exposed':>9} {'bubble':>9}  schedule, micro-batches x size, remat"]
     for c in cands:
         t, mem = c.step_time, c.memory
-        rows.append(f"{c.label[:24]:24} {c.tp:>3} {c.ep:>3} {c.pp:>3} {c.dp:>3}  {'yes' if c.feasible else 'no':4} "
-                    f"{mem['total'] / GB:7.3g} {t['total'] * 1e3:9.4g} {t['compute'] * 1e3:8.4g} "
-                    f"{t['exposed'] * 1e3:8.4g} {t['pp_bubble'] * 1e3:7.4g}  {c.layout.remat}/{t['micro_batch']}")
+        sched = f"{c.layout.schedule}, " if c.pp > 1 else ""
+        rows.append(f"{c.label:{w}} {c.tp:>3} {c.ep:>3} {c.pp:>3} {c.dp:>3}  {'yes' if c.feasible else 'no':4} "
+                    f"{mem['total'] / GB:7.3g} {duration(t['total']):>9} {duration(t['compute']):>9} "
+                    f"{duration(t['exposed']):>9} {duration(t['pp_bubble']):>9}  "
+                    f"{sched}{t['n_micro']} x {t['micro_batch']}, {c.layout.remat}"
+                    + ("" if c.feasible or not c.violations else f"  (no: {'; '.join(c.violations)})"))
     return "\n".join(rows)
+
+
+def _report(a, m, c, cands: list) -> str:
+    batch, seq = a.batch or m.batch, a.seq or m.seq_len
+    out = [f"{m.name} ({m.total_params() / 1e9:.3g}B params) on {c.name} ({c.n_gpus} x {c.hbm_bytes / GB:.0f} GB), "
+           f"{a.workload}, global batch {batch} sequences of {seq}"
+           + ("" if a.batch else " (the model's default; --batch changes it)")]
+    if not c.devices_per_node and c.topology != "host":          # host: ranks of one machine
+        out.append(f"note: cluster {c.name!r} gives no devices_per_node, so tp may cross nodes; add "
+                   '"devices_per_node" (e.g. 8 for H100 nodes) to the cluster file to keep tp inside a node')
+    best = cands[0]
+    out += [_table(cands), f"\nbest: {best.label or best.layout.label()}"]
+    out += [f"  - {w}" for w in best.why + best.violations]
+    out.append(f"launch: {best.launch}")
+    if a.plot:
+        out.append(f"wrote {a.plot}")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -123,21 +147,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"tessera-plan: error: {e}", file=sys.stderr)
         return 2
-    if a.json:
-        try:
-            print(json.dumps([k.to_json() for k in cands], indent=1))
-        except BrokenPipeError:                      # piped into head
-            pass
-    else:
-        print(f"{m.name} ({m.total_params() / 1e9:.3g}B params) on {c.name} ({c.n_gpus} x "
-              f"{c.hbm_bytes / GB:.0f} GB), {a.workload}")
-        print(_table(cands))
-        best = cands[0]
-        print(f"\nbest: {best.label or best.layout.label()}")
-        for w in best.why + best.violations:
-            print(f"  - {w}")
-        if a.plot:
-            print(f"wrote {a.plot}")
+    try:
+        print(json.dumps([k.to_json() for k in cands], indent=1) if a.json else _report(a, m, c, cands))
+    except BrokenPipeError:                          # piped into head
+        pass
     return 0
 
 

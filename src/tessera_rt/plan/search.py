@@ -12,11 +12,17 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from ..pipeline.schedules import layout_problems
 from .memory import REMATS, Layout, memory_per_gpu
 from .specs import Cluster, ModelSpec, get_cluster, get_model
-from .timing import step_time
+from .timing import duration, step_time
 
-__all__ = ["Candidate", "search", "evaluate", "factorizations", "RECIPES", "recipes", "GB"]
+__all__ = ["Candidate", "search", "evaluate", "factorizations", "RECIPES", "recipes", "GB", "runtime_problems",
+           "launch_command", "TRAIN_PY_MODELS"]
+
+# The models scripts/train.py builds, and the flags that build them (beside the mesh flags)
+TRAIN_PY_MODELS = {"char": [], "char-moe": ["--experts", "4", "--capacity-factor", "1.25"]}
+REMAT_FLAG = {"none": "none", "every_other": "every_other", "every": "all"}   # planner -> train.py --remat
 
 GB = 1e9
 ACT_KV_SHARE = 0.6          # seed 000 §6 rule 1: (A + K) <= 50-60% of HBM
@@ -45,6 +51,7 @@ class Candidate:
     why: list = field(default_factory=list)
     violations: list = field(default_factory=list)
     label: str = ""
+    launch: str = ""                    # the launch line (launch_command), set by evaluate
 
     @property
     def mesh_shape(self) -> dict:
@@ -61,7 +68,7 @@ class Candidate:
                 "micro_batch": self.step_time["micro_batch"], "n_micro": self.step_time["n_micro"],
                 "remat": self.layout.remat, "schedule": self.layout.schedule, "offload": self.layout.offload,
                 "algorithms": self.step_time["algorithms"], "label": self.label,
-                "violations": list(self.violations), "why": list(self.why)}
+                "violations": list(self.violations), "why": list(self.why), "command": self.launch}
 
 
 def factorizations(n: int, *, moe: bool, max_tp: int, max_pp: int) -> list[tuple]:
@@ -75,8 +82,39 @@ def factorizations(n: int, *, moe: bool, max_tp: int, max_pp: int) -> list[tuple
     return out
 
 
-def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str) -> list[str]:
-    bad = []
+def runtime_problems(m: ModelSpec, lay: Layout, n_micro: int, batch: int) -> list[str]:
+    """What the runtime (dist.Pipeline, scripts/train.py) refuses in this layout: the same
+    rules (pipeline.schedules.layout_problems), so the search never ranks them."""
+    return layout_problems(n_layers=m.n_layers, pp=lay.pp, microbatches=n_micro, schedule=lay.schedule,
+                           virtual=2 if lay.schedule == "interleaved" else 1, batch=batch,
+                           rows_multiple=lay.dp * lay.ep if m.n_experts else 1, remat=lay.remat,
+                           moe=_moe_without_remat(m))
+
+
+def _moe_without_remat(m: ModelSpec) -> bool:
+    """train.py's nn.Transformer does not rematerialize MoE blocks; another model's script
+    may (the seeds' recipes assume so)."""
+    return bool(m.n_experts) and m.name in TRAIN_PY_MODELS
+
+
+def launch_command(k: "Candidate", model: str, batch: int) -> str:
+    """The launch line of a candidate: scripts/train.py with its flags for the models it
+    builds (TRAIN_PY_MODELS), else the mesh flags for the user's own script."""
+    t = k.step_time
+    flags = ["--tp", k.tp, "--dp", k.dp, "--pp", k.pp]
+    if k.ep > 1 or model == "char-moe":
+        flags += ["--ep", k.ep]
+    if k.pp > 1 or t["n_micro"] > 1:
+        flags += ["--schedule", k.layout.schedule, "--microbatches", t["n_micro"]]
+    if model not in TRAIN_PY_MODELS:
+        return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} YOUR_SCRIPT.py " + " ".join(map(str, flags))
+    flags += ["--batch", batch, "--remat", REMAT_FLAG[k.layout.remat]] + TRAIN_PY_MODELS[model]
+    return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} scripts/train.py " + " ".join(map(str, flags))
+
+
+def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str, n_micro: int = 1,
+           batch: int = 1) -> list[str]:
+    bad = runtime_problems(m, lay, n_micro, batch) if workload == "train" else []
     h = c.hbm_bytes
     if mem["total"] > h:
         bad.append(f"needs {mem['total'] / GB:.1f} GB per GPU, HBM has {h / GB:.1f} GB "
@@ -87,18 +125,21 @@ def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str) -> l
     ak = mem["activations"] + mem["kv_cache"] + mem["transient"]
     if ak > ACT_KV_SHARE * h:
         bad.append(f"activations + KV {ak / GB:.1f} GB > {ACT_KV_SHARE:.0%} of HBM (seed 000 §6 rule 1)")
-    if m.n_experts and m.n_experts / lay.ep < MIN_EXPERTS_PER_GPU:
+    # rule 2 judges how thinly ep spreads the experts: at ep=1 nothing is spread (a model with
+    # fewer than 128 experts could otherwise never fit anywhere)
+    if m.n_experts and lay.ep > 1 and m.n_experts / lay.ep < MIN_EXPERTS_PER_GPU:
         bad.append(f"E/ep = {m.n_experts}/{lay.ep} = {m.n_experts / lay.ep:.0f} < {MIN_EXPERTS_PER_GPU} "
                    "(seed 000 §6 rule 2)")
-    if workload == "train" and lay.remat == "none" and mem["activations"] > REMAT_RATIO * mem["params"]:
+    if workload == "train" and lay.remat == "none" and mem["activations"] > REMAT_RATIO * mem["params"] \
+            and not _moe_without_remat(m):                         # advice the runtime cannot follow
         bad.append(f"activations {mem['activations'] / GB:.3g} GB > {REMAT_RATIO} x parameter shard "
                    f"{mem['params'] / GB:.3g} GB without remat (seed 000 §6 rule 3)")
     return bad
 
 
-def _why(m: ModelSpec, lay: Layout, mem: dict, t: dict) -> list[str]:
+def _why(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, t: dict) -> list[str]:
     g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
-    ms = lambda x: f"{x * 1e3:.3g} ms"                                  # noqa: E731
+    ms = duration
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
            f"{g(mem['optimizer'])}" + (f" (+{g(mem['host_tier'])} in host tier)" if mem["host_tier"] else "")
            + f", activations {g(mem['activations'])}, KV {g(mem['kv_cache'])}, buffers {g(mem['buffers'])}"
@@ -111,6 +152,8 @@ def _why(m: ModelSpec, lay: Layout, mem: dict, t: dict) -> list[str]:
     if m.n_heads % lay.tp:
         why.append(f"heads {m.n_heads} do not split evenly over tp={lay.tp}: the busiest GPU has "
                    f"{-(-m.n_heads // lay.tp)} heads ({-(-m.n_heads // lay.tp) * lay.tp / m.n_heads - 1:.0%} over even)")
+    if c.devices_per_node and lay.tp > c.devices_per_node:     # asked for with --mesh
+        why.append(f"tp={lay.tp} crosses nodes of {c.devices_per_node} devices: its all-reduces leave the node")
     if m.n_experts and m.n_experts % lay.ep:
         why.append(f"experts {m.n_experts} do not split evenly over ep={lay.ep}: {-(-m.n_experts // lay.ep)} on the "
                    "busiest GPU")
@@ -137,7 +180,7 @@ def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int =
     for lay in _settings(m, c, (tp, ep, pp, dp), workload, seqs, knobs or {}):
         n_micro = -(-seqs // lay.micro_batch)
         mem = memory_per_gpu(m, c, lay, workload=workload, batch=batch, seq=seq, n_micro=n_micro)
-        bad = _check(m, c, lay, mem, workload)
+        bad = _check(m, c, lay, mem, workload, n_micro, batch)
         if bad and best is not None and (not best[4] or mem["total"] >= best[2]["total"]):
             continue                                   # cannot beat what we have: skip its timing
         t = step_time(m, c, lay, workload=workload, batch=batch, seq=seq, dtype=dtype)
@@ -145,7 +188,9 @@ def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int =
         if best is None or key < best[0]:
             best = (key, lay, mem, t, bad)
     _, lay, mem, t, bad = best
-    return Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, lay, mem, t), bad, label)
+    k = Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, c, lay, mem, t), bad, label)
+    k.launch = launch_command(k, m.name, batch)
+    return k
 
 
 def _settings(m: ModelSpec, c: Cluster, f: tuple, workload: str, seqs: int, knobs: dict):
@@ -190,7 +235,9 @@ def search(model="llama3-70b", cluster="nvl72", workload: str = "train", batch: 
     m, c = get_model(model), get_cluster(cluster)
     if workload not in ("train", "decode"):
         raise ValueError(f"workload={workload!r}; use 'train' or 'decode'")
-    fs = factorizations(c.n_gpus, moe=bool(m.n_experts), max_tp=m.n_heads, max_pp=m.n_layers)
+    # tp's all-reduces run every layer: keep them inside a node (a --mesh may still ask for more)
+    max_tp = min(m.n_heads, c.devices_per_node) if c.devices_per_node else m.n_heads
+    fs = factorizations(c.n_gpus, moe=bool(m.n_experts), max_tp=max_tp, max_pp=m.n_layers)
     cands = [evaluate(m, c, tp=tp, ep=ep, pp=pp, dp=dp, workload=workload, batch=batch, seq=seq, policy=policy)
              for tp, ep, pp, dp in fs]
     cands.sort(key=lambda k: (not k.feasible, k.step_time["total"] if k.feasible else k.memory["total"]))

@@ -195,6 +195,8 @@ class Cluster:
     op_rates: dict = field(default_factory=dict)   # FLOP/s per op class ("gemm", "attention"), calibrated
     measured: dict = field(default_factory=dict)
     calibrated: bool = False
+    devices_per_node: int = 0               # GPUs sharing a node's fast links; tp stays inside one
+                                            # (0: not given, tp may cross nodes)
     notes: str = ""
 
     REQUIRED = ("name", "n_gpus", "hbm_bytes", "hbm_bw", "flops", "link_bw", "alpha")
@@ -207,6 +209,9 @@ class Cluster:
             raise ValueError(f"Cluster({self.name!r}): topology={self.topology!r}; use 'switch', 'ring2d' or 'host'")
         if self.topology == "ring2d" and math.prod(self.grid or (0,)) != self.n_gpus:
             raise ValueError(f"Cluster({self.name!r}): grid {self.grid} must multiply to n_gpus={self.n_gpus}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 0:
+            raise ValueError(f"Cluster({self.name!r}): devices_per_node={self.devices_per_node!r} must be an int >= 0 "
+                             "(0: unknown)")
         if not isinstance(self.flops, dict) or not self.flops:
             raise ValueError(f"Cluster({self.name!r}): flops must be a dict dtype -> FLOP/s, e.g. {{'bf16': 2.5e15}}")
 
@@ -292,7 +297,7 @@ def _local_default() -> Cluster:
     n = os.cpu_count() or 1
     return Cluster("local", n_gpus=4, hbm_bytes=24 * GB, hbm_bw=10 * GB, flops={"f32": 20e9, "bf16": 2e9},
                    link_bw=2 * GB, alpha=30e-6, topology="host", op_overhead_s=60e-6, cores=n, overlap=0.0, dp_overlap=1.0,
-                   bw_efficiency=1.0, notes="uncalibrated defaults: run tessera-plan --calibrate")
+                   bw_efficiency=1.0, devices_per_node=4, notes="uncalibrated defaults: run tessera-plan --calibrate")
 
 
 CLUSTERS: dict[str, Cluster] = {
@@ -302,12 +307,12 @@ CLUSTERS: dict[str, Cluster] = {
     "nvl72": Cluster("nvl72", n_gpus=72, hbm_bytes=186 * GB, hbm_bw=8e12,
                      flops={"fp4": 10e15, "fp8": 5e15, "bf16": 2.5e15, "tf32": 1.25e15, "f32": 80e12},
                      link_bw=900 * GB, alpha=3e-6, topology="switch", host_tier_bytes=240 * GB,
-                     host_tier_bw=450 * GB, op_overhead_s=4e-6, notes="GB200 NVL72 (public spec sheet)"),
+                     host_tier_bw=450 * GB, op_overhead_s=4e-6, devices_per_node=72, notes="GB200 NVL72 (public spec sheet)"),
     # Seed 004: 32 Wormhole chips as an 8x4 grid of rings, 3 Ethernet links per neighbour.
     "galaxy": Cluster("galaxy", n_gpus=32, hbm_bytes=12 * GB, hbm_bw=288 * GB,
                       flops={"bfp8": 262e12, "fp8": 262e12, "bf16": 74e12, "f32": 18e12},
                       link_bw=12.5 * GB, links=3, alpha=5e-6, topology="ring2d", grid=(8, 4), bw_efficiency=0.7,
-                      op_overhead_s=5e-6, overlap=0.5, notes="Tenstorrent Galaxy (Wormhole), seed 004's 8x4 ring"),
+                      op_overhead_s=5e-6, overlap=0.5, devices_per_node=32, notes="Tenstorrent Galaxy (Wormhole), seed 004's 8x4 ring"),
 }
 
 

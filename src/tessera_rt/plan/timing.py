@@ -19,7 +19,17 @@ from ..autodiff.buckets import grad_bucket_bytes
 from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .specs import Cluster, ModelSpec
 
-__all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS"]
+__all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration"]
+
+
+def duration(seconds: float) -> str:
+    """A time for people: ms below a second, else s; no exponents (1.2e+03 reads badly)."""
+    if seconds == 0:
+        return "0 ms"
+    if seconds < 1:
+        ms = seconds * 1e3
+        return f"{ms:.3f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+    return f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
 
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
