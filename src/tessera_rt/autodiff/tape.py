@@ -11,8 +11,9 @@ sweep walks the tape backwards and calls the op's VJP rule from ``VJPS`` (keyed 
 name; rules are written with ``op.*``, so one rule serves arrays and DTensors and the
 dispatcher picks the gradient's layouts and collectives).
 
-This module imports nothing from tessera_rt at module level: ``dist`` and ``op`` import
-it to install their hooks.
+The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
+autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
+distributed core records on the tape without importing autodiff.
 """
 from __future__ import annotations
 
@@ -21,20 +22,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..dist import dtensor_collectives as _dtc_routes
+from ..dist.hooks import TRACE as STATE
+from ..dist.hooks import differentiable
+
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
     "EFFECT_OPS", "SOURCE_OPS",
 ]
 
 
-class _State:
-    __slots__ = ("tape",)
-
-    def __init__(self):
-        self.tape: Tape | None = None
-
-
-STATE = _State()
 VJPS: dict[str, Callable] = {}       # op name -> rule(g, out, args, kw, needs) -> cotangent per arg
 EFFECT_OPS: set[str] = set()         # ops whose VJP runs even without a cotangent (send, recv)
 SOURCE_OPS: set[str] = set()         # ops recorded whenever a trace records, traced inputs or not
@@ -191,21 +188,6 @@ def is_traced(x) -> bool:
 
 
 # --------------------------------------------------------------------------- the hook
-
-def differentiable(name: str, argnames: tuple[str, ...] = ()):
-    """Wrap a public op entry point.  ``argnames``: keyword names of differentiable
-    arguments that may also be passed by keyword (they are moved to their position)."""
-    def deco(fn):
-        @functools.wraps(fn)
-        def hooked(*args, **kw):
-            tape = STATE.tape
-            if tape is None:
-                return fn(*args, **kw)
-            return _call(name, fn, args, kw, tape, argnames)
-        hooked.__wrapped_op__ = name
-        return hooked
-    return deco
-
 
 _KINDS: dict = {}     # dtype -> "f" (float), "b" (bf16), "h" (fp16), "8" (fp8), "" (other); dtype.name is slow
 
@@ -365,3 +347,11 @@ def detach(x):
     if isinstance(x, dict):
         return {k: detach(v) for k, v in x.items()}
     return x
+
+
+# plug into the distributed core (dist.hooks): ops wrapped by ``differentiable`` record here,
+# DTensor operators leave traced operands to Var's reflected operators, and the collectives
+# route traced values to their hooked DTensor versions
+STATE.record = _call
+STATE.var = Var
+_dtc_routes.route_traced(Var)
