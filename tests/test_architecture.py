@@ -47,8 +47,6 @@ LAYERS = [
 # listed below in ALLOWED_CIRCLES.
 ALLOWED = {
     ("dist.ccl.fused", "op"),
-    ("dist", "pipeline"),                          # dist.Pipeline
-    ("kernels.numerics", "dist.determinism"),      # the determinism switch the kernels read
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
     ("autodiff.dist_vjps", "profiler"),
@@ -226,6 +224,10 @@ X = dist.distribute(a, layout=dist.ShardSpec(partition=("row",), mesh_axes=("tp"
 assert np.allclose(((X * X + X) @ X.T).full_tensor(), (a * a + a) @ a.T)
 assert np.allclose(dist.all_gather(X, axis="tp").to_local(), a)
 assert np.allclose(dist.all_reduce(np.ones(2)), 1)
+from tessera_rt.kernels.numerics import numeric
+with numeric(deterministic=True):                 # the kernels' policy enters dist's mode
+    assert dist.is_deterministic()
+assert not dist.is_deterministic()
 from tessera_rt.autodiff import grad
 g = grad(lambda W: dist.all_gather(W * W, axis="tp").sum())(X)
 assert np.allclose(g.full_tensor(), 2 * a), g.full_tensor()
