@@ -49,7 +49,6 @@ ALLOWED = {
     ("dist.ccl.fused", "op"),
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
-    ("autodiff.dist_vjps", "profiler"),
     ("nn", "inference"),
     ("nn", "moe.model"),
     ("nn", "pipeline.stages"),

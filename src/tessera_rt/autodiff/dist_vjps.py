@@ -21,9 +21,9 @@ from __future__ import annotations
 from ..backend import get_backend
 from ..dist import collectives as C
 from ..dist.ccl.ring_attention import ring_attention_vjp, traced_forward
+from ..dist.dispatch import compute_region
 from ..dist.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.layout import Layout
-from ..profiler import compute_region
 from .tape import differentiable, vjp_rule
 
 __all__ = ["redistribute", "full_tensor", "to_local"]
