@@ -46,7 +46,6 @@ LAYERS = [
 # making the import lazy. Arrows inside an import circle between same-layer modules are
 # listed below in ALLOWED_CIRCLES.
 ALLOWED = {
-    ("dist.ccl.fused", "op"),
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
     ("nn", "inference"),
