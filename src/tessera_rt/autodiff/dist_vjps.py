@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from ..backend import get_backend
 from ..dist import collectives as C
-from ..dist.ccl.ring_attention import ring_attention_vjp, traced_forward
 from ..dist.dispatch import compute_region
 from ..dist.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.layout import Layout
@@ -246,8 +245,3 @@ def _flash_attention(g, out, args, kw, needs):
     for a, t, lay in zip(args[:3], (dq, dk, dv), dec.strategy.inputs):
         outs.append(DTensor._wrap(t, meta_of(lay, a.shape, t.dtype, dec.mesh)))
     return tuple(outs) + (None,) * (len(args) - 3)
-
-
-# ring attention lives in the distributed core, which does not import autodiff: its rule is
-# registered here (its saved logsumexp comes from its own traced forward)
-vjp_rule("ring_attention", forward=traced_forward, effect=True)(ring_attention_vjp)

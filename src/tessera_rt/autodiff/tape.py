@@ -23,41 +23,13 @@ from typing import Any, Callable
 import numpy as np
 
 from ..dist import dtensor_collectives as _dtc_routes
+from ..dist.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
 from ..dist.hooks import TRACE as STATE
-from ..dist.hooks import differentiable
 
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
     "EFFECT_OPS", "SOURCE_OPS",
 ]
-
-
-VJPS: dict[str, Callable] = {}       # op name -> rule(g, out, args, kw, needs) -> cotangent per arg
-EFFECT_OPS: set[str] = set()         # ops whose VJP runs even without a cotangent (send, recv)
-SOURCE_OPS: set[str] = set()         # ops recorded whenever a trace records, traced inputs or not
-FORWARDS: dict[str, Callable] = {}   # op name -> forward(fn, args, kw) -> (result, saved residual)
-
-
-def vjp_rule(*names: str, effect: bool = False, source: bool = False, forward: Callable | None = None):
-    """Register ``rule(g, out, args, kw, needs)`` for ops ``names``: ``args`` are the plain
-    positional arguments, ``out`` the plain result, ``needs[i]`` whether argument i wants a
-    cotangent; returns one cotangent (or None) per positional argument.  ``forward(fn, args,
-    kw)``, if given, runs the op when traced and returns ``(result, saved)``; the rule finds
-    ``saved`` in ``kw["_saved"]`` (flash attention keeps its logsumexp this way).
-    ``effect``: the rule runs even when no cotangent reached the op (a peer waits for its
-    message); ``source``: recorded even when no argument is traced (a recv's data comes
-    from a peer)."""
-    def put(fn):
-        for n in names:
-            VJPS[n] = fn
-            if forward is not None:
-                FORWARDS[n] = forward
-            if effect:
-                EFFECT_OPS.add(n)
-            if source:
-                SOURCE_OPS.add(n)
-        return fn
-    return put
 
 
 class Tape:

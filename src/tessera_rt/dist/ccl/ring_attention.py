@@ -24,7 +24,7 @@ import numpy as np
 from ... import runtime as rt
 from ...backend import get_backend
 from .. import collectives as C
-from ..hooks import differentiable
+from ..hooks import differentiable, vjp_rule
 from ..shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 
@@ -169,17 +169,16 @@ def ring_attention(q: Any, k: Any, v: Any, axis=None, *, mesh=None, causal: bool
     return (o, lse) if return_lse else o
 
 
-def traced_forward(fn, vals, kw):
-    """autodiff's forward for ring_attention: the output and the logsumexp its VJP reads."""
+def _ring_forward(fn, vals, kw):
     q, k, v = vals[:3]
     o, lse = _forward(q, k, v, vals[3] if len(vals) > 3 else kw.get("axis"), kw.get("mesh"),
                       bool(kw.get("causal", False)), kw.get("scale"), kw.get("layout", "striped"), kw.get("seq_len"))
     return ((o, lse) if kw.get("return_lse") else o), lse
 
 
-def ring_attention_vjp(g, out, args, kw, needs):
-    """ring_attention's VJP (autodiff.dist_vjps registers it with ``traced_forward``).
-    dq stays; each block's dk/dv ride along the ring with it and arrive home after n hops."""
+@vjp_rule("ring_attention", forward=_ring_forward, effect=True)
+def _ring_attention_vjp(g, out, args, kw, needs):
+    """dq stays; each block's dk/dv ride along the ring with it and arrive home after n hops."""
     q, k, v = args[:3]
     axis = args[3] if len(args) > 3 else kw.get("axis")
     causal, layout = bool(kw.get("causal", False)), kw.get("layout", "striped")
