@@ -48,7 +48,6 @@ LAYERS = [
 ALLOWED = {
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
-    ("nn", "inference"),
     ("nn", "moe.model"),
     ("nn", "pipeline.stages"),
     ("op", "moe"),

@@ -416,11 +416,3 @@ class Transformer(Module):
         loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
         return loss if aux is None else op.add(loss, aux)
 
-
-def __getattr__(name: str):
-    # nn.Llama / nn.KVCache live in tessera_rt.inference, which imports nn's siblings: load it
-    # on first use so importing nn never imports inference
-    if name in ("Llama", "KVCache"):
-        from . import inference
-        return getattr(inference, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
