@@ -48,9 +48,6 @@ LAYERS = [
 ALLOWED = {
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
-    ("nn", "moe.model"),
-    ("nn", "pipeline.stages"),
-    ("op", "moe"),
     ("runtime", "moe.tiers"),                      # moe should register its prefetch with the runtime
 }
 

@@ -10,6 +10,7 @@ collectives as first-class operations, launched with ``tessera-run`` / ``mpirun`
 from . import backend, dtypes, runtime
 from . import dist, kernels, op
 from . import autodiff, graph, nn, optim, profiler
+from . import moe
 from .inference import KVCache as _KVCache, Llama as _Llama
 from .pipeline import Pipeline as _Pipeline
 from .autodiff import checkpoint, detach, grad, no_grad, value_and_grad, vjp
