@@ -46,6 +46,8 @@ LAYERS = [
 # making the import lazy. Arrows inside an import circle between same-layer modules are
 # listed below in ALLOWED_CIRCLES.
 ALLOWED = {
+    # Var's operators and the VJP rules are written with op.*: the rules (vjps.py) belong to
+    # the op layer, which would register them and Var's operators with autodiff
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
     ("runtime", "moe.tiers"),                      # moe should register its prefetch with the runtime
@@ -59,6 +61,7 @@ ALLOWED_CIRCLES = [
      "dist.cost", "dist.debug", "dist.determinism", "dist.dispatch", "dist.dtensor", "dist.dtensor_collectives",
      "dist.interop", "dist.layout", "dist.mesh", "dist.plans", "dist.process_group", "dist.redistribute",
      "dist.rules", "dist.shard", "dist.solve", "dist.watchdog"],
+    # Var.redistribute/full_tensor/to_local call dist_vjps, which registers with the tape
     ["autodiff.dist_vjps", "autodiff.tape"],
     # the compiler imports the *_cuda sources, which import the compiler (they should register)
     ["kernels.attention_cuda", "kernels.compile", "kernels.gemm_cuda", "kernels.paged_attention_cuda",
