@@ -10,9 +10,17 @@ collectives as first-class operations, launched with ``tessera-run`` / ``mpirun`
 from . import backend, dtypes, runtime
 from . import dist, kernels, op
 from . import autodiff, graph, nn, optim, profiler
+from . import moe
+from .inference import KVCache as _KVCache, Llama as _Llama
+from .pipeline import Pipeline as _Pipeline
 from .autodiff import checkpoint, detach, grad, no_grad, value_and_grad, vjp
 from .backend import get_backend
 from .dtypes import resolve_dtype
+
+# public names of modules above their home (dist sits below pipeline, nn below inference):
+# the package root, which imports every layer, attaches them
+dist.Pipeline = _Pipeline
+nn.Llama, nn.KVCache = _Llama, _KVCache
 
 __version__ = "0.1.0"
 __all__ = [

@@ -211,6 +211,24 @@ class SwiGLUMLP(Module):
         return self.w2(p["w2"], op.swiglu(x, p["w1"]["w"], p["w3"]["w"]))
 
 
+# Parts of the Transformer that live above nn: the MoE block (tessera_rt.moe.model) and the
+# pipeline stage split (tessera_rt.pipeline.stages). Those modules register them here on
+# import (`import tessera_rt` imports both), so nn never imports upward.
+_PARTS: dict = {}
+
+
+def register_part(name: str, cls) -> None:
+    _PARTS[name] = cls
+
+
+def _part(name: str, what: str):
+    cls = _PARTS.get(name)
+    if cls is None:
+        raise RuntimeError(f"nn.{what} needs {name}, which tessera_rt.moe / tessera_rt.pipeline register: "
+                           "import tessera_rt (it imports every layer)")
+    return cls
+
+
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -221,8 +239,7 @@ class TransformerBlock(Module):
         self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
         self.attn = Attention(d_model, n_heads, **kw)
         if moe:                                # routed experts over ep instead of the dense MLP
-            from .moe.model import MoEMLP
-            self.mlp = MoEMLP(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
+            self.mlp = _part("MoEMLP", "Transformer(moe=...)")(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
         else:
             self.mlp = SwiGLUMLP(d_model, hidden, **kw)
 
@@ -247,8 +264,7 @@ class Transformer(Module):
         # rank's modules live on its stage's sub-mesh and it builds only its own parameters
         self.stage_plan = None
         if mesh is not None and pp_axis in mesh.axes:
-            from .pipeline.stages import StagePlan
-            self.stage_plan = StagePlan(mesh, pp_axis, n_layers, stage_of, virtual_stages)
+            self.stage_plan = _part("StagePlan", f"Transformer over a {pp_axis!r} axis")(mesh, pp_axis, n_layers, stage_of, virtual_stages)
             mesh = self.stage_plan.stage_mesh
         super().__init__(mesh, tp_axis, dtype)
         if remat not in ("none", "all", "every_other"):
@@ -416,11 +432,3 @@ class Transformer(Module):
         loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
         return loss if aux is None else op.add(loss, aux)
 
-
-def __getattr__(name: str):
-    # nn.Llama / nn.KVCache live in tessera_rt.inference, which imports nn's siblings: load it
-    # on first use so importing nn never imports inference
-    if name in ("Llama", "KVCache"):
-        from . import inference
-        return getattr(inference, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

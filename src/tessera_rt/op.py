@@ -219,22 +219,36 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out=None, stream=None, policy: NumericPo
 
 # --------------------------------------------------------------------------- mixture of experts
 
+# The layer lives in tessera_rt.moe, above op: moe fills this table on import (and
+# `import tessera_rt` imports it), so op does not import upward.
+_MOE: dict = {}
+
+
+def register_moe(**parts) -> None:
+    """tessera_rt.moe's ``MoE``, ``set_router`` and ``set_router_regularizer``, for the names below."""
+    _MOE.update(parts)
+
+
+def _moe_part(name: str):
+    part = _MOE.get(name)
+    if part is None:
+        raise RuntimeError(f"op.{name} is tessera_rt.moe's: import tessera_rt (or tessera_rt.moe) first")
+    return part
+
+
 def moe(num_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25, **kw):
     """A mixture-of-experts layer over the ``ep`` mesh axis (``tessera_rt.moe.MoE``)."""
-    from .moe import MoE
-    return MoE(num_experts, top_k, capacity_factor, **kw)
+    return _moe_part("MoE")(num_experts, top_k, capacity_factor, **kw)
 
 
 def set_router(layer, fn):
     """Route ``layer`` with ``fn(logits, meta) -> logits`` (``tessera_rt.moe.set_router``)."""
-    from .moe import set_router as _set
-    return _set(layer, fn)
+    return _moe_part("set_router")(layer, fn)
 
 
 def set_router_regularizer(layer, kind: str = "topology_distance", weight: float = 0.05, **kw):
     """Locality-aware gating for ``layer`` (``tessera_rt.moe.set_router_regularizer``)."""
-    from .moe import set_router_regularizer as _set
-    return _set(layer, kind, weight, **kw)
+    return _moe_part("set_router_regularizer")(layer, kind, weight, **kw)
 
 
 # --------------------------------------------------------------------------- kernels re-exported

@@ -40,13 +40,13 @@ Entering and leaving a profile is collective (a barrier, then a gather) at world
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 from collections import defaultdict
 
 from ._format import human_bytes
+from .dist.dispatch import compute_region
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region"]
 
@@ -189,21 +189,6 @@ class _Region:
         prof._events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
                             "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
                             "async": False})
-
-
-def compute_region(name: str):
-    """``region(name)`` in every active profile, a no-op context without one: for kernel work
-    that runs outside the dispatcher (autodiff's flash-attention rules call their kernels on
-    the local pieces), so the tables show it and the overlap ratio counts it as compute."""
-    profs = active_profiles()
-    if not profs:
-        return contextlib.nullcontext()
-    if len(profs) == 1:
-        return profs[0].region(name)
-    stack = contextlib.ExitStack()
-    for p in profs:
-        stack.enter_context(p.region(name))
-    return stack
 
 
 # --------------------------------------------------------------------------- intervals

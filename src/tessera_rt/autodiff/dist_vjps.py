@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from ..backend import get_backend
 from ..dist import collectives as C
+from ..dist.dispatch import compute_region
 from ..dist.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.layout import Layout
-from ..profiler import compute_region
 from .tape import differentiable, vjp_rule
 
 __all__ = ["redistribute", "full_tensor", "to_local"]

@@ -11,8 +11,9 @@ sweep walks the tape backwards and calls the op's VJP rule from ``VJPS`` (keyed 
 name; rules are written with ``op.*``, so one rule serves arrays and DTensors and the
 dispatcher picks the gradient's layouts and collectives).
 
-This module imports nothing from tessera_rt at module level: ``dist`` and ``op`` import
-it to install their hooks.
+The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
+autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
+distributed core records on the tape without importing autodiff.
 """
 from __future__ import annotations
 
@@ -21,46 +22,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..dist import dtensor_collectives as _dtc_routes
+from ..dist.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
+from ..dist.hooks import TRACE as STATE
+
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
     "EFFECT_OPS", "SOURCE_OPS",
 ]
-
-
-class _State:
-    __slots__ = ("tape",)
-
-    def __init__(self):
-        self.tape: Tape | None = None
-
-
-STATE = _State()
-VJPS: dict[str, Callable] = {}       # op name -> rule(g, out, args, kw, needs) -> cotangent per arg
-EFFECT_OPS: set[str] = set()         # ops whose VJP runs even without a cotangent (send, recv)
-SOURCE_OPS: set[str] = set()         # ops recorded whenever a trace records, traced inputs or not
-FORWARDS: dict[str, Callable] = {}   # op name -> forward(fn, args, kw) -> (result, saved residual)
-
-
-def vjp_rule(*names: str, effect: bool = False, source: bool = False, forward: Callable | None = None):
-    """Register ``rule(g, out, args, kw, needs)`` for ops ``names``: ``args`` are the plain
-    positional arguments, ``out`` the plain result, ``needs[i]`` whether argument i wants a
-    cotangent; returns one cotangent (or None) per positional argument.  ``forward(fn, args,
-    kw)``, if given, runs the op when traced and returns ``(result, saved)``; the rule finds
-    ``saved`` in ``kw["_saved"]`` (flash attention keeps its logsumexp this way).
-    ``effect``: the rule runs even when no cotangent reached the op (a peer waits for its
-    message); ``source``: recorded even when no argument is traced (a recv's data comes
-    from a peer)."""
-    def put(fn):
-        for n in names:
-            VJPS[n] = fn
-            if forward is not None:
-                FORWARDS[n] = forward
-            if effect:
-                EFFECT_OPS.add(n)
-            if source:
-                SOURCE_OPS.add(n)
-        return fn
-    return put
 
 
 class Tape:
@@ -191,21 +160,6 @@ def is_traced(x) -> bool:
 
 
 # --------------------------------------------------------------------------- the hook
-
-def differentiable(name: str, argnames: tuple[str, ...] = ()):
-    """Wrap a public op entry point.  ``argnames``: keyword names of differentiable
-    arguments that may also be passed by keyword (they are moved to their position)."""
-    def deco(fn):
-        @functools.wraps(fn)
-        def hooked(*args, **kw):
-            tape = STATE.tape
-            if tape is None:
-                return fn(*args, **kw)
-            return _call(name, fn, args, kw, tape, argnames)
-        hooked.__wrapped_op__ = name
-        return hooked
-    return deco
-
 
 _KINDS: dict = {}     # dtype -> "f" (float), "b" (bf16), "h" (fp16), "8" (fp8), "" (other); dtype.name is slow
 
@@ -365,3 +319,11 @@ def detach(x):
     if isinstance(x, dict):
         return {k: detach(v) for k, v in x.items()}
     return x
+
+
+# plug into the distributed core (dist.hooks): ops wrapped by ``differentiable`` record here,
+# DTensor operators leave traced operands to Var's reflected operators, and the collectives
+# route traced values to their hooked DTensor versions
+STATE.record = _call
+STATE.var = Var
+_dtc_routes.route_traced(Var)

@@ -42,11 +42,3 @@ __all__ = [
     "deterministic", "set_deterministic", "is_deterministic",
 ]
 
-
-def __getattr__(name: str):
-    # dist.Pipeline lives above dist (tessera_rt.pipeline); imported on first use so that
-    # importing dist never imports upward
-    if name == "Pipeline":
-        from ..pipeline import Pipeline
-        return Pipeline
-    raise AttributeError(f"module 'tessera_rt.dist' has no attribute {name!r}")

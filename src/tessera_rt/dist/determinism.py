@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import get_backend
+from ..kernels.numerics import register_mode_switch
 
 __all__ = ["deterministic", "set_deterministic", "is_deterministic", "tree_sum", "matmul", "reduce_sum",
            "active", "FIXED_ORDER"]
@@ -82,6 +83,9 @@ class deterministic:
 
     def __exit__(self, *exc) -> None:
         _apply(*self._prev)
+
+
+register_mode_switch(deterministic)      # ``with op.numeric(deterministic=True):`` enters it
 
 
 def active(policy=None) -> bool:

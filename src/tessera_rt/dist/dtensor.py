@@ -31,8 +31,8 @@ import inspect
 
 import numpy as np
 
-from ..autodiff.tape import Var as _Var
-from ..autodiff.tape import differentiable
+from .hooks import TRACE as _TRACE
+from .hooks import differentiable
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from . import collectives as C
@@ -169,7 +169,7 @@ class DTensor:
         raise TypeError(_refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        if any(type(a) is _Var for a in inputs):
+        if any(type(a) is _TRACE.var for a in inputs):
             return NotImplemented                    # a traced operand records the op itself
         name = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
         entry = _UFUNCS.get(ufunc.__name__)
@@ -272,27 +272,27 @@ class DTensor:
     # ops (all through the dispatcher) ----------------------------------------------
     # A traced operand (autodiff's Var) takes over through its reflected operator, which
     # records the op; this is the one autodiff hook in DTensor's operators.
-    def __add__(self, o): return NotImplemented if type(o) is _Var else _d.binary("add", self, o)
-    def __radd__(self, o): return NotImplemented if type(o) is _Var else _d.binary("add", o, self)
-    def __sub__(self, o): return NotImplemented if type(o) is _Var else _d.binary("sub", self, o)
-    def __rsub__(self, o): return NotImplemented if type(o) is _Var else _d.binary("sub", o, self)
-    def __mul__(self, o): return NotImplemented if type(o) is _Var else _d.binary("mul", self, o)
-    def __rmul__(self, o): return NotImplemented if type(o) is _Var else _d.binary("mul", o, self)
-    def __truediv__(self, o): return NotImplemented if type(o) is _Var else _d.binary("div", self, o)
-    def __rtruediv__(self, o): return NotImplemented if type(o) is _Var else _d.binary("div", o, self)
-    def __pow__(self, o): return NotImplemented if type(o) is _Var else _d.binary("pow", self, o)
-    def __rpow__(self, o): return NotImplemented if type(o) is _Var else _d.binary("pow", o, self)
-    def __matmul__(self, o): return NotImplemented if type(o) is _Var else _d.matmul(self, o)
-    def __rmatmul__(self, o): return NotImplemented if type(o) is _Var else _d.matmul(o, self)
+    def __add__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("add", self, o)
+    def __radd__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("add", o, self)
+    def __sub__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("sub", self, o)
+    def __rsub__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("sub", o, self)
+    def __mul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("mul", self, o)
+    def __rmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("mul", o, self)
+    def __truediv__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("div", self, o)
+    def __rtruediv__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("div", o, self)
+    def __pow__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("pow", self, o)
+    def __rpow__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("pow", o, self)
+    def __matmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.matmul(self, o)
+    def __rmatmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.matmul(o, self)
     def __neg__(self): return _d.unary("neg", self)
     def __pos__(self): return self
     def __abs__(self): return _d.unary("abs", self)
-    def __lt__(self, o): return NotImplemented if type(o) is _Var else _d.binary("lt", self, o)
-    def __le__(self, o): return NotImplemented if type(o) is _Var else _d.binary("le", self, o)
-    def __gt__(self, o): return NotImplemented if type(o) is _Var else _d.binary("gt", self, o)
-    def __ge__(self, o): return NotImplemented if type(o) is _Var else _d.binary("ge", self, o)
-    def __eq__(self, o): return NotImplemented if type(o) is _Var else _d.binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return NotImplemented if type(o) is _Var else _d.binary("ne", self, o)  # type: ignore[override]
+    def __lt__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("lt", self, o)
+    def __le__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("le", self, o)
+    def __gt__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("gt", self, o)
+    def __ge__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ge", self, o)
+    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ne", self, o)  # type: ignore[override]
 
     def sum(self, axis=None, keepdims: bool = False): return _d.reduce("sum", self, axis, keepdims)
     def mean(self, axis=None, keepdims: bool = False): return _d.reduce("mean", self, axis, keepdims)

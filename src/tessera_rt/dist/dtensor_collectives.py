@@ -21,7 +21,7 @@ Every function is differentiable (``ts.grad``); the VJP rules live in
 """
 from __future__ import annotations
 
-from ..autodiff.tape import Var, differentiable
+from .hooks import differentiable
 from . import collectives as C
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
@@ -201,4 +201,9 @@ def _dim(op: str, x: DTensor, dim: int) -> int:
 # backward send meets its recv.
 _HANDLERS = {f.__wrapped_op__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast)}
 C.route(DTensor, _HANDLERS)
-C.route(Var, _HANDLERS)
+
+
+def route_traced(var_type: type) -> None:
+    """Route the collectives' traced operands (autodiff's Var) to the hooked versions too;
+    autodiff calls this on import (the distributed core does not import autodiff)."""
+    C.route(var_type, _HANDLERS)

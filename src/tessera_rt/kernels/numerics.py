@@ -36,6 +36,14 @@ _SCALES = (None, "per_tensor", "per_channel")
 
 
 _SCOPES: list = []      # the deterministic() contexts of nested ``with policy:`` blocks
+# The mode ``with policy:`` switches belongs to the distributed core, above the kernels:
+# dist.determinism puts its ``deterministic`` context class here when it is imported.
+_MODE_SWITCH: list = []
+
+
+def register_mode_switch(context) -> None:
+    """``context(policy)``: what ``with policy:`` enters (dist.determinism's ``deterministic``)."""
+    _MODE_SWITCH[:] = [context]
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,10 @@ class NumericPolicy:
         """``with op.numeric(deterministic=True):`` (the seeds' spelling) turns fixed-order
         reductions on for the block (``tessera_rt.dist.deterministic``); the other fields
         apply per op, where a policy is passed.  A mode switch, not communication."""
-        from ..dist.determinism import deterministic
-        ctx = deterministic(self)
+        if not _MODE_SWITCH:
+            raise RuntimeError("`with op.numeric(...)` switches the distributed core's deterministic mode: "
+                               "import tessera_rt (or tessera_rt.dist) first")
+        ctx = _MODE_SWITCH[0](self)
         _SCOPES.append(ctx)
         ctx.__enter__()
         return self

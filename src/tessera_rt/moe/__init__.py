@@ -6,8 +6,10 @@ experts -> all_to_all -> combine op and its VJP, ``reference`` a dense NumPy ora
 ``tiers`` expert residency and prefetch.  ``op.moe``, ``op.set_router``,
 ``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
 """
+from .. import op as _op
 from .dispatch import DispatchBuffers, moe_ffn
 from .layer import GATES, MoE, MoEAux
+from . import model as _model   # noqa: F401  (registers nn.Transformer's MoE block)
 from .reference import dense_reference
 
 __all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "moe_ffn", "dense_reference", "set_router",
@@ -38,3 +40,6 @@ def set_router_regularizer(layer: MoE, kind: str = "topology_distance", weight: 
         layer.groups = list(groups)
     layer.regularizer = {"kind": kind, "weight": float(weight), "scale": float(scale)}
     return layer
+
+
+_op.register_moe(MoE=MoE, set_router=set_router, set_router_regularizer=set_router_regularizer)

@@ -8,6 +8,7 @@ Tokens ``(B, S, d)`` with the batch sharded over dp and ep together are flattene
 from __future__ import annotations
 
 from ..dist.layout import ShardSpec
+from ..nn import register_part
 from .layer import MoE
 
 __all__ = ["MoEMLP"]
@@ -48,3 +49,6 @@ class MoEMLP:
         if self.z_coef:
             total = op.add(total, op.mul(aux["z_loss"], self.z_coef))
         return total
+
+
+register_part("MoEMLP", MoEMLP)       # nn.Transformer(moe=...) builds its blocks with it

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..dist.mesh import Mesh
+from ..nn import register_part
 
 __all__ = ["StagePlan", "split_layers", "stage_meshes"]
 
@@ -103,3 +104,6 @@ class StagePlan:
 
     def __repr__(self) -> str:
         return f"StagePlan(pp={self.pp}, virtual={self.virtual}, layers={self.layers}, stage={self.stage})"
+
+
+register_part("StagePlan", StagePlan)   # nn.Transformer splits its blocks over pp with it

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ... import op
 from ...kernels.mlp import dual_reads_x_once
 from .. import collectives as C
 from . import buffers
@@ -13,6 +12,12 @@ from ._common import check_array, resolve, where
 from .line import line_all_gather, line_reduce_scatter
 
 __all__ = ["double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_gather_concat"]
+
+
+def _matmul(a: Any, b: Any):
+    """``a @ b`` on this rank's arrays: the backend's kernel, what op.matmul runs on arrays
+    (op sits above the distributed core)."""
+    return C._backend().kernel("matmul", like=a)(a, b)
 
 
 def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: int | str = 1, dim: int = -1, *,
@@ -51,10 +56,10 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
         y1, y3 = backend.kernel("dual_matmul")(x, w1, w3)
         return line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key,
                                    num_links=num_links, algo=algo), y3
-    y1 = op.matmul(x, w1)
+    y1 = _matmul(x, w1)
     y3 = []
     rs = line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key, num_links=num_links,
-                             algo=algo, between=lambda: y3.append(op.matmul(x, w3)))
+                             algo=algo, between=lambda: y3.append(_matmul(x, w3)))
     return rs, y3[0]
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ...autodiff.tape import differentiable, vjp_rule
 from ... import runtime as rt
 from ...backend import get_backend
 from .. import collectives as C
+from ..hooks import differentiable, vjp_rule
 from ..shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 
