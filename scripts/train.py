@@ -21,6 +21,10 @@ had never stopped (bitwise on the same mesh; up to float rounding on another).
     tessera-run -n 4 scripts/train.py --pp 2 --tp 2 --steps 200 --save-every 50 --run-dir out/a
     tessera-run -n 4 scripts/train.py --dp 4 --steps 300 --run-dir out/a --resume
 
+Under ``tessera-run --max-restarts N`` (which sets TESSERA_RESTART) --run-dir is required, and a
+restarted attempt resumes from that directory's checkpoint (or starts afresh there when the
+failed attempt had not saved one yet): at most the steps since the last save are lost.
+
 Threads: each rank's BLAS/OpenMP/Numba pools default to one thread (set before NumPy is
 imported; a variable you set yourself, or tessera-run's share of the cores, wins).  The
 model's GEMMs are small, so extra threads only add spin-waiting and contention: an
@@ -145,8 +149,14 @@ def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
     if not (writes or args.resume):
         return None
     path, err = None, None
+    restart = os.environ.get("TESSERA_RESTART")             # set by tessera-run --max-restarts
     if world.rank == 0:
-        if args.run_dir:
+        if restart not in (None, "0") and args.run_dir:     # a restarted job: resume if the failed attempt saved
+            args.resume = (Path(args.run_dir) / "checkpoint" / "index.json").is_file()
+        if restart is not None and not args.run_dir:
+            err = ("train.py: under tessera-run --max-restarts, pass --run-dir DIR (a restarted job resumes from the "
+                   "checkpoint there)")
+        elif args.run_dir:
             path = Path(args.run_dir)
         elif args.resume:
             err = "train.py: --resume needs --run-dir DIR, the directory of the run to continue"
@@ -157,12 +167,12 @@ def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
         if err is None and args.resume and not (path / "checkpoint" / "index.json").is_file():
             err = (f"train.py: --resume: {path} holds no checkpoint ({path / 'checkpoint' / 'index.json'} does not "
                    "exist); pass the --run-dir of a run that saved one, or drop --resume to start a new run")
-        elif err is None and not args.resume and path.is_dir() and any(path.iterdir()):
+        elif err is None and not args.resume and path.is_dir() and any(path.iterdir()) and restart in (None, "0"):
             err = (f"train.py: the run directory {path} is not empty; pass --resume to continue that run, or a new "
                    "--run-dir (by default each run gets a new out/<UTC time>)")
         elif err is None:
             path.mkdir(parents=True, exist_ok=True)
-    path, err = world.mpi.bcast((path, err), root=0)
+    path, err, args.resume = world.mpi.bcast((path, err, args.resume), root=0)
     if err:
         raise SystemExit(err)
     if world.rank == 0 and not args.quiet:

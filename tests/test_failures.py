@@ -226,3 +226,60 @@ def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
     p, _ = _run([sys.executable] + run + ["--steps", "1", "--run-dir", str(tmp_path / "a")], mpi_env(1))
     assert p.returncode != 0 and "is not empty; pass --resume to continue that run" in p.stderr, p.stderr
     assert _saved_losses(tmp_path / "a") == resumed
+
+
+def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_path):
+    # issue 27 §4: under --max-restarts, a SIGKILLed rank ends the attempt; tessera-run says why,
+    # starts the job again, and train.py resumes from the save at step 2: the losses are the
+    # uninterrupted run's, bit for bit (same mesh)
+    dying = _script(tmp_path, "dying_train.py", """
+        import os, runpy, signal, sys
+        from mpi4py import MPI
+        from tessera_rt import optim
+        if os.environ.get("TESSERA_RESTART") == "0" and MPI.COMM_WORLD.Get_rank() == 1:
+            step, calls = optim.AdamW.step, []
+            def dying_step(self, *a, **k):
+                calls.append(1)
+                if len(calls) == 4:             # saved after step 2; dies before step 4's update
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return step(self, *a, **k)
+            optim.AdamW.step = dying_step
+        sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """)
+    corpus = ROOT / "tests" / "data" / "tiny_corpus.txt"
+    train = [str(ROOT / "scripts" / "train.py"), "--dp", "2", "--steps", "6", "--save-every", "2", "--batch", "4",
+             "--seq", "16", "--d-model", "16", "--heads", "2", "--layers", "2", "--lr", "1e-2", "--no-plot",
+             "--data", str(corpus)]
+    p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "1", str(dying)] + train
+                + ["--run-dir", str(tmp_path / "a")], mpi_env(2), limit=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tessera-run: attempt 2 of 2 after rank 1 died (SIGKILL); restarting the job (TESSERA_RESTART=1)" \
+        in p.stderr, p.stderr
+    assert "train.py: resumed at step 2 from" in p.stdout, p.stdout
+    p, _ = _run([TESSERA_RUN, "-n", "2"] + train + ["--run-dir", str(tmp_path / "b")], mpi_env(2), limit=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    restarted, whole = _saved_losses(tmp_path / "a"), _saved_losses(tmp_path / "b")
+    assert len(restarted) == 6 and restarted == whole, (restarted, whole)
+    _no_orphans(str(dying))
+
+
+def test_restarts_stop_after_max_restarts_and_train_py_needs_a_run_dir(tmp_path):
+    # a job that always fails is tried 1 + N times, and ends with the last attempt's status
+    s = _script(tmp_path, "always_fails.py", """
+        import os, sys
+        from tessera_rt import dist
+        w = dist.init()
+        print("attempt", os.environ["TESSERA_RESTART"], flush=True) if w.rank == 0 else None
+        sys.exit(3 if w.rank == 1 else 0)
+    """)
+    p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "2", str(s)], mpi_env(2))
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith("attempt")] == ["attempt 0", "attempt 1", "attempt 2"]
+    assert p.stderr.count("after the job failed (exit code 3); restarting the job") == 2, p.stderr
+    assert "attempt 3 of 3 after" in p.stderr and "attempt 4" not in p.stderr
+    # what tessera-run --max-restarts sets for its ranks
+    p, _ = _run([sys.executable, str(ROOT / "scripts" / "train.py"), "--steps", "1"],
+                dict(mpi_env(1), TESSERA_RESTART="0"))
+    assert p.returncode != 0 and "under tessera-run --max-restarts, pass --run-dir DIR" in p.stderr, p.stderr

@@ -10,6 +10,18 @@ from conftest import mpi_env
 from tessera_rt import launcher
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
+# a job that runs until it is stopped (says "ready" once its ranks are connected)
+SPIN = textwrap.dedent("""
+        import time
+        import numpy as np
+        from tessera_rt import dist
+        dist.init()
+        dist.all_reduce(np.ones(2))
+        print("ready", flush=True)
+        while True:
+            dist.all_reduce(np.ones(2))
+            time.sleep(0.01)
+    """)
 
 
 def test_dry_run_uses_the_venv_mpiexec_and_mpi4py(capsys):
@@ -92,17 +104,7 @@ def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
     import os
     import signal
     script = tmp_path / "spin.py"
-    script.write_text(textwrap.dedent("""
-        import time
-        import numpy as np
-        from tessera_rt import dist
-        dist.init()
-        dist.all_reduce(np.ones(2))
-        print("ready", flush=True)
-        while True:
-            dist.all_reduce(np.ones(2))
-            time.sleep(0.01)
-    """))
+    script.write_text(SPIN)
     # Ctrl-C in a terminal signals the whole foreground process group: launcher, mpiexec, ranks
     p = subprocess.Popen([TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -119,3 +121,44 @@ def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
     assert p.returncode == 130, out + err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip() == "tessera-run: stopped by SIGINT; the 2 ranks were ended", err
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_to_the_launcher_alone_ends_the_job_without_a_restart(tmp_path, sig):
+    # issue 27: `kill -INT <tessera-run pid>` (a scheduler, a parent script: not the terminal's
+    # Ctrl-C, which signals every process) ends every rank in seconds, with 128 + signal, and
+    # --max-restarts does not start the job again
+    import os
+    import signal
+    script = tmp_path / f"spin_{sig}_marker.py"
+    script.write_text(SPIN)
+    p = subprocess.Popen([TESSERA_RUN, "-n", "2", "--max-restarts", "2", str(script)], env=mpi_env(2),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "ready" not in p.stdout.readline():
+            pass
+        time.sleep(0.3)
+        start = time.monotonic()
+        p.send_signal(getattr(signal, f"SIG{sig}"))
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + getattr(signal, f"SIG{sig}"), out + err
+    assert took < 10, took
+    assert err.strip() == f"tessera-run: stopped by SIG{sig}; the 2 ranks were ended", err
+    assert "BAD TERMINATION" not in out, out
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", script.name], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left: {left}"
+
+
+def test_tag_output_prefixes_each_line_with_its_rank(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("from tessera_rt import dist\nw = dist.init()\nprint('hello from', w.rank, flush=True)\n")
+    p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "2", "--tag-output", str(script)], env=mpi_env(2),
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(p.stdout.splitlines()) == ["[0] hello from 0", "[1] hello from 1"], p.stdout

@@ -16,6 +16,13 @@ frames, the other failing ranks summarized in one line; ``dist.process_group.rep
   a library that exits) fails the job, by rank, where mpiexec would report success; a rank
   that died is named by rank beside MPICH's PID banner.
 * Ctrl-C (SIGINT) ends the job with one line, not one KeyboardInterrupt traceback per rank.
+* ``--max-restarts N``: when the job fails (a rank died, raised or exited non-zero), start it
+  again, up to N times, saying why on one line; the ranks of attempt k see
+  ``TESSERA_RESTART=k`` (0 the first time), and a program resumes from its own checkpoint
+  when it is above 0 (``scripts/train.py --run-dir DIR`` does).  A signal to tessera-run
+  ends the job without a restart.
+* ``--tag-output``: each line a rank prints starts with ``[rank] `` (done in the rank, a whole
+  line per write: MPICH's ``-prepend-rank`` tags each write, so ranks' pieces of lines mix).
 * BLAS/OpenMP/Numba threads are capped per rank (cores // ranks) unless already set, so N
   ranks do not start N x cores threads.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import io
 import os
 import re
 import runpy
@@ -80,9 +88,13 @@ _MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Ab
 # MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID and status
 _BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT .*\n=\s+EXIT CODE: (\d+)")
 RUN_DIR_VAR = "TESSERA_RUN_DIR"        # the folder where each rank leaves its pid and its finished mark
+TAG_VAR = "TESSERA_TAG_OUTPUT"         # with --tag-output: the ranks prefix their lines
+RESTART_VAR = "TESSERA_RESTART"        # with --max-restarts: which attempt the ranks are (0 the first)
 
 
 _HYDRA = re.compile(r"^\[(proxy:|mpiexec@)|^Ctrl-C caught")     # mpiexec's own lines as it is stopped
+# MPICH's banner for ranks it ended because tessera-run forwarded a signal (it says so itself)
+_SIGNALED = re.compile(rb"^(=+\s*$|=   |YOUR APPLICATION TERMINATED|This typically refers|Please see the FAQ)")
 
 
 def _copy_stderr(src, dst, seen: dict) -> None:
@@ -93,13 +105,15 @@ def _copy_stderr(src, dst, seen: dict) -> None:
             dst.flush()
 
 
-def _copy_stdout(src, dst, deaths: dict) -> None:
+def _copy_stdout(src, dst, seen: dict) -> None:
     """Pass mpiexec's stdout through as it comes (partial lines too), noting the PID and exit
     code of each rank MPICH reports as ended badly."""
-    tail = b""
+    tail, deaths = b"", seen["deaths"]
     for chunk in iter(lambda: os.read(src.fileno(), 65536), b""):
         if b"Ctrl-C" in chunk:          # mpiexec's own lines as Ctrl-C stops it (tessera-run says it once)
             chunk = b"".join(ln for ln in chunk.splitlines(keepends=True) if not _HYDRA.match(ln.decode(errors="replace")))
+        if "signal" in seen:            # MPICH's banner for the ranks ended by the signal: tessera-run says it once
+            chunk = b"".join(ln for ln in chunk.splitlines(keepends=True) if not _SIGNALED.match(ln))
         dst.write(chunk)
         dst.flush()
         tail = (tail + chunk)[-4096:]
@@ -116,46 +130,65 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch(cmd: list[str], env: dict, seen: dict | None = None) -> int:
-    """Run mpiexec; ``seen`` gets "deaths" ({pid: exit code} from MPICH's banners) and
-    "signal" (the last signal forwarded)."""
-    seen = {} if seen is None else seen
-    deaths = seen.setdefault("deaths", {})
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+def _launch(cmd: list[str], env: dict, seen: dict) -> int:
+    """Run mpiexec; ``seen`` gets "deaths" ({pid: exit code} from MPICH's banners) and "proc"
+    (for ``_forwarding``, which puts the signal it forwarded in "signal")."""
+    seen["deaths"] = {}
+    proc = seen["proc"] = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    if "signal" in seen:                # it came while this attempt was starting
+        _send(proc, seen["signal"])
     copiers = [threading.Thread(target=_copy_stderr, args=(proc.stderr, sys.stderr.buffer, seen), daemon=True),
-               threading.Thread(target=_copy_stdout, args=(proc.stdout, sys.stdout.buffer, deaths), daemon=True)]
+               threading.Thread(target=_copy_stdout, args=(proc.stdout, sys.stdout.buffer, seen), daemon=True)]
     for c in copiers:
         c.start()
-
-    def forward(signum, frame):
-        seen["signal"] = signum
+    while True:
         try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:
-                continue
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+            rc = proc.wait()
+            break
+        except KeyboardInterrupt:
+            continue
     for c in copiers:
         c.join(timeout=5)
     return 128 - rc if rc < 0 else rc
 
 
-def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> int:
-    """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank)."""
+def _send(proc, signum: int) -> None:
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+class _forwarding:
+    """While the job runs (every attempt): SIGTERM, SIGINT and SIGHUP to tessera-run go to
+    mpiexec (which ends every rank) and stop any further attempt."""
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, seen: dict):
+        self.seen = seen
+
+    def _forward(self, signum, frame):
+        self.seen["signal"] = signum
+        if self.seen.get("proc") is not None:
+            _send(self.seen["proc"], signum)
+
+    def __enter__(self):
+        self.old = {s: signal.signal(s, self._forward) for s in self.SIGNALS}
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> tuple[int, str]:
+    """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank);
+    and why it failed, in a few words."""
     sig = seen.get("signal")
     if sig is not None:
         sys.stderr.write(f"tessera-run: stopped by {signal.Signals(sig).name}; the {nranks} ranks were ended\n")
-        return 128 + sig
+        return 128 + sig, "a signal"
+    why = f"the job failed (exit code {rc})"
     pids = {}
     for r in range(nranks):
         try:
@@ -167,15 +200,17 @@ def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> int:
             how = f" (signal {code}: {signal.Signals(code).name})" if 0 < code < 32 else ""
             sys.stderr.write(f"tessera-run: the process MPICH reports (pid {pid}, exit code {code}{how}) is rank "
                              f"{pids[pid]}\n")
+            why = (f"rank {pids[pid]} died ({signal.Signals(code).name})" if 0 < code < 32 else
+                   f"rank {pids[pid]} exited with code {code}")
     unfinished = [r for r in range(nranks) if not Path(run_dir, f"{r}.done").exists()]
     if rc == 0 and unfinished:
+        ranks = f"rank{'s' if len(unfinished) > 1 else ''} {', '.join(map(str, unfinished))}"
         sys.stderr.write(
-            f"tessera-run: mpiexec reported success, but rank{'s' if len(unfinished) > 1 else ''} "
-            f"{', '.join(map(str, unfinished))} did not finish the program: a rank ended with status 0 before the end "
-            "(os._exit(0), or a library that exits the process) and MPI ended the ranks waiting for it; the job "
-            "failed (exit code 1)\n")
-        return 1
-    return rc
+            f"tessera-run: mpiexec reported success, but {ranks} did not finish the program: a rank ended with status "
+            "0 before the end (os._exit(0), or a library that exits the process) and MPI ended the ranks waiting for "
+            "it; the job failed (exit code 1)\n")
+        return 1, f"{ranks} did not finish"
+    return rc, why
 
 
 def _mark(run_dir: str, name: str, text: str) -> None:
@@ -183,6 +218,43 @@ def _mark(run_dir: str, name: str, text: str) -> None:
         Path(run_dir, name).write_text(text)
     except OSError:
         pass
+
+
+class _Tagged(io.TextIOBase):
+    """A rank's stdout/stderr with ``[rank] `` before each line; a line goes out in one write
+    (a partial one at a flush), so the ranks' lines do not mix."""
+
+    def __init__(self, stream, tag: str):
+        self.stream, self.tag, self.pending, self.at_start = stream, tag, "", True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            done, _, self.pending = self.pending.rpartition("\n")
+            self._emit(done + "\n")
+        return len(text)
+
+    def _emit(self, text: str) -> None:
+        lines = text.splitlines(keepends=True)
+        tagged = [(self.tag if i or self.at_start else "") + ln for i, ln in enumerate(lines)]
+        self.at_start = text.endswith("\n")
+        self.stream.write("".join(tagged))
+
+    def flush(self) -> None:
+        if self.pending:
+            text, self.pending = self.pending, ""
+            self._emit(text)
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return self.stream.encoding
 
 
 def _rank_main(argv: list[str]) -> None:
@@ -193,6 +265,10 @@ def _rank_main(argv: list[str]) -> None:
     if run_dir:
         _mark(run_dir, f"{rank}.pid", str(os.getpid()))
         atexit.register(_mark, run_dir, f"{rank}.done", "")      # at a normal exit only (not os._exit)
+    if os.environ.get(TAG_VAR):
+        sys.stdout, sys.stderr = _Tagged(sys.stdout, f"[{rank}] "), _Tagged(sys.stderr, f"[{rank}] ")
+        atexit.register(sys.stdout.flush)
+        atexit.register(sys.stderr.flush)
     if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
         from tessera_rt.dist import process_group
         process_group._install_excepthook(rank)
@@ -220,11 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-m", dest="module", help="run a module instead of a script")
     parser.add_argument("--mpi-arg", action="append", default=[],
                         help="extra argument for mpiexec (repeatable), e.g. --mpi-arg=-hosts --mpi-arg=a,b")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when the job fails (a rank died, raised or exited non-zero), start it again, up to N "
+                        "times; the ranks see TESSERA_RESTART=<attempt> (0 the first) and scripts/train.py resumes "
+                        "from its --run-dir's checkpoint. A signal to tessera-run ends the job without a restart")
+    parser.add_argument("--tag-output", action="store_true", help="start each output line with its rank")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
     args = parser.parse_args(argv)
     if args.nranks < 1:
         parser.error(f"-n must be at least 1, got {args.nranks}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
     target = (["-m", args.module] if args.module else []) + args.target
     if not target or (not args.module and not args.target):
         parser.error("name a script to run (or -m module)")
@@ -236,15 +319,26 @@ def main(argv: list[str] | None = None) -> int:
             "  or run a single rank directly:       python script.py\n")
         return 127
     env = rank_env(args.nranks)
+    if args.tag_output:
+        env[TAG_VAR] = "1"
     cmd = build_command(args.nranks, target, mpiexec, args.mpi_arg)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
-        env[RUN_DIR_VAR] = run_dir
-        seen: dict = {}
-        rc = _launch(cmd, env, seen)
-        return _verdict(rc, run_dir, args.nranks, seen)
+    seen: dict = {}
+    attempts = args.max_restarts + 1
+    with _forwarding(seen):
+        for attempt in range(attempts):
+            with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
+                env[RUN_DIR_VAR] = run_dir
+                if args.max_restarts:
+                    env[RESTART_VAR] = str(attempt)
+                rc, why = _verdict(_launch(cmd, env, seen), run_dir, args.nranks, seen)
+            if rc == 0 or "signal" in seen or attempt + 1 == attempts:
+                return rc
+            sys.stderr.write(f"tessera-run: attempt {attempt + 2} of {attempts} after {why}; restarting the job "
+                             f"({RESTART_VAR}={attempt + 1})\n")
+            sys.stderr.flush()
 
 
 if __name__ == "__main__":
