@@ -249,19 +249,29 @@ def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_p
         runpy.run_path(sys.argv[0], run_name="__main__")
     """)
     corpus = ROOT / "tests" / "data" / "tiny_corpus.txt"
-    train = [str(ROOT / "scripts" / "train.py"), "--dp", "2", "--steps", "6", "--save-every", "2", "--batch", "4",
+    train = [str(ROOT / "scripts" / "train.py"), "--steps", "6", "--save-every", "2", "--batch", "4",
              "--seq", "16", "--d-model", "16", "--heads", "2", "--layers", "2", "--lr", "1e-2", "--no-plot",
              "--data", str(corpus)]
     p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "1", str(dying)] + train
-                + ["--run-dir", str(tmp_path / "a")], mpi_env(2), limit=120)
+                + ["--dp", "2", "--run-dir", str(tmp_path / "a")], mpi_env(2), limit=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tessera-run: attempt 2 of 2 after rank 1 died (SIGKILL); restarting the job (TESSERA_RESTART=1)" \
         in p.stderr, p.stderr
     assert "train.py: resumed at step 2 from" in p.stdout, p.stdout
-    p, _ = _run([TESSERA_RUN, "-n", "2"] + train + ["--run-dir", str(tmp_path / "b")], mpi_env(2), limit=120)
+    p, _ = _run([TESSERA_RUN, "-n", "2"] + train + ["--dp", "2", "--run-dir", str(tmp_path / "b")], mpi_env(2),
+                limit=120)
     assert p.returncode == 0, p.stdout + p.stderr
     restarted, whole = _saved_losses(tmp_path / "a"), _saved_losses(tmp_path / "b")
     assert len(restarted) == 6 and restarted == whole, (restarted, whole)
+    # --min-n 1: the restart runs on the one rank left; train.py (dp = world size) resumes the
+    # dp2 checkpoint onto dp1: the same losses up to float rounding
+    p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "1", "--min-n", "1", str(dying)]
+                + train + ["--run-dir", str(tmp_path / "c")], mpi_env(2), limit=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "after rank 1 died (SIGKILL); restarting the job on 1 rank (TESSERA_RESTART=1)" in p.stderr, p.stderr
+    from tessera_rt.dist.checkpoint import read_index
+    assert json.loads(read_index(str(tmp_path / "c" / "checkpoint"))["values"]["meta"])["dp"] == 1
+    np.testing.assert_allclose(_saved_losses(tmp_path / "c"), whole, rtol=2e-5)
     _no_orphans(str(dying))
 
 

@@ -147,7 +147,7 @@ def test_a_signal_to_the_launcher_alone_ends_the_job_without_a_restart(tmp_path,
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 128 + getattr(signal, f"SIG{sig}"), out + err
-    assert took < 10, took
+    assert took < 15, took          # under a second when the machine is idle
     assert err.strip() == f"tessera-run: stopped by SIG{sig}; the 2 ranks were ended", err
     assert "BAD TERMINATION" not in out, out
     time.sleep(0.5)

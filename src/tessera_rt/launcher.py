@@ -19,8 +19,9 @@ frames, the other failing ranks summarized in one line; ``dist.process_group.rep
 * ``--max-restarts N``: when the job fails (a rank died, raised or exited non-zero), start it
   again, up to N times, saying why on one line; the ranks of attempt k see
   ``TESSERA_RESTART=k`` (0 the first time), and a program resumes from its own checkpoint
-  when it is above 0 (``scripts/train.py --run-dir DIR`` does).  A signal to tessera-run
-  ends the job without a restart.
+  when it is above 0 (``scripts/train.py --run-dir DIR`` does).  With ``--min-n M`` a restart
+  after a rank died runs on one rank fewer, down to M (a lost node; train.py without ``--dp``
+  resumes onto the smaller mesh).  A signal to tessera-run ends the job without a restart.
 * ``--tag-output``: each line a rank prints starts with ``[rank] `` (done in the rank, a whole
   line per write: MPICH's ``-prepend-rank`` tags each write, so ranks' pieces of lines mix).
 * BLAS/OpenMP/Numba threads are capped per rank (cores // ranks) unless already set, so N
@@ -202,6 +203,7 @@ def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> tuple[int, str]:
                              f"{pids[pid]}\n")
             why = (f"rank {pids[pid]} died ({signal.Signals(code).name})" if 0 < code < 32 else
                    f"rank {pids[pid]} exited with code {code}")
+            seen["died"] = 0 < code < 32
     unfinished = [r for r in range(nranks) if not Path(run_dir, f"{r}.done").exists()]
     if rc == 0 and unfinished:
         ranks = f"rank{'s' if len(unfinished) > 1 else ''} {', '.join(map(str, unfinished))}"
@@ -300,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="when the job fails (a rank died, raised or exited non-zero), start it again, up to N "
                         "times; the ranks see TESSERA_RESTART=<attempt> (0 the first) and scripts/train.py resumes "
                         "from its --run-dir's checkpoint. A signal to tessera-run ends the job without a restart")
+    parser.add_argument("--min-n", type=int, default=None, metavar="M",
+                        help="with --max-restarts: a restart after a rank died runs on one rank fewer, down to M "
+                        "(default: -n, the same count each time); scripts/train.py without --dp resumes onto the "
+                        "smaller mesh")
     parser.add_argument("--tag-output", action="store_true", help="start each output line with its rank")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
@@ -308,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"-n must be at least 1, got {args.nranks}")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    min_n = args.nranks if args.min_n is None else args.min_n
+    if not 1 <= min_n <= args.nranks:
+        parser.error(f"--min-n must be between 1 and -n ({args.nranks}), got {min_n}")
     target = (["-m", args.module] if args.module else []) + args.target
     if not target or (not args.module and not args.target):
         parser.error("name a script to run (or -m module)")
@@ -318,26 +327,26 @@ def main(argv: list[str] | None = None) -> int:
             "  Install one into this environment:  pip install 'tessera_rt[mpich]'   (or pip install mpich)\n"
             "  or run a single rank directly:       python script.py\n")
         return 127
-    env = rank_env(args.nranks)
-    if args.tag_output:
-        env[TAG_VAR] = "1"
-    cmd = build_command(args.nranks, target, mpiexec, args.mpi_arg)
     if args.dry_run:
-        print(" ".join(cmd))
+        print(" ".join(build_command(args.nranks, target, mpiexec, args.mpi_arg)))
         return 0
     seen: dict = {}
-    attempts = args.max_restarts + 1
+    attempts, n = args.max_restarts + 1, args.nranks
     with _forwarding(seen):
         for attempt in range(attempts):
+            env = rank_env(n)
+            env.update({TAG_VAR: "1"} if args.tag_output else {})
+            env.update({RESTART_VAR: str(attempt)} if args.max_restarts else {})
             with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
                 env[RUN_DIR_VAR] = run_dir
-                if args.max_restarts:
-                    env[RESTART_VAR] = str(attempt)
-                rc, why = _verdict(_launch(cmd, env, seen), run_dir, args.nranks, seen)
+                rc, why = _verdict(_launch(build_command(n, target, mpiexec, args.mpi_arg), env, seen), run_dir, n,
+                                   seen)
             if rc == 0 or "signal" in seen or attempt + 1 == attempts:
                 return rc
-            sys.stderr.write(f"tessera-run: attempt {attempt + 2} of {attempts} after {why}; restarting the job "
-                             f"({RESTART_VAR}={attempt + 1})\n")
+            fewer = seen.pop("died", False) and n > min_n
+            n -= fewer
+            sys.stderr.write(f"tessera-run: attempt {attempt + 2} of {attempts} after {why}; restarting the job"
+                             f"{f' on {n} rank' + 's' * (n > 1) if fewer else ''} ({RESTART_VAR}={attempt + 1})\n")
             sys.stderr.flush()
 
 
