@@ -251,6 +251,13 @@ class _Tagged(io.TextIOBase):
     def isatty(self) -> bool:
         return self.stream.isatty()
 
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def buffer(self):                   # bytes written here are not tagged
+        return self.stream.buffer
+
     def fileno(self) -> int:
         return self.stream.fileno()
 
