@@ -226,3 +226,31 @@ def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
     p, _ = _run([sys.executable] + run + ["--steps", "1", "--run-dir", str(tmp_path / "a")], mpi_env(1))
     assert p.returncode != 0 and "is not empty; pass --resume to continue that run" in p.stderr, p.stderr
     assert _saved_losses(tmp_path / "a") == resumed
+
+
+def test_a_bad_flag_on_two_ranks_is_reported_once_naming_the_flag(tmp_path):
+    # issue 27 §7: a flag error is raised alike on every rank; the job prints it once (rank 0),
+    # for train.py and generate.py
+    train = [str(ROOT / "scripts" / "train.py"), "--steps", "2", "--layers", "1", "--pp", "2", "--no-plot",
+             "--no-checkpoint", "--run-dir", str(tmp_path / "run")]
+    gen = [str(ROOT / "scripts" / "generate.py"), "--model", str(tmp_path / "nowhere"), "--prompt-ids", "1,2"]
+    for cmd, want in ((train, "--layers"), (gen, "generate.py: --model ")):
+        p, took = _run([TESSERA_RUN, "-n", "2"] + cmd, mpi_env(2))
+        lines = [line for line in p.stderr.splitlines() if want in line]
+        assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+
+
+def test_a_redirected_training_run_writes_a_plain_line_every_n_steps(tmp_path):
+    # issue 27 §7: without a terminal the progress is one plain line per --log-every steps (a
+    # tqdm bar redrawn with carriage returns would be one endless line in the file)
+    corpus = ROOT / "tests" / "data" / "tiny_corpus.txt"
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        subprocess.run(["timeout", "-k", "5", "120", sys.executable, str(ROOT / "scripts" / "train.py"), "--steps",
+                        "12", "--log-every", "4", "--batch", "2", "--seq", "8", "--d-model", "8", "--heads", "2",
+                        "--layers", "1", "--no-plot", "--no-checkpoint", "--data", str(corpus)],
+                       stdout=f, stderr=subprocess.STDOUT, check=True)
+    text = log.read_text()
+    assert "\r" not in text, text[:500]
+    steps = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
+    assert steps == ["4/12", "8/12", "12/12"], text
