@@ -230,14 +230,17 @@ def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
 
 def test_a_bad_flag_on_two_ranks_is_reported_once_naming_the_flag(tmp_path):
     # issue 27 §7: a flag error is raised alike on every rank; the job prints it once (rank 0),
-    # for train.py and generate.py
+    # for train.py and generate.py, argparse's usage errors too
     train = [str(ROOT / "scripts" / "train.py"), "--steps", "2", "--layers", "1", "--pp", "2", "--no-plot",
              "--no-checkpoint", "--run-dir", str(tmp_path / "run")]
     gen = [str(ROOT / "scripts" / "generate.py"), "--model", str(tmp_path / "nowhere"), "--prompt-ids", "1,2"]
-    for cmd, want in ((train, "--layers"), (gen, "generate.py: --model ")):
+    usage = [str(ROOT / "scripts" / "train.py"), "--no-such-flag"]            # argparse's error and usage
+    for cmd, wants, rc in ((train, ["--layers"], 1), (gen, ["generate.py: --model "], 1),
+                           (usage, ["unrecognized arguments: --no-such-flag", "usage: train.py"], 2)):
         p, took = _run([TESSERA_RUN, "-n", "2"] + cmd, mpi_env(2))
-        lines = [line for line in p.stderr.splitlines() if want in line]
-        assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+        counts = [sum(want in line for line in p.stderr.splitlines()) for want in wants]
+        assert p.returncode == rc and counts == [1] * len(wants) and "Traceback" not in p.stderr, \
+            (p.returncode, p.stderr)
 
 
 def test_a_redirected_training_run_writes_a_plain_line_every_n_steps(tmp_path):
