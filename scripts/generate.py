@@ -6,12 +6,13 @@
 DIR holds config.json and model.safetensors (or shards with model.safetensors.index.json), as
 transformers' save_pretrained writes them, or is a `scripts/train.py --arch llama` run: its
 --run-dir (DIR/checkpoint) or that checkpoint directory; the model is rebuilt from the saved
-flags and the saved character vocabulary is the tokenizer.  tp is the world size unless --tp/--dp say
-otherwise; every rank reads only its slices of the weights.  --prompt needs a tokenizer in
-DIR: tokenizer.json (read with the `tokenizers` package) or the character vocabulary
-(tessera_chars.json) that `scripts/train.py --arch llama --export-hf DIR` writes.  Rank 0
-prints the decoded text (when a tokenizer is present) and, last, `tokens: ` and the
-generated ids of the first prompt.
+flags and the run's character vocabulary is the tokenizer.  tp is the world size unless
+--tp/--dp say otherwise; from a Hugging Face directory every rank reads only its slices of the
+weights (from a run: the whole parameters, then its slices).  --prompt needs a tokenizer: a
+run's characters, or in a Hugging Face DIR tokenizer.json (read with the `tokenizers` package)
+or the character vocabulary (tessera_chars.json) that `scripts/train.py --arch llama
+--export-hf DIR` writes.  Rank 0 prints the decoded text (when a tokenizer is present) and,
+last, `tokens: ` and the generated ids of the first prompt.
 """
 from __future__ import annotations
 

@@ -446,6 +446,8 @@ def train(args: argparse.Namespace) -> dict:
               flush=True)
         if saved is not None:
             print(f"checkpoint: {saved.summary()} (dist.load reads it onto any mesh)", flush=True)
+            if args.arch == "llama":
+                print(f"generate from it: scripts/generate.py --model {out} --prompt TEXT", flush=True)
         if pipe is not None:
             print(f"{pipe.stats()}\nmedian measured bubble over the steps {float(np.median(bubbles)):.1%}", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": bubbles,
