@@ -1,15 +1,18 @@
-"""Generate text with a Llama-architecture model from a Hugging Face checkpoint directory.
+"""Generate text with a Llama-architecture model from a Hugging Face checkpoint or a train.py run.
 
     tessera-run -n 2 scripts/generate.py --model DIR --prompt-ids 1,2,3 --max-new-tokens 32
     .venv/bin/python scripts/generate.py --model DIR --prompt "Tessera is" --temperature 0.8 --top-p 0.9
 
 DIR holds config.json and model.safetensors (or shards with model.safetensors.index.json), as
-transformers' save_pretrained writes them.  tp is the world size unless --tp/--dp say
-otherwise; every rank reads only its slices of the weights.  --prompt needs a tokenizer in
-DIR: tokenizer.json (read with the `tokenizers` package) or the character vocabulary
-(tessera_chars.json) that `scripts/train.py --arch llama --export-hf DIR` writes.  Rank 0
-prints the decoded text (when a tokenizer is present) and, last, `tokens: ` and the
-generated ids of the first prompt.
+transformers' save_pretrained writes them, or is a `scripts/train.py --arch llama` run: its
+--run-dir (DIR/checkpoint) or that checkpoint directory; the model is rebuilt from the saved
+flags and the run's character vocabulary is the tokenizer.  tp is the world size unless
+--tp/--dp say otherwise; from a Hugging Face directory every rank reads only its slices of the
+weights (from a run: the whole parameters, then its slices).  --prompt needs a tokenizer: a
+run's characters, or in a Hugging Face DIR tokenizer.json (read with the `tokenizers` package)
+or the character vocabulary (tessera_chars.json) that `scripts/train.py --arch llama
+--export-hf DIR` writes.  Rank 0 prints the decoded text (when a tokenizer is present) and,
+last, `tokens: ` and the generated ids of the first prompt.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from pathlib import Path  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory (config.json + *.safetensors) "
+                   "or a train.py --arch llama run directory (DIR/checkpoint) or checkpoint")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer in --model)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
@@ -48,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 class CharTokenizer:
     """The character vocabulary train.py exports (tessera_chars.json: a list of characters)."""
 
-    def __init__(self, path: Path):
-        self.chars = json.loads(path.read_text())
+    def __init__(self, chars: list):
+        self.chars = chars
         self.stoi = {c: i for i, c in enumerate(self.chars)}
 
     def encode(self, text: str) -> list[int]:
@@ -76,13 +80,30 @@ class HFTokenizer:
 
 def load_tokenizer(model_dir: Path):
     if (model_dir / "tessera_chars.json").is_file():
-        return CharTokenizer(model_dir / "tessera_chars.json")
+        return CharTokenizer(json.loads((model_dir / "tessera_chars.json").read_text()))
     if (model_dir / "tokenizer.json").is_file():
         try:
             return HFTokenizer(model_dir / "tokenizer.json")
         except ImportError:
             return None
     return None
+
+
+def what_model(model_dir: Path) -> str:
+    """"hf" (config.json), "run" (a train.py checkpoint), or SystemExit saying what was looked for."""
+    from tessera_rt.inference.llama_train import run_checkpoint
+    if (model_dir / "config.json").is_file():
+        return "hf"
+    if run_checkpoint(model_dir) is not None:
+        return "run"
+    exists = model_dir.is_dir()
+    looked = (f"a Hugging Face checkpoint ({model_dir / 'config.json'} + *.safetensors) {'nor' if exists else 'or'} "
+              f"a train.py run ({model_dir / 'checkpoint' / 'index.json'}, or {model_dir / 'index.json'})")
+    raise SystemExit(f"generate.py: --model {model_dir} "
+                     + (f"holds neither {looked}" if exists else f"is not a directory; looked for {looked}")
+                     + ". Pass a local directory: one that save_pretrained or train.py --export-hf wrote, or the "
+                     "--run-dir of a train.py --arch llama run (hub ids are not downloaded: save the model locally "
+                     "first)")
 
 
 def main(argv=None) -> int:
@@ -96,7 +117,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"generate.py: --tp {tp} x --dp {args.dp} = {tp * args.dp} ranks but the job has {n}; "
                          f"launch with tessera-run -n {tp * args.dp} or change --tp/--dp")
     model_dir = Path(args.model)
-    tok = load_tokenizer(model_dir)
+    kind = what_model(model_dir)
+    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": args.dp, "tp": tp})
+    try:
+        if kind == "run":
+            from tessera_rt.inference.llama_train import load_run
+            model, chars = load_run(model_dir, mesh=mesh, dtype=args.dtype)
+            tok = CharTokenizer(chars)
+        else:
+            model, tok = nn.Llama.from_pretrained(model_dir, mesh=mesh, dtype=args.dtype), load_tokenizer(model_dir)
+    except ValueError as e:
+        raise SystemExit(f"generate.py: --model {model_dir}: {e}") from None
     if args.prompt is not None:
         if tok is None:
             raise SystemExit(f"generate.py: --prompt needs a tokenizer (tokenizer.json or tessera_chars.json) in "
@@ -107,16 +138,21 @@ def main(argv=None) -> int:
             prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
         except ValueError:
             raise SystemExit(f"generate.py: --prompt-ids {args.prompt_ids!r} must be comma-separated ints") from None
-    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": args.dp, "tp": tp})
+    if args.max_new_tokens < 0:
+        raise SystemExit(f"generate.py: --max-new-tokens {args.max_new_tokens}: pass 0 or more")
+    need = len(prompt) + args.max_new_tokens
+    if need > args.max_tokens:         # said in flags here: the API's own error names nn.KVCache's arguments
+        raise SystemExit(f"generate.py: the prompt's {len(prompt)} tokens + --max-new-tokens {args.max_new_tokens} "
+                         f"= {need} positions, more than --max-tokens {args.max_tokens} (the KV cache); raise "
+                         f"--max-tokens to {need} or more, or lower --max-new-tokens")
     try:
-        model = nn.Llama.from_pretrained(model_dir, mesh=mesh, dtype=args.dtype)
         cache = nn.KVCache(model, max_tokens=args.max_tokens, block_size=args.block_size)
         t0 = time.perf_counter()
         out = model.generate(cache, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         dt = time.perf_counter() - t0
     except ValueError as e:
-        raise SystemExit(f"generate.py (rank {world.rank}): {e}") from None
+        raise SystemExit(f"generate.py: {e}") from None
     if world.rank == 0:
         print(f"generated {len(out[0])} tokens in {dt:.2f} s on {n} ranks (tp={tp}, dp={args.dp})", flush=True)
         if tok is not None:
@@ -126,4 +162,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tessera_rt.dist.script import exit_once
+    sys.exit(exit_once(main))

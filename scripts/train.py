@@ -7,8 +7,8 @@ The text defaults to the seed documents shipped in the repository (data/seeds/*.
 dp x tp mesh works; the global batch is drawn the same way on every mesh (a seeded
 generator per step), and the model is initialized to the same global values, so the loss
 after N steps agrees across mesh shapes up to float rounding.  Rank 0 shows a tqdm bar
-(when tqdm is installed), writes a loss-curve PNG (when matplotlib is installed) and a
-checkpoint at the end.
+(when tqdm is installed and the output is a terminal; otherwise a plain line every --log-every
+steps), writes a loss-curve PNG (when matplotlib is installed) and a checkpoint at the end.
 
 Checkpoints and resuming: each run writes into its own directory (--run-dir DIR, or a new
 out/<UTC time>; a non-empty one is refused unless --resume).  --save-every K also saves at
@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on when the loss or the gradient norm is inf/nan (by default the run stops there "
                    "with an error naming the step; a non-finite state is never saved either way)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-step output")
+    p.add_argument("--log-every", type=int, default=10, metavar="N",
+                   help="without a terminal (output redirected) or without tqdm: a plain line every N steps "
+                   "instead of the progress bar")
     return p.parse_args(argv)
 
 
@@ -335,6 +338,8 @@ def train(args: argparse.Namespace) -> dict:
     rank0 = world.rank == 0
     if args.save_every < 0:
         raise SystemExit(f"train.py: --save-every {args.save_every}: pass K >= 1 (0: save at the end only)")
+    if args.log_every < 1:
+        raise SystemExit(f"train.py: --log-every {args.log_every}: pass N >= 1")
 
     text = load_text(args.data)
     chars = sorted(set(text))
@@ -384,14 +389,15 @@ def train(args: argparse.Namespace) -> dict:
         return save_checkpoint(world, out / "checkpoint", model, params, opt, scaler, done, args.seed,
                                dict(meta, losses=history + losses))
     bar = None
-    if rank0 and not args.quiet:
+    # a bar redraws one line with carriage returns: right on a terminal, one endless line in a file
+    if rank0 and not args.quiet and sys.stderr.isatty():
         try:
             from tqdm import tqdm
             bar = tqdm(total=args.steps, initial=start,
                        desc=f"train dp={dp} tp={tp}" + (f" ep={ep}" if args.experts else "")
                        + (f" pp={pp}" if pp > 1 else ""), unit="step")
         except ImportError:
-            print("train.py: tqdm is not installed; printing every 10 steps", flush=True)
+            print(f"train.py: tqdm is not installed; printing every {args.log_every} steps", flush=True)
     losses, times, bubbles = [], [], []
     try:
         for step in range(start, args.steps):
@@ -421,7 +427,7 @@ def train(args: argparse.Namespace) -> dict:
             if bar is not None:
                 bar.set_postfix(loss=f"{value:.4f}")
                 bar.update(1)
-            elif rank0 and not args.quiet and (step % 10 == 0 or step == args.steps - 1):
+            elif rank0 and not args.quiet and ((step + 1) % args.log_every == 0 or step == args.steps - 1):
                 print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
             if args.save_every and not args.no_checkpoint and (step + 1) % args.save_every == 0 \
                     and step + 1 < args.steps:
@@ -450,6 +456,8 @@ def train(args: argparse.Namespace) -> dict:
               flush=True)
         if saved is not None:
             print(f"checkpoint: {saved.summary()} (dist.load reads it onto any mesh)", flush=True)
+            if args.arch == "llama":
+                print(f"generate from it: scripts/generate.py --model {out} --prompt TEXT", flush=True)
         if pipe is not None:
             print(f"{pipe.stats()}\nmedian measured bubble over the steps {float(np.median(bubbles)):.1%}", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": bubbles,
@@ -470,4 +478,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tessera_rt.dist.script import exit_once
+    sys.exit(exit_once(main))

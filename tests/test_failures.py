@@ -293,3 +293,34 @@ def test_restarts_stop_after_max_restarts_and_train_py_needs_a_run_dir(tmp_path)
     p, _ = _run([sys.executable, str(ROOT / "scripts" / "train.py"), "--steps", "1"],
                 dict(mpi_env(1), TESSERA_RESTART="0"))
     assert p.returncode != 0 and "under tessera-run --max-restarts, pass --run-dir DIR" in p.stderr, p.stderr
+
+
+def test_a_bad_flag_on_two_ranks_is_reported_once_naming_the_flag(tmp_path):
+    # issue 27 §7: a flag error is raised alike on every rank; the job prints it once (rank 0),
+    # for train.py and generate.py, argparse's usage errors too
+    train = [str(ROOT / "scripts" / "train.py"), "--steps", "2", "--layers", "1", "--pp", "2", "--no-plot",
+             "--no-checkpoint", "--run-dir", str(tmp_path / "run")]
+    gen = [str(ROOT / "scripts" / "generate.py"), "--model", str(tmp_path / "nowhere"), "--prompt-ids", "1,2"]
+    usage = [str(ROOT / "scripts" / "train.py"), "--no-such-flag"]            # argparse's error and usage
+    for cmd, wants, rc in ((train, ["--layers"], 1), (gen, ["generate.py: --model "], 1),
+                           (usage, ["unrecognized arguments: --no-such-flag", "usage: train.py"], 2)):
+        p, took = _run([TESSERA_RUN, "-n", "2"] + cmd, mpi_env(2))
+        counts = [sum(want in line for line in p.stderr.splitlines()) for want in wants]
+        assert p.returncode == rc and counts == [1] * len(wants) and "Traceback" not in p.stderr, \
+            (p.returncode, p.stderr)
+
+
+def test_a_redirected_training_run_writes_a_plain_line_every_n_steps(tmp_path):
+    # issue 27 §7: without a terminal the progress is one plain line per --log-every steps (a
+    # tqdm bar redrawn with carriage returns would be one endless line in the file)
+    corpus = ROOT / "tests" / "data" / "tiny_corpus.txt"
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        subprocess.run(["timeout", "-k", "5", "120", sys.executable, str(ROOT / "scripts" / "train.py"), "--steps",
+                        "12", "--log-every", "4", "--batch", "2", "--seq", "8", "--d-model", "8", "--heads", "2",
+                        "--layers", "1", "--no-plot", "--no-checkpoint", "--data", str(corpus)],
+                       stdout=f, stderr=subprocess.STDOUT, check=True)
+    text = log.read_text()
+    assert "\r" not in text, text[:500]
+    steps = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
+    assert steps == ["4/12", "8/12", "12/12"], text

@@ -400,3 +400,64 @@ def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--export-hf", str(tmp_path / "x"), "--steps", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--export-hf needs --arch llama" in proc.stderr
+
+
+def test_generate_serves_a_train_run_as_its_hf_export(tmp_path):
+    """issue 27 §5: generate.py --model takes a train.py --arch llama run directory or its
+    checkpoint (the saved flags rebuild the model, dist.load reads it onto tp=2, the saved
+    characters are the tokenizer): the same greedy tokens as the run's --export-hf export.  A
+    char-model run, a missing directory, a hub id and a directory with neither say what was
+    looked for and what to pass."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = Path(sys.executable).parent
+
+    def run(*cmd, ranks=1):
+        launch = [str(bin_dir / "tessera-run"), "-n", str(ranks)] if ranks > 1 else [sys.executable]
+        return subprocess.run(["timeout", "-k", "5", "150"] + launch + [str(c) for c in cmd], capture_output=True,
+                              text=True, cwd=tmp_path)
+
+    tiny = ["--steps", "6", "--batch", "4", "--seq", "16", "--d-model", "16", "--heads", "4", "--layers", "2",
+            "--no-plot", "--data", root / "tests" / "data" / "tiny_corpus.txt"]
+    train, gen = root / "scripts" / "train.py", root / "scripts" / "generate.py"
+    p = run(train, "--arch", "llama", "--kv-heads", "2", "--run-dir", tmp_path / "run", "--export-hf",
+            tmp_path / "hf", *tiny)
+    assert p.returncode == 0, p.stdout + p.stderr
+    text = (root / "tests" / "data" / "tiny_corpus.txt").read_text()[:5]
+    ask = ["--prompt", text, "--max-new-tokens", "12"]
+
+    def tokens(model, ranks=1):
+        p = run(gen, "--model", model, *ask, ranks=ranks)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout.strip().splitlines()[-1]
+
+    want = tokens(tmp_path / "hf")
+    assert want.startswith("tokens: ") and len(want.split()) == 13, want
+    assert tokens(tmp_path / "run") == want
+    assert tokens(tmp_path / "run" / "checkpoint") == want
+    assert tokens(tmp_path / "run", ranks=2) == want
+
+    p = run(train, "--run-dir", tmp_path / "char", *tiny)
+    assert p.returncode == 0, p.stdout + p.stderr
+    from tessera_rt.inference.llama_train import load_run
+    with pytest.raises(ValueError, match=r"char/checkpoint is a train.py --arch transformer run \(a character "
+                                         r"transformer with learned positions\); generate.py serves the Llama "
+                                         r"architecture: train with --arch llama"):
+        load_run(tmp_path / "char")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("generate_script", gen)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "empty").mkdir()
+    cases = {tmp_path / "missing": "is not a directory; looked for a Hugging Face checkpoint",
+             Path("meta-llama/Llama-3.2-1B"): "hub ids are not downloaded",
+             tmp_path / "empty": "holds neither a Hugging Face checkpoint"}
+    for model, msg in cases.items():
+        with pytest.raises(SystemExit) as e:
+            script.what_model(model)
+        for part in (msg, f"({model}/config.json + *.safetensors)", f"{model}/checkpoint/index.json",
+                     "--run-dir of a train.py --arch llama run"):
+            assert part in str(e.value), (part, str(e.value))
+    assert script.what_model(tmp_path / "char") == "run" and script.what_model(tmp_path / "hf") == "hf"

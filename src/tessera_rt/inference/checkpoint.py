@@ -191,6 +191,23 @@ class CheckpointReader:
         return np.ascontiguousarray(sl[idx], dtype=np.float32)
 
 
+class StateDictReader(CheckpointReader):
+    """``CheckpointReader``'s reads from tensors already in memory (a Hugging Face state dict of
+    full arrays, e.g. a train.py run's parameters): the same checks and slices."""
+
+    def __init__(self, tensors: dict, path: str | Path):
+        self.path, self.tensors = Path(path), tensors
+        self.files = {k: self.path for k in tensors}
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
+        a = self.tensors[name]
+        idx = (slice(None) if rows is None else rows,) + (() if cols is None else (cols,))
+        return np.ascontiguousarray(a[idx], dtype=np.float32)
+
+
 def _expected_shapes(cfg: LlamaConfig, tied: bool) -> dict:
     """Each tensor a Llama of ``cfg`` reads: its Hugging Face (out, in) shape, each dim with
     the config field(s) it comes from."""

@@ -90,10 +90,17 @@ class Llama:
         slices.  The config must describe the weights: every tensor's shape is checked against
         it first, and tensors it does not use are refused unless ``allow_unused``."""
         cfg = LlamaConfig.from_dir(path)
+        return cls.from_reader(cfg, CheckpointReader(path), mesh=mesh, tp_axis=tp_axis, dtype=dtype,
+                               allow_unused=allow_unused)
+
+    @classmethod
+    def from_reader(cls, cfg: LlamaConfig, reader: CheckpointReader, *, mesh=None, tp_axis: str = "tp",
+                    dtype="float32", allow_unused: bool = False, where: str = "nn.Llama.from_pretrained") -> "Llama":
+        """``from_pretrained`` from a config and a reader of Hugging Face-named tensors (a
+        ``CheckpointReader``, or a ``StateDictReader`` over arrays in memory)."""
         tp, index = _tp_of(mesh, tp_axis)
-        shard = TPShard.of(cfg, tp, index, "nn.Llama.from_pretrained")
-        reader = CheckpointReader(path)
-        reader.check(cfg, "nn.Llama.from_pretrained", allow_unused)
+        shard = TPShard.of(cfg, tp, index, where)
+        reader.check(cfg, where, allow_unused)
         dt = resolve_dtype(dtype)
         xp = get_backend().xp
         hd = cfg.head_dim
