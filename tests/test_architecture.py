@@ -50,7 +50,6 @@ ALLOWED = {
     # the op layer, which would register them and Var's operators with autodiff
     ("autodiff.tape", "op"),
     ("autodiff.vjps", "op"),
-    ("runtime", "moe.tiers"),                      # moe should register its prefetch with the runtime
 }
 
 # Today's import circles that remain once the ALLOWED arrows are taken out (each a set of
@@ -63,9 +62,6 @@ ALLOWED_CIRCLES = [
      "dist.rules", "dist.shard", "dist.solve", "dist.watchdog"],
     # Var.redistribute/full_tensor/to_local call dist_vjps, which registers with the tape
     ["autodiff.dist_vjps", "autodiff.tape"],
-    # the compiler imports the *_cuda sources, which import the compiler (they should register)
-    ["kernels.attention_cuda", "kernels.compile", "kernels.gemm_cuda", "kernels.paged_attention_cuda",
-     "kernels.rows_cuda"],
 ]
 
 

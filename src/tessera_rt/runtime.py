@@ -141,11 +141,21 @@ def reset() -> None:
         stream("compute")
 
 
+_prefetch_impl = None          # filled by tessera_rt.moe.tiers on import (the runtime sits below moe)
+
+
+def set_prefetch_impl(fn) -> None:
+    """Where ``register_prefetch`` sends its calls: ``tessera_rt.moe.tiers`` registers itself."""
+    global _prefetch_impl
+    _prefetch_impl = fn
+
+
 def register_prefetch(layer, window: int = 2, tier_order=("HBM", "Grace"), policy: str = "lru_hotness",
                       stream: str = "io", budget: int | None = None):
     """Expert tiers for an ``op.moe`` layer (or a list run in order, sharing the budget): at most
     ``budget`` experts resident on the device,
     the rest in the host tier, prefetched on ``stream`` by router hotness
     (``tessera_rt.moe.tiers``; returns the tiers, whose ``stats()`` gives the hit ratio)."""
-    from .moe.tiers import register_prefetch as _register
-    return _register(layer, window, tier_order, policy, stream, budget)
+    if _prefetch_impl is None:
+        raise RuntimeError("rt.register_prefetch needs tessera_rt.moe: import tessera_rt (or tessera_rt.moe) first")
+    return _prefetch_impl(layer, window, tier_order, policy, stream, budget)

@@ -206,8 +206,8 @@ def register_source(src: KernelSource) -> KernelSource:
 
 
 def registered_sources() -> dict[str, KernelSource]:
-    """Every RawKernel source the kernels package defines (the *_cuda modules register them)."""
-    from . import attention_cuda, gemm_cuda, paged_attention_cuda, rows_cuda  # noqa: F401
+    """Every RawKernel source the kernels package defines: the *_cuda modules register them
+    when imported, which ``tessera_rt.kernels`` (run before this module) does."""
     return dict(_SOURCES)
 
 

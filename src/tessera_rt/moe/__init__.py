@@ -10,6 +10,7 @@ from .. import op as _op
 from .dispatch import DispatchBuffers, moe_ffn
 from .layer import GATES, MoE, MoEAux
 from . import model as _model   # noqa: F401  (registers nn.Transformer's MoE block)
+from . import tiers as _tiers   # noqa: F401  (registers rt.register_prefetch)
 from .reference import dense_reference
 
 __all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "moe_ffn", "dense_reference", "set_router",

@@ -200,3 +200,6 @@ def register_prefetch(layers, window: int = 2, tier_order=("HBM", "Grace"), poli
         m.prefetch = LayerTiers(tiers, i, m)
         tiers.layers.append(m.prefetch)
     return tiers
+
+
+rt.set_prefetch_impl(register_prefetch)
