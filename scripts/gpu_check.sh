@@ -64,7 +64,22 @@ pip_install() {   # pip_install PY ARGS...: limited in time, quiet; 0 on success
     echo "WARNING: no package index reachable (and TESSERA_WHEELS unset): not installing $*"
     return 1
   fi
-  timeout -k 5 "$PIP_LIMIT_S" "$py" -m pip install --quiet --disable-pip-version-check "${src[@]}" "$@"
+  local until=$(( $(date +%s) + PIP_LIMIT_S ))
+  timeout -k 5 "$PIP_LIMIT_S" "$py" -m pip install --quiet --disable-pip-version-check "${src[@]}" "$@" 2>/dev/null \
+    && return 0
+  # pip installs all or nothing: one requirement the index (or the wheel folder) lacks must not
+  # keep the others out, so each goes alone now, in what is left of the time limit
+  local req failed=()
+  for req in "$@"; do
+    local left=$(( until - $(date +%s) ))
+    if [ "$left" -le 5 ] || ! timeout -k 5 "$left" "$py" -m pip install --quiet --disable-pip-version-check \
+        "${src[@]}" "$req" >/dev/null 2>&1; then
+      failed+=("$req")
+    fi
+  done
+  [ "${#failed[@]}" = 0 ] && return 0
+  echo "WARNING: could not install: ${failed[*]}"
+  return 1
 }
 
 requirements() {  # requirements EXTRAS: tessera_rt's dependencies from setup.cfg (the package itself
@@ -93,7 +108,10 @@ if [ "$emulate" = 0 ] && have_gpu; then
     base_site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if "$PY" -m venv "$ROOT/.venv"; then
       PY="$ROOT/.venv/bin/python"
-      echo "$base_site" > "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"
+      # addsitedir, not a bare path: the base's own .pth files must run too (numba-cuda's
+      # redirector among them, without which numba.cuda is Numba's old built-in target)
+      echo "import site; site.addsitedir('$base_site')" \
+        > "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"
       need="$(missing "$PY")"
     else
       echo "WARNING: could not make a venv with $PY; installing into it directly"
