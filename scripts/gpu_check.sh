@@ -44,6 +44,14 @@ for mod in need:
     except Exception as exc:
         print(f"{mod} ({type(exc).__name__})"); sys.exit(0)
 try:
+    # numba-cuda registers NumPy functions when it compiles the first kernel: a NumPy newer
+    # than it knows (np.row_stack left NumPy 2.5) breaks every Numba kernel there
+    import numba.cuda.np.arrayobj  # noqa: F401
+except ImportError:
+    pass
+except Exception as exc:
+    print(f"numba-cuda with NumPy {sys.modules['numpy'].__version__} ({type(exc).__name__}: {exc})"); sys.exit(0)
+try:
     import cupy
     assert cupy.cuda.runtime.getDeviceCount() > 0
 except Exception as exc:

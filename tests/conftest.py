@@ -96,6 +96,10 @@ def standin_env(devices: int = 1) -> dict:
 
 def mpi_env(nranks: int, device: str = "cpu", extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    # where mpiexec is Open MPI's (a machine image's), it refuses root and more ranks than
+    # cores unless told; MPICH ignores these
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
     env["NUMBA_NUM_THREADS"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env["OPENBLAS_NUM_THREADS"] = "1"

@@ -278,7 +278,12 @@ def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
             dt = meta.dtype
             big = np.inf if dt.kind == "f" else np.iinfo(dt).max if dt.kind in "iu" else True
             ident = (-big if op == "max" else big) if dt.kind != "b" else (op == "min")
-            fn = lambda x: red(x, axis=ax, keepdims=keepdims, initial=ident)   # noqa: E731
+            # (not ``initial=``: CuPy's max/min lack it)
+            def fn(x):
+                if x.size:
+                    return red(x, axis=ax, keepdims=keepdims)
+                shape = tuple(1 if d in ax else n for d, n in enumerate(x.shape) if keepdims or d not in ax)
+                return xp.full(shape, ident, dtype=x.dtype)
         else:
             fn = lambda x: red(x, axis=ax, keepdims=keepdims)                   # noqa: E731
     return Strategy((target,), out, out_shape, fn)
