@@ -16,6 +16,11 @@ STANDIN = ROOT / "tests" / "gpu_emu"
 if str(STANDIN) not in sys.path:
     sys.path.insert(0, str(STANDIN))
 
+if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__tessera_standin__", False):
+    # a GPU machine: an earlier test loaded the real CuPy, and one process holds one ``cupy``
+    pytest.skip(f"the real CuPy ({sys.modules['cupy'].__file__}) is loaded in this process; the "
+                "stand-in's own tests run where CuPy is not installed", allow_module_level=True)
+
 import cupy  # noqa: E402  (the stand-in: tests/gpu_emu is first on sys.path)
 from cupy import _raw  # noqa: E402
 

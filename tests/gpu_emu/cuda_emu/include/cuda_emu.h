@@ -25,7 +25,8 @@
 #define __host__
 #define __global__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
+// no __noinline__: as a macro it breaks libstdc++ 13+, whose headers spell the attribute
+// __attribute__((__noinline__)) (seen with g++ on the GPU machine's image); no kernel uses it
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // Static __shared__ variables live in one named section, whose bounds the linker exports
