@@ -405,7 +405,8 @@ def table(first: str, header: str, parts: list[dict]) -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        # -dirty: a working tree copied onto a GPU machine may differ from its .git's HEAD
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
