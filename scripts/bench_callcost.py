@@ -13,14 +13,17 @@ paired differences.  1 KiB float32.  Each call comes from a lambda, a new Python
 call: the agreement check reads its caller's frame, which CPython then materializes per
 call (~0.05-0.1 us); a loop in a user's function pays that once.
 """
+import argparse
 import statistics
-import sys
 import timeit
 
 import numpy as np
 
 from tessera_rt import dist
 
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("cases", nargs="*", help="which cases (default: all; an unknown name lists them)")
+args = ap.parse_args()
 w = dist.init()
 mesh = dist.Mesh(axes=["x"], shape=(w.size,))
 mpi = mesh.group("x").comm.mpi
@@ -44,7 +47,10 @@ CASES = {
     "broadcast": (lambda: dist.broadcast(x, "x", mesh=mesh), lambda: mpi.Bcast(x, 0)),
 }
 
-for name in sys.argv[1:] or list(CASES):
+unknown = [c for c in args.cases if c not in CASES]
+if unknown:
+    ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+for name in args.cases or list(CASES):
     ours, raw = CASES[name]
     for _ in range(5000):
         ours(), raw()

@@ -5,14 +5,17 @@ after it pays for its page faults.
 
     tessera-run -n 2 scripts/bench_outputs.py [MiB] [reps]
 """
-import sys, time, statistics, numpy as np
-from mpi4py import MPI
+import argparse, time, statistics, numpy as np
 import tessera_rt as ts
+from tessera_rt.dist.mpi import MPI
 from tessera_rt import dist
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("mib", nargs="?", type=float, default=8.0, help="message size in MiB (default 8)")
+ap.add_argument("reps", nargs="?", type=int, default=15, help="samples per case (default 15)")
+args = ap.parse_args()
 w = dist.init(); n = w.size
 mesh = dist.Mesh(axes=["x"], shape=(n,)); g = mesh.group("x"); mpi = g.comm.mpi
-nbytes = int(float(sys.argv[1]) * (1 << 20)) if len(sys.argv) > 1 else 8 << 20
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+nbytes, reps = int(args.mib * (1 << 20)), args.reps
 x = np.ones(nbytes // 4, np.float32); pre = np.empty_like(x); b = ts.get_backend()
 cases = {
   "raw, out allocated once": lambda: mpi.Allreduce(x, pre),

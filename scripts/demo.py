@@ -9,6 +9,7 @@ RMSNorm and one all_gather to assemble the rows: the seeds' RS -> local work -> 
 Every rank checks the result against NumPy on the full tensors; rank 0 prints what each
 rank issued, and the plan for one more layout change.
 """
+import argparse
 import sys
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 import tessera_rt as ts
 from tessera_rt import dist, op
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 w = dist.init()
 if w.size != 4:
     sys.exit(f"demo.py wants 4 ranks (tessera-run -n 4 scripts/demo.py); got {w.size}")

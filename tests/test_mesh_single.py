@@ -84,3 +84,11 @@ def test_default_check_notes_each_ops_dtensors_without_a_hook():
     finally:
         consistency.configure(True)
         consistency._cfg.metas = {}
+
+
+def test_a_dtensor_keeps_the_mesh_it_was_made_on_not_an_equal_earlier_one():
+    first, second = dist.Mesh(axes=["tp"], shape=(1,)), dist.Mesh(axes=["tp"], shape=(1,))
+    assert first == second and first is not second
+    g = np.arange(6.0).reshape(2, 3)
+    a, b = dist.distribute(g, mesh=first), dist.distribute(g, mesh=second)
+    assert a.mesh is first and b.mesh is second and (b * 2).mesh is second

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mpi4py import MPI
+from .mpi import MPI, MPI_ERROR
 
 from .. import runtime as rt
 from ..backend import CpuWorkerStream
@@ -53,7 +53,7 @@ __all__ = [
 _check = None
 _plan_get = _PLANS.get
 _check_sig = None       # its form for a planned call (consistency.check_plan), on and off with it
-_IN_PLACE = MPI.IN_PLACE
+_IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/mpi.py)
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns

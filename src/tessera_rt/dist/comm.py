@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from mpi4py import MPI
+from .mpi import MPI, MPI_ERROR
 
 from ..dtypes import dtype_name
 
@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 REDUCE_OPS = ("sum", "max", "min", "avg")
-_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+# (empty without an MPI library: import must work, the first collective says what to install)
+_MPI_OPS = {} if MPI_ERROR else {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 # dtypes MPI reduces natively; others (bf16, fp8) are reduced in float32 and rounded once
 _MPI_REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.complex64, np.complex128,

@@ -105,7 +105,9 @@ on_change(_clear_redist)        # a new cost model may choose other plans
 
 
 def meta_of(layout: Layout, shape: tuple, dtype, mesh: Mesh) -> TensorMeta:
-    key = (layout, shape, dtype, mesh)
+    # keyed by the mesh object, not its equality: a DTensor's ``.mesh`` is the mesh it was made
+    # on, never an equal one made earlier (the meta holds it, so its id is not reused)
+    key = (layout, shape, dtype, id(mesh))
     m = _METAS.get(key)
     if m is None:
         m = _METAS[key] = TensorMeta(layout, tuple(shape), np.dtype(dtype), mesh)

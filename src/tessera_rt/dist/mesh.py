@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-from mpi4py import MPI
+from .mpi import MPI
 
 from .comm import Communicator, make_communicator
 from .process_group import world

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from mpi4py import MPI
+from .mpi import MPI
 
 from .. import backend as backend_mod
 from .. import runtime

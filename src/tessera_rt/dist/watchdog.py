@@ -36,7 +36,7 @@ import time
 import traceback
 import weakref
 
-from mpi4py import MPI
+from .mpi import MPI
 
 from ..dtypes import dtype_name
 from . import consistency

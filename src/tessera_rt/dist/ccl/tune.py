@@ -14,7 +14,7 @@ import time
 from typing import Sequence
 
 import numpy as np
-from mpi4py import MPI
+from ..mpi import MPI
 
 from .. import collectives as C
 from ._common import resolve, set_algo_table
