@@ -13,4 +13,5 @@ fi
 cd "$ROOT"
 export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # the outer timeout is the last backstop; each test and each mpiexec launch has its own
-exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests at the end, to see where the suite's 2-core budget goes
+exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "$@"
