@@ -101,6 +101,7 @@ def two_hosts(tmp_path):
         _ip("link", "del", veth[0])                 # if it never moved into a namespace
 
 
+@pytest.mark.mpi
 def test_two_hosts_lay_out_ranks_by_host_and_train_as_one_host(two_hosts, tmp_path):
     job = tmp_path / "job.py"
     job.write_text(JOB)
