@@ -1,3 +1,5 @@
+import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -252,3 +254,18 @@ def test_a_host_that_cannot_run_the_ranks_is_named_before_the_launch(capsys, tmp
         monkeypatch.setattr(launcher.sys, "executable", python)
     assert launcher.main(["--hosts", f"here,{host}", "--launcher-exec", str(rsh), "prog.py"]) == 1
     assert said.format(rsh=rsh) in capsys.readouterr().err
+
+
+def test_a_death_banner_from_another_host_is_not_taken_for_a_rank_here(monkeypatch):
+    # MPICH's banner names each dead process by PID and host: a PID on another host may be
+    # the PID of one of this machine's ranks too
+    monkeypatch.setattr(launcher, "is_local", lambda host: host == "here")
+    banner = (b"=   PID 4242 RUNNING AT elsewhere\n=   EXIT CODE: 9\n"
+              b"=   PID 4343 RUNNING AT here\n=   EXIT CODE: 9\n")
+    read, write = os.pipe()
+    os.write(write, banner)
+    os.close(write)
+    seen = {"deaths": {}}
+    with os.fdopen(read, "rb") as src:
+        launcher._copy_stdout(src, io.BytesIO(), seen)
+    assert seen["deaths"] == {4343: 9}

@@ -240,8 +240,8 @@ def rank_env(nranks: int, env: dict | None = None) -> dict:
 
 
 _MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Abort|\[unset\]: .*MPI_Abort)")
-# MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID and status
-_BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT .*\n=\s+EXIT CODE: (\d+)")
+# MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID, host and status
+_BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT (\S+).*\n=\s+EXIT CODE: (\d+)")
 RUN_DIR_VAR = "TESSERA_RUN_DIR"        # the folder where each rank leaves its pid and its finished mark
 TAG_VAR = "TESSERA_TAG_OUTPUT"         # with --tag-output: the ranks prefix their lines
 RESTART_VAR = "TESSERA_RESTART"        # with --max-restarts: which attempt the ranks are (0 the first)
@@ -272,8 +272,9 @@ def _copy_stdout(src, dst, seen: dict) -> None:
         dst.write(chunk)
         dst.flush()
         tail = (tail + chunk)[-4096:]
-        for pid, code in _BANNER.findall(tail):
-            deaths[int(pid)] = int(code)
+        for pid, host, code in _BANNER.findall(tail):
+            if is_local(host.decode(errors="replace")):      # another host's PID may be a rank's here
+                deaths[int(pid)] = int(code)
 
 
 def _die_with_parent() -> None:
