@@ -1,3 +1,5 @@
+import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -162,3 +164,108 @@ def test_tag_output_prefixes_each_line_with_its_rank(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.splitlines()) == ["[0] hello from 0", "[1] hello from 1"], p.stdout
+
+
+def _dry_run(capsys, *argv) -> list[str]:
+    assert launcher.main([*argv, "--dry-run", "prog.py"]) == 0
+    return capsys.readouterr().out.split()
+
+
+def _after(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_hosts_lay_out_the_ranks_host_by_host(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "_is_open_mpi", lambda mpiexec: False)
+    cmd = _dry_run(capsys, "--hosts", "a:2,b:2")                    # -n unset: one rank per slot
+    assert _after(cmd, "-n") == "4" and _after(cmd, "-hosts") == "a:2,b:2"
+    cmd = _dry_run(capsys, "-n", "5", "--hosts", "a,b")              # no counts: -n spread evenly, in order
+    assert _after(cmd, "-hosts") == "a:3,b:2"
+    assert _after(_dry_run(capsys, "-n", "3", "-H", "a:2,b:2,c:2"), "-hosts") == "a:2,b:1"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the two nodes\nnode1 slots=2\n\nnode2:3   # MPICH's spelling\n")
+    cmd = _dry_run(capsys, "--hostfile", str(hostfile), "--launcher-exec", "/bin/myrsh")
+    assert _after(cmd, "-n") == "5" and _after(cmd, "-hosts") == "node1:2,node2:3"
+    assert _after(cmd, "-launcher") == "rsh" and _after(cmd, "-launcher-exec") == "/bin/myrsh"
+    # a rank's finished mark is looked for only on this machine's hosts
+    monkeypatch.setattr(launcher, "is_local", lambda host: host == "node2")
+    assert launcher._ranks_here([("node1", 2), ("node2", 3)]) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--hostfile", "/no/such/hostfile"], "--hostfile /no/such/hostfile: cannot read it (No such file or directory)"),
+    (["--hosts", "a:x,b"], "--hosts: bad slot count in 'a:x': write HOST or HOST:N"),
+    (["--hosts", "a:0"], "bad slot count in 'a:0'"),
+    (["--hosts", "a,,b"], "--hosts: an empty host name"),
+    (["-n", "5", "--hosts", "a:2,b:2"], "-n 5 ranks but --hosts names 4 slots (a:2,b:2); lower -n to 4"),
+    (["--hosts", "a:2,b"], "give every host a slot count (node1:4,node2:4) or none"),
+    (["--hosts", "a,b,a"], "--hosts names a more than once"),
+    (["--launcher-exec", "/bin/myrsh"], "--launcher-exec starts processes on other hosts: name them with --hosts"),
+    (["--hosts", "a", "--hostfile", "f"], "not allowed with argument"),
+])
+def test_host_mistakes_say_what_to_write(capsys, argv, said):
+    with pytest.raises(SystemExit) as stop:
+        launcher.main([*argv, "prog.py"])
+    assert stop.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_bad_hostfile_line_is_named_by_line(capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1:2\nnode2 max_slots=4\n")
+    with pytest.raises(SystemExit):
+        launcher.main(["--hostfile", str(hostfile), "prog.py"])
+    assert f"--hostfile {hostfile}, line 2: 'node2 max_slots=4' is not a host line" in capsys.readouterr().err
+
+
+def test_help_documents_hosts(capsys):
+    with pytest.raises(SystemExit):
+        launcher.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--hosts", "--hostfile", "--launcher-exec", "node1 slots=4", "without a password"):
+        assert flag in text
+
+
+# a stand-in for ssh: "nowhere" cannot be reached; any other host runs the command here
+FAKE_SSH = """#!/bin/sh
+if [ "$1" = nowhere ]; then echo "ssh: connect to host nowhere port 22: No route to host" >&2; exit 255; fi
+exec sh -c "$2"
+"""
+
+
+@pytest.mark.parametrize("host, cwd, python, said", [
+    ("nowhere", None, None, "cannot start a process on host nowhere (ssh: connect to host nowhere port 22: No route "
+                            "to host); check that `{rsh} nowhere true` works from here without a password prompt"),
+    ("node2", "/no/such/folder", None, "host node2 has no folder /no/such/folder: the ranks start in the current "
+                                       "folder on every host; use the same paths on every host"),
+    ("node2", None, "/no/such/python", "host node2 has no /no/such/python: every host needs this Python environment"),
+])
+def test_a_host_that_cannot_run_the_ranks_is_named_before_the_launch(capsys, tmp_path, monkeypatch, host, cwd,
+                                                                      python, said):
+    rsh = tmp_path / "rsh"
+    rsh.write_text(FAKE_SSH)
+    rsh.chmod(0o755)
+    monkeypatch.setattr(launcher, "is_local", lambda h: h == "here")
+    monkeypatch.setattr(launcher, "_launch", lambda *a: pytest.fail("launched despite the host's problem"))
+    monkeypatch.setattr(launcher, "find_mpiexec", lambda: "mpiexec")
+    if cwd:
+        monkeypatch.setattr(launcher.os, "getcwd", lambda: cwd)
+    if python:
+        monkeypatch.setattr(launcher.sys, "executable", python)
+    assert launcher.main(["--hosts", f"here,{host}", "--launcher-exec", str(rsh), "prog.py"]) == 1
+    assert said.format(rsh=rsh) in capsys.readouterr().err
+
+
+def test_a_death_banner_from_another_host_is_not_taken_for_a_rank_here(monkeypatch):
+    # MPICH's banner names each dead process by PID and host: a PID on another host may be
+    # the PID of one of this machine's ranks too
+    monkeypatch.setattr(launcher, "is_local", lambda host: host == "here")
+    banner = (b"=   PID 4242 RUNNING AT elsewhere\n=   EXIT CODE: 9\n"
+              b"=   PID 4343 RUNNING AT here\n=   EXIT CODE: 9\n")
+    read, write = os.pipe()
+    os.write(write, banner)
+    os.close(write)
+    seen = {"deaths": {}}
+    with os.fdopen(read, "rb") as src:
+        launcher._copy_stdout(src, io.BytesIO(), seen)
+    assert seen["deaths"] == {4343: 9}

@@ -24,23 +24,35 @@ frames, the other failing ranks summarized in one line; ``dist.process_group.rep
   resumes onto the smaller mesh).  A signal to tessera-run ends the job without a restart.
 * ``--tag-output``: each line a rank prints starts with ``[rank] `` (done in the rank, a whole
   line per write: MPICH's ``-prepend-rank`` tags each write, so ranks' pieces of lines mix).
-* BLAS/OpenMP/Numba threads are capped per rank (cores // ranks) unless already set, so N
-  ranks do not start N x cores threads.
+* BLAS/OpenMP/Numba threads are capped per rank (cores // ranks on a host) unless already
+  set, so N ranks do not start N x cores threads.
+* ``--hosts a,b`` (``a:4,b:4`` with slot counts) or ``--hostfile FILE`` (one host a line:
+  ``a``, ``a:4`` or Open MPI's ``a slots=4``): the ranks are laid out host by host (ranks
+  0..3 on a, 4..7 on b), the counts given or -n spread evenly; mpiexec starts each host's
+  ranks over ssh (``--launcher-exec PROG``: another program, called ``PROG HOST COMMAND``).
+  Before the launch each other host is asked, over that same way in, for the current folder
+  and this Python, so a host that cannot be reached or lacks them is named with what to
+  check instead of mpiexec's proxy errors.  Finished marks are checked for the ranks on this
+  machine only (the other hosts' ranks cannot write to its /tmp).
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import io
 import os
 import re
 import runpy
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["main", "build_command", "find_mpiexec"]
@@ -62,15 +74,157 @@ def _is_open_mpi(mpiexec: str) -> bool:
     return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
 
 
-def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str] = ()) -> list[str]:
+def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str] = (),
+                  hosts: list[tuple[str, int]] | None = None, rsh: str | None = None) -> list[str]:
+    """The mpiexec line; ``hosts`` is ``place``'s layout, ``rsh`` what starts a process on a host."""
     cmd = [mpiexec, "-n", str(nranks)]
+    layout = ",".join(f"{h}:{c}" for h, c in hosts or ())
     if _is_open_mpi(mpiexec):
         # Open MPI refuses root and more ranks than cores unless told
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
+        if hosts:
+            cmd += ["--host", layout]
+        if rsh:
+            cmd += ["--mca", "plm_rsh_agent", rsh]
+    else:
+        if hosts:                       # hydra fills each host's slots in order
+            cmd += ["-hosts", layout]
+        if rsh:                         # hydra's rsh launcher calls PROG HOST COMMAND (ssh's adds -x)
+            cmd += ["-launcher", "rsh", "-launcher-exec", rsh]
     cmd += list(extra)
     return cmd + [sys.executable, "-m", "tessera_rt.launcher", "--rank"] + target
+
+
+class HostError(ValueError):
+    """A mistake in --hosts or --hostfile (the message says where and what to write)."""
+
+
+HOST_LINE = "one host a line: node1, node1:4 or node1 slots=4"
+
+
+def _host_item(item: str, where: str) -> tuple[str, int | None]:
+    name, colon, count = item.strip().partition(":")
+    if not name:
+        raise HostError(f"{where}: an empty host name in {item!r}; write HOST or HOST:N, e.g. node1:4")
+    if colon and not (count.isdigit() and int(count) >= 1):
+        raise HostError(f"{where}: bad slot count in {item!r}: write HOST or HOST:N, N the ranks it runs "
+                        f"(1 or more), e.g. {name}:4")
+    return name, int(count) if colon else None
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int | None]]:
+    """``a,b`` or ``a:4,b:4`` -> [(host, slots or None)]."""
+    return [_host_item(item, "--hosts") for item in spec.split(",")]
+
+
+def read_hostfile(path: str) -> list[tuple[str, int | None]]:
+    """MPICH's ``host:N`` lines or Open MPI's ``host slots=N``; ``#`` starts a comment."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise HostError(f"--hostfile {path}: cannot read it ({err.strerror}); it lists the hosts, {HOST_LINE}")
+    hosts = []
+    for i, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        slots = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S*)", line)
+        if slots:
+            line = f"{slots[1]}:{slots[2]}"
+        if line and len(line.split()) > 1:
+            raise HostError(f"--hostfile {path}, line {i}: {line!r} is not a host line ({HOST_LINE})")
+        if line:
+            hosts.append(_host_item(line, f"--hostfile {path}, line {i}"))
+    if not hosts:
+        raise HostError(f"--hostfile {path} names no host ({HOST_LINE})")
+    return hosts
+
+
+def place(hosts: list[tuple[str, int | None]], nranks: int | None, where: str) -> list[tuple[str, int]]:
+    """Ranks per host, host by host (rank 0 on the first): the slot counts filled in order, or
+    without counts the ranks spread evenly; -n unset runs one rank per slot (per host)."""
+    names = [h for h, _ in hosts]
+    twice = sorted({h for h in names if names.count(h) > 1})
+    if twice:
+        raise HostError(f"{where} names {', '.join(twice)} more than once; name each host once, with its slot count "
+                        f"({twice[0]}:N)")
+    counts = [c for _, c in hosts]
+    if None in counts and any(counts):
+        bare = [h for h, c in hosts if c is None]
+        raise HostError(f"{where}: give every host a slot count (node1:4,node2:4) or none (the ranks are then "
+                        f"spread evenly); {', '.join(bare)} {'has' if len(bare) == 1 else 'have'} none")
+    if None in counts:
+        n = len(hosts) if nranks is None else nranks
+        share, extra = divmod(n, len(hosts))
+        counts = [share + (i < extra) for i in range(len(hosts))]
+    else:
+        n = sum(counts) if nranks is None else nranks
+        if n > sum(counts):
+            named = ",".join(f"{h}:{c}" for h, c in hosts)
+            raise HostError(f"-n {n} ranks but {where} names {sum(counts)} slots ({named}); lower -n to "
+                            f"{sum(counts)}, raise the slot counts or add hosts")
+        left = n
+        for i, c in enumerate(counts):
+            counts[i], left = min(c, left), left - min(c, left)
+    return [(h, c) for h, c in zip(names, counts) if c]
+
+
+@functools.lru_cache(maxsize=None)
+def is_local(host: str) -> bool:
+    """True when ``host`` names this machine (mpiexec starts its ranks without ssh)."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, _, _, address in addresses:
+        try:            # only an address of this machine can be bound
+            with socket.socket(family, kind) as s:
+                s.bind((address[0], 0))
+            return True
+        except OSError:
+            pass
+    return False
+
+
+PROBE_TIMEOUT_S = 30
+
+
+def check_hosts(hosts: list[str], rsh: str | None) -> str | None:
+    """Ask each other host, the way mpiexec will start its ranks there, for what they need (this
+    folder, this Python); the first host that fails, said for people, or None."""
+    remote = [h for h in hosts if not is_local(h)]
+    here, python = os.getcwd(), sys.executable
+    probe = f"cd {shlex.quote(here)} || exit 3; test -x {shlex.quote(python)} || exit 4"
+    way_in = [rsh] if rsh else ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_TIMEOUT_S // 2}"]
+
+    def ask(host: str) -> tuple[int | None, str]:
+        try:
+            p = subprocess.run(way_in + [host, probe], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None, f"no answer in {PROBE_TIMEOUT_S} s"
+        except OSError as err:
+            return None, f"{way_in[0]}: {err.strerror}"
+        return p.returncode, (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+
+    with ThreadPoolExecutor(max_workers=min(16, len(remote) or 1)) as pool:
+        answers = list(pool.map(ask, remote))
+    for host, (rc, said) in zip(remote, answers):
+        if rc == 3:
+            return (f"tessera-run: host {host} has no folder {here}: the ranks start in the current folder on "
+                    "every host; use the same paths on every host (a shared file system, or the same checkout at "
+                    "the same path)")
+        if rc == 4:
+            return (f"tessera-run: host {host} has no {python}: every host needs this Python environment (with "
+                    "tessera_rt, mpi4py and mpich) at the same path")
+        if rc != 0:
+            test = shlex.join(([rsh] if rsh else ["ssh"]) + [host, "true"])
+            keys = "" if rsh else f" (an ssh key: ssh-copy-id {host})"
+            return (f"tessera-run: cannot start a process on host {host} ({said}); check that `{test}` works from "
+                    f"here without a password prompt{keys}, that the name {host} resolves and the host is up")
+    return None
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -86,8 +240,8 @@ def rank_env(nranks: int, env: dict | None = None) -> dict:
 
 
 _MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Abort|\[unset\]: .*MPI_Abort)")
-# MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID and status
-_BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT .*\n=\s+EXIT CODE: (\d+)")
+# MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID, host and status
+_BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT (\S+).*\n=\s+EXIT CODE: (\d+)")
 RUN_DIR_VAR = "TESSERA_RUN_DIR"        # the folder where each rank leaves its pid and its finished mark
 TAG_VAR = "TESSERA_TAG_OUTPUT"         # with --tag-output: the ranks prefix their lines
 RESTART_VAR = "TESSERA_RESTART"        # with --max-restarts: which attempt the ranks are (0 the first)
@@ -118,8 +272,9 @@ def _copy_stdout(src, dst, seen: dict) -> None:
         dst.write(chunk)
         dst.flush()
         tail = (tail + chunk)[-4096:]
-        for pid, code in _BANNER.findall(tail):
-            deaths[int(pid)] = int(code)
+        for pid, host, code in _BANNER.findall(tail):
+            if is_local(host.decode(errors="replace")):      # another host's PID may be a rank's here
+                deaths[int(pid)] = int(code)
 
 
 def _die_with_parent() -> None:
@@ -182,9 +337,9 @@ class _forwarding:
             signal.signal(s, h)
 
 
-def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> tuple[int, str]:
-    """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank);
-    and why it failed, in a few words."""
+def _verdict(rc: int, run_dir: str, nranks: int, seen: dict, here: list[int] | None = None) -> tuple[int, str]:
+    """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank; only
+    the ranks ``here``, on this machine, can leave their mark); and why it failed, in a few words."""
     sig = seen.get("signal")
     if sig is not None:
         sys.stderr.write(f"tessera-run: stopped by {signal.Signals(sig).name}; the {nranks} ranks were ended\n")
@@ -204,7 +359,7 @@ def _verdict(rc: int, run_dir: str, nranks: int, seen: dict) -> tuple[int, str]:
             why = (f"rank {pids[pid]} died ({signal.Signals(code).name})" if 0 < code < 32 else
                    f"rank {pids[pid]} exited with code {code}")
             seen["died"] = 0 < code < 32
-    unfinished = [r for r in range(nranks) if not Path(run_dir, f"{r}.done").exists()]
+    unfinished = [r for r in (range(nranks) if here is None else here) if not Path(run_dir, f"{r}.done").exists()]
     if rc == 0 and unfinished:
         ranks = f"rank{'s' if len(unfinished) > 1 else ''} {', '.join(map(str, unfinished))}"
         sys.stderr.write(
@@ -295,16 +450,39 @@ def _rank_main(argv: list[str]) -> None:
         os._exit(128 + signal.SIGINT)
 
 
+def _ranks_here(layout: list[tuple[str, int]]) -> list[int]:
+    """The ranks ``layout`` puts on this machine."""
+    ranks, first = [], 0
+    for host, count in layout:
+        ranks += list(range(first, first + count)) if is_local(host) else []
+        first += count
+    return ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tessera-run",
-        description="Run a tessera_rt program on N ranks (mpiexec -n N python -m mpi4py ...).",
-        epilog="Example: tessera-run -n 4 scripts/demo.py   |   tessera-run -n 2 -m mypkg.train --steps 10",
+        description="Run a tessera_rt program on N ranks (mpiexec -n N python -m mpi4py ...), on this machine or "
+        "across hosts.",
+        epilog="Examples: tessera-run -n 4 scripts/demo.py   |   tessera-run -n 2 -m mypkg.train --steps 10   |   "
+        "tessera-run --hosts node1:4,node2:4 scripts/train.py --tp 4 --dp 2.  Across hosts every host needs the same "
+        "folder and Python environment at the same paths, and this machine must reach each by ssh without a password "
+        "(or by --launcher-exec); pick the network with --mpi-arg=-iface --mpi-arg=eth0 where hosts have several.",
     )
-    parser.add_argument("-n", "--np", dest="nranks", type=int, default=1, help="number of ranks (default 1)")
+    parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,
+                        help="number of ranks (default 1; with --hosts/--hostfile one per slot, or per host)")
     parser.add_argument("-m", dest="module", help="run a module instead of a script")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", "-H", metavar="A,B",
+                       help="run across these hosts, ranks laid out host by host: node1,node2 spreads -n evenly; "
+                       "node1:4,node2:4 gives each its slot count (ranks 0-3 on node1, 4-7 on node2)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help=f"as --hosts, the hosts read from FILE ({HOST_LINE}; # starts a comment)")
+    parser.add_argument("--launcher-exec", metavar="PROG", default=None,
+                        help="with --hosts/--hostfile: what starts a process on another host, called as ssh is: "
+                        "PROG HOST COMMAND, COMMAND one shell command line (default: ssh)")
     parser.add_argument("--mpi-arg", action="append", default=[],
-                        help="extra argument for mpiexec (repeatable), e.g. --mpi-arg=-hosts --mpi-arg=a,b")
+                        help="extra argument for mpiexec (repeatable), e.g. --mpi-arg=-iface --mpi-arg=eth0")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when the job fails (a rank died, raised or exited non-zero), start it again, up to N "
                         "times; the ranks see TESSERA_RESTART=<attempt> (0 the first) and scripts/train.py resumes "
@@ -317,13 +495,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
     args = parser.parse_args(argv)
-    if args.nranks < 1:
+    if args.nranks is not None and args.nranks < 1:
         parser.error(f"-n must be at least 1, got {args.nranks}")
+    hosts, where = None, f"--hostfile {args.hostfile}" if args.hostfile else "--hosts"
+    try:
+        if args.hosts or args.hostfile:
+            hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)
+            args.nranks = sum(c for _, c in place(hosts, args.nranks, where))
+    except HostError as err:
+        parser.error(str(err))
+    if args.launcher_exec and not hosts:
+        parser.error("--launcher-exec starts processes on other hosts: name them with --hosts or --hostfile")
+    n = args.nranks or 1
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be at least 0, got {args.max_restarts}")
-    min_n = args.nranks if args.min_n is None else args.min_n
-    if not 1 <= min_n <= args.nranks:
-        parser.error(f"--min-n must be between 1 and -n ({args.nranks}), got {min_n}")
+    min_n = n if args.min_n is None else args.min_n
+    if not 1 <= min_n <= n:
+        parser.error(f"--min-n must be between 1 and -n ({n}), got {min_n}")
     target = (["-m", args.module] if args.module else []) + args.target
     if not target or (not args.module and not args.target):
         parser.error("name a script to run (or -m module)")
@@ -334,20 +522,30 @@ def main(argv: list[str] | None = None) -> int:
             "  Install one into this environment:  pip install 'tessera_rt[mpich]'   (or pip install mpich)\n"
             "  or run a single rank directly:       python script.py\n")
         return 127
+
+    def command(n: int) -> tuple[list[str], list[tuple[str, int]] | None]:
+        layout = place(hosts, n, where) if hosts else None
+        return build_command(n, target, mpiexec, args.mpi_arg, layout, args.launcher_exec), layout
+
     if args.dry_run:
-        print(" ".join(build_command(args.nranks, target, mpiexec, args.mpi_arg)))
+        print(" ".join(command(n)[0]))
         return 0
+    if hosts:
+        problem = check_hosts([h for h, _ in place(hosts, n, where)], args.launcher_exec)
+        if problem:
+            sys.stderr.write(problem + "\n")
+            return 1
     seen: dict = {}
-    attempts, n = args.max_restarts + 1, args.nranks
+    attempts = args.max_restarts + 1
     with _forwarding(seen):
         for attempt in range(attempts):
-            env = rank_env(n)
+            cmd, layout = command(n)
+            env = rank_env(max(c for _, c in layout) if layout else n)
             env.update({TAG_VAR: "1"} if args.tag_output else {})
             env.update({RESTART_VAR: str(attempt)} if args.max_restarts else {})
             with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
                 env[RUN_DIR_VAR] = run_dir
-                rc, why = _verdict(_launch(build_command(n, target, mpiexec, args.mpi_arg), env, seen), run_dir, n,
-                                   seen)
+                rc, why = _verdict(_launch(cmd, env, seen), run_dir, n, seen, _ranks_here(layout) if layout else None)
             if rc == 0 or "signal" in seen or attempt + 1 == attempts:
                 return rc
             fewer = seen.pop("died", False) and n > min_n
@@ -355,7 +553,6 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"tessera-run: attempt {attempt + 2} of {attempts} after {why}; restarting the job"
                              f"{f' on {n} rank' + 's' * (n > 1) if fewer else ''} ({RESTART_VAR}={attempt + 1})\n")
             sys.stderr.flush()
-
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--rank":
