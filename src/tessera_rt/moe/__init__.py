@@ -10,11 +10,12 @@ prefetch.  ``op.moe``, ``op.set_router``,
 ``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
 """
 from .. import op as _op
-from .dispatch import DispatchBuffers, TokenDispatcher, moe_ffn
+from .dispatch import TokenDispatcher, moe_ffn
 from .layer import GATES, MoE, MoEAux
 from . import model as _model   # noqa: F401  (registers nn.Transformer's MoE block)
 from . import tiers as _tiers   # noqa: F401  (registers rt.register_prefetch)
 from .reference import dense_reference
+from .staging import DispatchBuffers
 from .transport import AllToAll, Transport
 
 __all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "TokenDispatcher", "Transport", "AllToAll", "moe_ffn",

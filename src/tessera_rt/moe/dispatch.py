@@ -39,10 +39,10 @@ from ..dist.dtensor import DTensor, meta_of
 from ..dist.shard import dim_extent
 from .experts import ExpertActs, swiglu_experts, swiglu_experts_backward
 from .routing import Route, capacity, route
-from .staging import A2AStream, Clock, DispatchBuffers
+from .staging import A2AStream, Clock
 from .transport import from_wire, to_wire
 
-__all__ = ["DispatchBuffers", "Clock", "Dispatch", "MoESaved", "TokenDispatcher", "moe_ffn"]
+__all__ = ["Dispatch", "MoESaved", "TokenDispatcher", "moe_ffn"]
 
 
 @dataclass
