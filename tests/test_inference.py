@@ -1,6 +1,7 @@
 """Single-process inference: nn.Llama against transformers' LlamaForCausalLM (tiny random
 checkpoints built locally), the paged decode-attention reference, the paged cache (decode ==
-full recompute, continuous batching, window), sampling, and the errors for bad input."""
+full recompute, continuous batching, window), its block pool and tiers, sampling, and the errors
+for bad input."""
 import json
 import shutil
 
@@ -11,6 +12,7 @@ from tessera_rt import nn
 from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
 from tessera_rt.inference.decode import decode_hidden
 from tessera_rt.inference.generate import _prefill_attend
+from tessera_rt.inference.kv_blocks import BlockPool, PageTiers
 from tessera_rt.inference.sampling import sample
 from tessera_rt.kernels import flash_attention, paged_decode_attention
 
@@ -222,6 +224,38 @@ def test_generate_script_prints_the_tokens_last(ckpts):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
+
+
+def test_block_pool_hands_out_ids_fifo_counts_holders_and_names_misuse():
+    pool = BlockPool(3, "page")
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2] and pool.num_free == 0
+    with pytest.raises(ValueError, match="no free page"):
+        pool.allocate()
+    pool.share(1)
+    assert pool.refs(1) == 2
+    assert pool.free(1) is False and pool.num_free == 0 and pool.refs(1) == 1     # still held once
+    assert pool.free(2) and pool.free(1) and pool.num_free == 2
+    assert pool.allocate() == 2                  # the block free the longest comes first
+    with pytest.raises(ValueError, match="page 1 is already free"):
+        pool.free(1)
+    with pytest.raises(ValueError, match="page 1 is free; allocate it first"):
+        pool.share(1)
+    with pytest.raises(ValueError, match=r"no such page; ids are 0\.\.2"):
+        pool.free(3)
+
+
+def test_page_tiers_place_spill_the_oldest_and_release():
+    t = PageTiers(4, n_dev=2, n_host=2)
+    t.place(1)
+    t.place(3)
+    assert t.device_full() and list(t.slot[[1, 3]]) == [0, 1]
+    assert t.victim(keep={3}) == 1 and t.victim(keep={1, 3}) is None
+    assert t.spill(1) == (0, 0) and t.on_host[1] and not t.device_full()     # device slot 0 freed
+    t.place(0)
+    assert t.slot[0] == 0 and not t.on_host[0] and t.victim(keep=set()) == 3  # 3 is now the oldest
+    for p in (1, 3, 0):
+        t.release(p)
+    assert (t.dev.num_free, t.host.num_free) == (2, 2) and t.victim(keep=set()) is None
 
 
 def test_host_tier_spills_old_pages_and_prefetches_them_back(ckpts):

@@ -1,13 +1,13 @@
 """op.moe in one process: the forward against the dense NumPy reference (with and without
 drops), gradients against central finite differences (f64), the aux statistics and losses,
-persistent dispatch buffers, FP8 on the wire, deterministic noisy gating, the router hooks,
-and the errors.  The multi-rank checks are tests/mpi/test_moe.py."""
+persistent dispatch buffers, FP8 on the wire, the transport interface, deterministic noisy
+gating, the router hooks, and the errors.  The multi-rank checks are tests/mpi/test_moe.py."""
 import numpy as np
 import pytest
 
 import tessera_rt as ts
 from tessera_rt import op
-from tessera_rt.moe import dense_reference
+from tessera_rt.moe import Transport, dense_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,6 +103,48 @@ def test_fp8_wire_accuracy():
     y8, _ = m8(p, x)
     rel = np.linalg.norm(y8 - y32) / np.linalg.norm(y32)
     assert 0 < rel < 0.06
+
+
+class _Recording(Transport):
+    """A second transport, at one position: it copies, and records every exchange."""
+
+    def __init__(self, *args, zero=False):
+        super().__init__(*args)
+        self.calls, self.zero = [], zero
+
+    def exchange(self, buf, split, recv, out):
+        self.calls.append((buf.dtype.name, list(split), list(recv)))
+        out[...] = 0 if self.zero else buf
+        return out
+
+
+def test_a_new_transport_carries_every_exchange():
+    """The dispatcher sends everything through ``layer.transport`` and reads what it returns: a
+    Transport subclass set there sees the counts, both forward payloads and both backward
+    exchanges, and the results equal the all_to_all transport's."""
+    with pytest.raises(TypeError):
+        Transport("ep", None, 1, 0)                      # exchange is the one method to write
+    x, r = tokens(dtype=np.float64), tokens(seed=2, dtype=np.float64)
+
+    def loss(m):
+        return lambda p, x: op.sum(op.mul(m(p, x)[0], r))
+
+    for cf, kinds in [(None, ["int64"] + ["float64"] * 4), (1.0, ["float64"] * 4)]:
+        ref, m = layer(cf=cf), layer(cf=cf)
+        m.transport = toy = _Recording("ep", None, 1, 0)
+        p = {k: v.astype(np.float64) for k, v in ref.init(0).items()}
+        want, got = ts.grad(loss(ref), argnums=(0, 1))(p, x), ts.grad(loss(m), argnums=(0, 1))(p, x)
+        for k in p:
+            np.testing.assert_array_equal(got[0][k], want[0][k])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert [c[0] for c in toy.calls] == kinds
+        assert all(split == recv for _, split, recv in toy.calls)        # one position: sent == received
+    m = layer(quantize_fp8=True)
+    m.transport = toy = _Recording("ep", None, 1, 0)
+    m(m.init(0), tokens())
+    assert [c[0] for c in toy.calls] == ["int64", "uint8", "uint8"]      # FP8 rows travel as wire bytes
+    m.transport = _Recording("ep", None, 1, 0, zero=True)                # nothing arrives: y is 0
+    assert not np.asarray(m(m.init(0), tokens())[0]).any()
 
 
 def test_noisy_gating_deterministic_and_seeded():

@@ -18,6 +18,8 @@ Two conventions, one per kind of value:
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from ..backend import get_backend
 from ..dist import collectives as C
 from ..dist.dispatch import compute_region
@@ -209,6 +211,13 @@ def _fa_params(kw):
     return bool(kw.get("causal", False)), kw.get("scale"), kw.get("policy")
 
 
+class _FlashSaved(NamedTuple):
+    """What flash attention's forward hands its VJP."""
+    lse: Any                # logsumexp of each query row's scores (the backward recomputes P)
+    locs: list | None       # DTensors: the local q, k, v pieces the kernel saw (None: arrays)
+    decision: Any           # DTensors: the dispatch decision (layouts, mesh) it ran under
+
+
 def _fa_forward(fn, vals, kw):
     q, k, v = vals[:3]
     causal, scale, policy = _fa_params(kw)
@@ -220,9 +229,9 @@ def _fa_forward(fn, vals, kw):
         with compute_region("flash_attention"):         # (outside the dispatcher: tell the profiler)
             o_loc, lse = kern(*locs, causal=causal, scale=scale, return_lse=True, policy=policy)
         o = DTensor._wrap(o_loc, meta_of(dec.layout, dec.shape, o_loc.dtype, dec.mesh))
-        return o, (lse, locs, dec)
+        return o, _FlashSaved(lse, locs, dec)
     o, lse = fn(q, k, v, **dict(kw, return_lse=True))
-    return ((o, lse) if kw.get("return_lse") else o), (lse, None, None)
+    return ((o, lse) if kw.get("return_lse") else o), _FlashSaved(lse, None, None)
 
 
 @vjp_rule("flash_attention", forward=_fa_forward)
@@ -230,7 +239,8 @@ def _flash_attention(g, out, args, kw, needs):
     """FlashAttention-2's backward kernel (P recomputed from the saved logsumexp); on
     DTensors it runs on the pieces the forward saw, in the forward rule's layouts."""
     causal, scale, policy = _fa_params(kw)
-    lse, locs, dec = kw["_saved"]
+    s: _FlashSaved = kw["_saved"]
+    lse, dec = s.lse, s.decision
     bwd = get_backend().kernel("flash_attention_backward")
     if dec is None:
         q, k, v = args[:3]
@@ -239,7 +249,7 @@ def _flash_attention(g, out, args, kw, needs):
         return (dq, dk, dv) + (None,) * (len(args) - 3)
     g_loc = g.redistribute(dec.layout).to_local()
     with compute_region("flash_attention_backward"):
-        dq, dk, dv = bwd(*locs, out.to_local(), get_backend().xp.ascontiguousarray(g_loc), lse, causal=causal,
+        dq, dk, dv = bwd(*s.locs, out.to_local(), get_backend().xp.ascontiguousarray(g_loc), lse, causal=causal,
                          scale=scale, policy=policy)
     outs = []
     for a, t, lay in zip(args[:3], (dq, dk, dv), dec.strategy.inputs):

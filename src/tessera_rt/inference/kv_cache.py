@@ -15,9 +15,11 @@ the ``io`` stream (prefetch one layer ahead, §3.2.4, overlapping layer ``l``'s 
 layer ``l + 1`` waits on that copy's event.  The device holds ``layers x budget`` pages plus two layers' worth of staging,
 instead of ``layers x all`` pages.  ``stats()`` counts page reads served from each tier.
 
-The device pool is one flat array of pages so the paged kernel reads both tiers through one
-table: layer ``l``'s device slot ``s`` is page ``l * n_dev + s``; staging buffer ``b``'s slot
-``h`` is page ``layers * n_dev + b * n_host + h``.
+Three parts, vLLM's split: ``KVCache`` (this module) is the manager -- sequences and their
+block tables, reserve / free, the decode step's tables; ``kv_blocks`` allocates ids
+(``BlockPool``: free queue and reference counts, no arrays) and places pages in tiers
+(``PageTiers``: device or host slot, which page to spill: the cache policy);
+``kv_storage.PageStorage`` holds the pages' arrays and does every copy.
 
 ``window=W`` limits look-back (§3.5.2): a decode query sees the last ``W`` positions, and a
 page whose positions are all older than that is dropped (freed, its table entry set to -1).
@@ -25,7 +27,6 @@ page whose positions are all older than that is dropped (freed, its table entry 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -33,6 +34,8 @@ import numpy as np
 
 from .. import runtime as rt
 from .decode import DecodeBuffers, upload
+from .kv_blocks import BlockPool, PageTiers
+from .kv_storage import PageStorage
 
 __all__ = ["KVCache", "DecodeStep"]
 
@@ -42,17 +45,6 @@ class _Seq:
     blocks: list = field(default_factory=list)   # logical page ids; -1 where the window dropped one
     length: int = 0                               # positions written
     start: int = 0                                # first position a query may see
-
-
-def _host_empty(xp, shape, dtype):
-    """Host pages: pinned on a GPU (so the io stream's copies are asynchronous); plain memory on
-    the CPU backend, or where the array module has no pinned allocator (the copies then block)."""
-    n = int(np.prod(shape))
-    alloc = getattr(getattr(xp, "cuda", None), "alloc_pinned_memory", None)
-    if xp is np or n == 0 or alloc is None:
-        return np.zeros(shape, dtype)
-    mem = alloc(n * np.dtype(dtype).itemsize)
-    return np.frombuffer(mem, dtype, n).reshape(shape)
 
 
 class DecodeStep:
@@ -68,12 +60,12 @@ class DecodeStep:
             logical[i, :len(s.blocks)] = s.blocks
         live = logical >= 0
         page = np.where(live, logical, 0)
-        on_host, slot = live & c._on_host[page], c._slot[page]
+        on_host, slot = live & c.tiers.on_host[page], c.tiers.slot[page]
         self.host_slots = np.unique(slot[on_host])
         xp = c.model.xp
+        layers = np.arange(c.layers)[:, None, None]
         # every layer's table at once, one copy to the device per step
-        t = np.where(on_host, c.layers * c.n_dev + self._staging(np.arange(c.layers))[:, None, None] + slot,
-                     np.arange(c.layers)[:, None, None] * c.n_dev + slot).astype(np.int32)
+        t = np.where(on_host, c.storage.staging_base(layers) + slot, layers * c.n_dev + slot).astype(np.int32)
         t[:, ~live] = -1
         self.tables = buf.tables(width)
         upload(xp, self.tables, t)
@@ -86,24 +78,13 @@ class DecodeStep:
         c._reads["device"] += (n_live - n_host) * c.layers
         self.prefetch(0)
 
-    def _staging(self, layer):
-        """Offset of ``layer``'s staging half (double buffered: layer l+1 fills while l reads)."""
-        return (layer % 2) * self.cache.n_host
-
     def prefetch(self, layer: int) -> None:
         """Copy ``layer``'s host pages into its staging half on the io stream (call it once the
         compute stream has issued the reads of layer - 1, which used the other half)."""
         c = self.cache
         if layer >= c.layers or not len(self.host_slots) or layer in self._events:
             return
-        io, compute = rt.stream("io"), rt.stream("compute")
-        io.wait_event(compute.record())            # after the reads of the other half's last user
-        with io:
-            base = c.layers * c.n_dev + self._staging(layer)
-            for h in self.host_slots:              # page by page into the staging slots: no index arrays
-                upload(c.model.xp, c.k[base + h], c.host_k[layer, h])
-                upload(c.model.xp, c.v[base + h], c.host_v[layer, h])
-        self._events[layer] = io.record()
+        self._events[layer] = c.storage.stage(layer, self.host_slots)
 
     def layer(self, layer: int) -> tuple:
         """``(k_pages, v_pages, block_tables)`` for ``layer``, once its host pages are staged.
@@ -139,18 +120,13 @@ class KVCache:
         self.n_host = self.num_blocks - self.n_dev
         self.device_budget_tokens = self.n_dev * self.block_size
         self.dtype = np.dtype(model.dtype if dtype is None else dtype)
-        xp = model.xp
-        page = (model.n_kv, self.block_size, cfg.head_dim)
-        flat = self.layers * self.n_dev + 2 * self.n_host           # device pages + two staging layers
-        self.k, self.v = xp.zeros((flat,) + page, self.dtype), xp.zeros((flat,) + page, self.dtype)
-        host = (self.layers, self.n_host) + page
-        self.host_k, self.host_v = _host_empty(xp, host, self.dtype), _host_empty(xp, host, self.dtype)
-        self._on_host = np.zeros(self.num_blocks, bool)
-        self._slot = np.zeros(self.num_blocks, np.int64)
-        self._free: deque = deque(range(self.num_blocks))            # logical pages
-        self._dev_free: deque = deque(range(self.n_dev))
-        self._host_free: deque = deque(range(self.n_host))
-        self._dev_order: OrderedDict = OrderedDict()                 # device pages, oldest first
+        self.pages = BlockPool(self.num_blocks, "page")             # logical pages
+        self.tiers = PageTiers(self.num_blocks, self.n_dev, self.n_host)
+        self.storage = PageStorage(model.xp, self.layers, self.n_dev, self.n_host,
+                                   (model.n_kv, self.block_size, cfg.head_dim), self.dtype)
+        # the page arrays, as the paged kernel and the tests read them
+        self.k, self.v = self.storage.k, self.storage.v
+        self.host_k, self.host_v = self.storage.host_k, self.storage.host_v
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._reads = {"pages": 0, "device": 0}
@@ -183,16 +159,18 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.pages.num_free
 
     def reserve(self, sid: int, n: int) -> np.ndarray:
         """Make room for ``n`` more positions of ``sid``; returns their positions."""
         s = self._seqs[sid]
         need = self.blocks_needed(s.length + n) - len(s.blocks)
-        if need > len(self._free):
+        if need > self.pages.num_free:
             raise ValueError(f"nn.KVCache: out of pages: sequence {sid} needs {need} more blocks of "
-                             f"{self.block_size} and {len(self._free)} are free (max_tokens={self.max_tokens}); "
+                             f"{self.block_size} and {self.pages.num_free} are free (max_tokens={self.max_tokens}); "
                              "give the cache more max_tokens or decode fewer sequences at once")
+        # (extend takes the pages one by one: a page allocated here is its sequence's last
+        # page, which eviction keeps, while the next is allocated)
         s.blocks.extend(self._allocate() for _ in range(need))
         pos = np.arange(s.length, s.length + n)
         s.length += n
@@ -205,44 +183,33 @@ class KVCache:
         return pos
 
     def _allocate(self) -> int:
-        page = self._free.popleft()
-        if not self._dev_free:
+        page = self.pages.allocate()
+        if self.tiers.device_full():
             self._evict_oldest()
-        self._on_host[page], self._slot[page] = False, self._dev_free.popleft()
-        self._dev_order[page] = None
+        self.tiers.place(page)
         return page
 
     def _release(self, page: int) -> None:
-        (self._host_free if self._on_host[page] else self._dev_free).append(int(self._slot[page]))
-        self._dev_order.pop(page, None)
-        self._free.append(page)
+        self.tiers.release(page)
+        self.pages.free(page)
 
     def _evict_oldest(self) -> None:
-        """Move the oldest full device page, every layer of it, to a host slot on the io stream.
-        A sequence's last page (the one decode writes into) stays on the device."""
+        """Move the page the tiers' policy picks (the oldest full device page), every layer of it,
+        to a host slot on the io stream.  A sequence's last page (the one decode writes into)
+        stays on the device."""
         tails = {s.blocks[-1] for s in self._seqs.values() if s.blocks}
-        page = next((p for p in self._dev_order if p not in tails), None)
+        page = self.tiers.victim(tails)
         if page is None:
             raise ValueError(f"nn.KVCache: device_budget_tokens={self.device_budget_tokens} holds only the last page "
                              f"of each of {len(tails)} running sequences; raise the budget to at least "
                              f"{(len(tails) + 1) * self.block_size} tokens or decode fewer sequences at once")
-        del self._dev_order[page]
-        slot, hslot = int(self._slot[page]), self._host_free.popleft()
-        io = rt.stream("io")
-        io.wait_event(rt.stream("compute").record())      # after the writes into the page
-        with io:
-            for layer in range(self.layers):              # page by page: no gathered copy on the device
-                _download(self.k[layer * self.n_dev + slot], self.host_k[layer, hslot])
-                _download(self.v[layer * self.n_dev + slot], self.host_v[layer, hslot])
-        rt.stream("compute").wait_event(io.record())      # before the slot is overwritten
-        self._on_host[page], self._slot[page] = True, hslot
-        self._dev_free.append(slot)
+        self.storage.spill(*self.tiers.spill(page))
         self.moved_to_host += 1
 
     # ---- data ------------------------------------------------------------------------------
     def write(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
         """Store ``k, v (B, Hkv_l, S, D)`` of sequences ``sids`` at ``positions (B, S)``."""
-        bs, xp = self.block_size, self.model.xp
+        bs = self.block_size
         pages = np.array([[self._seqs[sid].blocks[p // bs] for p in row] for sid, row in zip(sids, positions)])
         rows = (np.asarray(positions) % bs).ravel()
         b, hkv, n, d = k.shape
@@ -250,20 +217,8 @@ class KVCache:
         vv = v.transpose(0, 2, 1, 3).reshape(b * n, hkv, d)
         pages = pages.ravel()
         keep = pages >= 0                        # a prefill longer than the window drops its oldest pages
-        host, slot = self._on_host[pages] & keep, self._slot[np.maximum(pages, 0)]
-        dev = keep & ~host
-        # page-row (p, r) of head h: row (p * Hkv + h) * bs + r of the pool seen as (-1, D)
-        for mask, pool, base in ((dev, (self.k, self.v), layer * self.n_dev), (host, None, None)):
-            if not mask.any():
-                continue
-            sel = np.flatnonzero(mask)
-            if pool is None:
-                self.host_k[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, kk, sel))
-                self.host_v[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, vv, sel))
-                continue
-            idx = ((base + slot[sel])[:, None] * hkv + np.arange(hkv)) * bs + rows[sel][:, None]
-            for dst, src in zip(pool, (kk, vv)):
-                _put(xp, dst.reshape(-1, d), idx, _take(xp, src, sel))
+        host, slot = self.tiers.on_host[pages] & keep, self.tiers.slot[np.maximum(pages, 0)]
+        self.storage.write(layer, keep & ~host, host, slot, rows, kk, vv)
 
     def write_decode(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
         """Store one position per sequence, ``k, v (B, Hkv_l, D)``: row by row into the pages
@@ -272,12 +227,8 @@ class KVCache:
         bs = self.block_size
         for i, (sid, p) in enumerate(zip(sids, positions)):
             page = self._seqs[sid].blocks[int(p) // bs]
-            assert page >= 0 and not self._on_host[page], "decode writes into a device page"
-            dst = layer * self.n_dev + int(self._slot[page])
-            # through the row's view, so the copy touches only that row's bytes (a staging page
-            # of the same pool may be in flight on the io stream)
-            self.k[dst, :, int(p) % bs][...] = k[i]
-            self.v[dst, :, int(p) % bs][...] = v[i]
+            assert page >= 0 and not self.tiers.on_host[page], "decode writes into a device page"
+            self.storage.write_row(layer, int(self.tiers.slot[page]), int(p) % bs, k[i], v[i])
 
     def decode_buffers(self, b: int) -> DecodeBuffers:
         """The persistent buffers of a decode step at batch ``b`` (made on first use)."""
@@ -292,37 +243,14 @@ class KVCache:
 
     def stats(self) -> dict:
         """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer)."""
-        page_bytes = 2 * self.k[0].nbytes
-        dev, host = self.n_dev - len(self._dev_free), self.n_host - len(self._host_free)
+        page_bytes = self.storage.page_bytes
+        dev, host = self.n_dev - self.tiers.dev.num_free, self.n_host - self.tiers.host.num_free
         reads = self._reads["pages"]
         return {"sequences": len(self._seqs), "blocks_device": dev, "blocks_host": host,
-                "blocks_free": len(self._free), "bytes_device": dev * self.layers * page_bytes,
+                "blocks_free": self.pages.num_free, "bytes_device": dev * self.layers * page_bytes,
                 "bytes_host": host * self.layers * page_bytes,
                 "bytes_staging": 2 * self.n_host * page_bytes,
                 "bytes_per_token": self.layers * page_bytes // self.block_size,
                 "moved_to_host": self.moved_to_host,
                 "hit_ratio": 1.0 if reads == 0 else self._reads["device"] / reads}
 
-
-def _to_host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
-def _download(src, out: np.ndarray) -> None:
-    """``out[...] = src`` from the device into host memory ``out`` (no new host or device array)."""
-    if isinstance(src, np.ndarray):
-        np.copyto(out, src)
-    else:
-        src.get(out=out)
-
-
-def _put(xp, dst, index: np.ndarray, values) -> None:
-    """``dst[index] = values`` along dst's first axis, as a flat ``put`` (element indices made on
-    the host): one scatter that CuPy and NumPy both run in place on a contiguous ``dst``."""
-    inner = int(np.prod(dst.shape[1:]))
-    flat = (np.asarray(index, np.int64).reshape(-1, 1) * inner + np.arange(inner)).ravel()
-    dst.put(xp.asarray(flat), xp.ascontiguousarray(values).ravel())
-
-
-def _take(xp, src, index: np.ndarray):
-    return xp.take(src, xp.asarray(np.asarray(index, np.int64)), axis=0)

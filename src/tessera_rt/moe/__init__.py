@@ -1,20 +1,25 @@
 """tessera_rt.moe: mixture of experts over the ``ep`` mesh axis (seed 000 §3.1, §10).
 
 ``layer`` holds the ``op.moe`` layer and its statistics, ``routing`` the per-rank routing
-decision (top-k, capacity, noise, locality), ``dispatch`` the fused pack -> all_to_all ->
-experts -> all_to_all -> combine op and its VJP, ``reference`` a dense NumPy oracle, and
-``tiers`` expert residency and prefetch.  ``op.moe``, ``op.set_router``,
+decision (top-k, capacity, noise, locality), ``dispatch`` the fused op and its VJP as a
+``TokenDispatcher``'s preprocess -> dispatch -> experts -> combine steps, ``transport`` how
+rows cross the ep axis (``AllToAll`` today; a new transport is a new ``Transport`` subclass
+set on ``layer.transport``), ``experts`` the local SwiGLU experts, ``staging`` the persistent
+dispatch buffers, ``reference`` a dense NumPy oracle, and ``tiers`` expert residency and
+prefetch.  ``op.moe``, ``op.set_router``,
 ``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
 """
 from .. import op as _op
-from .dispatch import DispatchBuffers, moe_ffn
+from .dispatch import TokenDispatcher, moe_ffn
 from .layer import GATES, MoE, MoEAux
 from . import model as _model   # noqa: F401  (registers nn.Transformer's MoE block)
 from . import tiers as _tiers   # noqa: F401  (registers rt.register_prefetch)
 from .reference import dense_reference
+from .staging import DispatchBuffers
+from .transport import AllToAll, Transport
 
-__all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "moe_ffn", "dense_reference", "set_router",
-           "set_router_regularizer"]
+__all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "TokenDispatcher", "Transport", "AllToAll", "moe_ffn",
+           "dense_reference", "set_router", "set_router_regularizer"]
 
 
 def set_router(layer: MoE, fn) -> MoE:

@@ -28,8 +28,10 @@ from ..dist.layout import ShardSpec
 from ..dist.process_group import world
 from ..dist.shard import dim_extent
 from ..dtypes import resolve_dtype
-from .dispatch import Clock, DispatchBuffers, moe_ffn
+from .dispatch import TokenDispatcher, moe_ffn
 from .routing import expert_ranges, gate_noise, remote_mask
+from .staging import Clock, DispatchBuffers
+from .transport import AllToAll
 
 __all__ = ["MoE", "MoEAux", "GATES"]
 
@@ -78,6 +80,9 @@ class MoE:
         self.ep_index = 0 if mesh is None else mesh.coordinate(self.axis)
         self.ranges = expert_ranges(self.num_experts, self.ep_size)
         self.buffers = DispatchBuffers()
+        # the exchanges over the axis; another Transport subclass here changes how rows travel
+        self.transport = AllToAll(self.axis, mesh, self.ep_size, self.ep_index)
+        self.dispatcher = TokenDispatcher(self)
         self.router: Callable | None = None
         self.regularizer: dict | None = None
         self.prefetch = None

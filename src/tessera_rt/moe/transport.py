@@ -1,0 +1,80 @@
+"""How token rows cross the experts' mesh axis: the one step of an MoE dispatch that talks to
+the network (compare Megatron-core's token dispatchers, one class per transport).
+
+``TokenDispatcher`` (``dispatch.py``) does everything local -- routing, packing rows into
+send order, unpacking them into the experts' batch, the weighted combine -- and hands each
+exchange to ``layer.transport``.  A transport implements one method, ``exchange``: rows go
+out in blocks, one per ep position in position order, and come back sender-major into a
+buffer the dispatcher owns.  Counts, FP8 wire rows and the backward's cotangents travel
+through the same method, so a new transport (NVSHMEM puts, a hierarchical intra/inter-host
+all-to-all, a fake for tests) is one new subclass set on ``layer.transport``, not a fork of
+the dispatch.
+
+``to_wire`` / ``from_wire`` are the FP8 wire format (e4m3 bits plus each row's f32 scale in
+one uint8 row, so the scales need no message of their own); any transport carries it.
+"""
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from ..backend import get_backend
+from ..dist import collectives as C
+
+__all__ = ["Transport", "AllToAll", "to_wire", "from_wire"]
+
+
+class Transport(abc.ABC):
+    """Moves rows between the ``size`` positions of mesh axis ``axis`` of ``mesh``; this rank is
+    position ``index``."""
+
+    def __init__(self, axis: str, mesh, size: int, index: int):
+        self.axis, self.mesh, self.size, self.index = axis, mesh, int(size), int(index)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.axis}={self.size})"
+
+    @abc.abstractmethod
+    def exchange(self, buf, split: list, recv: list, out):
+        """Send ``buf``'s first ``split[0]`` rows to position 0, the next ``split[1]`` to position
+        1, ...; receive ``recv[j]`` rows from each position j into ``out`` (sender-major) and
+        return ``out``.  Every position calls it with matching sizes (split here == recv there)."""
+
+    def counts(self, mine, ranges: list, out) -> np.ndarray:
+        """Per-expert row counts: ``mine`` (E,) this rank sends to each expert; returns the host
+        (positions, local experts) counts every position sends this rank's experts."""
+        xp = get_backend().xp
+        nle = ranges[self.index][1] - ranges[self.index][0]
+        got = self.exchange(xp.ascontiguousarray(mine), [hi - lo for lo, hi in ranges], [nle] * self.size, out)
+        return np.asarray(get_backend().to_host(got)).reshape(self.size, nle)
+
+
+class AllToAll(Transport):
+    """One ``all_to_all`` over the axis per exchange (MPI's Alltoallv, NCCL's grouped
+    sends/recvs), on the ``a2a`` stream; with one position a copy."""
+
+    def exchange(self, buf, split, recv, out):
+        if self.size == 1:
+            out[...] = buf
+            return out
+        return C.all_to_all(buf, self.axis, mesh=self.mesh, split_sizes=split, recv_sizes=recv, out=out, role="a2a")
+
+
+def to_wire(rows, out):
+    """rows (N, d) -> ``out`` uint8 (N, d + 4): e4m3 bit patterns then the row's f32 scale."""
+    b = get_backend()
+    q, s = b.kernel("quantize_fp8", like=rows)(rows, "fp8_e4m3", scale="per_channel", axis=0)
+    n, d = rows.shape
+    out[:, :d] = q.view(np.uint8)
+    out[:, d:] = b.xp.ascontiguousarray(s.reshape(n, 1).astype(np.float32)).view(np.uint8).reshape(n, 4)
+    return out
+
+
+def from_wire(wire, d: int, dtype):
+    """The rows ``to_wire`` encoded, dequantized to ``dtype``."""
+    b = get_backend()
+    n = wire.shape[0]
+    bits = b.xp.ascontiguousarray(wire[:, :d])
+    s = b.xp.ascontiguousarray(wire[:, d:]).view(np.float32).reshape(n, 1)
+    return b.kernel("dequantize_fp8_bits", like=bits)(bits, s, "fp8_e4m3", axis=0).astype(dtype, copy=False)
