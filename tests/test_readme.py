@@ -1,4 +1,4 @@
-"""The README's commands work on a fresh clone, as a new user runs them.
+"""The commands of README.md and docs/*.md work on a fresh clone, as a new user runs them.
 
 The clone is the working tree as git would commit it: every tracked file and every untracked
 file .gitignore does not exclude (``git ls-files -co --exclude-standard``), copied to a temp
@@ -9,11 +9,17 @@ outputs) are absent, as in a real clone.  ``TESSERA_README_CLONE=git`` uses a re
 ``PYTHONPATH`` points at the clone's src/, so the clone's code runs, not this tree's).
 
 Every fenced ``python`` block that says "save as X.py and run: CMD" is saved and CMD run as
-written; every ``bash`` command line runs as written, except (each says why in ``SKIP``):
+written; every ``bash`` command line runs as written (a command written in two files runs
+once), except (each says why in ``SKIP``):
 the two scripts that make a venv (demo.sh runs its program, scripts/demo.py, the way
 demo.sh would; test.sh would run this suite inside itself), pip installs (network), placeholders
-(``my_program.py``), multi-host and Nsight lines.  A README command nobody classified fails
+(``my_program.py``), multi-host and Nsight lines.  A command nobody classified fails
 the test, so a new command gets run or a reason.
+
+What a command prints is checked too: a ```` ```text ```` block after a code block (before the
+next code block or heading) is its output; each of its lines must be a whole line of what the
+command printed, ``...`` matching anything (after a bash block, the block's last command).
+``EXPECT`` adds a pattern for commands whose output the docs do not show.
 """
 from __future__ import annotations
 
@@ -46,36 +52,64 @@ SKIP = {
 }
 # what demo.sh runs, for the line above (demo.sh ends with `exec tessera-run -n 4 scripts/demo.py`)
 DEMO = ".venv/bin/tessera-run -n 4 scripts/demo.py"
-# a line of output each command must print (beyond exiting 0); the first key in the command wins
+# the files whose commands run: the README and every guide
+DOCS = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+# a line of output each command must print (beyond exiting 0 and its text block); the first key
+# in the command wins
 EXPECT = {
-    "allreduce.py": r"\{'tp': 1, 'dp': 1\}",   # the ranks' lines may interleave
-    "dtensor_demo.py": r"reduce_scatter\(tp",
-    "tp_train.py": r"^loss after 6 steps: \d",
     "scripts/train.py --help": r"\(default: data/seeds\)",        # (before the key it contains)
     "scripts/train.py": r"^final loss \d",
     "scripts/demo.py": r"matches NumPy on the full tensors: True",
     "tests/mpi/test_collectives.py": r"passed",
-    "make_tiny_llama.py": r"^saved out/tiny_llama",
     "scripts/generate.py": r"^tokens: \d+( \d+){7}$",
 }
 
 
 def readme_commands(text: str) -> list[tuple[str | None, str, str]]:
-    """(file name or None, its source, the command) for each runnable thing in the README."""
+    """(file name or None, its source, the command) for each runnable thing in a Markdown file."""
+    return [(f, src, cmd) for f, src, cmd, _ in doc_commands(text)]
+
+
+def doc_commands(text: str) -> list[tuple[str | None, str, str, list[str]]]:
+    """(file name or None, its source, the command, the output lines its docs show) for each
+    runnable thing in a Markdown file."""
     out = []
-    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S):
+    blocks = list(re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```", text, flags=re.M | re.S))
+    for i, b in enumerate(blocks):
+        lang, body = b.group(2), b.group(3)
+        if b.group(1) or lang == "text":
+            continue
+        shown = []
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        if nxt is not None and nxt.group(2) == "text":
+            shown = [line for line in nxt.group(3).splitlines() if line.strip()]
         if lang == "python":
             m = re.search(r"#\s*save as (\S+\.py) and run:\s*(.+)", body)
             if m:
-                out.append((m.group(1), body, m.group(2).strip()))
+                out.append((m.group(1), body, m.group(2).strip(), shown))
         elif lang == "bash":
-            for line in re.sub(r"\\\n\s*", "", body).splitlines():
-                cmd = line.split(" #")[0].strip()
-                if cmd:
-                    out.append((None, "", cmd))
+            cmds = [line.split(" #")[0].strip() for line in re.sub(r"\\\n\s*", "", body).splitlines()]
+            cmds = [c for c in cmds if c]
+            out += [(None, "", c, shown if j == len(cmds) - 1 else []) for j, c in enumerate(cmds)]
     for m in re.finditer(r"`(\.venv/bin/(?:tessera-run|python) [^`]+)`", text):      # commands in the prose
-        out.append((None, "", m.group(1)))
+        out.append((None, "", m.group(1), []))
     return out
+
+
+def all_commands() -> list[tuple[str | None, str, str, list[str]]]:
+    """Every file's commands, each (file, command) once, in the order the files list them."""
+    seen, out = set(), []
+    for doc in DOCS:
+        for fname, src, cmd, shown in doc_commands((ROOT / doc).read_text()):
+            if (fname, cmd) not in seen:
+                seen.add((fname, cmd))
+                out.append((fname, src, cmd, shown))
+    return out
+
+
+def shown_line_pattern(line: str) -> str:
+    """A regex for one line of a shown output: the whole line, ``...`` matching anything."""
+    return r"^\s*" + ".*?".join(re.escape(part) for part in line.strip().split("...")) + r"\s*$"
 
 
 def _fresh_clone(dest: Path) -> Path:
@@ -101,28 +135,44 @@ def clone(tmp_path_factory):
 
 
 def _cases():
-    cmds = readme_commands((ROOT / "README.md").read_text())
     cases = []
-    for fname, src, cmd in cmds:
+    for fname, src, cmd, shown in all_commands():
         why = next((w for k, w in SKIP.items() if cmd.startswith(k)), None)
         if cmd.startswith("bash scripts/demo.sh"):
-            cases.append(pytest.param(None, "", DEMO, id="demo.sh:scripts/demo.py"))
+            cases.append(pytest.param(None, "", DEMO, [], id="demo.sh:scripts/demo.py"))
         elif why is None:
             name = fname or next((t for t in cmd.split() if t.endswith(".py")), cmd)
-            cases.append(pytest.param(fname, src, cmd, id=name + (" --help" if "--help" in cmd else "")))
+            cases.append(pytest.param(fname, src, cmd, shown, id=name + (" --help" if "--help" in cmd else "")))
     return cases
 
 
 def test_every_readme_command_is_run_or_has_a_reason():
-    cmds = readme_commands((ROOT / "README.md").read_text())
-    assert any(f == "tp_train.py" for f, _, _ in cmds) and any("scripts/train.py" in c for _, _, c in cmds)
-    for fname, _, cmd in cmds:
+    cmds = all_commands()
+    assert any(f == "tp_train.py" for f, _, _, _ in cmds) and any("scripts/train.py" in c for _, _, c, _ in cmds)
+    for fname, _, cmd, _ in cmds:
         assert cmd.startswith((".venv/bin/", "NUMBA_NUM_THREADS=1 .venv/bin/", "PYTHONPATH=tests/gpu_emu:src ")) or any(
-            cmd.startswith(k) for k in SKIP), f"README command {cmd!r}: run it here or add a reason to SKIP"
+            cmd.startswith(k) for k in SKIP), f"command {cmd!r} in {DOCS}: run it here or add a reason to SKIP"
 
 
-@pytest.mark.parametrize("fname, source, cmd", _cases())
-def test_readme_command_runs_on_a_fresh_clone(clone, fname, source, cmd):
+def test_the_examples_the_docs_show_output_for_are_checked():
+    """The examples whose output matters have it shown (and so compared), not only run."""
+    shown = {f for f, _, _, lines in all_commands() if lines}
+    assert {"allreduce.py", "dtensor_demo.py", "tp_train.py", "moe_demo.py", "keep_output.py", "pipe_train.py",
+            "plan_demo.py", "ccl_demo.py", "make_tiny_llama.py"} <= shown, shown
+
+
+def test_a_shown_output_is_matched_line_by_line():
+    text = "Output:\n\n```python\n# save as a.py and run:  .venv/bin/python a.py\n```\n\n```text\nloss ... ok\n```\n"
+    (_, _, _, shown), = doc_commands(text)
+    assert shown == ["loss ... ok"]
+    pat = shown_line_pattern(shown[0])
+    assert re.search(pat, "x\nloss 3.1 ok\n", flags=re.M) and not re.search(pat, "loss 3.1 bad\n", flags=re.M)
+    assert not re.search(shown_line_pattern("[1. 2.]"), "[1. 2. 3.]\n", flags=re.M)      # the whole line
+    assert doc_commands("```bash\na\n```\n\n## next\n\n```text\nx\n```\n")[0][3] == []   # not across a heading
+
+
+@pytest.mark.parametrize("fname, source, cmd, shown", _cases())
+def test_readme_command_runs_on_a_fresh_clone(clone, fname, source, cmd, shown):
     if fname:
         (clone / fname).write_text(source)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM"))}
@@ -136,6 +186,9 @@ def test_readme_command_runs_on_a_fresh_clone(clone, fname, source, cmd):
     key = next((k for k in EXPECT if k in cmd), None)
     if key:
         assert re.search(EXPECT[key], p.stdout, flags=re.M), f"{cmd!r} printed no line like {EXPECT[key]!r}:\n{out[-3000:]}"
+    for line in shown:
+        assert re.search(shown_line_pattern(line), p.stdout, flags=re.M), (
+            f"{cmd!r} printed no line like the docs show ({line!r}; '...' matches anything):\n{out[-3000:]}")
     if fname == "tp_train.py":         # the profile table is a summary, not hundreds of rows
         assert len(p.stdout.splitlines()) <= 25, p.stdout
 
