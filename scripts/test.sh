@@ -3,6 +3,9 @@
 # the CUDA sources compiled by NVRTC/ptxas, the Numba simulator, and every multi-rank test
 # under mpiexec at 1, 2, 3 and 4 ranks.  Extra arguments go to pytest.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then   # before any venv is made
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; echo "Extra arguments go to pytest (bash scripts/test.sh -k NAME)."; exit 0
+fi
 source "$(dirname "$0")/_venv.sh"
 ensure_venv dev
 # torch is optional: the CPU wheel lets a few tests compare against torch (they skip without it)
