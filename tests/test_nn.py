@@ -70,7 +70,7 @@ def test_adamw_and_clip_update_in_place_and_allocate_nothing_per_step():
     expect = {k: v * (1.0 / (optim.global_norm(g) + 1e-6)) for k, v in g.items()}
     tracemalloc.start()
     try:
-        c, _ = optim.clip_grad_norm(g, 1.0)
+        c, _ = optim.clip_grad_norm(g, 1.0, in_place=True)
         q = opt.step(p, c)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -80,7 +80,8 @@ def test_adamw_and_clip_update_in_place_and_allocate_nothing_per_step():
     np.testing.assert_allclose(c["w"], expect["w"], rtol=1e-6)
     # leaves sharing a buffer, or read-only (broadcast) ones, are scaled into new arrays, once each
     shared = np.full(4, 3.0, np.float32)
-    c, n = optim.clip_grad_norm({"a": shared, "b": shared, "c": np.broadcast_to(np.float32(3.0), (4,))}, 1.0)
+    c, n = optim.clip_grad_norm({"a": shared, "b": shared, "c": np.broadcast_to(np.float32(3.0), (4,))}, 1.0,
+                                in_place=True)
     np.testing.assert_allclose([c["a"], c["b"], c["c"]], np.full((3, 4), 3.0 / n), rtol=1e-6)
     assert np.array_equal(shared, np.full(4, 3.0, np.float32))
 

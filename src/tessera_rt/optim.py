@@ -264,10 +264,12 @@ def global_norm(grads) -> float:
     return math.sqrt(local_total)
 
 
-def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False):
+def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False,
+                   in_place: bool = False):
     """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards.
-    The gradients are scaled in place where that changes nothing else (see ``_owned``; the
-    others are scaled into new arrays): the returned tree holds the same leaves.
+    ``in_place``: scale the gradients themselves where that changes nothing else (see
+    ``_owned``; the others are scaled into new arrays), allocating nothing: for a training
+    loop that drops the unclipped gradients anyway.
     ``error_if_nonfinite``: raise ``NonFiniteError`` when the norm is inf or nan."""
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
@@ -278,7 +280,7 @@ def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_n
         return grads, norm
     leaves, _, struct = tree_flatten(grads)
     scale = max_norm / (norm + 1e-6)
-    owned = _owned([_local(g) for g in leaves])
+    owned = _owned([_local(g) for g in leaves]) if in_place else [False] * len(leaves)
     out = []
     for g, own in zip(leaves, owned):
         if own:
