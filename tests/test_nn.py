@@ -68,14 +68,20 @@ def test_adamw_and_clip_update_in_place_and_allocate_nothing_per_step():
     optim.global_norm({"w": params["w"]})
     g = {"w": rand(256, 256, seed=9), "b": rand(256, seed=10)}
     expect = {k: v * (1.0 / (optim.global_norm(g) + 1e-6)) for k, v in g.items()}
+    sgd = optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+    s = sgd.step(params, g)
     tracemalloc.start()
     try:
+        s = sgd.step(s, g)
+        sgd_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
         c, _ = optim.clip_grad_norm(g, 1.0, in_place=True)
         q = opt.step(p, c)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 16 * 1024, f"a step of a 256 KiB parameter allocated {peak} bytes"
+    assert sgd_peak < 16 * 1024, f"an SGD step of a 256 KiB parameter allocated {sgd_peak} bytes"
     assert c["w"] is g["w"] and q["w"] is p["w"]
     np.testing.assert_allclose(c["w"], expect["w"], rtol=1e-6)
     # leaves sharing a buffer, or read-only (broadcast) ones, are scaled into new arrays, once each

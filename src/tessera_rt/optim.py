@@ -97,6 +97,7 @@ class Optimizer:
         self.lr = float(lr)
         self.masters = [_f32(p) for p in leaves]
         self.t = 0
+        self._tmp: dict = {}              # array module -> two f32 scratch buffers (see _temps)
 
     def step(self, params, grads) -> Any:
         p_leaves, _, _ = tree_flatten(params)
@@ -114,6 +115,16 @@ class Optimizer:
 
     def _update(self, i: int, w, g):
         raise NotImplementedError
+
+    def _temps(self, w):
+        """Two f32 buffers shaped like ``w``: views of two buffers the size of the largest
+        parameter, made on the first step, so a step allocates nothing."""
+        xp = array_module(w)
+        bufs = self._tmp.get(xp)
+        if bufs is None:
+            n = max(int(_local(x).size) for x in self.masters)
+            bufs = self._tmp[xp] = (xp.empty(n, _F32), xp.empty(n, _F32))
+        return tuple(b[:w.size].reshape(w.shape) for b in bufs)
 
     # per-parameter state lists beside the masters (AdamW's moments, SGD's momentum buffers)
     _slots: tuple = ()
@@ -158,12 +169,17 @@ class SGD(Optimizer):
         self._slots = ("bufs",) if momentum else ()
 
     def _update(self, i, w, g):
+        # in place, the out-of-place formula's operations in its order (as AdamW's)
+        w, g = _local(w), _local(g)
+        xp = array_module(w)
+        t1 = self._temps(w)[0]
         if self.wd:
-            g = op.add(g, op.mul(w, self.wd))
+            g = xp.add(g, xp.multiply(w, self.wd, out=t1), out=t1)
         if self.momentum:
-            self.bufs[i] = op.add(op.mul(self.bufs[i], self.momentum), g)
-            g = self.bufs[i]
-        return op.sub(w, op.mul(g, self.lr))
+            b = _local(self.bufs[i])
+            g = xp.add(xp.multiply(b, self.momentum, out=b), g, out=b)
+        xp.subtract(w, xp.multiply(g, self.lr, out=t1), out=w)
+        return self.masters[i]
 
 
 class AdamW(Optimizer):
@@ -177,18 +193,6 @@ class AdamW(Optimizer):
         self.eps, self.wd = float(eps), float(weight_decay)
         self.m = [_zeros(w) for w in self.masters]
         self.v = [_zeros(w) for w in self.masters]
-
-        self._tmp: dict = {}              # array module -> two f32 scratch buffers (see _temps)
-
-    def _temps(self, w):
-        """Two f32 buffers shaped like ``w``: views of two buffers the size of the largest
-        parameter, made on the first step, so a step allocates nothing."""
-        xp = array_module(w)
-        bufs = self._tmp.get(xp)
-        if bufs is None:
-            n = max(int(_local(x).size) for x in self.masters)
-            bufs = self._tmp[xp] = (xp.empty(n, _F32), xp.empty(n, _F32))
-        return tuple(b[:w.size].reshape(w.shape) for b in bufs)
 
     def _update(self, i, w, g):
         # In place on the local pieces (a parameter's state has its layout, so the update is
