@@ -359,3 +359,22 @@ def test_grad_buckets_pack_close_and_learn_the_order():
             assert order == ["a", "b", ("float64", 228, True), "s", ("float32", 7, True), "t",
                              ("float64", 9, True), "c", ("float64", 100, True), "big", big_alone], order
     release_buffers()
+
+
+def test_a_gradient_of_many_contributions_sums_into_its_own_first_sum_in_place(monkeypatch):
+    # x feeds four ops: the sweep makes one new array for the first two contributions and adds
+    # the other two into it; the add rule hands x and y the same cotangent array, which is
+    # never written to, so y's gradient is right too
+    from tessera_rt.autodiff import engine
+    adds = []
+    real = engine._add
+    monkeypatch.setattr(engine, "_add", lambda a, b: adds.append(1) or real(a, b))
+    x, y = rand(3, 4), rand(3, 4)
+
+    def f(x, y):
+        s = op.add(x, y)
+        return op.sum(op.mul(op.add(op.add(op.mul(x, 2.0), op.mul(x, 3.0)), op.add(x, s)), y))
+    gx, gy = ts.grad(f, argnums=(0, 1))(x, y)          # f = sum((7x + y) y)
+    np.testing.assert_allclose(gx, 7 * y, rtol=1e-12)
+    np.testing.assert_allclose(gy, 7 * x + 2 * y, rtol=1e-12)
+    assert len(adds) == 2, f"{len(adds)} out-of-place sums for 4 + 2 contributions"

@@ -60,6 +60,38 @@ def test_clip_grad_norm():
         optim.clip_grad_norm(g, 0)
 
 
+def test_adamw_and_clip_update_in_place_and_allocate_nothing_per_step():
+    import tracemalloc
+    params = {"w": rand(256, 256, seed=5), "b": rand(256, seed=6)}
+    opt = optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    p = opt.step(params, {"w": rand(256, 256, seed=7), "b": rand(256, seed=8)})     # makes its scratch
+    optim.global_norm({"w": params["w"]})
+    g = {"w": rand(256, 256, seed=9), "b": rand(256, seed=10)}
+    expect = {k: v * (1.0 / (optim.global_norm(g) + 1e-6)) for k, v in g.items()}
+    sgd = optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+    s = sgd.step(params, g)
+    tracemalloc.start()
+    try:
+        s = sgd.step(s, g)
+        sgd_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        c, _ = optim.clip_grad_norm(g, 1.0, in_place=True)
+        q = opt.step(p, c)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024, f"a step of a 256 KiB parameter allocated {peak} bytes"
+    assert sgd_peak < 16 * 1024, f"an SGD step of a 256 KiB parameter allocated {sgd_peak} bytes"
+    assert c["w"] is g["w"] and q["w"] is p["w"]
+    np.testing.assert_allclose(c["w"], expect["w"], rtol=1e-6)
+    # leaves sharing a buffer, or read-only (broadcast) ones, are scaled into new arrays, once each
+    shared = np.full(4, 3.0, np.float32)
+    c, n = optim.clip_grad_norm({"a": shared, "b": shared, "c": np.broadcast_to(np.float32(3.0), (4,))}, 1.0,
+                                in_place=True)
+    np.testing.assert_allclose([c["a"], c["b"], c["c"]], np.full((3, 4), 3.0 / n), rtol=1e-6)
+    assert np.array_equal(shared, np.full(4, 3.0, np.float32))
+
+
 def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(monkeypatch):
     g = {"a": np.ones(3, np.float32), "b": [np.ones(2, np.float32), np.array([1.0, np.nan], np.float32)],
          "c": np.array([np.inf], np.float32)}

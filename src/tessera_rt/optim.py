@@ -97,6 +97,7 @@ class Optimizer:
         self.lr = float(lr)
         self.masters = [_f32(p) for p in leaves]
         self.t = 0
+        self._tmp: dict = {}              # array module -> two f32 scratch buffers (see _temps)
 
     def step(self, params, grads) -> Any:
         p_leaves, _, _ = tree_flatten(params)
@@ -115,14 +116,25 @@ class Optimizer:
     def _update(self, i: int, w, g):
         raise NotImplementedError
 
+    def _temps(self, w):
+        """Two f32 buffers shaped like ``w``: views of two buffers the size of the largest
+        parameter, made on the first step, so a step allocates nothing."""
+        xp = array_module(w)
+        bufs = self._tmp.get(xp)
+        if bufs is None:
+            n = max(int(_local(x).size) for x in self.masters)
+            bufs = self._tmp[xp] = (xp.empty(n, _F32), xp.empty(n, _F32))
+        return tuple(b[:w.size].reshape(w.shape) for b in bufs)
+
     # per-parameter state lists beside the masters (AdamW's moments, SGD's momentum buffers)
     _slots: tuple = ()
 
     def state_dict(self) -> dict:
         """{"t": steps taken, "masters": f32 masters, and each slot (e.g. "m", "v")}, the
         trees in the parameters' structure: what a resumed run needs to continue exactly."""
-        out = {"t": self.t, "masters": tree_unflatten(self._struct, self.masters)}
-        out.update({k: tree_unflatten(self._struct, getattr(self, k)) for k in self._slots})
+        # copies: the next step updates the live state in place
+        out = {"t": self.t, "masters": tree_unflatten(self._struct, [_f32(w) for w in self.masters])}
+        out.update({k: tree_unflatten(self._struct, [_f32(x) for x in getattr(self, k)]) for k in self._slots})
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,7 +153,7 @@ class Optimizer:
                 if tuple(x.shape) != tuple(w.shape) or np.dtype(x.dtype) != _F32:
                     raise ValueError(f"{where}: {k}{path} is {dtype_name(x.dtype)}{list(x.shape)}, the optimizer "
                                      f"keeps float32{list(w.shape)}")
-            lists[k] = list(leaves)
+            lists[k] = [_f32(x) for x in leaves]        # owned: the steps update them in place
         self.t = int(state["t"])
         for k, v in lists.items():
             setattr(self, k, v)
@@ -157,12 +169,17 @@ class SGD(Optimizer):
         self._slots = ("bufs",) if momentum else ()
 
     def _update(self, i, w, g):
+        # in place, the out-of-place formula's operations in its order (as AdamW's)
+        w, g = _local(w), _local(g)
+        xp = array_module(w)
+        t1 = self._temps(w)[0]
         if self.wd:
-            g = op.add(g, op.mul(w, self.wd))
+            g = xp.add(g, xp.multiply(w, self.wd, out=t1), out=t1)
         if self.momentum:
-            self.bufs[i] = op.add(op.mul(self.bufs[i], self.momentum), g)
-            g = self.bufs[i]
-        return op.sub(w, op.mul(g, self.lr))
+            b = _local(self.bufs[i])
+            g = xp.add(xp.multiply(b, self.momentum, out=b), g, out=b)
+        xp.subtract(w, xp.multiply(g, self.lr, out=t1), out=w)
+        return self.masters[i]
 
 
 class AdamW(Optimizer):
@@ -178,14 +195,23 @@ class AdamW(Optimizer):
         self.v = [_zeros(w) for w in self.masters]
 
     def _update(self, i, w, g):
-        b1, b2 = self.b1, self.b2
-        self.m[i] = m = op.add(op.mul(self.m[i], b1), op.mul(g, 1 - b1))
-        self.v[i] = v = op.add(op.mul(self.v[i], b2), op.mul(op.mul(g, g), 1 - b2))
+        # In place on the local pieces (a parameter's state has its layout, so the update is
+        # local): the out-of-place formula's operations in its order, so the same bits.
+        b1, b2, lr = self.b1, self.b2, self.lr
+        w, g, m, v = _local(w), _local(g), _local(self.m[i]), _local(self.v[i])
+        xp = array_module(w)
+        t1, t2 = self._temps(w)
+        xp.multiply(m, b1, out=m)
+        xp.add(m, xp.multiply(g, 1 - b1, out=t1), out=m)                 # m = b1 m + (1 - b1) g
+        xp.multiply(xp.multiply(g, g, out=t1), 1 - b2, out=t1)
+        xp.add(xp.multiply(v, b2, out=v), t1, out=v)                     # v = b2 v + (1 - b2) g^2
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        upd = op.div(op.mul(m, 1.0 / c1), op.add(op.sqrt(op.mul(v, 1.0 / c2)), self.eps))
+        xp.add(xp.sqrt(xp.multiply(v, 1.0 / c2, out=t2), out=t2), self.eps, out=t2)
+        xp.divide(xp.multiply(m, 1.0 / c1, out=t1), t2, out=t1)          # the step direction
         if self.wd:
-            w = op.mul(w, 1 - self.lr * self.wd)
-        return op.sub(w, op.mul(upd, self.lr))
+            xp.multiply(w, 1 - lr * self.wd, out=w)
+        xp.subtract(w, xp.multiply(t1, lr, out=t1), out=w)
+        return self.masters[i]
 
 
 # --------------------------------------------------------------------------- global norm
@@ -200,6 +226,28 @@ def _mesh_weight(g: DTensor) -> float:
     return 1.0 / n
 
 
+_CHUNK = 1 << 20
+_SQUARES: dict = {}          # array module -> an f64 buffer of up to _CHUNK elements
+
+
+def _sum_squares(x):
+    """``sum(float64(x) ** 2)`` as a 0-d array on x's device, squared chunk by chunk into
+    one f64 buffer kept per array module (no per-call copies of x in f64)."""
+    xp = array_module(x)
+    flat = x.reshape(-1)
+    buf = _SQUARES.get(xp)
+    if buf is None or buf.size < min(flat.size, _CHUNK):
+        buf = _SQUARES[xp] = xp.empty(min(flat.size, _CHUNK), np.float64)
+    total = None
+    for i in range(0, max(flat.size, 1), _CHUNK):
+        part = flat[i:i + _CHUNK]
+        sq = buf[:part.size]
+        sq[...] = part                            # widen, then square in place (no cast buffers)
+        xp.multiply(sq, sq, out=sq)
+        total = xp.sum(sq) if total is None else total + xp.sum(sq)
+    return total
+
+
 def global_norm(grads) -> float:
     """The L2 norm of all gradients together, the same on every rank.  Each rank sums the
     squares of its local pieces (weighted so replicated elements count once) and one
@@ -212,18 +260,20 @@ def global_norm(grads) -> float:
         if type(g) is DTensor:
             if g.layout.partial:
                 g = g.redistribute(g.layout.with_partial(()))
-            x = g.to_local().astype(np.float64)
-            meshes.setdefault(g.mesh, []).append(array_module(x).sum(x * x) * _mesh_weight(g))
+            meshes.setdefault(g.mesh, []).append(_sum_squares(g.to_local()) * _mesh_weight(g))
         else:
-            x = g.astype(np.float64)
-            local_total += float(array_module(x).sum(x * x))
+            local_total += float(_sum_squares(g))
     for mesh, squares in meshes.items():
         local_total += _agree(squares, mesh, "sum")
     return math.sqrt(local_total)
 
 
-def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False):
+def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False,
+                   in_place: bool = False):
     """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards.
+    ``in_place``: scale the gradients themselves where that changes nothing else (see
+    ``_owned``; the others are scaled into new arrays), allocating nothing: for a training
+    loop that drops the unclipped gradients anyway.
     ``error_if_nonfinite``: raise ``NonFiniteError`` when the norm is inf or nan."""
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
@@ -234,7 +284,31 @@ def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_n
         return grads, norm
     leaves, _, struct = tree_flatten(grads)
     scale = max_norm / (norm + 1e-6)
-    return tree_unflatten(struct, [op.mul(g, scale) for g in leaves]), norm
+    owned = _owned([_local(g) for g in leaves]) if in_place else [False] * len(leaves)
+    out = []
+    for g, own in zip(leaves, owned):
+        if own:
+            x = _local(g)
+            array_module(x).multiply(x, scale, out=x)
+            out.append(g)
+        else:
+            out.append(op.mul(g, scale))
+    return tree_unflatten(struct, out), norm
+
+
+def _owned(arrays: list) -> list[bool]:
+    """Which arrays can be scaled in place: writeable (not a broadcast view) and sharing no
+    buffer with another leaf (the add rule hands both operands the same cotangent), so
+    scaling one scales nothing else."""
+    def root(x):
+        while getattr(x, "base", None) is not None:
+            x = x.base
+        return id(x)
+    roots = [root(x) for x in arrays]
+    count: dict = {}
+    for r in roots:
+        count[r] = count.get(r, 0) + 1
+    return [getattr(getattr(x, "flags", None), "writeable", True) and count[r] == 1 for x, r in zip(arrays, roots)]
 
 
 # --------------------------------------------------------------------------- non-finite steps

@@ -48,7 +48,23 @@ from collections import defaultdict
 from ._format import human_bytes
 from .dist.dispatch import compute_region
 
-__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region"]
+__all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
+           "count_copy", "bytes_copied"]
+
+# Bytes copied only to give a kernel the memory layout it needs (dist.rules' matmul makes a
+# contiguous copy of an operand BLAS cannot read in place): always counted (an add per copy,
+# none without), so a change that brings hidden copies back shows in ``bytes_copied()`` and in
+# a profile's ``bytes_copied``.
+_COPIED = [0]
+
+
+def count_copy(nbytes: int) -> None:
+    _COPIED[0] += int(nbytes)
+
+
+def bytes_copied() -> int:
+    """Bytes copied for layout since the process started (see ``count_copy``)."""
+    return _COPIED[0]
 
 
 def active_profiles() -> list:
@@ -268,6 +284,8 @@ class Profile:
         self._stack: list = []                  # open ops: [t_cursor]
         self._ops: dict = {}                    # decision -> _op_info(decision)
         self._epoch = 0.0
+        self._copied0 = 0
+        self.bytes_copied = 0                   # layout copies while active (this rank; see count_copy)
 
     @property
     def events(self) -> list[dict]:
@@ -295,6 +313,7 @@ class Profile:
         if w.size > 1:
             w.mpi.Barrier()
         self._epoch = time.perf_counter()
+        self._copied0 = _COPIED[0]
         C._HOOKS.append(self)
         D._PROF.append(self)
         return self
@@ -307,6 +326,7 @@ class Profile:
             C._HOOKS.remove(self)
         if self in D._PROF:
             D._PROF.remove(self)
+        self.bytes_copied = _COPIED[0] - self._copied0
         w = world()
         mine = (self.events, self.overlap_ratio)
         every = w.mpi.gather(mine, root=0) if w.size > 1 else [mine]
@@ -487,6 +507,8 @@ class Profile:
             per = [sum(r["total_s"] for r in self.rows(ev)) * 1e3 for ev in self.all_events]
             lines.append(f"  measured time over {len(per)} ranks: min {min(per):.1f} / mean "
                          f"{sum(per) / len(per):.1f} / max {max(per):.1f} ms")
+        if self.bytes_copied:
+            lines.append(f"  layout copies for kernels (rank 0): {human_bytes(self.bytes_copied)}")
         lines += self._overlap_lines("  ")
         return "\n".join(lines)
 

@@ -228,6 +228,44 @@ def test_tile_shape_reaches_the_kernel(world):
         register_kernel("matmul", "cpu", real)
 
 
+def test_matmul_hands_transposed_operands_to_blas_without_copies(world):
+    # a Linear's backward multiplies by W.T, attention by a transposed 3-D activation: BLAS
+    # reads them in place (no copy counted, the kernel gets views of the operands), and a 3-D
+    # activation times a weight runs as one 2-D GEMM.  An operand BLAS cannot read (strided
+    # along both dims) is copied, counted, and the product is still right.
+    from tessera_rt import profiler
+    seen = []
+    real = get_backend().kernel("matmul")
+
+    def spy(a, b, **kw):
+        seen.append((a, b))
+        return real(a, b, **kw)
+    register_kernel("matmul", "cpu", spy)
+    try:
+        mesh = get_mesh("1d")
+        x, w = global_array((4, 6, 8), np.float32, seed=30), global_array((5, 8), np.float32, seed=31)
+        X, W = dist.distribute(x, mesh=mesh), dist.distribute(w, mesh=mesh)
+        Wt, Xt = op.transpose(W, None), op.transpose(X, (0, 2, 1))
+        before = profiler.bytes_copied()
+        with profiler.profile(print_table=False) as prof:
+            Y = op.matmul(X, Wt)                          # (4, 6, 8) @ (8, 5)
+            G = op.matmul(Xt, X)                          # (4, 8, 6) @ (4, 6, 8), batched
+        assert profiler.bytes_copied() == before and prof.bytes_copied == 0
+        close(Y.full_tensor(), x @ w.T, "x @ w.T")
+        close(G.full_tensor(), x.transpose(0, 2, 1) @ x, "x.T @ x")
+        (ya, yb), (ga, _) = seen
+        assert ya.shape == (24, 8), f"the 3-D activation is not folded into one 2-D GEMM: {ya.shape}"
+        assert np.shares_memory(yb, Wt.to_local()) and np.shares_memory(ga, Xt.to_local())
+        big = global_array((12, 16), np.float32, seed=32)
+        V = dist.from_local(big[::2, ::2], layout=Layout(((), ())), mesh=mesh, shape=(6, 8), validate=False)
+        with profiler.profile(print_table=False) as prof:
+            P = op.matmul(V, W.T)
+        assert prof.bytes_copied == big[::2, ::2].nbytes
+        close(P.full_tensor(), big[::2, ::2] @ w.T, "strided @ w.T")
+    finally:
+        register_kernel("matmul", "cpu", real)
+
+
 # --------------------------------------------------------------------------- shape ops
 
 @pytest.mark.parametrize("kind", MESH_KINDS)

@@ -110,12 +110,33 @@ def _add(a, b):
     return _op().add(a, b)               # tape's cached module, not an import per call
 
 
+def _add_into(acc, ct) -> bool:
+    """``acc += ct`` in place when the sum keeps acc's shape, dtype and layout (a pending sum
+    adds piecewise); False (nothing done) otherwise."""
+    dt = _dtensor_type()
+    if type(acc) is dt:
+        if type(ct) is not dt or ct.layout != acc.layout or ct.mesh is not acc.mesh or \
+                any(o != "sum" for _, o in acc.layout.partial):
+            return False
+        acc, ct = acc.to_local(), ct.to_local()
+    elif type(ct) is dt or not hasattr(ct, "shape"):
+        return False
+    if acc.shape != ct.shape or acc.dtype != ct.dtype or type(acc) is not type(ct):
+        return False
+    type(acc).__iadd__(acc, ct)
+    return True
+
+
 def backward(tape: Tape, out: Var, seed) -> None:
     """Sweep ``tape`` backwards from ``out`` (cotangent ``seed``).  Runs with no tape
     active, so the VJP rules' own ops are not recorded."""
     # The loop's Python is time the gradient all-reduces issued during the sweep do not
     # run under any op, so the globals it reads are bound to locals once per sweep.
-    rules, effects, add = VJPS, EFFECT_OPS, _add
+    rules, effects, add, add_into = VJPS, EFFECT_OPS, _add, _add_into
+    # ids of the gradients this sweep's own adds made: nothing else holds them, so a third
+    # contribution adds into one in place (a rule's cotangent may alias its input or
+    # another's, so a first one is never written to)
+    owned: set = set()
     saved, STATE.tape = STATE.tape, None
     try:
         out.grad = seed
@@ -128,6 +149,7 @@ def backward(tape: Tape, out: Var, seed) -> None:
                 _release(parents)
                 continue
             v.grad = None
+            owned.discard(id(g))                   # handed to the rule: no longer only ours
             needs = [False] * len(v.args)
             for pos, _ in parents:
                 needs[pos] = True
@@ -136,7 +158,11 @@ def backward(tape: Tape, out: Var, seed) -> None:
                 ct = cts[pos]
                 if ct is not None:
                     pg = p.grad
-                    p.grad = ct if pg is None else add(pg, ct)
+                    if pg is None:
+                        p.grad = ct
+                    elif not (id(pg) in owned and add_into(pg, ct)):
+                        p.grad = add(pg, ct)
+                        owned.add(id(p.grad))
             _release(parents)
             v.args = v.kw = None                   # drop the residuals as soon as they are used
     finally:

@@ -216,11 +216,46 @@ def matmul_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
 
     def local(x, y):
         xp = _xp()
-        return _kernel("matmul")(xp.ascontiguousarray(x), xp.ascontiguousarray(y), **kw)
+        if tile_shape is not None and xp is not np:      # the GPU tile kernel reads C-contiguous operands
+            return _kernel("matmul")(_contiguous(xp, x), _contiguous(xp, y), **kw)
+        if xp is np:                   # BLAS takes a transposed matrix as it is; other strides it cannot
+            x, y = _blas_operand(x), _blas_operand(y)
+        if kw or x.ndim < 3 or y.ndim != 2 or not _rows_fold(x):
+            return _kernel("matmul")(x, y, **kw)
+        # (..., m, k) @ (k, n) as one (rows, k) @ (k, n) GEMM: faster than the batched loop
+        return _kernel("matmul")(x.reshape(-1, x.shape[-1]), y).reshape(x.shape[:-1] + (y.shape[-1],))
     if det:
         def local(x, y):
             return _det.matmul(x, y, policy)
     return Strategy(tuple(targets), out, batch + (a.shape[-2], b.shape[-1]), local)
+
+
+def _contiguous(xp, x):
+    if x.flags.c_contiguous:
+        return x
+    from ..profiler import count_copy
+    count_copy(x.nbytes)
+    return xp.ascontiguousarray(x)
+
+
+def _blas_operand(x):
+    """``x`` if BLAS can read each of its matrices in place (unit stride along rows or along
+    columns: a plain or a transposed matrix), else a counted contiguous copy (NumPy's matmul
+    would run its slow loop without BLAS on it)."""
+    if x.size == 0 or x.flags.c_contiguous:
+        return x
+    it, (m, n), (sm, sn) = x.itemsize, x.shape[-2:], x.strides[-2:]
+    rows = (sn == it or n == 1) and sm % it == 0 and sm >= n * it       # a strided-row matrix
+    cols = (sm == it or m == 1) and sn % it == 0 and sn >= m * it       # a transposed one
+    if rows or cols:
+        return x
+    return _contiguous(np, x)
+
+
+def _rows_fold(x) -> bool:
+    """Whether ``x``'s batch dims merge with its row dim without a copy (a reshape view)."""
+    dims = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n != 1]     # size-1 dims have any stride
+    return all(s == s_in * n_in for (_, s), (n_in, s_in) in zip(dims, dims[1:]))
 
 
 # --------------------------------------------------------------------------- reductions
