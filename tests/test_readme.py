@@ -45,6 +45,7 @@ SKIP = {
     "pip install": "installs from the network",
     ".venv/bin/tessera-run -n 4 my_program.py": "a placeholder program",
     ".venv/bin/tessera-run -n 8": "needs 8 ranks on two hosts",
+    ".venv/bin/python scripts/bench_vs_torch.py": "tests/test_demo.py runs this smoke run (with the equality check)",
     ".venv/bin/tessera-run --host": "needs the hosts it names (tests/test_two_hosts.py runs two on this machine)",
     "TESSERA_NVTX=1 nsys": "needs Nsight Systems",
     "bash scripts/gpu_check.sh": "measures a GPU machine for minutes; its no-GPU form (--quick on the stand-in) "
