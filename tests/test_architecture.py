@@ -55,9 +55,6 @@ ALLOWED = {
 # Today's import circles that remain once the ALLOWED arrows are taken out (each a set of
 # modules that import each other, directly or around a loop). Same goal: empty.
 ALLOWED_CIRCLES = [
-    # DTensor's operators call the dispatcher, whose decisions make DTensors (and interop's
-    # NumPy protocol calls both): the dispatcher would register itself with DTensor
-    ["dist.dispatch", "dist.dtensor", "dist.interop"],
     # Var.redistribute/full_tensor/to_local call dist_vjps, which registers with the tape
     ["autodiff.dist_vjps", "autodiff.tape"],
 ]

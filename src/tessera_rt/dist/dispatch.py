@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend import get_backend
 from .hooks import SEAM as _SEAM
-from .dtensor import DTensor, TensorMeta, meta_of
+from .dtensor import DTensor, TensorMeta, meta_of, use_dispatcher
 from .process_group import world
 from . import determinism
 from .cost import on_change
@@ -263,3 +263,6 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5, policy=None) -> DTen
 
 def rmsnorm(x, weight=None, eps: float = 1e-6, policy=None) -> DTensor:
     return dispatch("rmsnorm", (float(eps), policy), (x, weight))
+
+
+use_dispatcher(binary=binary, unary=unary, reduce=reduce, matmul=matmul, reshape=reshape, transpose=transpose)
