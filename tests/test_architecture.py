@@ -55,19 +55,16 @@ ALLOWED = {
 # Today's import circles that remain once the ALLOWED arrows are taken out (each a set of
 # modules that import each other, directly or around a loop). Same goal: empty.
 ALLOWED_CIRCLES = [
-    # 22 modules of the distributed core import each other (issue 29 item 4 splits them)
-    ["dist", "dist.checkpoint", "dist.collectives", "dist.comm", "dist.compiled_plan", "dist.consistency",
-     "dist.cost", "dist.debug", "dist.determinism", "dist.dispatch", "dist.dtensor", "dist.dtensor_collectives",
-     "dist.interop", "dist.layout", "dist.mesh", "dist.plans", "dist.process_group", "dist.redistribute",
-     "dist.rules", "dist.shard", "dist.solve", "dist.watchdog"],
     # Var.redistribute/full_tensor/to_local call dist_vjps, which registers with the tape
     ["autodiff.dist_vjps", "autodiff.tape"],
 ]
 
 
 def modules(src: Path = SRC) -> dict:
+    """{dotted name: file}: every .py module, and every C extension (``dist/_hot.c`` is
+    ``tessera_rt.dist._hot``: ``from . import _hot`` imports it, not its package)."""
     out = {}
-    for p in sorted((src / PKG).rglob("*.py")):
+    for p in sorted((src / PKG).rglob("*.py")) + sorted((src / PKG).rglob("*.c")):
         parts = list(p.relative_to(src).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -80,6 +77,9 @@ def import_graph(src: Path = SRC) -> dict:
     mods = modules(src)
     edges = {}
     for name, path in mods.items():
+        if path.suffix == ".c":
+            edges[name] = set()                 # an extension imports no module of the package
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         targets = set()
@@ -197,6 +197,54 @@ def test_no_new_circle():
         + "\nnow:\n" + "\n".join(f"  {sorted(c)}" for c in now))
 
 
+_MUTATORS = {"append", "remove", "clear", "extend", "insert", "pop", "update", "add", "discard", "setdefault"}
+
+
+def private_writes(src: Path = SRC) -> list:
+    """(module, line, target) of each write to another package module's private global: an
+    assignment to ``mod._name`` (or an item of it) or a mutating call on it, ``mod`` being a
+    package module imported by name.  Such a write is a hidden protocol between the two;
+    the seam (dist.hooks) and registries are the explicit form (issue 29)."""
+    mods = modules(src)
+    out = []
+    for name, path in mods.items():
+        if path.suffix != ".py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        alias = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                m = (".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                     if node.level else (node.module or ""))
+                alias.update({a.asname or a.name: f"{m}.{a.name}" for a in node.names if f"{m}.{a.name}" in mods})
+            elif isinstance(node, ast.Import):
+                alias.update({a.asname: a.name for a in node.names if a.name in mods and a.asname})
+
+        def foreign(n) -> bool:
+            return (isinstance(n, ast.Attribute) and n.attr.startswith("_") and isinstance(n.value, ast.Name)
+                    and alias.get(n.value.id, name) != name)
+
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                t = t.value if isinstance(t, ast.Subscript) else t
+                if foreign(t):
+                    out.append((short(name), node.lineno, ast.unparse(t)))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
+                    and foreign(node.func.value)):
+                out.append((short(name), node.lineno, ast.unparse(node.func)))
+    return out
+
+
+def test_no_module_writes_another_modules_private_globals():
+    bad = private_writes()
+    assert not bad, ("module(s) write another module's private globals (fill a slot of dist.hooks.SEAM or "
+                     "call a registration function of the lower module instead):\n"
+                     + "\n".join(f"  {m}:{line}: {t}" for m, line, t in bad))
+
+
 def test_dist_works_without_the_layers_above():
     # The distributed core imported without the package root (which imports every layer):
     # nothing above dist is imported, DTensor ops and collectives work, and autodiff imported
@@ -240,8 +288,13 @@ def test_scanner_sees_lazy_and_relative_imports(tmp_path):
     (pkg / "dist" / "__init__.py").write_text("")
     (pkg / "dist" / "a.py").write_text("def f():\n    from ..op import x\n    from . import b\n")
     (pkg / "dist" / "b.py").write_text("from tessera_rt.dist import a\nfrom tessera_rt import dist\n")
+    (pkg / "dist" / "c.py").write_text("from . import _ext\n")
+    (pkg / "dist" / "_ext.c").write_text("/* a C extension */\n")
     e = import_graph(tmp_path)
+    assert e[f"{PKG}.dist.c"] == {f"{PKG}.dist._ext"}          # the extension, not its package
     assert e[f"{PKG}.dist.a"] == {f"{PKG}.op", f"{PKG}.dist.b"}
     assert e[f"{PKG}.dist.b"] == {f"{PKG}.dist.a", f"{PKG}.dist"}
     assert upward_arrows(e) == {("dist.a", "op")}
     assert circles(e) == [["dist.a", "dist.b"]]
+    (pkg / "dist" / "d.py").write_text("from . import b as B\nB._x = 1\nB._seen.append(2)\nB.public = 3\n")
+    assert private_writes(tmp_path) == [("dist.d", 2, "B._x"), ("dist.d", 3, "B._seen.append")]

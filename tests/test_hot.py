@@ -128,3 +128,41 @@ def test_a_view_keeps_its_output_from_being_reused(line):
         for _ in range(3):
             dist.all_reduce(b, "x", mesh=line)
         np.testing.assert_array_equal(view, np.full(count - 1, 1.0 * n))
+
+
+def test_the_collectives_read_their_check_from_the_seam(line):
+    # The agreement check every collective runs is the seam's slot (dist.hooks.SEAM), which the
+    # checkers fill: no module global of collectives holds it, and the C path hands a call to
+    # Python while the slot holds a check other than the agreement check it runs itself.
+    from tessera_rt.dist.hooks import SEAM
+    for gone in ("_check", "_check_sig", "_DET"):
+        assert not hasattr(C, gone), gone
+    x = np.ones(4, np.float32)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x, "x", mesh=line),
+        "reduce_scatter": lambda: dist.reduce_scatter(x, "x", mesh=line),
+        "all_gather": lambda: dist.all_gather(x, "x", mesh=line),
+        "all_to_all": lambda: dist.all_to_all(x, "x", mesh=line),
+        "broadcast": lambda: dist.broadcast(x, "x", mesh=line),
+    }
+    for call in calls.values():
+        call()                               # plans made: a repeat would take the C path
+    seen, before = [], SEAM.check_plan
+    SEAM.check_plan = lambda p, depth=2: seen.append(p.op)
+    try:
+        for call in calls.values():
+            call()
+    finally:
+        SEAM.check_plan = before
+    assert seen == list(calls)
+
+
+def test_a_wait_is_named_to_the_watchdog_through_the_seam():
+    # a layer above dist names what the main thread waits for with hooks.note (no frame locals)
+    from tessera_rt.dist import hooks, watchdog
+    assert watchdog._note_of_main() == ""
+    with hooks.note("pipeline stage 1 waits for micro-batch 0"):
+        with hooks.note("the inner wait"):
+            assert watchdog._note_of_main() == "the inner wait"
+        assert watchdog._note_of_main() == "pipeline stage 1 waits for micro-batch 0"
+    assert watchdog._note_of_main() == "" and hooks.SEAM.notes == []

@@ -47,30 +47,14 @@ from collections import defaultdict
 
 from ._format import human_bytes
 from .dist.dispatch import compute_region
+from .dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
            "count_copy", "bytes_copied"]
 
-# Bytes copied only to give a kernel the memory layout it needs (dist.rules' matmul makes a
-# contiguous copy of an operand BLAS cannot read in place): always counted (an add per copy,
-# none without), so a change that brings hidden copies back shows in ``bytes_copied()`` and in
-# a profile's ``bytes_copied``.
-_COPIED = [0]
-
-
-def count_copy(nbytes: int) -> None:
-    _COPIED[0] += int(nbytes)
-
-
-def bytes_copied() -> int:
-    """Bytes copied for layout since the process started (see ``count_copy``)."""
-    return _COPIED[0]
-
-
 def active_profiles() -> list:
     """The profiles recording now (innermost last)."""
-    from .dist import dispatch as D
-    return [p for p in D._PROF if isinstance(p, Profile)]
+    return [p for p in SEAM.op_watchers if isinstance(p, Profile)]
 
 
 _COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
@@ -174,9 +158,7 @@ _NVTX_HOOK = _NvtxOnly()
 
 def enable_nvtx(on: bool = True) -> None:
     """Emit an NVTX range for every op and collective (no table, no trace)."""
-    from .dist import collectives as C
-    from .dist import dispatch as D
-    for lst in (C._HOOKS, D._PROF):
+    for lst in (SEAM.watchers, SEAM.op_watchers):
         if on and _NVTX_HOOK not in lst:
             lst.append(_NVTX_HOOK)
         elif not on and _NVTX_HOOK in lst:
@@ -303,8 +285,6 @@ class Profile:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        from .dist import collectives as C
-        from .dist import dispatch as D
         from .dist.process_group import world
         if not _DT:
             from .dist.dtensor import DTensor
@@ -313,20 +293,18 @@ class Profile:
         if w.size > 1:
             w.mpi.Barrier()
         self._epoch = time.perf_counter()
-        self._copied0 = _COPIED[0]
-        C._HOOKS.append(self)
-        D._PROF.append(self)
+        self._copied0 = bytes_copied()
+        SEAM.watchers.append(self)
+        SEAM.op_watchers.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        from .dist import collectives as C
-        from .dist import dispatch as D
         from .dist.process_group import world
-        if self in C._HOOKS:
-            C._HOOKS.remove(self)
-        if self in D._PROF:
-            D._PROF.remove(self)
-        self.bytes_copied = _COPIED[0] - self._copied0
+        if self in SEAM.watchers:
+            SEAM.watchers.remove(self)
+        if self in SEAM.op_watchers:
+            SEAM.op_watchers.remove(self)
+        self.bytes_copied = bytes_copied() - self._copied0
         w = world()
         mine = (self.events, self.overlap_ratio)
         every = w.mpi.gather(mine, root=0) if w.size > 1 else [mine]

@@ -16,6 +16,7 @@ from .collectives import (
 )
 from .dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
 from .dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
+from . import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
 from .layout import (
     Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
 )

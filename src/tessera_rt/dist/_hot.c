@@ -11,7 +11,10 @@
  *
  * The agreement check's remembered-site path (consistency.check_plan) is done here too; its
  * other paths call check_plan(plan, 1): 1 because this wrapper adds no Python frame, so the
- * user's frame is check_plan's caller.  From the check to the end of the MPI call,
+ * user's frame is check_plan's caller.  What the check and the watchers are comes from one
+ * object, the seam (dist/hooks.py SEAM): its check_plan / check slots (None: off), its
+ * agreement (the check's ring, verify and config) and its watchers list; this file reads no
+ * module's globals.  From the check to the end of the MPI call,
  * `pending()` names the plan and a call number, for the watchdog (it reads the main
  * thread's frames, and this path leaves none of its own).
  */
@@ -42,13 +45,16 @@ static int layout_ok;
 
 enum { K_ALL_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_ALL_TO_ALL, K_BROADCAST, K_N };
 #define MAXP 16
-#define OUT_IS_NONE (-2)
+#define OUT_GIVEN (-2)
 #define MEMO_DIMS 8
 
-/* what setup() hands over: collectives' and consistency's objects, read live each call */
-static PyObject *PLANS, *CLEARS, *ROUTES, *HOOKS, *ROLE_STREAMS, *WORKER_TYPE, *IN_PLACE;
-static PyObject *C_GLOBALS, *CONS_GLOBALS, *CHECK_PLAN, *CFG;
-static PyObject *CURRENT_MESHES, *DEFAULT_MESH, *WORLD_GROUP;     /* mesh._CURRENT, mesh._DEFAULT, [world group] */
+/* what setup() hands over, read live each call: the plan table, the seam (SEAM) and its
+ * watchers list (a slot never rebound: changed in place) */
+static PyObject *PLANS, *CLEARS, *ROUTES, *SEAM, *HOOKS, *ROLE_STREAMS, *WORKER_TYPE, *IN_PLACE;
+static PyObject *CURRENT_MESHES, *DEFAULT_MESH, *WORLD_GROUP;     /* mesh.mesh_stacks(), [world group] */
+/* the seam's agreement last seen (SEAM.agreement) and its fields: an Agreement is never
+ * changed, so its identity says whether these are current */
+static PyObject *AGREEMENT, *CHECK_PLAN, *RING, *VERIFY, *CFG;
 /* the C-path call in progress, from its check to the end of its MPI call (borrowed: the
  * call holds them), for the watchdog; a call inside one (none today) saves and restores it */
 typedef struct {
@@ -60,7 +66,35 @@ static Pending pending;
 static unsigned long long n_calls;
 
 static PyObject *S_groups, *S_hot, *S_nbytes, *S_site, *S_seq, *S_metas,
-    *S_mask, *S_done, *S_issued, *S_wait_tasks, *S_axes, *S_world, *S_check_sig, *S_RING, *S_verify, *ONE;
+    *S_mask, *S_done, *S_issued, *S_wait_tasks, *S_axes, *S_world, *S_check_plan, *S_agreement, *S_ring,
+    *S_verify, *S_cfg, *ONE;
+
+/* The seam's agreement check for the C path: 1 when on (CHECK_PLAN, RING, VERIFY, CFG are its
+ * fields), 0 when off, -1 when the check is not the agreement's (someone else's check_plan:
+ * hand the call to Python) or on an error. */
+static int agreement(void) {
+    PyObject *chk = PyObject_GetAttr(SEAM, S_check_plan);
+    if (chk == NULL) return -1;
+    Py_DECREF(chk);                                  /* (the seam holds it) */
+    if (chk == Py_None) return 0;
+    PyObject *a = PyObject_GetAttr(SEAM, S_agreement);
+    if (a == NULL) return -1;
+    if (a != AGREEMENT) {
+        PyObject *f[4] = {NULL, NULL, NULL, NULL}, *names[4] = {S_check_plan, S_ring, S_verify, S_cfg};
+        for (int i = 0; i < 4 && a != Py_None; i++)
+            if ((f[i] = PyObject_GetAttr(a, names[i])) == NULL) break;
+        if (f[3] == NULL) {
+            for (int i = 0; i < 4; i++) Py_XDECREF(f[i]);
+            Py_DECREF(a);
+            return -1;
+        }
+        Py_XSETREF(AGREEMENT, a);                    /* (takes the reference) */
+        Py_XSETREF(CHECK_PLAN, f[0]); Py_XSETREF(RING, f[1]); Py_XSETREF(VERIFY, f[2]); Py_XSETREF(CFG, f[3]);
+    } else {
+        Py_DECREF(a);
+    }
+    return chk == CHECK_PLAN ? 1 : -1;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -166,22 +200,20 @@ static int verified_site_key(PyObject *st, PyObject *site) {
     Py_XDECREF(old);
     if (PyErr_Occurred() || (seq = PyLong_FromLongLong(n)) == NULL || PyObject_SetAttr(st, S_seq, seq) < 0)
         goto done;
-    PyObject *ring = PyDict_GetItemWithError(CONS_GLOBALS, S_RING);          /* borrowed */
-    if (ring == NULL || (rec = PyTuple_Pack(3, st, seq, site)) == NULL || (r = PyObject_CallOneArg(ring, rec)) == NULL)
+    if ((rec = PyTuple_Pack(3, st, seq, site)) == NULL || (r = PyObject_CallOneArg(RING, rec)) == NULL)
         goto done;
     Py_CLEAR(r);
     if ((mask = PyObject_GetAttr(CFG, S_mask)) == NULL) goto done;
     long long m = PyLong_AsLongLong(mask);
     if (PyErr_Occurred()) goto done;
     if (!(n & m)) {                                  /* the sampled call: verify with the peers */
-        PyObject *verify = PyDict_GetItemWithError(CONS_GLOBALS, S_verify);
-        if (verify == NULL || (r = PyObject_CallFunctionObjArgs(verify, st, seq, site, NULL)) == NULL) goto done;
+        if ((r = PyObject_CallFunctionObjArgs(VERIFY, st, seq, site, NULL)) == NULL) goto done;
         Py_CLEAR(r);
     }
     rc = 0;
 done:
     if (rc < 0 && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "tessera_rt.dist._hot: consistency's _RING or _verify is missing");
+        PyErr_SetString(PyExc_RuntimeError, "tessera_rt.dist._hot: the seam's agreement failed");
     Py_XDECREF(seq); Py_XDECREF(rec); Py_XDECREF(mask);
     return rc;
 }
@@ -215,7 +247,7 @@ static int out_fits(PyObject *o, PyObject *ps, PyObject *pd) {
 }
 
 static PyObject *key_arg(Collective *c, PyObject **v, Py_ssize_t i) {
-    return c->key[i] == OUT_IS_NONE ? (v[c->i_out] == Py_None ? Py_True : Py_False) : v[c->key[i]];
+    return c->key[i] == OUT_GIVEN ? (v[c->i_out] == Py_None ? Py_False : Py_True) : v[c->key[i]];
 }
 
 static Py_ssize_t clears(void) {
@@ -371,8 +403,8 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
         out = v[c->i_out];
         Py_INCREF(out);
     }
-    PyObject *chk = PyDict_GetItemWithError(C_GLOBALS, S_check_sig);
-    if (chk == NULL || (chk != Py_None && chk != CHECK_PLAN)) goto fallback;
+    int chk = agreement();
+    if (chk < 0) goto fallback;
 
     /* from here on this is the call: errors are raised, not handed over */
     c->hits++;
@@ -381,7 +413,7 @@ static PyObject *collective_call(Collective *c, PyObject *const *args, size_t na
     pending.x = x;
     pending.thread = PyThread_get_thread_ident();
     pending.n = ++n_calls;
-    if (chk != Py_None && check(p, st) < 0) goto error;
+    if (chk && check(p, st) < 0) goto error;
     if (c->kind != K_BROADCAST && out == NULL && (out = reuse_out(c, p)) == NULL) {
         PyObject *a[2] = {PyTuple_GET_ITEM(hot, 4), PyTuple_GET_ITEM(hot, 5)};
         if ((out = PyObject_Vectorcall(PyTuple_GET_ITEM(hot, 3), a, 2, NULL)) == NULL) goto error;
@@ -437,7 +469,7 @@ static PyObject *collective_vectorcall(PyObject *self, PyObject *const *args, si
 }
 
 /* Collective(kind, fallback, key, none): key lists the parameter names that follow
- * (op, id(group), type, shape, dtype) in the Python function's plan key ("out is None" for
+ * (op, id(group), type, shape, dtype) in the Python function's plan key ("out is not None" for
  * that test); none lists the parameters that must be None for this path. */
 static PyObject *collective_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     int kind;
@@ -498,8 +530,8 @@ static PyObject *collective_new(PyTypeObject *type, PyObject *args, PyObject *kw
     c->nkey = PyTuple_GET_SIZE(keyspec);
     for (Py_ssize_t i = 0; i < c->nkey; i++) {
         PyObject *k = PyTuple_GET_ITEM(keyspec, i);
-        int is_out = PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, "out is None") == 0;
-        c->key[i] = is_out ? OUT_IS_NONE : param_index(c, k);
+        int is_out = PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, "out is not None") == 0;
+        c->key[i] = is_out ? OUT_GIVEN : param_index(c, k);
         if (c->key[i] == -1) { PyErr_Format(PyExc_ValueError, "no parameter %R", k); goto fail; }
     }
     c->nnone = PyTuple_GET_SIZE(nonespec);
@@ -588,21 +620,27 @@ static int check_layout(PyObject *probe, PyObject *shape, PyObject *descr) {
 }
 
 static PyObject *setup(PyObject *self, PyObject *args) {
-    PyObject *o[14], *ndarray, *probe, *probe_shape, *probe_dtype;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!OOO!O!OOO!O!O!O!OO!O", &PyDict_Type, &o[0], &PyList_Type, &o[10],
-                          &PyDict_Type, &o[1], &PyList_Type, &o[2], &PyDict_Type, &o[3], &o[4], &o[5], &PyDict_Type,
-                          &o[6], &PyDict_Type, &o[7], &o[8], &o[9], &PyList_Type, &o[11], &PyList_Type, &o[12],
-                          &PyList_Type, &o[13], &PyType_Type, &ndarray, &probe, &PyTuple_Type, &probe_shape,
+    PyObject *o[10], *ndarray, *probe, *probe_shape, *probe_dtype;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!OOO!O!O!O!OO!O", &PyDict_Type, &o[0], &PyList_Type, &o[1], &PyDict_Type,
+                          &o[2], &o[3], &PyDict_Type, &o[4], &o[5], &o[6], &PyList_Type, &o[7], &PyList_Type, &o[8],
+                          &PyList_Type, &o[9], &PyType_Type, &ndarray, &probe, &PyTuple_Type, &probe_shape,
                           &probe_dtype))
         return NULL;
-    if (PyList_GET_SIZE(o[10]) != 1 || !PyLong_Check(PyList_GET_ITEM(o[10], 0)))
+    if (PyList_GET_SIZE(o[1]) != 1 || !PyLong_Check(PyList_GET_ITEM(o[1], 0)))
         return PyErr_Format(PyExc_ValueError, "plans._CLEARS must be [int]");
+    PyObject *watchers = PyObject_GetAttrString(o[3], "watchers");
+    if (watchers == NULL) return NULL;
+    if (!PyList_Check(watchers)) {
+        Py_DECREF(watchers);
+        return PyErr_Format(PyExc_TypeError, "the seam's watchers must be a list");
+    }
+    Py_XSETREF(HOOKS, watchers);
     Py_INCREF(ndarray);
     Py_XSETREF(NDARRAY, (PyTypeObject *)ndarray);
     layout_ok = check_layout(probe, probe_shape, probe_dtype);
-    PyObject **dst[14] = {&PLANS, &ROUTES, &HOOKS, &ROLE_STREAMS, &WORKER_TYPE, &IN_PLACE, &C_GLOBALS,
-                          &CONS_GLOBALS, &CHECK_PLAN, &CFG, &CLEARS, &CURRENT_MESHES, &DEFAULT_MESH, &WORLD_GROUP};
-    for (int i = 0; i < 14; i++) {
+    PyObject **dst[10] = {&PLANS, &CLEARS, &ROUTES, &SEAM, &ROLE_STREAMS, &WORKER_TYPE, &IN_PLACE, &CURRENT_MESHES,
+                          &DEFAULT_MESH, &WORLD_GROUP};
+    for (int i = 0; i < 10; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*dst[i], o[i]);
     }
@@ -633,9 +671,11 @@ static PyObject *run_compiled(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto not_here;
     for (int i = 0; i < n->nd; i++)
         if (PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)) != n->dimensions[i]) goto not_here;
-    PyObject *chk = PyDict_GetItemWithError(C_GLOBALS, S_check);
+    PyObject *chk = PyObject_GetAttr(SEAM, S_check);
     if (chk == NULL) goto not_here;
+    Py_DECREF(chk);                                  /* (the seam holds it) */
     if (chk != Py_None) {
+        if (agreement() != 1) goto not_here;
         /* plan._verified: (depth from check_run, code, lasti, ((group state, key), ...)) */
         v = PyObject_GetAttr(plan, S_verified);
         if (v == NULL || !PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(v, 3)))
@@ -695,9 +735,9 @@ static PyObject *get_pending(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(plans, plans_clears, routes, hooks, role_streams, worker_stream_type, in_place, collectives_globals, "
-     "consistency_globals, check_plan, cfg, current_meshes, default_mesh, world_group, ndarray, probe, probe_shape, probe_dtype) -> whether the array "
-     "fields are read directly"},
+     "setup(plans, plans_clears, routes, seam, role_streams, worker_stream_type, in_place, current_meshes, "
+     "default_mesh, world_group, ndarray, probe, probe_shape, probe_dtype) -> whether the array fields are read "
+     "directly"},
     {"run_compiled", (PyCFunction)(void (*)(void))run_compiled, METH_FASTCALL,
      "run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path, or NotImplemented"},
     {"compiled_hits", get_compiled_hits, METH_NOARGS, "runs run_compiled took"},
@@ -711,11 +751,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hot", NULL, -1, met
 PyMODINIT_FUNC PyInit__hot(void) {
     if (PyType_Ready(&CollectiveType) < 0) return NULL;
 #define INTERN(var, s) if ((var = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(S_groups, "_groups"); INTERN(S_exec, "_exec"); INTERN(S_verified, "_verified"); INTERN(S_check, "_check"); INTERN(S_nbytes, "nbytes");
+    INTERN(S_groups, "_groups"); INTERN(S_exec, "_exec"); INTERN(S_verified, "_verified"); INTERN(S_check, "check"); INTERN(S_nbytes, "nbytes");
     INTERN(S_hot, "hot"); INTERN(S_axes, "axes"); INTERN(S_world, "world"); INTERN(S_site, "site");
     INTERN(S_seq, "seq"); INTERN(S_metas, "metas"); INTERN(S_mask, "mask");
     INTERN(S_done, "_done"); INTERN(S_issued, "_issued"); INTERN(S_wait_tasks, "wait_tasks");
-    INTERN(S_check_sig, "_check_sig"); INTERN(S_RING, "_RING"); INTERN(S_verify, "_verify");
+    INTERN(S_check_plan, "check_plan"); INTERN(S_agreement, "agreement"); INTERN(S_ring, "ring");
+    INTERN(S_verify, "verify"); INTERN(S_cfg, "cfg");
     if ((ONE = PyLong_FromLong(1)) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -31,12 +31,13 @@ from .. import runtime as rt
 from ..backend import CpuWorkerStream
 from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
-from .packing import _unpack, _with_dim  # noqa: F401  (_with_dim: dist.ccl's shape arithmetic)
-from .plans import (_PLANS, Plan, _backend, _check_array, _check_sizes, _norm_dim, _out,  # noqa: F401
-                    _tagged, _where, all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, keep,
+from .packing import _unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
+from .plans import (_PLANS, Plan, backend, check_array, check_sizes, norm_dim, _out,  # noqa: F401
+                    _tagged, _tup, where, all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, keep,
                     reduce_scatter_plan)
 from .process_group import world
-from .trace import _HOOKS, TAGS, CollectiveRecord, bus_factor, trace_collectives
+from .hooks import SEAM as _SEAM
+from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
@@ -46,13 +47,13 @@ __all__ = [
 
 # --------------------------------------------------------------------------- handles
 
-# The default cross-rank agreement check (consistency.check), or None when it is off or the
-# full TESSERA_DEBUG=collectives check replaces it.  Called before any data moves.  An async
+# What the hot paths read from the seam (dist.hooks): the agreement check (SEAM.check, and
+# SEAM.check_plan for a planned call; None when off or replaced by TESSERA_DEBUG=collectives),
+# called before any data moves, and the watchers (the same list as SEAM.watchers).  An async
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
-_check = None
+_HOOKS = _SEAM.watchers
 _plan_get = _PLANS.get
-_check_sig = None       # its form for a planned call (consistency.check_plan), on and off with it
 _IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/mpi.py)
 
 class Work:
@@ -170,7 +171,7 @@ def after_role_worker(role: str) -> None:
 
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
-    on_gpu = _backend().is_gpu
+    on_gpu = backend().is_gpu
     if not on_gpu:
         stream = _ROLE_STREAMS.get(role) or rt.stream(role)
         if not async_op:
@@ -218,9 +219,9 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
     try:
         for h in tuple(_HOOKS):
             h.before(call)                            # may raise (a desync): after() still runs
-        if det is not None and _DET:
+        if det is not None and _SEAM.det:
             from .determinism import FIXED_ORDER
-            r = FIXED_ORDER[op](*det, role=role)     # fixed-order reduction (blocking)
+            r = FIXED_ORDER[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
             if async_op:
                 r = Work.completed(r)
         else:
@@ -255,21 +256,55 @@ def _after(call) -> None:
             h.after(call)
 
 
-# While dist.deterministic() is on, _DET holds its "compensated" flag and sum/avg
-# reductions take determinism's fixed-order paths instead of MPI's/NCCL's own order.
-_DET: list = []
-
-
 # --------------------------------------------------------------------------- collectives
 #
 # Each collective looks its plan up by everything that determines it (plans.py) and, on a
 # miss, builds it: the builder makes every check, so bad input errors on the first call
-# with that key, before any communication.  The agreement check is called from the
-# collective itself: consistency reads its caller's caller's frame (the user's call site).
-# On the blocking CPU path ``p.fn`` is the raw mpi4py call, after the role's worker (if
-# any) has run what it was given before.  The prologue (plan lookup, contiguity, out=, the
-# check) repeats in each collective on purpose: the check must be called from the
-# collective's own frame, and a shared helper would cost a call (~0.1 us of a 1 us budget).
+# with that key, before any communication.  ``prologue`` is that part, for all five, and
+# also runs the agreement check (it reads the user's call site three frames up: the check,
+# the prologue, the collective).  On the blocking CPU path ``p.fn`` is the raw mpi4py call,
+# after the role's worker (if any) has run what it was given before.  A repeat call on a
+# NumPy array takes the same steps in C (dist/_hot.c, below).
+
+_NO_OUT = object()        # prologue: the collective makes its output itself (all_to_all)
+_X_OUT = object()         # prologue: the collective writes x in place (broadcast)
+
+
+def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
+    """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
+    array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
+    try:
+        key = (name, id(g), x.__class__, x.shape, x.dtype) + args
+        p = _plan_get(key)
+    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
+        key = p = None
+    if p is None:
+        p = keep(key, build(g, x, *args))
+    return p
+
+
+def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
+    """What every plain collective does before its data moves, in this order: the group (mesh
+    and axis resolved), the plan (``plan_for``), a contiguous input, the output (a new one, or
+    ``out=`` checked), the agreement check.  Returns (plan, x, out)."""
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    if g is None:
+        g = _group(mesh, axis, name, x)
+    p = plan_for(name, g, x, build, args)
+    if not x.flags.c_contiguous:
+        if out is _X_OUT:
+            build(g, x, *args)                   # raises: names what x must be
+        x = backend().xp.ascontiguousarray(x)
+    if out is None:
+        out = p.empty(p.shape, p.dtype)
+    elif out is not _NO_OUT and out is not _X_OUT and (
+            out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous):
+        _bad_out(p, x, out)
+    check = _SEAM.check_plan
+    if check is not None:
+        check(p, 3)
+    return p, x, out
+
 
 def _bad_out(p: Plan, x, out):
     _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
@@ -283,24 +318,7 @@ def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: 
     if cls in _ROUTES:
         _untaggable("all_reduce", x, tag)
         return _ROUTES[cls]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
-    if g is None:
-        g = _group(mesh, axis, "all_reduce", x)
-    try:
-        key = ("all_reduce", id(g), cls, x.shape, x.dtype, op, tag, role, async_op)
-        p = _plan_get(key)
-    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
-        key = p = None
-    if p is None:
-        p = keep(key, all_reduce_plan(g, x, op, tag, role, async_op))
-    if not x.flags.c_contiguous:
-        x = _backend().xp.ascontiguousarray(x)
-    if out is None:
-        out = p.empty(p.shape, p.dtype)
-    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
-        _bad_out(p, x, out)
-    if _check_sig is not None:
-        _check_sig(p)
+    p, x, out = prologue("all_reduce", x, axis, mesh, all_reduce_plan, (op, tag, role, async_op), out)
     if p.fn is None or _HOOKS:
         return run_all_reduce(p, x, out, role, async_op, mesh, tag)
     s = _ROLE_STREAMS.get(role)                  # run_all_reduce's direct path, inline (saves a call)
@@ -333,25 +351,8 @@ def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequen
         _untaggable("reduce_scatter", x, tag)
         return _ROUTES[cls]["reduce_scatter"](x, axis, op, dim=dim, sizes=sizes, mesh=mesh, out=out,
                                               async_op=async_op, role=role)
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
-    if g is None:
-        g = _group(mesh, axis, "reduce_scatter", x)
-    try:
-        key = ("reduce_scatter", id(g), cls, x.shape, x.dtype, op, dim, sizes if sizes is None else tuple(sizes),
-               tag, role, async_op)
-        p = _plan_get(key)
-    except (AttributeError, TypeError):
-        key = p = None
-    if p is None:
-        p = keep(key, reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op))
-    if not x.flags.c_contiguous:
-        x = _backend().xp.ascontiguousarray(x)
-    if out is None:
-        out = p.empty(p.shape, p.dtype)
-    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
-        _bad_out(p, x, out)
-    if _check_sig is not None:
-        _check_sig(p)
+    p, x, out = prologue("reduce_scatter", x, axis, mesh, reduce_scatter_plan,
+                         (op, dim, _tup(sizes), tag, role, async_op), out)
     if p.fn is None or _HOOKS or p.pack is not None:
         return run_reduce_scatter(p, x, out, role, async_op, mesh, tag)
     s = _ROLE_STREAMS.get(role)                  # run_reduce_scatter's direct path, inline (saves a call)
@@ -391,25 +392,7 @@ def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | N
         _untaggable("all_gather", x, tag)
         return _ROUTES[cls]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op,
                                           role=role)
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
-    if g is None:
-        g = _group(mesh, axis, "all_gather", x)
-    try:
-        key = ("all_gather", id(g), cls, x.shape, x.dtype, dim, sizes if sizes is None else tuple(sizes), tag,
-               role, async_op)
-        p = _plan_get(key)
-    except (AttributeError, TypeError):
-        key = p = None
-    if p is None:
-        p = keep(key, all_gather_plan(g, x, dim, sizes, tag, role, async_op))
-    if not x.flags.c_contiguous:
-        x = _backend().xp.ascontiguousarray(x)
-    if out is None:
-        out = p.empty(p.shape, p.dtype)
-    elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
-        _bad_out(p, x, out)
-    if _check_sig is not None:
-        _check_sig(p)
+    p, x, out = prologue("all_gather", x, axis, mesh, all_gather_plan, (dim, _tup(sizes), tag, role, async_op), out)
     if p.fn is None or _HOOKS:
         return run_all_gather(p, x, out, role, async_op, mesh, tag)
     s = _ROLE_STREAMS.get(role)                  # run_all_gather's direct path, inline (saves a call)
@@ -430,7 +413,7 @@ def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
     info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
     if not p.flat:                    # communicators take flat buffers: gather, then lay out along dim
-        recv = _backend().empty((out.size,), x.dtype)
+        recv = backend().empty((out.size,), x.dtype)
         return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, _then_unpack(p, recv, out),
                     tag=tag)
     if p.fn is not None and info is None:
@@ -460,30 +443,12 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         return _ROUTES[cls]["all_to_all"](x, axis, split_dim=split_dim, concat_dim=concat_dim,
                                           split_sizes=split_sizes, recv_sizes=recv_sizes, mesh=mesh,
                                           async_op=async_op, role=role)
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
-    if g is None:
-        g = _group(mesh, axis, "all_to_all", x)
-    try:
-        key = ("all_to_all", id(g), cls, x.shape, x.dtype, split_dim, concat_dim,
-               split_sizes if split_sizes is None else tuple(split_sizes),
-               recv_sizes if recv_sizes is None else tuple(recv_sizes), out is None, tag, role, async_op)
-        p = _plan_get(key)
-    except (AttributeError, TypeError):
-        key = p = None
-    if p is None:
-        p = keep(key, all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, out is not None,
-                                       tag, role, async_op))
-    if not x.flags.c_contiguous:
-        x = _backend().xp.ascontiguousarray(x)
-    if _check_sig is not None:
-        _check_sig(p)
+    args = (split_dim, concat_dim, _tup(split_sizes), _tup(recv_sizes), out is not None, tag, role, async_op)
+    p, x, _ = prologue("all_to_all", x, axis, mesh, all_to_all_plan, args)
+    g = p.g
     if p.exchange:                    # uneven parts: the receive sizes come from the peers
         got = tuple(g.comm.mpi.alltoall(p.mine))
-        key2 = None if key is None else key[:8] + (got,) + key[9:]
-        p = _plan_get(key2) if key2 is not None else None
-        if p is None:
-            p = keep(key2, all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, got, out is not None, tag,
-                                            role, async_op))
+        p = plan_for("all_to_all", g, x, all_to_all_plan, args[:3] + (got,) + args[4:])
     send = x if p.pack is None else p.pack(x)
     if out is None:
         out = p.empty(p.shape, p.dtype)
@@ -491,7 +456,7 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
         _bad_out(p, x, out)
     info = ("all_to_all", g, x, x.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
     if not p.flat:
-        recv = _backend().empty((out.size,), x.dtype)
+        recv = backend().empty((out.size,), x.dtype)
         return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out,
                     _then_unpack(p, recv, out), tag=tag)
     if p.fn is not None and info is None:
@@ -511,18 +476,8 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
     if cls in _ROUTES:
         _untaggable("broadcast", x, tag)
         return _ROUTES[cls]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
-    if g is None:
-        g = _group(mesh, axis, "broadcast", x)
-    try:
-        key = ("broadcast", id(g), cls, x.shape, x.dtype, root, tag, role, async_op)
-        p = _plan_get(key)
-    except (AttributeError, TypeError):
-        key = p = None
-    if p is None or not x.flags.c_contiguous:
-        p = keep(key, broadcast_plan(g, x, root, tag, role, async_op))
-    if _check_sig is not None:
-        _check_sig(p)
+    p, x, _ = prologue("broadcast", x, axis, mesh, broadcast_plan, (root, tag, role, async_op), _X_OUT)
+    g = p.g
     if _HOOKS:
         return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, p.extra), role,
                        async_op, p.comm.broadcast, (x, root), x, tag=tag)
@@ -537,7 +492,7 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
 
 def _peer(op, g, x, peer, name):
     if not 0 <= peer < g.size or peer == g.index:
-        raise ValueError(f"{_where(op, g, x)}: {name}={peer} must be another position in the group "
+        raise ValueError(f"{where(op, g, x)}: {name}={peer} must be another position in the group "
                          f"(0..{g.size - 1}, this rank is {g.index})")
 
 
@@ -545,7 +500,7 @@ def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
          role: str = "tp_collective"):
     """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
     g = _group(mesh, axis, "send", x)
-    x = _check_array("send", g, x)
+    x = check_array("send", g, x)
     _peer("send", g, x, dst, "dst")
     comm = g.comm
     if _HOOKS:
@@ -557,9 +512,9 @@ def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
          role: str = "tp_collective"):
     """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
     g = _group(mesh, axis, "recv", x)
-    if not _backend().is_array(x) or not x.flags.c_contiguous:
+    if not backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
-                        f"{_backend().xp.__name__} array, got {type(x).__name__}")
+                        f"{backend().xp.__name__} array, got {type(x).__name__}")
     _peer("recv", g, x, src, "src")
     comm = g.comm
     if _HOOKS:
@@ -570,8 +525,9 @@ def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
 def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_collective"):
     """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
     g = _group(mesh, axis, "barrier")
-    if _check is not None:
-        _check("barrier", g, None, (), role if async_op else None)
+    check = _SEAM.check
+    if check is not None:
+        check("barrier", g, None, (), role if async_op else None)
     comm = g.comm
     if _HOOKS:
         return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
@@ -590,39 +546,42 @@ from .debug import Call as _Call  # noqa: E402  (debug imports this module lazil
 # above (the C side builds the same key) and the parameters that must be None there.
 # TESSERA_HOT=0 keeps the Python functions (and so does a build without a C compiler).
 
-_HOT_ARRAY_FIELDS = False     # whether the C path reads NumPy arrays' fields directly (setup's layout check)
-_HOT_SPECS = {
-    "all_reduce": (("op", "tag", "role", "async_op"), ()),
-    "reduce_scatter": (("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",)),
-    "all_gather": (("dim", "sizes", "tag", "role", "async_op"), ("sizes",)),
-    "all_to_all": (("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is None", "tag", "role",
-                    "async_op"), ("split_sizes", "recv_sizes")),
-    "broadcast": (("root", "tag", "role", "async_op"), ()),
-}
-
-
-def _accelerate():
-    import functools
+def _load_hot():
+    """dist/_hot.c, set up with the tables it reads live (the plan table, the routes, the seam,
+    the role streams, the mesh stacks), or None (TESSERA_HOT=0, or no compiler at build)."""
     import os
     if os.environ.get("TESSERA_HOT", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None
+        return None, False
     try:
         from . import _hot
     except ImportError:
-        return None
+        return None, False
     import numpy as np
-    from . import consistency
-    probe = np.zeros((3, 4), np.int16)[:, ::2]       # setup checks the array fields it reads on this
-    global _HOT_ARRAY_FIELDS
-    from . import mesh
+    from .mesh import mesh_stacks
     from .plans import _CLEARS
-    _HOT_ARRAY_FIELDS = _hot.setup(_PLANS, _CLEARS, _ROUTES, _HOOKS, _ROLE_STREAMS, CpuWorkerStream, _IN_PLACE, globals(), vars(consistency),
-               consistency.check_plan, consistency._cfg, mesh._CURRENT, mesh._DEFAULT, _WORLD_GROUP, np.ndarray, probe,
-               probe.shape, probe.dtype)
-    for name, (key, none) in _HOT_SPECS.items():
-        fn = globals()[name]
-        globals()[name] = functools.update_wrapper(_hot.Collective(getattr(_hot, name.upper()), fn, key, none), fn)
-    return _hot
+    probe = np.zeros((3, 4), np.int16)[:, ::2]       # setup checks the array fields it reads on this
+    fields = _hot.setup(_PLANS, _CLEARS, _ROUTES, _SEAM, _ROLE_STREAMS, CpuWorkerStream, _IN_PLACE, *mesh_stacks(),
+                        _WORLD_GROUP, np.ndarray, probe, probe.shape, probe.dtype)
+    return _hot, fields
 
 
-_hot = _accelerate()
+# _HOT_ARRAY_FIELDS: whether the C path reads NumPy arrays' fields directly (setup's layout check)
+_hot, _HOT_ARRAY_FIELDS = _load_hot()
+
+
+def _c_path(fn, key: tuple, none: tuple = ()):
+    """``fn`` with its repeat path in C: ``key`` lists what follows (op, id(group), type, shape,
+    dtype) in its plan key (``prologue``'s args; the C side builds the same key), ``none`` the
+    parameters that must be None there.  ``fn`` itself without the extension."""
+    if _hot is None:
+        return fn
+    import functools
+    return functools.update_wrapper(_hot.Collective(getattr(_hot, fn.__name__.upper()), fn, key, none), fn)
+
+
+all_reduce = _c_path(all_reduce, ("op", "tag", "role", "async_op"))
+reduce_scatter = _c_path(reduce_scatter, ("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_gather = _c_path(all_gather, ("dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_to_all = _c_path(all_to_all, ("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is not None", "tag",
+                                  "role", "async_op"), ("split_sizes", "recv_sizes"))
+broadcast = _c_path(broadcast, ("root", "tag", "role", "async_op"))

@@ -14,6 +14,7 @@ business of the layer above (``collectives``).  Non-blocking calls return a requ
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 from .mpi import MPI, MPI_ERROR
@@ -44,6 +45,9 @@ def _displs(counts) -> list[int]:
         acc += c
     return out
 
+
+# Every NCCL communicator made (weakly): the watchdog aborts them (ncclCommAbort) before MPI_Abort
+NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
 
 class _MpiRequest:
     """MPI request(s) plus a step to run once they finish (e.g. the avg division)."""
@@ -352,8 +356,7 @@ class NcclCommunicator(Communicator):
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = mpi_comm.bcast(uid, root=0)
         self.raw = nccl.NcclCommunicator(self.size, uid, self.rank)
-        from .debug import register_nccl
-        register_nccl(self)            # the watchdog aborts it (ncclCommAbort) before MPI_Abort
+        NCCL_COMMS.add(self)           # the watchdog aborts it (ncclCommAbort) before MPI_Abort
 
     _ALGO_NAMES = {"tree": "Tree", "ring": "Ring"}
 

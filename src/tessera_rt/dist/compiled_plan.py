@@ -17,7 +17,7 @@ only what must happen per call:
   mpi4py call where the array collective's direct path would make one (``_caller``).
 
 A compiled plan runs only when nothing watches collectives (``trace_collectives``, the
-profiler, ``TESSERA_DEBUG``, deterministic reductions: ``collectives._HOOKS``) and the input
+profiler, ``TESSERA_DEBUG``, deterministic reductions: ``hooks.SEAM.watchers``) and the input
 is this rank's piece (shape, dtype, array type); otherwise ``Plan.run`` takes its steps
 through the array collectives, which record, check and raise as always.  Groups are never
 made here (that is collective): a plan whose groups do not exist yet runs its steps once.
@@ -32,7 +32,7 @@ from . import collectives as C
 from ..backend import mapped_empty
 from .comm import _MPI_OPS
 from .plans import _direct as _mpi_direct
-from .packing import _with_dim
+from .packing import with_dim
 from .shard import local_shape
 
 __all__ = ["compile_plan"]
@@ -91,14 +91,14 @@ def _scratch(b, shape: tuple, dtype) -> Callable:
 
 def _on_gpu() -> bool:
     """GPU buffers are left to CuPy's pool, which orders reuse against the streams."""
-    return C._backend().is_gpu
+    return C.backend().is_gpu
 
 
 def _pieces(shape: tuple, dim: int, sizes) -> list[tuple]:
     """Uneven parts along ``dim``: (run in the flat buffer, part shape, index in the array)."""
     pieces, pos, off = [], 0, 0
     for p in sizes:
-        piece = _with_dim(shape, dim, p)
+        piece = with_dim(shape, dim, p)
         cnt = math.prod(piece)
         pieces.append((slice(pos, pos + cnt), piece, (slice(None),) * dim + (slice(off, off + p),)))
         pos, off = pos + cnt, off + p
@@ -208,10 +208,10 @@ def _all_gather(b, mesh, shape, dtype, spec):
     if g is None:
         return None
     even = min(sizes) == max(sizes)
-    inner = math.prod(_with_dim(shape, d, 1))
+    inner = math.prod(with_dim(shape, d, 1))
     counts = None if even else [s * inner for s in sizes]
-    out_shape = _with_dim(shape, d, sum(sizes))
-    check_shape = shape if even else _with_dim(shape, d, -1)   # what collectives.all_gather checks
+    out_shape = with_dim(shape, d, sum(sizes))
+    check_shape = shape if even else with_dim(shape, d, -1)   # what collectives.all_gather checks
     call, new_out = _caller(g.comm, "all_gather", "tp_collective", dtype, counts), _keeper(b, out_shape, dtype)
     unpack = _unpacker(b.xp, out_shape, d, sizes)
     new_recv = _scratch(b, (math.prod(out_shape),), dtype)
@@ -233,9 +233,9 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
     g = _group(mesh, a)
     if g is None:
         return None
-    inner = math.prod(_with_dim(shape, d, 1))
+    inner = math.prod(with_dim(shape, d, 1))
     counts = _counts(sizes, inner)
-    out_shape = _with_dim(shape, d, sizes[g.index])
+    out_shape = with_dim(shape, d, sizes[g.index])
     call = _caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op)
     new_out = _keeper(b, out_shape, dtype)
     pack = _packer(b, shape, d, sizes, dtype)
@@ -248,10 +248,10 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
 def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
     """all_to_all of an ``in_shape`` piece: parts ``split`` along ``split_dim`` go out, parts
     of lengths ``recv`` along ``concat_dim`` come in."""
-    base = _with_dim(in_shape, split_dim, split[g.index])
-    out_shape = _with_dim(base, concat_dim, sum(recv))
-    send_counts = [math.prod(_with_dim(in_shape, split_dim, s)) for s in split]
-    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv]
+    base = with_dim(in_shape, split_dim, split[g.index])
+    out_shape = with_dim(base, concat_dim, sum(recv))
+    send_counts = [math.prod(with_dim(in_shape, split_dim, s)) for s in split]
+    recv_counts = [math.prod(with_dim(base, concat_dim, r)) for r in recv]
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (send_counts, recv_counts)
     comm, issue, xp = g.comm, C._issue, b.xp

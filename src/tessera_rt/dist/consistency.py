@@ -34,7 +34,6 @@ into a larger buffer, is several times the 1 us budget; a set lookup is ~0.2 us.
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 import zlib
 from collections import deque
@@ -42,13 +41,12 @@ from collections import deque
 import numpy as np
 
 from ..dtypes import dtype_name
+from .hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
+from .hooks import user_frame as _user_frame
 
 __all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
            "p2p_check_header", "enabled"]
-
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
-
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks of a group issued different collectives (op, dtype, shape, layout) at the same point."""
@@ -56,38 +54,12 @@ class CollectiveMismatchError(RuntimeError):
 
 # --------------------------------------------------------------------------- call sites
 
-_INTERNAL: dict = {}              # code object -> True if it belongs to tessera_rt (or mpi4py, runpy)
-_PLAN_RUN: list = []              # redistribute.Plan.run's code: its frame names the DTensor moved
-
-
-def _is_internal(code) -> bool:
-    v = _INTERNAL.get(code)
-    if v is None:
-        f = code.co_filename
-        v = _INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
-    return v
-
-
 def user_frame(depth: int, lasti: bool = False):
-    """(code, line, DTensor meta) of the first caller outside tessera_rt; meta is (dtype, global
-    shape, source layout, target layout) when the call runs a DTensor redistribution.
-    ``lasti``: the instruction offset in place of the line (see ``site_at``)."""
-    f = sys._getframe(depth + 1)
-    meta = None
-    internal = _INTERNAL
-    while f is not None:
-        code = f.f_code
-        v = internal.get(code)
-        if v is None:
-            v = _is_internal(code)
-        if not v:
-            return code, f.f_lasti if lasti else f.f_lineno, meta
-        if meta is None and _PLAN_RUN and code is _PLAN_RUN[0]:
-            p = f.f_locals.get("self")
-            if p is not None:
-                meta = p.check_meta
-        f = f.f_back
-    return None, 0, meta
+    """(code, line, DTensor meta) of the first caller outside tessera_rt (``hooks.user_frame``);
+    meta is (dtype, global shape, source layout, target layout) while a redistribution plan
+    runs its steps (``SEAM.moving``).  ``lasti``: the instruction offset in place of the line."""
+    code, at = _user_frame(depth + 1, lasti)
+    return code, at, SEAM.moving
 
 
 _SITES: dict = {}
@@ -205,24 +177,22 @@ def configure(on: bool) -> None:
     """Turn the default check on or off (``debug.configure`` calls this; the full debug mode
     replaces it).  ``TESSERA_CHECK=0`` turns it off; ``TESSERA_CHECK_EVERY=N`` (a power of two)
     sets the sampling period."""
-    from . import collectives as C
     env = os.environ.get("TESSERA_CHECK", "1").strip().lower()
     _cfg.on = on and env not in ("0", "off", "false", "no")
     every = int(os.environ.get("TESSERA_CHECK_EVERY", "1024"))
     if every < 1 or every & (every - 1):
         raise ValueError(f"TESSERA_CHECK_EVERY={every} must be a power of two (1 verifies every call)")
     _cfg.mask = every - 1
-    if not _PLAN_RUN:
-        from .redistribute import Plan
-        _PLAN_RUN.append(Plan.run.__code__)
-    C._check = check if _cfg.on else None
-    C._check_sig = check_plan if _cfg.on else None
-    from . import dispatch as D
+    on = _cfg.on
+    SEAM.check = check if on else None
+    SEAM.check_plan = check_plan if on else None
+    SEAM.check_run = check_run if on else None
+    SEAM.agreement = _AGREEMENT if on else None
     # Every DTensor op notes the global shapes/layouts it ran on since the last collective
     # (dispatch.Decision.run, into _cfg.metas), so the next collective's signature carries
     # them.  A DTensor whose global shape differs across ranks may issue identical
     # collectives (X.sum() all-reduces a scalar); its ops' metadata is where that shows.
-    D._CHECK = _cfg if _cfg.on else None
+    SEAM.metas = _cfg if on else None
 
 
 class _GroupState:
@@ -299,7 +269,7 @@ def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
 
-def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=_INTERNAL.get, _c=_cfg):
+def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=_cfg):
     """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
@@ -361,7 +331,6 @@ def check_plan(p, depth: int = 2, _c=_cfg) -> None:
         p.site = key
 
 
-_getframe = sys._getframe
 
 
 def check_run(plan, checks, _c=_cfg) -> None:
@@ -468,6 +437,10 @@ def _verify(st: _GroupState, seq: int, key) -> None:
         "(look for rank-dependent branches, dtypes or shapes at those lines)."))
 
 
+# what the C path (dist/_hot.c) runs of this check, through SEAM.agreement
+_AGREEMENT = Agreement(_RING, _verify, _cfg, check_plan)
+
+
 def recent_calls() -> list[tuple]:
     """This rank's last calls, oldest first: (group ranks, axis, call # on the group, description)."""
     out = []
@@ -485,6 +458,12 @@ def recent_calls() -> list[tuple]:
 # and data in the same order; the receiver checks it before its data can be used.
 
 _P2P: list = [None]
+
+
+def open_p2p_headers(world) -> None:
+    """Make the headers' communicator (a duplicate of the world's; collective, once)."""
+    if _P2P[0] is None:
+        _P2P[0] = world.mpi.Dup()
 
 
 def p2p_send_header(g, shape, dt, extra, site: str) -> None:

@@ -40,6 +40,8 @@ import numpy as np
 from ..dtypes import dtype_name
 from . import consistency
 from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
+from .hooks import SEAM
+from .process_group import on_init
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
@@ -152,7 +154,6 @@ def configure(debug=None, timeout=None, world=None) -> None:
     """Set the debug modes (``dist.init`` calls this).  ``debug``: "collectives", "flight",
     True/False or None (read ``TESSERA_DEBUG``); ``timeout``: watchdog seconds, 0 = off,
     None (read ``TESSERA_TIMEOUT``, default 300)."""
-    from . import collectives as C
     modes = _parse_debug(debug)
     _cfg.desync = bool(modes & {"collectives", "desync"})
     _cfg.recorder = _cfg.desync or "flight" in modes
@@ -167,13 +168,14 @@ def configure(debug=None, timeout=None, world=None) -> None:
             raise ValueError(f"TESSERA_TIMEOUT={env!r} is not a number of seconds (0 turns the watchdog off)") from None
     _cfg.timeout = float(timeout)
     consistency.configure(not _cfg.desync)        # the full check replaces the default one
-    if world is not None and world.size > 1 and consistency._P2P[0] is None:
-        consistency._P2P[0] = world.mpi.Dup()      # send/recv headers in debug mode (init: collective)
+    if world is not None and world.size > 1:
+        consistency.open_p2p_headers(world)        # send/recv headers in debug mode (init: collective)
+    watchers = SEAM.watchers
     if _cfg.recorder:
-        if _RECORDER not in C._HOOKS:
-            C._HOOKS.append(_RECORDER)
-    elif _RECORDER in C._HOOKS:
-        C._HOOKS.remove(_RECORDER)
+        if _RECORDER not in watchers:
+            watchers.append(_RECORDER)
+    elif _RECORDER in watchers:
+        watchers.remove(_RECORDER)
     if world is not None and _cfg.timeout > 0 and world.size > 1:
         _Watchdog.start(world)
     elif _cfg.timeout <= 0:
@@ -186,10 +188,6 @@ def flight_records() -> list[Call]:
 
 
 # --------------------------------------------------------------------------- call sites
-
-def _is_internal(code) -> bool:
-    return consistency._is_internal(code)
-
 
 def user_site(depth: int = 2) -> str:
     """file:line of the first caller frame outside tessera_rt (the user's call site)."""
@@ -344,4 +342,7 @@ def call_seq(everyone) -> str:
 
 # --------------------------------------------------------------------------- the watchdog (own module)
 
-from .watchdog import WATCHDOG_EXIT_CODE, _Watchdog, register_nccl, status  # noqa: E402,F401
+from .watchdog import WATCHDOG_EXIT_CODE, _Watchdog, attach_recorder, register_nccl, status  # noqa: E402,F401
+
+attach_recorder(_cfg, format_call)
+on_init(configure)              # dist.init sets the modes (process_group does not import debug)

@@ -27,6 +27,8 @@ import numpy as np
 
 from ..backend import get_backend
 from ..kernels.numerics import register_mode_switch
+from .hooks import SEAM
+from .plans import backend
 
 __all__ = ["deterministic", "set_deterministic", "is_deterministic", "tree_sum", "matmul", "reduce_sum",
            "active", "FIXED_ORDER"]
@@ -38,21 +40,29 @@ class _State:
 
 
 _STATE = _State()
+_ON_CHANGE: list = []          # called when the mode changes (dispatch registers clear_cache)
+
+
+def on_change(fn) -> None:
+    """Call ``fn()`` whenever the mode turns on or off (or changes ``compensated``)."""
+    _ON_CHANGE.append(fn)
+
+
 _MARK = type("_DeterministicMark", (), {"before": lambda self, call: None})()
 
 
 def _apply(on: bool, compensated: bool) -> None:
-    from . import collectives as C
-    from . import dispatch
     changed = (on, compensated) != (_STATE.on, _STATE.compensated)
     _STATE.on, _STATE.compensated = on, compensated
-    C._DET[:] = [compensated] if on else []
-    if on and _MARK not in C._HOOKS:
-        C._HOOKS.append(_MARK)
-    elif not on and _MARK in C._HOOKS:
-        C._HOOKS.remove(_MARK)
+    SEAM.det[:] = [compensated] if on else []
+    watchers = SEAM.watchers
+    if on and _MARK not in watchers:
+        watchers.append(_MARK)          # (a watcher: collectives take their hooked path, which reads det)
+    elif not on and _MARK in watchers:
+        watchers.remove(_MARK)
     if changed:
-        dispatch.clear_cache()        # cached decisions were made for the other mode
+        for fn in _ON_CHANGE:
+            fn()                      # dispatch: cached decisions were made for the other mode
 
 
 def _flag(policy) -> bool:
@@ -188,24 +198,23 @@ def matmul(a, b, policy=None):
 # --------------------------------------------------------------------------- fixed-order collectives
 # While the mode is on, collectives' sum/avg reductions come here: every rank's contribution
 # is gathered and added in rank order with tree_sum, so the bits do not depend on which rank
-# arrives first or on the MPI/NCCL algorithm.
+# arrives first or on the MPI/NCCL algorithm.  ``issue`` is the collectives' own
+# (collectives._issue: the role's stream order), passed by the caller.
 
-def _all_reduce_fixed(g, x, out, op: str, role: str):
-    from . import collectives as C
+def _all_reduce_fixed(g, x, out, op: str, role: str, issue):
     n = g.size
-    buf = C._backend().empty((n * x.size,), x.dtype)
-    C._issue(role, False, g.comm.all_gather, (x.reshape(-1), buf, None), buf)
+    buf = backend().empty((n * x.size,), x.dtype)
+    issue(role, False, g.comm.all_gather, (x.reshape(-1), buf, None), buf)
     res = tree_sum(buf.reshape((n,) + tuple(x.shape)), 0, compensated=_STATE.compensated)
     out[...] = res / n if op == "avg" else res
     return out
 
 
-def _reduce_scatter_fixed(g, send, flat, counts, op: str, result, role: str):
-    from . import collectives as C
+def _reduce_scatter_fixed(g, send, flat, counts, op: str, result, role: str, issue):
     n, mine = g.size, flat.size
-    buf = C._backend().empty((n * mine,), send.dtype)
+    buf = backend().empty((n * mine,), send.dtype)
     split = None if counts is None else list(counts)
-    C._issue(role, False, g.comm.all_to_all, (send.reshape(-1), buf, split, None if split is None else [mine] * n),
+    issue(role, False, g.comm.all_to_all, (send.reshape(-1), buf, split, None if split is None else [mine] * n),
              buf)
     res = tree_sum(buf.reshape(n, mine), 0, compensated=_STATE.compensated)
     flat[...] = res / n if op == "avg" else res

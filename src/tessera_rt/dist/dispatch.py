@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_backend
-from .dtensor import DTensor, TensorMeta, meta_of
+from .hooks import SEAM as _SEAM
+from .dtensor import DTensor, TensorMeta, meta_of, use_dispatcher
 from .process_group import world
+from . import determinism
 from .cost import on_change
 from .redistribute import plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
@@ -26,11 +28,10 @@ __all__ = [
 ]
 
 _SCALAR_TYPES = (int, float, complex, bool)
-_PROF: list = []          # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
-# The default agreement check's record (consistency._cfg) while it is on, else None (set by
+_PROF = _SEAM.op_watchers  # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
+# SEAM.metas: the default agreement check's record while it is on, else None (filled by
 # consistency.configure): each op notes its DTensor arguments' metadata there, inline (a
 # hook through _PROF cost ~3 us an op, 12-14% of a toy transformer step)
-_CHECK = None
 _SCALAR_KINDS: dict = {}
 _CONST_KINDS: dict = {}
 _CACHE: dict = {}
@@ -54,8 +55,9 @@ class Decision:
     def run(self, args):
         if _PROF:
             return _profiled(self, args)
-        if _CHECK is not None:              # the default check is on: note the arguments
-            metas = _CHECK.metas
+        check = _SEAM.metas
+        if check is not None:               # the default check is on: note the arguments
+            metas = check.metas
             for mid, m in self.arg_metas:
                 on = metas.get(mid)
                 if on is None:
@@ -204,6 +206,7 @@ def clear_cache() -> None:
 
 
 on_change(clear_cache)          # decisions are priced by the cost model: a new model, new decisions
+determinism.on_change(clear_cache)      # and made for the deterministic mode or not
 
 
 # --------------------------------------------------------------------------- op entry points
@@ -260,3 +263,6 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5, policy=None) -> DTen
 
 def rmsnorm(x, weight=None, eps: float = 1e-6, policy=None) -> DTensor:
     return dispatch("rmsnorm", (float(eps), policy), (x, weight))
+
+
+use_dispatcher(binary=binary, unary=unary, reduce=reduce, matmul=matmul, reshape=reshape, transpose=transpose)

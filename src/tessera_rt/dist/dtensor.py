@@ -28,6 +28,7 @@ Interop with NumPy, CuPy and PyTorch (a DTensor is a global tensor, not this ran
 from __future__ import annotations
 
 import inspect
+import types
 
 import numpy as np
 
@@ -42,6 +43,29 @@ from .process_group import world
 from .cost import on_change
 from .redistribute import Plan, _fast_run, plan_redistribute
 from .shard import local_offsets, local_shape, local_shape_at
+
+# What DTensor's operators and NumPy protocols call, from the modules above this one (they
+# make DTensors, so they import it): ``dist.dispatch`` registers the op entry points
+# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.interop`` the NumPy,
+# pickle and ``distribute`` helpers, each on import (dist/__init__ imports both).
+_d = types.SimpleNamespace()
+_io = types.SimpleNamespace()
+
+
+def use_dispatcher(**ops) -> None:
+    """``dist.dispatch``'s op entry points, which DTensor's operators call."""
+    vars(_d).update(ops)
+
+
+def _unpickle(*args):
+    """Rebuild a pickled DTensor (``dist.interop``'s; this is the name pickles refer to)."""
+    return _io.unpickle(*args)
+
+
+def use_interop(**parts) -> None:
+    """``dist.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
+    meshes, unpickle, as_global), which DTensor's NumPy/pickle protocols call."""
+    vars(_io).update(parts)
 
 __all__ = [
     "DTensor", "TensorMeta", "meta_of", "tensor", "zeros", "ones", "full", "distribute", "from_local",
@@ -165,20 +189,20 @@ class DTensor:
 
     # interop (module doc) ---------------------------------------------------------
     def __dlpack__(self, *args, **kwargs):
-        raise TypeError(_refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+        raise TypeError(_io.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
 
     def __dlpack_device__(self):
-        raise TypeError(_refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+        raise TypeError(_io.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if any(type(a) is _TRACE.var for a in inputs):
             return NotImplemented                    # a traced operand records the op itself
         name = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
-        entry = _UFUNCS.get(ufunc.__name__)
+        entry = _io.ufuncs.get(ufunc.__name__)
         if method != "__call__" or entry is None or kwargs:
             what = (f"keyword(s) {sorted(kwargs)}" if kwargs and entry is not None and method == "__call__"
                     else "no DTensor rule")
-            raise TypeError(_refusal(self, f"{name} ({what})", name) + _UFUNC_HINT)
+            raise TypeError(_io.refusal(self, f"{name} ({what})", name) + _io.ufunc_hint)
         kind, op_name = entry
         if kind == "unary":
             return _d.unary(op_name, inputs[0])
@@ -188,9 +212,9 @@ class DTensor:
 
     def __array_function__(self, func, types, args, kwargs):
         name = f"np.{func.__name__}"
-        impl = _FUNCTIONS.get(func.__name__)
-        if impl is None or _ORIGINAL.get(func.__name__) is not func:
-            raise TypeError(_refusal(self, f"{name} (no DTensor rule)", name) + _FUNC_HINT)
+        impl = _io.functions.get(func.__name__)
+        if impl is None or _io.original.get(func.__name__) is not func:
+            raise TypeError(_io.refusal(self, f"{name} (no DTensor rule)", name) + _io.func_hint)
         try:
             bound = inspect.signature(func).bind(*args, **kwargs).arguments
         except TypeError as e:
@@ -199,7 +223,7 @@ class DTensor:
 
     def __reduce__(self):
         m = self._meta
-        _MESHES[(m.mesh.axes, m.mesh.sizes, m.mesh.devices)] = m.mesh
+        _io.meshes[(m.mesh.axes, m.mesh.sizes, m.mesh.devices)] = m.mesh
         local = self._local if isinstance(self._local, np.ndarray) else get_backend().to_host(self._local)
         return (_unpickle, (1, m.layout, m.shape, dtype_name(m.dtype),
                             (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
@@ -377,7 +401,7 @@ def distribute(global_array, layout=None, mesh=None) -> DTensor:
     """Cut the same global array (on every rank) into this rank's piece; no communication."""
     mesh = _mesh(mesh, "dist.distribute")
     backend = get_backend()
-    g = _as_global(global_array, backend)
+    g = _io.as_global(global_array, backend)
     shape = tuple(int(s) for s in g.shape)
     lay = as_layout(layout, shape, mesh)
     offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
@@ -504,9 +528,3 @@ def rand(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DT
 def randn(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DTensor:
     """Standard normal values, the same global tensor whatever the mesh and layout."""
     return _random("randn", shape, layout, mesh, seed, dtype)
-
-
-from . import dispatch as _d  # noqa: E402  (the dispatcher needs DTensor defined first)
-from .interop import (  # noqa: E402  (the same)
-    _FUNC_HINT, _FUNCTIONS, _MESHES, _ORIGINAL, _UFUNC_HINT, _UFUNCS, _as_global, _refusal, _unpickle,
-)

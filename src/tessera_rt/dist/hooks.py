@@ -1,6 +1,31 @@
-"""Slots the distributed core's hot paths read and the layers above fill (issue 29's seam).
+"""Slots the distributed core's hot paths read and the checkers fill (issue 29's seam).
 
-The core never imports upward: a layer above plugs in by filling a slot here on import.
+The core never imports upward, and no module writes another's globals: whatever watches or
+checks the hot paths plugs in by filling a slot of ``SEAM`` (one object; ``dist/_hot.c``
+reads the same one):
+
+* ``check`` / ``check_plan`` / ``check_run``: the cross-rank agreement check for a call,
+  a planned call and a compiled redistribution (``consistency.configure`` fills them, None
+  when off); ``agreement`` is the check's state for the C path (``Agreement``: the call ring,
+  the verify function, the config with ``metas`` and ``mask``); ``metas`` the same config
+  while DTensor ops must note their global shapes/layouts (``dispatch`` reads it per op).
+* ``watchers``: everything that watches collectives (``trace_collectives``, ``debug``'s flight
+  recorder, the profiler, deterministic reductions' mark): a collective with nothing
+  watching pays one list check.  ``op_watchers``: the profiler's per-op hooks (``dispatch``).
+* ``det``: ``[compensated]`` while deterministic reductions are on (``determinism``), else [].
+* ``moving``: the ``check_meta`` of the redistribution plan whose steps run now (``Plan.run``
+  sets it around its step loop), so the check names the DTensor moved.
+* ``notes``: what the main thread waits for, pushed by a layer above (``note(...)``: the
+  pipeline's stage and micro-batch) and read by the watchdog's report.
+* ``trace``: autodiff's slot (``TRACE`` below).
+
+``count_copy(nbytes)`` counts bytes copied only to give a kernel the layout it needs (the
+matmul rule's contiguous copy of an operand BLAS cannot read in place); the profiler reports
+``bytes_copied()``, so a change that brings hidden copies back shows.
+
+The user's call site is read from the interpreter stack in one place, ``user_frame`` (code
+object and offset only, never a frame's locals): the agreement check keys on it, and
+nothing else names the line the user called from without changing every public signature.
 
 ``TRACE`` is autodiff's: ``TRACE.tape`` is the active tape (None outside ``ts.grad``),
 ``TRACE.record(name, fn, args, kw, tape, argnames)`` records one op on it and ``TRACE.var``
@@ -11,10 +36,15 @@ its rule where it is defined; autodiff reads the table.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
+import threading
 from typing import Callable
 
-__all__ = ["TRACE", "differentiable", "vjp_rule", "VJPS", "FORWARDS", "EFFECT_OPS", "SOURCE_OPS"]
+__all__ = ["count_copy", "bytes_copied", "SEAM", "Seam", "Agreement", "note", "user_frame", "caller", "is_internal", "known_internal", "TRACE", "differentiable", "vjp_rule",
+           "VJPS", "FORWARDS", "EFFECT_OPS", "SOURCE_OPS"]
 
 
 class _Untraced:
@@ -31,6 +61,90 @@ class Trace:
 
 
 TRACE = Trace()
+
+_COPIED = [0]           # always counted: an add per layout copy, nothing where none is made
+
+
+def count_copy(nbytes: int) -> None:
+    _COPIED[0] += int(nbytes)
+
+
+def bytes_copied() -> int:
+    """Bytes copied for layout since the process started (see ``count_copy``)."""
+    return _COPIED[0]
+
+
+class Agreement:
+    """The agreement check's state the C path uses (filled by ``consistency``): ``ring`` (append
+    one call to the recent-call ring), ``verify(st, seq, key)``, ``cfg`` (``metas``, ``mask``)
+    and ``check_plan`` (what the C path stands in for: it runs only while ``SEAM.check_plan``
+    is this one)."""
+    __slots__ = ("ring", "verify", "cfg", "check_plan")
+
+    def __init__(self, ring, verify, cfg, check_plan):
+        self.ring, self.verify, self.cfg, self.check_plan = ring, verify, cfg, check_plan
+
+
+class Seam:
+    """The one object the hot paths read (see the module docstring for each slot)."""
+    __slots__ = ("check", "check_plan", "check_run", "agreement", "metas", "watchers", "op_watchers", "det",
+                 "moving", "notes", "trace")
+
+    def __init__(self):
+        self.check = self.check_plan = self.check_run = self.agreement = self.metas = None
+        self.watchers: list = []
+        self.op_watchers: list = []
+        self.det: list = []
+        self.moving = None
+        self.notes: list = []          # (thread ident, text), innermost last
+        self.trace = TRACE
+
+
+SEAM = Seam()
+
+
+@contextlib.contextmanager
+def note(text: str):
+    """While the block runs, the watchdog's report says the thread waits for ``text`` (a layer
+    above dist names what a wait means: the pipeline's stage and micro-batch)."""
+    item = (threading.get_ident(), text)
+    SEAM.notes.append(item)
+    try:
+        yield
+    finally:
+        SEAM.notes.remove(item)
+
+
+# --------------------------------------------------------------------------- the user's call site
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
+_INTERNAL: dict = {}              # code object -> True if it belongs to tessera_rt (or mpi4py, runpy)
+caller = sys._getframe            # the frame ``depth`` calls up (the check's remembered-site test)
+known_internal = _INTERNAL.get    # code -> is_internal(code), or None before it was looked at
+
+
+def is_internal(code) -> bool:
+    v = _INTERNAL.get(code)
+    if v is None:
+        f = code.co_filename
+        v = _INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
+    return v
+
+
+def user_frame(depth: int, lasti: bool = False):
+    """(code, line) of the first caller outside tessera_rt, ``depth`` frames up from the caller
+    of this function (``lasti``: the instruction offset in place of the line)."""
+    f = sys._getframe(depth + 1)
+    internal = _INTERNAL
+    while f is not None:
+        code = f.f_code
+        v = internal.get(code)
+        if v is None:
+            v = is_internal(code)
+        if not v:
+            return code, f.f_lasti if lasti else f.f_lineno
+        f = f.f_back
+    return None, 0
 
 
 def differentiable(name: str, argnames: tuple[str, ...] = ()):

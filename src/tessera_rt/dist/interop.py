@@ -10,7 +10,7 @@ import numpy as np
 from ..backend import get_backend
 from ..dtypes import dtype_name, resolve_dtype
 from . import dispatch as _d
-from .dtensor import DTensor, meta_of
+from .dtensor import DTensor, meta_of, use_interop
 from .layout import Layout
 from .mesh import current_mesh
 from .process_group import world
@@ -115,3 +115,7 @@ def _as_global(value, backend):
                         f"every rank: NumPy/CuPy, or a number or nested list of numbers), got a {got}; "
                         "make it one with np.asarray(..., dtype=np.float32)")
     return g
+
+
+use_interop(refusal=_refusal, ufuncs=_UFUNCS, ufunc_hint=_UFUNC_HINT, functions=_FUNCTIONS, original=_ORIGINAL,
+            func_hint=_FUNC_HINT, meshes=_MESHES, unpickle=_unpickle, as_global=_as_global)

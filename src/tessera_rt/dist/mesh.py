@@ -253,6 +253,12 @@ def set_mesh(m: Mesh | None) -> None:
     _DEFAULT[:] = [m] if m is not None else []
 
 
+def mesh_stacks() -> tuple[list, list]:
+    """The ``with mesh:`` stack and the ``set_mesh`` default, as the lists themselves (read live
+    by the collectives' C path to find the current mesh; changed only here)."""
+    return _CURRENT, _DEFAULT
+
+
 def current_mesh() -> Mesh | None:
     if _CURRENT:
         return _CURRENT[-1]

@@ -9,7 +9,7 @@ from ..backend import get_backend
 __all__: list = []     # internal to dist
 
 
-def _with_dim(shape: tuple, dim: int, length: int) -> tuple:
+def with_dim(shape: tuple, dim: int, length: int) -> tuple:
     return shape[:dim] + (length,) + shape[dim + 1:]
 
 
@@ -26,11 +26,11 @@ def _pack(x, dim: int, sizes, even: bool):
     if even:
         n, part = len(sizes), sizes[0]
         split = x.shape[:dim] + (n, part) + x.shape[dim + 1:]
-        buf.reshape((n,) + _with_dim(x.shape, dim, part))[...] = b.xp.moveaxis(x.reshape(split), dim, 0)
+        buf.reshape((n,) + with_dim(x.shape, dim, part))[...] = b.xp.moveaxis(x.reshape(split), dim, 0)
         return buf
     pos = off = 0
     for p in sizes:
-        piece = _with_dim(x.shape, dim, p)
+        piece = with_dim(x.shape, dim, p)
         cnt = math.prod(piece)
         buf[pos:pos + cnt].reshape(piece)[...] = x[(slice(None),) * dim + (slice(off, off + p),)]
         pos, off = pos + cnt, off + p
@@ -46,11 +46,11 @@ def _unpack(flat, shape: tuple, dim: int, sizes, even: bool, out):
     if even:
         n, part = len(sizes), sizes[0]
         out.reshape(shape[:dim] + (n, part) + shape[dim + 1:])[...] = xp.moveaxis(
-            flat.reshape((n,) + _with_dim(shape, dim, part)), 0, dim)
+            flat.reshape((n,) + with_dim(shape, dim, part)), 0, dim)
         return out
     pos = off = 0
     for p in sizes:
-        piece = _with_dim(shape, dim, p)
+        piece = with_dim(shape, dim, p)
         cnt = math.prod(piece)
         out[(slice(None),) * dim + (slice(off, off + p),)] = flat[pos:pos + cnt].reshape(piece)
         pos, off = pos + cnt, off + p

@@ -19,7 +19,7 @@ from ..dtypes import dtype_name
 from .comm import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
 from .consistency import ALONE, group_state, sig
 from .mesh import AxisGroup
-from .packing import _even, _pack, _with_dim
+from .packing import _even, _pack, with_dim
 from .process_group import world
 from .trace import TAGS
 
@@ -66,50 +66,50 @@ def plans_made() -> int:
 _BACKEND: list = []
 
 
-def _backend():
+def backend():
     """The backend, looked up once (it is fixed for the life of the process)."""
     if not _BACKEND:
         _BACKEND.append(world().backend)
     return _BACKEND[0]
 
 
-def _where(op: str, g: AxisGroup, x) -> str:
+def where(op: str, g: AxisGroup, x) -> str:
     return (f"rank {world().rank}: {op} over mesh axis {g.name!r} (group of {g.size}) "
             f"on {dtype_name(x.dtype)}{list(x.shape)}")
 
 
-def _check_array(op: str, g: AxisGroup, x):
-    backend = _backend()
-    if not isinstance(x, backend.xp.ndarray):
-        raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {backend.xp.__name__} array "
-                        f"on the {backend.name} backend, got {type(x).__name__}")
-    return x if x.flags.c_contiguous else backend.xp.ascontiguousarray(x)
+def check_array(op: str, g: AxisGroup, x):
+    b = backend()
+    if not isinstance(x, b.xp.ndarray):
+        raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {b.xp.__name__} array "
+                        f"on the {b.name} backend, got {type(x).__name__}")
+    return x if x.flags.c_contiguous else b.xp.ascontiguousarray(x)
 
 
-def _norm_dim(op: str, g: AxisGroup, x, dim: int) -> int:
+def norm_dim(op: str, g: AxisGroup, x, dim: int) -> int:
     if not -x.ndim <= dim < max(x.ndim, 1):
-        raise ValueError(f"{_where(op, g, x)}: dim={dim} is out of range for {x.ndim} dims")
+        raise ValueError(f"{where(op, g, x)}: dim={dim} is out of range for {x.ndim} dims")
     return dim % x.ndim
 
 
-def _check_sizes(op, g, x, sizes, length, name) -> list[int]:
+def check_sizes(op, g, x, sizes, length, name) -> list[int]:
     if sizes is None:
         if length % g.size:
             raise ValueError(
-                f"{_where(op, g, x)}: dim of length {length} does not split evenly over {g.size} ranks; "
+                f"{where(op, g, x)}: dim of length {length} does not split evenly over {g.size} ranks; "
                 f"pass {name}= with {g.size} part sizes adding up to {length} (uneven and zero parts are fine)")
         return [length // g.size] * g.size
     sizes = [int(s) for s in sizes]
     if len(sizes) != g.size or any(s < 0 for s in sizes) or sum(sizes) != length:
-        raise ValueError(f"{_where(op, g, x)}: {name}={sizes} must be {g.size} sizes >= 0 adding up to {length}")
+        raise ValueError(f"{where(op, g, x)}: {name}={sizes} must be {g.size} sizes >= 0 adding up to {length}")
     return sizes
 
 
 def _out(op, g, x, out, shape, dtype):
     if out is None:
-        return _backend().empty(shape, dtype)
+        return backend().empty(shape, dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{_where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
+        raise ValueError(f"{where(op, g, x)}: out= must be a contiguous {dtype_name(dtype)}{list(shape)}, "
                          f"got {dtype_name(out.dtype)}{list(out.shape)}")
     return out
 
@@ -117,7 +117,7 @@ def _out(op, g, x, out, shape, dtype):
 def _tagged(op: str, g: AxisGroup, x, tag: str, extra):
     """(the communicator that serves ``tag``, ``extra`` with the tag in it for the agreement check)."""
     if tag not in TAGS:
-        raise ValueError(f"{_where(op, g, x) if x is not None else f'rank {world().rank}: {op}'}: "
+        raise ValueError(f"{where(op, g, x) if x is not None else f'rank {world().rank}: {op}'}: "
                          f"tag={tag!r}; use one of {TAGS} (or leave it out)")
     return g.comm.tagged(op, tag), (extra, ("tag", tag))
 
@@ -146,7 +146,7 @@ class Plan:
         # CPU ranks each role's worker has its own communicator)
         self.sig = sig(op, x.dtype, gshape, (extra, role) if async_op else extra)
         nbytes = math.prod(self.shape) * x.dtype.itemsize
-        b = _backend()
+        b = backend()
         self.empty = b.xp.empty if not b.is_gpu and nbytes < b._pool.MIN_BYTES else b.empty
         self.fn = self.mop = self.rop = self.dim = self.sizes = self.counts = self.pack = self.root = None
         self.exchange, self.mine, self.even, self.flat = False, None, True, True
@@ -172,9 +172,9 @@ def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) 
 
 def _reduce_checks(name: str, g, x, op: str) -> None:
     if op not in REDUCE_OPS:
-        raise ValueError(f"{_where(name, g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
+        raise ValueError(f"{where(name, g, x)}: op={op!r}; use one of {list(REDUCE_OPS)}")
     if op == "avg" and x.dtype.kind not in "fc" and x.dtype.kind != "V":
-        raise TypeError(f"{_where(name, g, x)}: op='avg' needs a floating dtype; use op='sum'")
+        raise TypeError(f"{where(name, g, x)}: op='avg' needs a floating dtype; use op='sum'")
 
 
 def _comm(name: str, g, x, tag, extra):
@@ -184,7 +184,7 @@ def _comm(name: str, g, x, tag, extra):
 
 
 def all_reduce_plan(g, x, op, tag, role, async_op) -> Plan:
-    x = _check_array("all_reduce", g, x)
+    x = check_array("all_reduce", g, x)
     _reduce_checks("all_reduce", g, x, op)
     comm, extra = _comm("all_reduce", g, x, tag, op)
     direct = _direct(comm, async_op, x.dtype, True, op)
@@ -196,9 +196,9 @@ def _even_pack(shape: tuple, dim: int, n: int, part: int):
     """A pack of equal parts along ``dim`` with every reshape worked out: one strided copy."""
     split = shape[:dim] + (n, part) + shape[dim + 1:]
     axes = (dim,) + tuple(i for i in range(len(split)) if i != dim)
-    into = (n,) + _with_dim(shape, dim, part)
+    into = (n,) + with_dim(shape, dim, part)
     size = math.prod(shape)
-    b = _backend()
+    b = backend()
 
     def pack(x):
         buf = b.empty((size,), x.dtype)
@@ -209,15 +209,15 @@ def _even_pack(shape: tuple, dim: int, n: int, part: int):
 
 def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
     name = "reduce_scatter"
-    x = _check_array(name, g, x)
+    x = check_array(name, g, x)
     _reduce_checks(name, g, x, op)
     if not 0 <= dim < x.ndim:
-        dim = _norm_dim(name, g, x, dim)
-    sizes = _check_sizes(name, g, x, sizes, x.shape[dim], "sizes")
+        dim = norm_dim(name, g, x, dim)
+    sizes = check_sizes(name, g, x, sizes, x.shape[dim], "sizes")
     even, mine = _even(sizes), sizes[g.index]
-    inner = math.prod(_with_dim(x.shape, dim, 1))
+    inner = math.prod(with_dim(x.shape, dim, 1))
     counts = None if even else [s * inner for s in sizes]      # None: the fixed-size collective
-    shape = _with_dim(x.shape, dim, mine)
+    shape = with_dim(x.shape, dim, mine)
     comm, extra = _comm(name, g, x, tag, (op, dim))
     if dim == 0 or math.prod(x.shape[:dim]) == 1:
         pack = None                      # x is already the parts one after another
@@ -232,27 +232,27 @@ def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
 
 def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
     name = "all_gather"
-    x = _check_array(name, g, x)
+    x = check_array(name, g, x)
     if dim is None:
         dim = 0
     if not 0 <= dim < x.ndim:
-        dim = _norm_dim(name, g, x, dim)
+        dim = norm_dim(name, g, x, dim)
     given = sizes is not None            # then lengths along dim may differ: not compared
     if sizes is None:
         sizes = [x.shape[dim]] * g.size
     else:
         sizes = [int(s) for s in sizes]
         if len(sizes) != g.size or any(s < 0 for s in sizes) or sizes[g.index] != x.shape[dim]:
-            raise ValueError(f"{_where(name, g, x)}: sizes={sizes} must list {g.size} lengths "
+            raise ValueError(f"{where(name, g, x)}: sizes={sizes} must list {g.size} lengths "
                              f"along dim {dim}, this rank's ({g.index}) being {x.shape[dim]}")
     even = _even(sizes)
-    inner = math.prod(_with_dim(x.shape, dim, 1))
+    inner = math.prod(with_dim(x.shape, dim, 1))
     counts = None if even else [s * inner for s in sizes]
-    shape = _with_dim(x.shape, dim, sum(sizes))
+    shape = with_dim(x.shape, dim, sum(sizes))
     comm, extra = _comm(name, g, x, tag, dim)
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1          # communicators see flat buffers
     direct = flat and counts is None and _direct(comm, async_op, x.dtype, False)
-    return Plan(name, g, comm, x, shape, extra, x.shape if not given else _with_dim(x.shape, dim, -1), role,
+    return Plan(name, g, comm, x, shape, extra, x.shape if not given else with_dim(x.shape, dim, -1), role,
                 async_op, dim=dim, sizes=sizes, even=even, counts=counts, flat=flat,
                 fn=comm.mpi.Allgather if direct else None)
 
@@ -272,16 +272,16 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
     plan says so (``exchange``, with ``mine`` to send them), and the call then takes the plan
     for the sizes that arrived (``recv_sizes`` given: a second key)."""
     name, n = "all_to_all", g.size
-    x = _check_array(name, g, x)
+    x = check_array(name, g, x)
     if not 0 <= split_dim < x.ndim:
-        split_dim = _norm_dim(name, g, x, split_dim)
-    concat_dim = split_dim if concat_dim is None else _norm_dim(name, g, x, concat_dim)
+        split_dim = norm_dim(name, g, x, split_dim)
+    concat_dim = split_dim if concat_dim is None else norm_dim(name, g, x, concat_dim)
     if has_out and (split_dim != 0 or concat_dim != 0):
-        raise ValueError(f"{_where(name, g, x)}: out= needs split_dim=concat_dim=0")
+        raise ValueError(f"{where(name, g, x)}: out= needs split_dim=concat_dim=0")
     gshape = tuple(-1 if i in (split_dim, concat_dim) else s for i, s in enumerate(x.shape))
     comm, extra = _comm(name, g, x, tag, (split_dim, concat_dim))
     exchange = split_sizes is not None and recv_sizes is None
-    split_sizes = _check_sizes(name, g, x, split_sizes, x.shape[split_dim], "split_sizes")
+    split_sizes = check_sizes(name, g, x, split_sizes, x.shape[split_dim], "split_sizes")
     if recv_sizes is None:
         recv_sizes = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
         if exchange:
@@ -289,13 +289,13 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
     else:
         recv_sizes = [int(s) for s in recv_sizes]
         if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
-            raise ValueError(f"{_where(name, g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
+            raise ValueError(f"{where(name, g, x)}: recv_sizes={recv_sizes} must be {n} sizes >= 0")
     # every piece that arrives has x's shape with this rank's split length and the sender's
     # length along concat_dim
-    base = _with_dim(x.shape, split_dim, split_sizes[g.index])
-    shape = _with_dim(base, concat_dim, sum(recv_sizes))
-    send_counts = [math.prod(_with_dim(x.shape, split_dim, s)) for s in split_sizes]
-    recv_counts = [math.prod(_with_dim(base, concat_dim, r)) for r in recv_sizes]
+    base = with_dim(x.shape, split_dim, split_sizes[g.index])
+    shape = with_dim(base, concat_dim, sum(recv_sizes))
+    send_counts = [math.prod(with_dim(x.shape, split_dim, s)) for s in split_sizes]
+    recv_counts = [math.prod(with_dim(base, concat_dim, r)) for r in recv_sizes]
     fixed = _even(send_counts) and send_counts == recv_counts
     flat = concat_dim == 0 or math.prod(shape[:concat_dim]) == 1
     even_recv = _even(recv_sizes)
@@ -307,12 +307,12 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
 
 def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
     name = "broadcast"
-    b = _backend()
+    b = backend()
     if not b.is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
                         f"{b.xp.__name__} array, got {type(x).__name__}")
     if not 0 <= root < g.size:
-        raise ValueError(f"{_where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
+        raise ValueError(f"{where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     comm, extra = _comm(name, g, x, tag, root)
     direct = _direct(comm, async_op, x.dtype, False)
     return Plan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,

@@ -68,6 +68,21 @@ class World:
 _WORLD: World | None = None
 
 
+# What configures the checkers at init (dist.debug registers its configure(debug, timeout,
+# world) on import: the debug modes, the agreement check, the watchdog)
+_ON_INIT: list = []
+
+
+def on_init(fn) -> None:
+    """Call ``fn(debug, timeout, world)`` from every ``init`` that sets the debug modes."""
+    _ON_INIT.append(fn)
+
+
+def _configure_checks(debug, timeout) -> None:
+    for fn in _ON_INIT:
+        fn(debug, timeout, _WORLD)
+
+
 def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -> World:
     """Join the process group (idempotent).  ``comm`` forces "mpi", "nccl" or "host"
     (``TESSERA_COMM`` does the same); by default NCCL serves GPU groups it can serve.
@@ -80,8 +95,7 @@ def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -
     global _WORLD
     if _WORLD is not None:
         if debug is not None or timeout is not None:
-            from . import debug as _debug
-            _debug.configure(debug, timeout, _WORLD)
+            _configure_checks(debug, timeout)
         return _WORLD
     prefer = (comm or os.environ.get("TESSERA_COMM", "")).strip().lower()
     if prefer not in ("", "mpi", "nccl", "host"):
@@ -98,8 +112,7 @@ def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -
     host = MPI.Get_processor_name()
     seats = tuple(Seat(*s) for s in world_comm.allgather((rank, host, local_rank, backend.device_id)))
     _WORLD = World(rank, size, local_rank, local_size, host, backend, world_comm, seats, prefer)
-    from . import debug as _debug
-    _debug.configure(debug, timeout, _WORLD)
+    _configure_checks(debug, timeout)
     _check_thread_level(rank)
     if size > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
         _install_excepthook(rank)

@@ -34,8 +34,7 @@ from itertools import product
 from typing import Callable
 
 from . import collectives as C
-from .consistency import check_run as _check_run
-from .trace import _HOOKS
+from .hooks import SEAM
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
@@ -54,7 +53,7 @@ def _identity(x):
 
 
 def _backend():
-    return C._backend()
+    return C.backend()
 
 
 class Step:
@@ -87,7 +86,7 @@ class Plan:
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
         self.steps: tuple[Step, ...] = tuple(steps)
         self.dtype_name = dtype_name
-        # what the agreement check (consistency.user_frame) reports for a collective run by this plan
+        # what the agreement check reports for a collective run by this plan (SEAM.moving)
         self.check_meta = (dtype_name, tuple(shape), repr(src), repr(dst))
         # (array type, dtype, input shape, compiled function, check arguments per collective)
         # once compiled (compiled_plan)
@@ -107,13 +106,18 @@ class Plan:
             res = _fast_run(self, x, 1) if out is None else _fast_run(self, x, 1, out)
             if res is not NotImplemented:
                 return res
-        if ex and not _HOOKS and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
-            if C._check is not None:         # (the agreement check is on)
-                _check_run(self, ex[4])
+        if ex and not SEAM.watchers and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
+            check_run = SEAM.check_run
+            if check_run is not None:        # (the agreement check is on)
+                check_run(self, ex[4])
             x = x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x)
             return ex[3](x) if out is None else ex[3](x, out)
-        for s in self.steps:
-            x = s._run(x)
+        moving, SEAM.moving = SEAM.moving, self.check_meta      # the check names the DTensor moved
+        try:
+            for s in self.steps:
+                x = s._run(x)
+        finally:
+            SEAM.moving = moving
         if out is not None:                      # the array collectives' result, into the caller's buffer
             _backend().xp.copyto(out, x)
             return out
@@ -122,7 +126,7 @@ class Plan:
     def _compile(self, x):
         """Compile on the first run without hooks; a step whose group does not exist yet makes
         the steps run once more (they make it, collectively, as on every rank)."""
-        if _HOOKS or not self.steps:
+        if SEAM.watchers or not self.steps:
             return None
         b = _backend()
         if not b.is_array(x):

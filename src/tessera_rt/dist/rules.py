@@ -22,6 +22,7 @@ import numpy as np
 
 from ..backend import get_backend
 from . import determinism as _det
+from .hooks import count_copy
 from .layout import Layout
 from .process_group import world
 from .shard import dim_extents_all, local_shape
@@ -233,7 +234,6 @@ def matmul_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
 def _contiguous(xp, x):
     if x.flags.c_contiguous:
         return x
-    from ..profiler import count_copy
     count_copy(x.nbytes)
     return xp.ascontiguousarray(x)
 

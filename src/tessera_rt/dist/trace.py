@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hooks import SEAM
+
 __all__ = ["bus_factor", "CollectiveRecord", "TAGS", "trace_collectives"]
 
 
@@ -37,10 +39,9 @@ class CollectiveRecord:
 TAGS = ("tree", "ring")
 
 
-# Everything that watches collectives (trace_collectives, the flight recorder and desync
-# check, the profiler, deterministic reductions) is one entry here, so a collective with
-# nothing watching pays one list check.
-_HOOKS: list = []
+# Everything that watches collectives is one entry of the seam's list (dist.hooks), so a
+# collective with nothing watching pays one list check.
+_HOOKS = SEAM.watchers
 
 
 class trace_collectives:

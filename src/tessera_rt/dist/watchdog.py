@@ -34,12 +34,17 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 
 from .mpi import MPI
 
 from ..dtypes import dtype_name
 from . import consistency
+from .comm import NCCL_COMMS
+try:
+    from . import _hot                  # the collectives' C path: its call in progress (pending)
+except ImportError:
+    _hot = None
+from .hooks import SEAM, is_internal
 
 __all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status"]
 
@@ -49,7 +54,6 @@ _REQ, _REP, _BYE, _PROBE, _PROBE_REP = 7701, 7702, 7703, 7705, 7706
 # counts once it is this old (a rank passing through a call is not blocked in it)
 PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
 _WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
@@ -65,12 +69,20 @@ _WAIT_FUNCS |= {("compiled_plan.py", "raw_call"), ("line.py", "line_reduce_scatt
 
 def register_nccl(comm) -> None:
     """Remember an NCCL communicator so the watchdog can ncclCommAbort it."""
-    _NCCL_COMMS.add(comm)
+    NCCL_COMMS.add(comm)
+
+
+_RECORDER: list = []      # [(debug's config, its format_call)]: the flight recorder, attached by debug
+
+
+def attach_recorder(cfg, format_call) -> None:
+    """``dist.debug`` hands over its config (timeout, flight recorder ring, pending call) and
+    how it formats a call: the watchdog reads them, never imports debug (which starts it)."""
+    _RECORDER[:] = [(cfg, format_call)]
 
 
 def _cfg():
-    from . import debug
-    return debug._cfg
+    return _RECORDER[0][0]
 
 
 _THREADING = threading.__file__
@@ -88,9 +100,7 @@ def _hot_pending():
     """(call number, plan, x) of the collective the main thread is in through the C path
     (dist/_hot.c: from its check to the end of its MPI call), which leaves no Python frame
     of its own, or None."""
-    from . import collectives
-    h = collectives._hot
-    got = h.pending() if h is not None else None
+    got = _hot.pending() if _hot is not None else None
     if got is None or got[3] != threading.main_thread().ident:
         return None
     return got[:3]
@@ -117,7 +127,7 @@ def _frame_summary(frame, limit: int = 4) -> str:
 
 def _site_of(frame) -> str:
     f = frame
-    while f is not None and consistency._is_internal(f.f_code):
+    while f is not None and is_internal(f.f_code):
         f = f.f_back
     return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
@@ -153,24 +163,21 @@ def _pending_from_stack(frame) -> str:
     return f"an MPI/NCCL call at {_site_of(frame)}"
 
 
-def _note_of(frame) -> str:
-    """What a waiting frame says it waits for: a layer above dist (the pipeline: its stage and
-    micro-batch) leaves a string in a local named ``watchdog_note`` before it waits."""
-    f = frame
-    while f is not None:
-        note = f.f_locals.get("watchdog_note") if f.f_code.co_name != "<module>" else None
-        if isinstance(note, str):
-            return note
-        f = f.f_back
+def _note_of_main() -> str:
+    """What the main thread says it waits for: a layer above dist (the pipeline: its stage and
+    micro-batch) wraps its wait in ``hooks.note(...)``; the innermost note counts."""
+    main = threading.main_thread().ident
+    for ident, text in reversed(list(SEAM.notes)):
+        if ident == main:
+            return text
     return ""
 
 
 def status(blocked_for: float | None = None) -> dict:
     """What this rank is doing now: pending collective (or main-thread stack), its recent calls
     and its flight recorder."""
-    from .debug import format_call
     from .process_group import world
-    cfg = _cfg()
+    cfg, format_call = _RECORDER[0]
     frame = _main_frame()
     now = time.monotonic()
     busy = _in_collective(frame)
@@ -181,7 +188,7 @@ def status(blocked_for: float | None = None) -> dict:
         pend = "PENDING " + what + (f" for {blocked_for:.1f} s" if blocked_for else "")
     else:
         pend = what = None
-    note = _note_of(frame) if busy else ""
+    note = _note_of_main() if busy else ""
     if note:
         what, pend = f"{what} ({note})", f"{pend} ({note})"
     return {"rank": world().rank, "host": world().host, "pending": pend, "what": what,
@@ -231,7 +238,7 @@ def wait_state(frame):
     agreement check off): those never count as a disagreement."""
     making = None
     f = frame
-    while f is not None and consistency._is_internal(f.f_code):
+    while f is not None and is_internal(f.f_code):
         base, name, loc = os.path.basename(f.f_code.co_filename), f.f_code.co_name, f.f_locals
         if base == "consistency.py" and name == "_verify":
             st, seq = loc["st"], loc["seq"]
@@ -472,7 +479,7 @@ class _Watchdog:
         """Print the one report of the job and end every rank."""
         sys.stderr.write(report)
         sys.stderr.flush()
-        for c in list(_NCCL_COMMS):
+        for c in list(NCCL_COMMS):
             try:
                 c.abort()
             except Exception:

@@ -39,6 +39,7 @@ from ..autodiff import reduce_grads, vjp
 from ..dist import collectives as C
 from ..dist import dtensor_collectives as DC
 from ..dist.dtensor import DTensor, full, zeros
+from ..dist.hooks import note
 from ..dist.layout import as_layout
 from ..dist.process_group import world
 from ..dist.shard import split_sizes
@@ -197,10 +198,9 @@ class Pipeline:
         src = vs - 1 if kind == "F" else vs + 1
         what = "activation" if kind == "F" else "gradient"
         peer = self.mesh.group(self.axis).ranks[src % self.plan.pp]
-        # read by the watchdog's report if this wait hangs (dist/watchdog.py, _note_of)
-        watchdog_note = (f"pipeline stage {vs} waits for the {what} of micro-batch {mb} "  # noqa: F841
-                         f"from stage {src} (rank {peer})")
-        work.wait()
+        # named in the watchdog's report if this wait hangs
+        with note(f"pipeline stage {vs} waits for the {what} of micro-batch {mb} from stage {src} (rank {peer})"):
+            work.wait()
         return t
 
     def _send(self, t, kind: str, dst_vs: int, mb: int) -> None:

@@ -135,7 +135,7 @@ def resolve(op: str, mesh: Mesh | None, cluster_axis: Any) -> tuple[Mesh, str, A
 
 
 def where(op: str, g: AxisGroup, x: Any) -> str:
-    return C._where(f"ccl.{op}", g, x)
+    return C.where(f"ccl.{op}", g, x)
 
 
 def check_array(op: str, g: AxisGroup, x: Any):
@@ -143,7 +143,7 @@ def check_array(op: str, g: AxisGroup, x: Any):
     if type(x).__name__ == "DTensor":
         raise TypeError(f"rank {world().rank}: ccl.{op} takes this rank's local array; pass x.to_local() "
                         "(or use dist.reduce_scatter/all_gather on the DTensor for a layout change)")
-    return C._check_array(f"ccl.{op}", g, x)
+    return C.check_array(f"ccl.{op}", g, x)
 
 
 # Per-call plans: everything a ccl op works out from its arguments alone (the group, the

@@ -17,7 +17,7 @@ __all__ = ["double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_ga
 def _matmul(a: Any, b: Any):
     """``a @ b`` on this rank's arrays: the backend's kernel, what op.matmul runs on arrays
     (op sits above the distributed core)."""
-    return C._backend().kernel("matmul", like=a)(a, b)
+    return C.backend().kernel("matmul", like=a)(a, b)
 
 
 def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: int | str = 1, dim: int = -1, *,
@@ -49,7 +49,7 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
         raise ValueError(f"{where(name, g, x)}: x @ w1 has shape {list(out_shape)}, whose dim {dim} ({length}) "
                          f"does not split evenly over the {n} ranks of {axis!r}; pass sizes= with {n} part "
                          f"sizes adding up to {length}")
-    backend = C._backend()
+    backend = C.backend()
     if overlap is None:
         overlap = not dual_reads_x_once(x, w1, w3, on_gpu=backend.is_gpu)
     if not overlap:
@@ -81,7 +81,7 @@ def llama_rs_create_heads(xqkv: Any, n_heads: int, n_kv_heads: int, head_dim: in
         raise ValueError(f"{where(name, g, xqkv)}: n_heads={n_heads} and n_kv_heads={n_kv_heads} must both be "
                          f"divisible by the {n} ranks of {axis!r} (each rank gets whole heads); change the "
                          "head counts or the axis")
-    xp = C._backend().xp
+    xp = C.backend().xp
     hl, kl, d = n_heads // n, n_kv_heads // n, head_dim
     idx = _ORDER.get((n, n_heads, n_kv_heads, d))
     if idx is None:
@@ -127,7 +127,7 @@ def all_gather_concat(x: Any, dim: int = 1, cluster_axis: int | str = 1, *, num_
     if num_heads is not None and x.shape[1] != num_heads:
         raise ValueError(f"{where(name, g, x)}: num_heads={num_heads} but x holds {x.shape[1]} heads on dim 1")
     b, h, s, d = x.shape
-    xp = C._backend().xp
+    xp = C.backend().xp
     sig = (name, axis, x.shape, x.dtype, (("dim", dim),))
     feat = buffers.take(None if buffer_key is None else buffer_key + "/features", sig,
                         lambda: {"f": (b, s, h * d)}, x.dtype)["f"]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from ... import runtime as rt
 from ...dtypes import dtype_name
 from .. import collectives as C
+from ..hooks import SEAM
 from ..comm import REDUCE_OPS, _displs as _offsets
 from ..shard import split_sizes
 from . import buffers
@@ -129,7 +130,7 @@ def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | 
     (``_beside``)."""
     comm = g.comm
     recv, send = comm.recv, comm.send
-    ufunc = getattr(C._backend().xp, _UFUNC[op]) if op is not None else None
+    ufunc = getattr(C.backend().xp, _UFUNC[op]) if op is not None else None
     for recvs, sends, reduces in prog:
         reqs = [recv(work[a:b] if k < 0 else slots[k][a:b], src, 0, blocking=False, stream=stream)
                 for src, k, a, b in recvs]
@@ -156,7 +157,7 @@ def _beside(comm, between: Callable) -> None:
     flush = getattr(comm, "flush", None)
     if flush is not None:
         flush()
-    if C._backend().is_gpu:
+    if C.backend().is_gpu:
         with rt.stream("compute"):
             between()
     else:
@@ -167,7 +168,7 @@ class _OnRole:
     """Run the ring on the role's stream, ordered after compute's work and before its next."""
 
     def __init__(self, role: str):
-        self.gpu = C._backend().is_gpu
+        self.gpu = C.backend().is_gpu
         self.stream = rt.stream(role)
 
     def __enter__(self):
@@ -191,7 +192,7 @@ def _pack_into(work, x, dim: int, sizes) -> None:
         return
     pos = off = 0
     for p in sizes:
-        piece = C._with_dim(x.shape, dim, p)
+        piece = C.with_dim(x.shape, dim, p)
         cnt = math.prod(piece)
         work[pos:pos + cnt].reshape(piece)[...] = x[(slice(None),) * dim + (slice(off, off + p),)]
         pos, off = pos + cnt, off + p
@@ -200,7 +201,7 @@ def _pack_into(work, x, dim: int, sizes) -> None:
 def _unpack_into(out, work, dim: int, sizes) -> None:
     pos = off = 0
     for p in sizes:
-        piece = C._with_dim(out.shape, dim, p)
+        piece = C.with_dim(out.shape, dim, p)
         cnt = math.prod(piece)
         out[(slice(None),) * dim + (slice(off, off + p),)] = work[pos:pos + cnt].reshape(piece)
         pos, off = pos + cnt, off + p
@@ -212,7 +213,7 @@ _CUPY_KINDS = "biufc"
 
 
 def _reducing_algo(opname: str, g, x, requested: str, algo: str) -> str:
-    if algo == "library" or not C._backend().is_gpu or x.dtype.kind in _CUPY_KINDS:   # bf16/fp8: kind "V"
+    if algo == "library" or not C.backend().is_gpu or x.dtype.kind in _CUPY_KINDS:   # bf16/fp8: kind "V"
         return algo
     if requested == "auto":
         return "library"
@@ -231,7 +232,7 @@ def _common_checks(opname: str, g, x, op: str | None, num_links: int) -> None:
 
 def _record(opname: str, g, x, nbytes: int, algo: str, tag: str | None = None) -> None:
     """Show the op (not its steps) to dist.trace_collectives, with its algorithm."""
-    for h in C._HOOKS:
+    for h in SEAM.watchers:
         if isinstance(h, C.trace_collectives):
             h.records.append(C.CollectiveRecord(opname, g.name, g.size, tuple(x.shape), dtype_name(x.dtype),
                                                 nbytes, algo=algo, tag=tag or ""))
@@ -268,7 +269,7 @@ def _array(name: str, mesh, cluster_axis, x):
     makes); otherwise the full checks (errors, a contiguous copy)."""
     if x.__class__ is _ND[0] and x.flags.c_contiguous:
         return x
-    _ND[0] = C._backend().xp.ndarray
+    _ND[0] = C.backend().xp.ndarray
     if x.__class__ is _ND[0] and x.flags.c_contiguous:
         return x
     return check_array(name, resolve(name, mesh, cluster_axis)[2], x)
@@ -276,16 +277,16 @@ def _array(name: str, mesh, cluster_axis, x):
 
 def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag, role) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
-    dim = C._norm_dim(f"ccl.{name}", g, x, dim)
+    dim = C.norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, op, num_links)
     given = sizes
     if sizes is None and not x.shape[dim] % g.size:
         sizes = (x.shape[dim] // g.size,) * g.size
     else:
-        sizes = tuple(C._check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes"))
+        sizes = tuple(C.check_sizes(f"ccl.{name}", g, x, sizes, x.shape[dim], "sizes"))
     algo = _reducing_algo(name, g, x, algo, choose_algo("reduce_scatter", algo, x.nbytes, lambda: where(name, g, x), tag))
     n, me = g.size, g.index
-    out_shape = C._with_dim(x.shape, dim, sizes[me])
+    out_shape = C.with_dim(x.shape, dim, sizes[me])
     sig = (name, axis, x.shape, x.dtype, (("op", op), ("dim", dim), ("sizes", sizes), ("algo", algo)))
     nbytes = int(x.nbytes * C.bus_factor("reduce_scatter", n))
     if algo == "library":
@@ -293,7 +294,7 @@ def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links,
                      shapes=lambda: {"out": out_shape}, nbytes=nbytes,
                      coll=planned("reduce_scatter", g, x, role, tag, op=op, dim=dim, sizes=given),
                      coll_async=planned("reduce_scatter", g, x, role, tag, True, op=op, dim=dim, sizes=given))
-    inner = math.prod(C._with_dim(x.shape, dim, 1))
+    inner = math.prod(C.with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
     offs = _offsets(counts)
     piece, size = _max_piece(counts, algo), x.size      # (the plan keeps no reference to x)
@@ -323,14 +324,15 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)
     bufs = _cycle(e) if e is not None else buffers.take(None, p.sig, p.shapes, x.dtype)
-    if C._HOOKS:
+    if SEAM.watchers:
         _record(name, g, x, p.nbytes, p.algo, tag)
     if p.algo == "library":      # the plain collective's plan, run from here (the caller: the user's site)
         cp = p.coll if between is None else p.coll_async
-        if C._check_sig is not None:
-            C._check_sig(cp)
+        check = SEAM.check_plan
+        if check is not None:
+            check(cp)
         if between is None:
-            if cp.fn is not None and cp.pack is None and not C._HOOKS:      # run_reduce_scatter's direct path
+            if cp.fn is not None and cp.pack is None and not SEAM.watchers:      # run_reduce_scatter's direct path
                 C.after_role_worker(role)
                 out = bufs["out"]
                 cp.fn(x, out, cp.mop)
@@ -339,8 +341,9 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         work = C.run_reduce_scatter(cp, x, bufs["out"], role, True, p.mesh, tag)
         between()
         return work.wait()
-    if C._check is not None:       # (the library collective runs its own)
-        C._check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
+    check = SEAM.check
+    if check is not None:       # (the library collective runs its own)
+        check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
     work, me = bufs["work"], g.index
     with _OnRole(role) as stream:
         _pack_into(work, x, p.dim, p.sizes)
@@ -348,13 +351,13 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         lo = p.offs[me]
         mine = work[lo:lo + p.counts[me]]
         if op == "avg":
-            C._backend().xp.true_divide(mine, g.size, out=mine)
+            C.backend().xp.true_divide(mine, g.size, out=mine)
     return mine.reshape(p.shape)
 
 
 def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag, role) -> _Plan:
     mesh, axis, g = resolve(name, mesh, cluster_axis)
-    dim = C._norm_dim(f"ccl.{name}", g, x, dim)
+    dim = C.norm_dim(f"ccl.{name}", g, x, dim)
     _common_checks(name, g, x, None, num_links)
     n, me = g.size, g.index
     if sizes is None:
@@ -365,7 +368,7 @@ def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, t
             raise ValueError(f"{where(name, g, x)}: sizes={sizes} must list {n} lengths along dim {dim}, "
                              f"this rank's ({me}) being {x.shape[dim]}")
     algo = choose_algo("all_gather", algo, x.nbytes * n, lambda: where(name, g, x), tag)
-    shape = C._with_dim(x.shape, dim, sum(sizes))
+    shape = C.with_dim(x.shape, dim, sum(sizes))
     sig = (name, axis, x.shape, x.dtype, (("dim", dim), ("sizes", tuple(sizes)), ("algo", algo)))
     nbytes = int(math.prod(shape) * x.dtype.itemsize * C.bus_factor("all_gather", n))
     if algo == "library":
@@ -375,14 +378,14 @@ def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, t
                      coll=planned("all_gather", g, x, role, tag, dim=dim, sizes=None if even else sizes))
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1
     total = math.prod(shape)
-    inner = math.prod(C._with_dim(x.shape, dim, 1))
+    inner = math.prod(C.with_dim(x.shape, dim, 1))
     counts = [s * inner for s in sizes]
     offs = _offsets(counts)
     prog = compile_steps(schedule("all_gather", n, algo), me, offs, counts, False, num_links)
     return _Plan(mesh=mesh, axis=axis, g=g, dim=dim, sizes=sizes, algo=algo, shape=shape, sig=sig,
                  shapes=lambda: {"work": (total,)} if flat else {"work": (total,), "out": shape}, counts=counts,
                  offs=offs, progs=(prog,), nbytes=nbytes, flat=flat,
-                 check=(C._with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo)))
+                 check=(C.with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo)))
 
 
 def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None,
@@ -402,14 +405,16 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)
     bufs = _cycle(e) if e is not None else buffers.take(None, p.sig, p.shapes, x.dtype)
-    if C._HOOKS:
+    if SEAM.watchers:
         _record(name, g, x, p.nbytes, p.algo, tag)
     if p.algo == "library":
-        if C._check_sig is not None:
-            C._check_sig(p.coll)
+        check = SEAM.check_plan
+        if check is not None:
+            check(p.coll)
         return C.run_all_gather(p.coll, x, bufs["out"], role, False, p.mesh, tag)
-    if C._check is not None:
-        C._check(f"ccl.{name}", g, x.dtype, *p.check)
+    check = SEAM.check
+    if check is not None:
+        check(f"ccl.{name}", g, x.dtype, *p.check)
     work, me, offs = bufs["work"], g.index, p.offs
     with _OnRole(role) as stream:
         work[offs[me]:offs[me] + p.counts[me]] = x.reshape(-1)
@@ -458,14 +463,16 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)
     bufs = _cycle(e) if e is not None else buffers.take(None, p.sig, p.shapes, x.dtype)
-    if C._HOOKS:
+    if SEAM.watchers:
         _record(name, g, x, p.nbytes, p.algo, tag)
     if p.algo == "library":
-        if C._check_sig is not None:
-            C._check_sig(p.coll)
+        check = SEAM.check_plan
+        if check is not None:
+            check(p.coll)
         return C.run_all_reduce(p.coll, x, bufs["out"], role, False, p.mesh, tag)
-    if C._check is not None:
-        C._check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
+    check = SEAM.check
+    if check is not None:
+        check(f"ccl.{name}", g, x.dtype, x.shape, p.check)
     work, me = bufs["work"], g.index
     with _OnRole(role) as stream:
         work[...] = x.reshape(-1)
@@ -473,6 +480,6 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str =
         if op == "avg":
             lo = p.offs[me]
             mine = work[lo:lo + p.counts[me]]
-            C._backend().xp.true_divide(mine, g.size, out=mine)
+            C.backend().xp.true_divide(mine, g.size, out=mine)
         run_steps(g, p.progs[1], work, (), None, stream)
     return work.reshape(p.shape)

@@ -24,7 +24,7 @@ import numpy as np
 from ... import runtime as rt
 from ...backend import get_backend
 from .. import collectives as C
-from ..hooks import differentiable, vjp_rule
+from ..hooks import SEAM, differentiable, vjp_rule
 from ..shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 
@@ -83,8 +83,9 @@ class _Ring:
             raise ValueError(f"{where(op, g, q)}: q holds {sq} tokens and k/v {sk}, but a {layout} split of "
                              f"seq_len={seq_len} over the {n} ranks of {self.axis!r} gives this rank "
                              f"{self.lens[g.index]}; pass seq_len= (uneven splits) or this rank's tokens")
-        if C._check is not None:
-            C._check(f"ccl.{op}", g, q.dtype, (b, h, hkv, d, seq_len), (causal, layout))
+        check = SEAM.check
+        if check is not None:
+            check(f"ccl.{op}", g, q.dtype, (b, h, hkv, d, seq_len), (causal, layout))
         self.g, self.q, self.k, self.v, self.causal, self.layout = g, q, k, v, causal, layout
         self.block = (b, hkv, d)
         self.xp = get_backend().xp

@@ -35,8 +35,8 @@ def tune(mesh=None, cluster_axis: int | str = 0, *, sizes: Sequence[int] = (1 <<
          install: bool = True) -> dict[str, list[tuple[float, str]]]:
     """The fastest algorithm per op at each size in ``sizes`` (bytes each rank contributes)."""
     mesh, axis, g = resolve("tune", mesh, cluster_axis)
-    xp = C._backend().xp
-    sync = (lambda: __import__("tessera_rt").runtime.synchronize()) if C._backend().is_gpu else (lambda: None)
+    xp = C.backend().xp
+    sync = (lambda: __import__("tessera_rt").runtime.synchronize()) if C.backend().is_gpu else (lambda: None)
     table: dict[str, list[tuple[float, str]]] = {}
     for op, run in _OPS.items():
         rows = []
