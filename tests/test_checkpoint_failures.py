@@ -38,12 +38,12 @@ SAVE = """
     W = np.arange(48, dtype=np.float32).reshape(8, 6) * version
     X = dist.distribute(W, layout=dist.ShardSpec(partition=("row", "col"), mesh_axes=("tp", "dp")), mesh=mesh)
     if os.environ.get("KILL_RANK") == str(w.rank):
-        real = checkpoint._write_atomic
+        real = checkpoint.files._write_atomic
         def dying(path, data):
             with open(path + ".partial", "wb") as f:
                 f.write(data[: len(data) // 2])          # half a file on disk, then the rank dies
             os.kill(os.getpid(), 9)
-        checkpoint._write_atomic = dying
+        checkpoint.files._write_atomic = dying
     info = dist.save({"w": X, "step": version}, os.environ["CKPT"])
     print("saved", version, flush=True)
     if w.rank == 0:
@@ -172,7 +172,7 @@ def test_a_failed_save_says_what_it_left_behind(tmp_path, monkeypatch):
         with open(f"{path}.tmp-1", "wb") as f:
             f.write(b"\0" * 500)                 # part of the file, then the disk is full
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint, "_write_atomic", disk_full)
+    monkeypatch.setattr(checkpoint.files, "_write_atomic", disk_full)
     try:
         dist.save(_state(2), ckpt)
         raise AssertionError("the save should fail")
@@ -195,7 +195,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
     ckpt = str(tmp_path / "ckpt")
     dist.save(_state(1), ckpt)
     committed = _disk_bytes(ckpt)
-    real, capacity = checkpoint._write_atomic, [committed + 100]      # another program filled the disk
+    real, capacity = checkpoint.files._write_atomic, [committed + 100]      # another program filled the disk
 
     def on_a_small_disk(path, data):
         free = capacity[0] - _disk_bytes(ckpt)
@@ -204,7 +204,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
                 f.write(data[:max(free, 0)])                            # what fits, then the disk is full
             raise OSError(28, "No space left on device")
         real(path, data)
-    monkeypatch.setattr(checkpoint, "_write_atomic", on_a_small_disk)
+    monkeypatch.setattr(checkpoint.files, "_write_atomic", on_a_small_disk)
     for _ in range(2):                     # the second failure begins by removing the first's leftovers
         with pytest.raises(checkpoint.CheckpointError, match=r"No space left on device \[this save left 100 B"):
             dist.save(_state(2), ckpt)
