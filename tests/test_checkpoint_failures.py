@@ -266,3 +266,15 @@ def test_pipeline_and_expert_checkpoints_load_onto_one_rank(tmp_path):
         assert sorted(flat) == sorted(expected) and len(flat) >= 40
         for k, v in flat.items():
             assert np.array_equal(v, expected[k]), k
+
+
+def test_an_async_save_never_waited_for_says_so_at_exit_and_commits_nothing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    script = ("import numpy as np\nfrom tessera_rt import dist\n"
+              f"h = dist.save({{'a': np.ones(3)}}, {str(ckpt)!r}, async_=True)\nprint('returned', flush=True)\n")
+    p = subprocess.run(["timeout", "-k", "5", "60", sys.executable, "-c", script], env=mpi_env(1),
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "returned" in p.stdout, p.stdout + p.stderr
+    assert f"rank 0: dist.save({str(ckpt)!r}, async_=True) was never waited for: it is not committed" in p.stderr, \
+        p.stderr
+    assert not (ckpt / "index.json").exists()

@@ -15,7 +15,9 @@ The package, by responsibility:
 
 * ``format``: the tree format (names, entries, dtypes on disk) and the index merge;
 * ``files``: atomic writes, the index on disk, verified reads, leftovers and ``cleanup``;
-* ``saving``: ``save`` and its asynchronous form (``SaveHandle``; the io role's worker);
+* ``writer``: the phases of one save (prepare, write this rank's file, commit the index);
+* ``saving``: ``save`` and its asynchronous form (``SaveHandle``: the write on the io role's
+  worker, the commit on the caller);
 * ``loading``: ``load`` with resharding and its checks.
 """
 from .files import SaveInfo, cleanup, read_index

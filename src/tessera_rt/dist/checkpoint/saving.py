@@ -21,193 +21,17 @@ most one save is in flight).  A job killed before the commit keeps the previous 
 """
 from __future__ import annotations
 
-import json
+import atexit
 import os
-import time
-import uuid
-from itertools import product
-
-import numpy as np
+import sys
 
 from ... import runtime as rt
-from ...backend import get_backend
-from ...dtypes import dtype_name
-from ..dtensor import DTensor
-from ..layout import Layout
 from ..process_group import world
-from ..shard import local_offsets, local_shape
-from . import files
-from .files import SaveInfo, _committed, _encode_file, _fsync_dir, _leftovers, _left_note, _remove
-from .format import (
-    _FORMAT, _VERSION, CheckpointError, _all_or_raise, _flatten, _fname, _host, _merge, _sha,
-    _to_disk,
-)
+from .files import SaveInfo
+from .format import CheckpointError, _fname
+from .writer import _commit, _prepare, _Save, _write
 
 _PENDING: list = [None]          # the asynchronous save not committed yet (at most one)
-
-
-class _Save:
-    """One save between its phases (``prev``/``cleaned``: rank 0's, for the commit)."""
-
-    def __init__(self, path, sid, tensors, values, prev, cleaned):
-        self.path, self.sid, self.data_dir = path, sid, f"data-{sid}"
-        self.tensors, self.values, self.prev, self.cleaned = tensors, values, prev, cleaned
-        self.mine = self.ready = self.report = self.err = None
-        self.hashes: dict = {}       # name -> sha256 known from the metadata (arrays)
-
-
-def _mesh_info(mesh) -> dict:
-    return {"axes": list(mesh.axes), "shape": list(mesh.sizes), "devices": list(mesh.devices)}
-
-
-def _pieces(shape, lay: Layout, mesh) -> list[tuple[int, tuple, tuple]]:
-    """(world rank, offsets, shape) of each distinct piece, held by the position at coordinate
-    0 of every axis the tensor is replicated over."""
-    used = {a for axes in lay.dims for a in axes}
-    out = []
-    for pos in product(*(range(n) for n in mesh.sizes)):
-        if any(c for a, c in zip(mesh.axes, pos) if a not in used):
-            continue
-        coords = dict(zip(mesh.axes, pos))
-        out.append((int(mesh.device_grid[pos]), local_offsets(shape, lay, mesh, coords),
-                    local_shape(shape, lay, mesh, coords)))
-    return out
-
-
-def _entries(w, flat: dict) -> tuple[dict, dict, dict]:
-    """This rank's entries (metadata), values, and the arrays it would write, by name."""
-    entries, values, local = {}, {}, {}
-    for key, v in flat.items():
-        if type(v) is DTensor:
-            if v.layout.partial:
-                v = v.redistribute(Layout(v.layout.dims))           # finish pending reductions
-            lay, mesh = v.layout, v.mesh
-            e = {"kind": "dtensor", "shape": list(v.shape), "dtype": dtype_name(v.dtype), "layout": repr(lay),
-                 "dims": [list(a) for a in lay.dims], "mesh": _mesh_info(mesh)}
-            pieces = [{"rank": owner, "offsets": list(offs), "shape": list(shp)}
-                      for owner, offs, shp in _pieces(v.shape, lay, mesh) if int(np.prod(shp))]
-            if w.rank == min(mesh.devices):            # one rank sends the piece list
-                e["pieces"] = pieces
-            if any(p["rank"] == w.rank for p in pieces):
-                local[key] = v.to_local()               # to host in _stage
-            entries[key] = e
-        elif get_backend().is_array(v) or isinstance(v, (np.ndarray, np.generic)):
-            a = local[key] = _host(v) if not isinstance(v, np.generic) else np.asarray(v)
-            entries[key] = {"kind": "array", "shape": list(a.shape), "dtype": dtype_name(a.dtype),
-                            "sha256": _sha(np.ascontiguousarray(a).tobytes())}
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            values[key] = v
-        else:
-            raise TypeError(f"rank {w.rank}: dist.save: {key!r} is a {type(v).__name__}; leaves must be DTensors, "
-                            "arrays or JSON values (int, float, str, bool, None)")
-    return entries, values, local
-
-
-def _prepare(w, state: dict, path: str, copy: bool) -> _Save:
-    """Phase 1 (collective): the one metadata exchange, then this rank's pieces on the host."""
-    entries, values, local = _entries(w, _flatten(state))
-    # rank 0 checks and merges every rank's entries, removes what failed or killed saves left
-    # (a full disk stays full otherwise), makes this save's directory
-    metas = w.mpi.gather((entries, values), root=0)
-    plan, s = None, None
-    if w.rank == 0:
-        sid = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        try:
-            tensors, merged = _merge(path, metas)
-            os.makedirs(path, exist_ok=True)
-            try:
-                prev = _committed(path)
-                stale = _leftovers(path, prev)
-            except CheckpointError:                    # an unreadable index: keep every data dir until commit
-                prev, stale = None, [n for n in _leftovers(path, None) if not n.startswith("data-")]
-            cleaned = _remove(path, stale)
-            os.makedirs(os.path.join(path, f"data-{sid}"))
-            s = _Save(path, sid, tensors, merged, prev, cleaned)
-            writers = {k: t["pieces"][0]["rank"] for k, t in tensors.items() if t["kind"] == "array"}
-            plan = (sid, None, writers)
-        except (CheckpointError, OSError) as e:
-            plan = (sid, f"rank 0: {e}" if isinstance(e, OSError) else str(e), None)
-    sid, err, writers = w.mpi.bcast(plan, root=0)
-    if err:
-        raise CheckpointError(err if w.rank == 0 else f"rank {w.rank}: dist.save failed on rank 0: {err}")
-    s = s or _Save(path, sid, None, None, None, None)
-    mine = {k: a for k, a in local.items() if entries[k]["kind"] == "dtensor" or writers[k] == w.rank}
-    s.hashes = {k: entries[k]["sha256"] for k in mine if "sha256" in entries[k]}
-    s.mine, s.ready = _stage(mine, copy)
-    return s
-
-
-def _stage(arrays: dict, copy: bool) -> tuple[dict, object]:
-    """This rank's pieces in host memory, and what the writer waits for before reading them.
-    Synchronous: as they are (a GPU array copied now).  Asynchronous: copies the training
-    cannot touch; a GPU array is copied on the io stream after an event from compute (its
-    work so far), into pinned memory, without blocking the caller, and compute waits for
-    the copy on the device, so the state may change once save returns."""
-    dev = {k: a for k, a in arrays.items() if not isinstance(a, np.ndarray)}
-    host = {k: np.array(a) if copy else a for k, a in arrays.items() if isinstance(a, np.ndarray)}
-    if not copy or not dev:
-        return dict(host, **{k: _host(a) for k, a in dev.items()}), None
-    import cupyx
-    compute, io = rt.stream("compute"), rt.stream("io")
-    io.wait_event(compute.record())
-    xp = get_backend().xp
-    with io:
-        for k, a in dev.items():
-            a = dev[k] = xp.ascontiguousarray(a)
-            host[k] = a.get(stream=io.raw, out=cupyx.empty_pinned(a.shape, a.dtype), blocking=False)
-    ready = io.record()
-    compute.wait_event(ready)
-    return host, (ready, dev)            # the device arrays stay alive until the copy is done
-
-
-def _write(s: _Save, rank: int) -> None:
-    """Phase 2 (local; on the io worker when asynchronous): this rank's file.  Never raises:
-    the error is the commit's to share (a raise would leave the worker stream failed)."""
-    fname = _fname(rank)
-    try:
-        if s.ready is not None:
-            s.ready[0].synchronize()
-        mine, s.mine, s.ready = s.mine, None, None
-        blob = _encode_file({k: _to_disk(a) for k, a in mine.items()}, s.sid, rank)
-        files._write_atomic(os.path.join(s.path, s.data_dir, fname), blob)
-        s.report = (_sha(blob), len(blob), {k: s.hashes.get(k) or _sha(np.ascontiguousarray(a).tobytes())
-                                            for k, a in mine.items()})
-    except Exception as e:  # noqa: BLE001 - any failure of this rank's write is the save's error
-        why = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-        s.err = f"rank {rank}: dist.save({s.path!r}): writing {s.data_dir}/{fname} failed: {why}"
-
-
-def _commit(w, s: _Save) -> SaveInfo:
-    """Phase 3 (collective): every rank's write went well, then rank 0 writes the index."""
-    _all_or_raise(w, s.err, "dist.save", _left_note(s.path, s.data_dir))
-    reports = w.mpi.gather(s.report, root=0)
-    err, info = None, None
-    if w.rank == 0:
-        path, tensors = s.path, s.tensors
-        try:
-            listing = {}
-            for r, (sha, nbytes, piece_sha) in enumerate(reports):
-                listing[_fname(r)] = {"sha256": sha, "bytes": nbytes, "rank": r}
-                for key, psha in piece_sha.items():
-                    for p in tensors[key]["pieces"]:
-                        if p["rank"] == r:
-                            p["sha256"] = psha
-            index = {"format": _FORMAT, "version": _VERSION, "save_id": s.sid, "data_dir": s.data_dir,
-                     "world_size": w.size, "files": listing, "tensors": tensors, "values": s.values}
-            files._write_atomic(os.path.join(path, "index.json"), json.dumps(index, indent=1).encode())
-            _fsync_dir(path)
-            replaced = _remove(path, [s.prev] if s.prev else [])[1]
-            removed, gone, _ = s.cleaned
-            more = _remove(path, _leftovers(path, s.data_dir))      # any the start could not tell apart
-            kept = sum(f["bytes"] for f in listing.values()) + os.path.getsize(os.path.join(path, "index.json"))
-            info = (kept, len(listing) + 1, replaced, removed + more[0], gone + more[1], more[2])
-        except OSError as e:
-            err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"
-    _all_or_raise(w, err, "dist.save", _left_note(s.path, s.data_dir))
-    info = w.mpi.bcast(info, root=0) if w.size > 1 else info
-    out = SaveInfo(os.path.join(s.path, "index.json"))
-    out.bytes, out.files, out.replaced_bytes, out.leftovers, out.leftover_bytes, out.left_bytes = info
-    return out
 
 
 class SaveHandle:
@@ -277,6 +101,16 @@ class SaveHandle:
         except CheckpointError as e:
             self._error = CheckpointError(f"{e} (an asynchronous dist.save, raised where it was waited for)")
             raise self._error from None
+
+
+@atexit.register
+def _never_waited() -> None:
+    # no collective at exit (the other ranks may be gone): say so instead of losing it silently
+    h = _PENDING[0]
+    if h is not None and h._s is not None:
+        print(f"rank {h._w.rank}: dist.save({h._s.path!r}, async_=True) was never waited for: it is not committed "
+              "(the previous checkpoint stays); call its handle's wait() (or dist.checkpoint.wait_pending()) on "
+              "every rank before the end", file=sys.stderr, flush=True)
 
 
 def wait_pending() -> SaveInfo | None:
