@@ -132,10 +132,22 @@ def _encode_file(tensors: dict, sid: str, rank: int) -> bytes:
     return st_save(tensors, metadata={"format": _FORMAT, "save_id": sid, "rank": str(rank)})
 
 
+_SEEN: dict = {}         # index path -> (its stat's identity, data_dir): each save reads it once
+
+
 def _committed(path: str) -> str | None:
     """The data directory of the committed checkpoint in ``path`` (None without one); raises
     CheckpointError when an index exists but cannot be read."""
-    return read_index(path)["data_dir"] if os.path.exists(os.path.join(path, "index.json")) else None
+    ipath = os.path.join(path, "index.json")
+    try:
+        st = os.stat(ipath)
+    except FileNotFoundError:
+        return None
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    seen = _SEEN.get(ipath)
+    if seen is None or seen[0] != key:     # the same inode, time and size: the index this process read
+        seen = _SEEN[ipath] = (key, read_index(path)["data_dir"])
+    return seen[1]
 
 
 def _left_note(path: str, data_dir: str):

@@ -11,13 +11,15 @@ One save, in three phases (the same code either way):
    and compute waits for that copy on the device), so the state may change once ``save``
    returns.
 2. write (local): encode, hash, write and fsync this rank's file; on the worker when async.
-3. commit (collective, on the caller): every rank says how its write went; rank 0 writes the
-   index (one atomic rename: the commit point) and removes the previous data.
+3. commit: every rank says how its write went (collective, on the caller); rank 0 writes the
+   index (one atomic rename: the commit point) and removes the previous data (on the worker
+   when async); every rank learns the outcome (collective, on the caller).
 
 No collective runs on the worker (it would race the training's collectives on the same
-communicator): an asynchronous save commits at ``handle.poll()`` once every rank's write is
-done, at ``handle.wait()``, or at the next ``save``/``load``, which wait for it first (at
-most one save is in flight).  A job killed before the commit keeps the previous checkpoint.
+communicator): an asynchronous save moves on at each ``handle.poll()`` (every file written:
+rank 0 queues the index; the index written: committed), and finishes at ``handle.wait()``
+or at the next ``save``/``load``, which wait for it first (at most one save is in flight).
+A job killed before the index is renamed into place keeps the previous checkpoint.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ... import runtime as rt
 from ..process_group import world
 from .files import SaveInfo
 from .format import CheckpointError, _fname
-from .writer import _commit, _prepare, _Save, _write
+from .writer import _agree, _commit, _prepare, _Save, _share, _write, _write_index
 
 _PENDING: list = [None]          # the asynchronous save not committed yet (at most one)
 
@@ -37,15 +39,17 @@ _PENDING: list = [None]          # the asynchronous save not committed yet (at m
 class SaveHandle:
     """An asynchronous save in flight (what ``save(..., async_=True)`` returns).
 
-    ``done()``: this rank's file is written (local: no communication).  ``poll()``: commits
-    once every rank's write is done; True once committed.  ``wait()``: waits for the writes,
-    commits and returns the :class:`SaveInfo`.  ``poll`` and ``wait`` are collective (every
-    rank calls them at the same points, like the step's collectives) and raise the save's
-    error on every rank, naming the rank and file that failed.  ``abandon()`` (local) drops
-    it uncommitted, for a training that stops with an error between saves."""
+    ``done()``: this rank's part so far is written (local: no communication).  ``poll()``:
+    once every rank's file is written, rank 0 queues the index on its worker; once that is
+    written too, the save is committed: True from then on.  ``wait()``: the same, waiting;
+    returns the :class:`SaveInfo`.  ``poll`` and ``wait`` are collective (every rank calls
+    them at the same points, like the step's collectives) and raise the save's error on
+    every rank, naming the rank and file that failed.  ``abandon()`` (local) drops it
+    uncommitted, for a training that stops with an error between saves."""
 
     def __init__(self, w, s: _Save, task):
-        self._w, self._s, self._task = w, s, task
+        self._w, self._s, self._task = w, s, task      # task: this rank's file, then rank 0's index
+        self._agreed = False                            # every rank wrote its file
         self._info: SaveInfo | None = None
         self._error: CheckpointError | None = None
 
@@ -61,14 +65,22 @@ class SaveHandle:
         return self._s is None or self._task.test()
 
     def poll(self) -> bool:
+        w = self._w
         if self._s is not None:
-            if not all(self._w.mpi.allgather(self._task.test())):
+            if not self._agreed:
+                if not all(w.mpi.allgather(self._task.test())):
+                    return False
+                self._agree()
+                return False                            # rank 0's index write has just been queued
+            if not w.mpi.bcast(self._task.test() if w.rank == 0 else None, root=0):
                 return False
             self._finish()
         return self.wait() is not None
 
     def wait(self) -> SaveInfo:
         if self._s is not None:
+            if not self._agreed:
+                self._agree()
             self._finish()
         if self._error is not None:
             raise self._error
@@ -87,20 +99,38 @@ class SaveHandle:
         try:
             self._task.wait_done()
         except BaseException as e:  # noqa: BLE001 - a task before ours failed the shared worker stream
-            if s.report is None and s.err is None:
-                s.err = (f"rank {self._w.rank}: dist.save({s.path!r}): the io worker failed before writing "
-                         f"{s.data_dir}/{_fname(self._w.rank)}: {type(e).__name__}: {e}")
+            if s.err is None and (s.info if self._agreed else s.report) is None:
+                what = "index.json" if self._agreed else f"{s.data_dir}/{_fname(self._w.rank)}"
+                s.err = (f"rank {self._w.rank}: dist.save({s.path!r}): the io worker failed before writing {what}: "
+                         f"{type(e).__name__}: {e}")
+
+    def _agree(self) -> None:
+        self._local_wait()
+        s = self._s
+        try:
+            index = _agree(self._w, s)
+        except CheckpointError as e:
+            self._fail(e)
+        self._agreed = True
+        if self._w.rank == 0:
+            self._task = rt.host_worker("io").submit(lambda: _write_index(s, index))
 
     def _finish(self) -> None:
         self._local_wait()
-        s, self._s = self._s, None
+        try:
+            self._info = _share(self._w, self._s)
+        except CheckpointError as e:
+            self._fail(e)
+        self._s = None
         if _PENDING[0] is self:
             _PENDING[0] = None
-        try:
-            self._info = _commit(self._w, s)
-        except CheckpointError as e:
-            self._error = CheckpointError(f"{e} (an asynchronous dist.save, raised where it was waited for)")
-            raise self._error from None
+
+    def _fail(self, e: CheckpointError):
+        self._s = None
+        if _PENDING[0] is self:
+            _PENDING[0] = None
+        self._error = CheckpointError(f"{e} (an asynchronous dist.save, raised where it was waited for)")
+        raise self._error from None
 
 
 @atexit.register

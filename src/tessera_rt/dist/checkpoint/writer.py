@@ -4,6 +4,7 @@ writes the index).  ``saving`` runs them in a row, or the write on the io worker
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -31,7 +32,7 @@ class _Save:
     def __init__(self, path, sid, tensors, values, prev, cleaned):
         self.path, self.sid, self.data_dir = path, sid, f"data-{sid}"
         self.tensors, self.values, self.prev, self.cleaned = tensors, values, prev, cleaned
-        self.mine = self.ready = self.report = self.err = None
+        self.mine = self.ready = self.report = self.err = self.info = None
         self.hashes: dict = {}       # name -> sha256 known from the metadata (arrays)
 
 
@@ -53,6 +54,16 @@ def _pieces(shape, lay: Layout, mesh) -> list[tuple[int, tuple, tuple]]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _dtensor_entry(shape: tuple, dtype, lay: Layout, mesh) -> tuple[dict, tuple]:
+    """A DTensor's index entry and its pieces, the same at every save of a training (cached:
+    a few hundred entries cost a step's worth of time otherwise)."""
+    e = {"kind": "dtensor", "shape": list(shape), "dtype": dtype_name(dtype), "layout": repr(lay),
+         "dims": [list(a) for a in lay.dims], "mesh": _mesh_info(mesh)}
+    return e, tuple({"rank": owner, "offsets": list(offs), "shape": list(shp)}
+                    for owner, offs, shp in _pieces(shape, lay, mesh) if int(np.prod(shp)))
+
+
 def _entries(w, flat: dict) -> tuple[dict, dict, dict]:
     """This rank's entries (metadata), values, and the arrays it would write, by name."""
     entries, values, local = {}, {}, {}
@@ -60,13 +71,10 @@ def _entries(w, flat: dict) -> tuple[dict, dict, dict]:
         if type(v) is DTensor:
             if v.layout.partial:
                 v = v.redistribute(Layout(v.layout.dims))           # finish pending reductions
-            lay, mesh = v.layout, v.mesh
-            e = {"kind": "dtensor", "shape": list(v.shape), "dtype": dtype_name(v.dtype), "layout": repr(lay),
-                 "dims": [list(a) for a in lay.dims], "mesh": _mesh_info(mesh)}
-            pieces = [{"rank": owner, "offsets": list(offs), "shape": list(shp)}
-                      for owner, offs, shp in _pieces(v.shape, lay, mesh) if int(np.prod(shp))]
-            if w.rank == min(mesh.devices):            # one rank sends the piece list
-                e["pieces"] = pieces
+            base, pieces = _dtensor_entry(tuple(v.shape), v.dtype, v.layout, v.mesh)
+            e = dict(base)                              # fresh dicts: the merge and the commit fill them in
+            if w.rank == min(v.mesh.devices):          # one rank sends the piece list
+                e["pieces"] = [dict(p) for p in pieces]
             if any(p["rank"] == w.rank for p in pieces):
                 local[key] = v.to_local()               # to host in _stage
             entries[key] = e
@@ -156,34 +164,53 @@ def _write(s: _Save, rank: int) -> None:
         s.err = f"rank {rank}: dist.save({s.path!r}): writing {s.data_dir}/{fname} failed: {why}"
 
 
-def _commit(w, s: _Save) -> SaveInfo:
-    """Phase 3 (collective): every rank's write went well, then rank 0 writes the index."""
+def _agree(w, s: _Save) -> dict | None:
+    """Commit, part 1 (collective): every rank's write went well (else all raise); rank 0
+    gets the index, with every rank's file and piece checksums (None on the others)."""
     _all_or_raise(w, s.err, "dist.save", _left_note(s.path, s.data_dir))
     reports = w.mpi.gather(s.report, root=0)
-    err, info = None, None
-    if w.rank == 0:
-        path, tensors = s.path, s.tensors
-        try:
-            listing = {}
-            for r, (sha, nbytes, piece_sha) in enumerate(reports):
-                listing[_fname(r)] = {"sha256": sha, "bytes": nbytes, "rank": r}
-                for key, psha in piece_sha.items():
-                    for p in tensors[key]["pieces"]:
-                        if p["rank"] == r:
-                            p["sha256"] = psha
-            index = {"format": _FORMAT, "version": _VERSION, "save_id": s.sid, "data_dir": s.data_dir,
-                     "world_size": w.size, "files": listing, "tensors": tensors, "values": s.values}
-            files._write_atomic(os.path.join(path, "index.json"), json.dumps(index, indent=1).encode())
-            _fsync_dir(path)
-            replaced = _remove(path, [s.prev] if s.prev else [])[1]
-            removed, gone, _ = s.cleaned
-            more = _remove(path, _leftovers(path, s.data_dir))      # any the start could not tell apart
-            kept = sum(f["bytes"] for f in listing.values()) + os.path.getsize(os.path.join(path, "index.json"))
-            info = (kept, len(listing) + 1, replaced, removed + more[0], gone + more[1], more[2])
-        except OSError as e:
-            err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"
-    _all_or_raise(w, err, "dist.save", _left_note(s.path, s.data_dir))
-    info = w.mpi.bcast(info, root=0) if w.size > 1 else info
+    if w.rank != 0:
+        return None
+    listing = {}
+    for r, (sha, nbytes, piece_sha) in enumerate(reports):
+        listing[_fname(r)] = {"sha256": sha, "bytes": nbytes, "rank": r}
+        for key, psha in piece_sha.items():
+            for p in s.tensors[key]["pieces"]:
+                if p["rank"] == r:
+                    p["sha256"] = psha
+    return {"format": _FORMAT, "version": _VERSION, "save_id": s.sid, "data_dir": s.data_dir,
+            "world_size": w.size, "files": listing, "tensors": s.tensors, "values": s.values}
+
+
+def _write_index(s: _Save, index: dict) -> None:
+    """Commit, part 2 (rank 0, local; on the io worker when asynchronous): the index, renamed
+    over the previous one (the commit point), then the previous data removed.  Sets
+    ``s.info`` (what ``SaveInfo`` reports) or ``s.err``; never raises."""
+    path = s.path
+    try:
+        files._write_atomic(os.path.join(path, "index.json"), json.dumps(index, indent=1).encode())
+        _fsync_dir(path)
+        replaced = _remove(path, [s.prev] if s.prev else [])[1]
+        removed, gone, _ = s.cleaned
+        more = _remove(path, _leftovers(path, s.data_dir))      # any the start could not tell apart
+        kept = sum(f["bytes"] for f in index["files"].values()) + os.path.getsize(os.path.join(path, "index.json"))
+        s.info = (kept, len(index["files"]) + 1, replaced, removed + more[0], gone + more[1], more[2])
+    except OSError as e:
+        s.err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"
+
+
+def _share(w, s: _Save) -> SaveInfo:
+    """Commit, part 3 (collective): rank 0's outcome on every rank."""
+    _all_or_raise(w, s.err if w.rank == 0 else None, "dist.save", _left_note(s.path, s.data_dir))
+    info = w.mpi.bcast(s.info, root=0) if w.size > 1 else s.info
     out = SaveInfo(os.path.join(s.path, "index.json"))
     out.bytes, out.files, out.replaced_bytes, out.leftovers, out.leftover_bytes, out.left_bytes = info
     return out
+
+
+def _commit(w, s: _Save) -> SaveInfo:
+    """Phase 3 of a synchronous save: all three parts in a row."""
+    index = _agree(w, s)
+    if w.rank == 0:
+        _write_index(s, index)
+    return _share(w, s)
