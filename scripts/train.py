@@ -15,10 +15,11 @@ out/<UTC time>; a non-empty one is refused unless --resume).  --save-every K als
 steps K, 2K, ...; each save replaces DIR/checkpoint atomically (a killed save leaves the
 previous one whole).  Those saves are asynchronous (--sync-save: not): the state is copied to
 host memory and the files are written on the io worker while the next steps run; the save
-commits at the first step by which every rank has written (the final save waits).  --resume continues from it, on any mesh: parameters, AdamW's masters
-and moments, the loss scaler, the step and the data position (the batches are a function
-of (--seed, step), so there is no other RNG state), so the losses continue as if the run
-had never stopped (bitwise on the same mesh; up to float rounding on another).
+commits at the first step end by which every rank has written (the final save waits).
+--resume continues from the newest committed save, on any mesh: parameters, AdamW's
+masters and moments, the loss scaler, the step and the data position (the batches are a
+function of (--seed, step), so there is no other RNG state), so the losses continue as if
+the run had never stopped (bitwise on the same mesh; up to float rounding on another).
 
     tessera-run -n 4 scripts/train.py --pp 2 --tp 2 --steps 200 --save-every 50 --run-dir out/a
     tessera-run -n 4 scripts/train.py --dp 4 --steps 300 --run-dir out/a --resume
