@@ -13,17 +13,21 @@ steps), writes a loss-curve PNG (when matplotlib is installed) and a checkpoint 
 Checkpoints and resuming: each run writes into its own directory (--run-dir DIR, or a new
 out/<UTC time>; a non-empty one is refused unless --resume).  --save-every K also saves at
 steps K, 2K, ...; each save replaces DIR/checkpoint atomically (a killed save leaves the
-previous one whole).  --resume continues from it, on any mesh: parameters, AdamW's masters
-and moments, the loss scaler, the step and the data position (the batches are a function
-of (--seed, step), so there is no other RNG state), so the losses continue as if the run
-had never stopped (bitwise on the same mesh; up to float rounding on another).
+previous one whole).  Those saves are asynchronous (--sync-save: not): the state is copied to
+host memory and the files are written on the io worker while the next steps run; the save
+commits at the first step end by which every rank has written (the final save waits).
+--resume continues from the newest committed save, on any mesh: parameters, AdamW's
+masters and moments, the loss scaler, the step and the data position (the batches are a
+function of (--seed, step), so there is no other RNG state), so the losses continue as if
+the run had never stopped (bitwise on the same mesh; up to float rounding on another).
 
     tessera-run -n 4 scripts/train.py --pp 2 --tp 2 --steps 200 --save-every 50 --run-dir out/a
     tessera-run -n 4 scripts/train.py --dp 4 --steps 300 --run-dir out/a --resume
 
 Under ``tessera-run --max-restarts N`` (which sets TESSERA_RESTART) --run-dir is required, and a
 restarted attempt resumes from that directory's checkpoint (or starts afresh there when the
-failed attempt had not saved one yet): at most the steps since the last save are lost.
+failed attempt had not saved one yet): at most the steps since the last committed save are
+lost.  Resuming a run that is complete (its checkpoint at --steps) exits 0 saying so.
 
 Threads: each rank's BLAS/OpenMP/Numba pools default to one thread (set before NumPy is
 imported; a variable you set yourself, or tessera-run's share of the cores, wins).  The
@@ -100,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "non-empty one is refused unless --resume")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also save the checkpoint after steps K, 2K, ... (0: at the end only)")
+    p.add_argument("--sync-save", action="store_true",
+                   help="--save-every saves block the step until written (default: written on the io worker "
+                   "while the next steps run)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its checkpoint (any mesh); --steps is the total")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
@@ -197,13 +204,15 @@ def _state_tree(model, params, opt, scaler, step: int, seed: int, meta: str) -> 
     return tree
 
 
-def save_checkpoint(world, path: Path, model, params, opt, scaler, step: int, seed: int, meta: dict):
+def save_checkpoint(world, path: Path, model, params, opt, scaler, step: int, seed: int, meta: dict,
+                    async_: bool = False):
     """Save the run's state after ``step`` steps into ``path`` (dist.save: one safetensors file
     per rank plus an index, committed atomically over the previous save; dist.load reads it
-    onto any mesh).  Never a non-finite state."""
+    onto any mesh).  Never a non-finite state.  ``async_``: returns a SaveHandle once the
+    state is copied to host memory (the files are written while training goes on)."""
     from tessera_rt import dist
     _refuse_non_finite(world, {"params": params, "masters": opt.state_dict()["masters"]}, step)
-    return dist.save(_state_tree(model, params, opt, scaler, step, seed, json.dumps(meta)), str(path))
+    return dist.save(_state_tree(model, params, opt, scaler, step, seed, json.dumps(meta)), str(path), async_=async_)
 
 
 def resume_checkpoint(path: Path, model, params, opt, scaler, args: argparse.Namespace, vocab: str):
@@ -379,15 +388,19 @@ def train(args: argparse.Namespace) -> dict:
     start, history = 0, []
     if args.resume:
         params, start, history = resume_checkpoint(out / "checkpoint", model, params, opt, scaler, args, meta["vocab"])
-        if start >= args.steps:
-            raise SystemExit(f"train.py: --resume: {out} is at step {start} already; pass --steps above {start}")
+        if start >= args.steps:       # a finished run (a restart after its final save): nothing to do
+            if rank0:
+                print(f"train.py: the run in {out} is complete: its checkpoint is at step {start} (--steps "
+                      f"{args.steps}); nothing to train (pass --steps above {start} to train on)", flush=True)
+            return {"losses": history, "step_times": [], "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": [],
+                    "params": params, "moe": None, "start": start, "run_dir": out, "complete": True}
         if rank0 and not args.quiet:
             print(f"train.py: resumed at step {start} from {out / 'checkpoint'}", flush=True)
-    saved = None
+    saved, pending = None, None          # pending: the asynchronous save in flight
 
-    def save(done: int):
+    def save(done: int, async_: bool = False):
         return save_checkpoint(world, out / "checkpoint", model, params, opt, scaler, done, args.seed,
-                               dict(meta, losses=history + losses))
+                               dict(meta, losses=history + losses), async_=async_)
     bar = None
     # a bar redraws one line with carriage returns: right on a terminal, one endless line in a file
     if rank0 and not args.quiet and sys.stderr.isatty():
@@ -399,6 +412,7 @@ def train(args: argparse.Namespace) -> dict:
         except ImportError:
             print(f"train.py: tqdm is not installed; printing every {args.log_every} steps", flush=True)
     losses, times, bubbles = [], [], []
+    loop_start = time.perf_counter()
     try:
         for step in range(start, args.steps):
             xb, yb = get_batch(data, step, args.batch, args.seq, args.seed)
@@ -429,9 +443,25 @@ def train(args: argparse.Namespace) -> dict:
                 bar.update(1)
             elif rank0 and not args.quiet and ((step + 1) % args.log_every == 0 or step == args.steps - 1):
                 print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
+            # collective (every rank has the same save in flight): commits once all have written
+            if pending is not None and pending.poll():
+                saved, pending = pending.wait(), None
             if args.save_every and not args.no_checkpoint and (step + 1) % args.save_every == 0 \
                     and step + 1 < args.steps:
-                saved = save(step + 1)
+                if pending is not None:          # one save in flight at a time
+                    saved, pending = pending.wait(), None
+                if args.sync_save:
+                    saved = save(step + 1)
+                else:
+                    pending = save(step + 1, async_=True)
+    except optim.NonFiniteError:             # agreed by every rank: the save in flight (finite) commits
+        if pending is not None:
+            pending.wait()
+        raise
+    except BaseException:                    # maybe this rank alone: no collective; the previous checkpoint stays
+        if pending is not None:
+            pending.abandon()
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -440,6 +470,9 @@ def train(args: argparse.Namespace) -> dict:
         cvs = ", ".join(f"{v:.3f}" for v in moe_stats["load_cv"])
         print(f"MoE load std/mean per block (last step): {cvs}; dropped pairs {moe_stats['dropped']}", flush=True)
 
+    if pending is not None:
+        saved = pending.wait()
+    loop_s = time.perf_counter() - loop_start     # the steps with their --save-every saves (not the final one)
     if not args.no_checkpoint:
         saved = save(args.steps)
     losses = history + losses
@@ -461,7 +494,7 @@ def train(args: argparse.Namespace) -> dict:
         if pipe is not None:
             print(f"{pipe.stats()}\nmedian measured bubble over the steps {float(np.median(bubbles)):.1%}", flush=True)
     return {"losses": losses, "step_times": times, "dp": dp, "tp": tp, "ep": ep, "pp": pp, "bubbles": bubbles,
-            "params": params, "moe": moe_stats, "start": start, "run_dir": out}
+            "params": params, "moe": moe_stats, "start": start, "run_dir": out, "loop_s": loop_s}
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import mpi_env
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
@@ -28,7 +30,7 @@ def _run(tmp_path, name, body, n, extra_env=None):
 
 
 SAVE = """
-    import os, sys
+    import os, sys, threading
     import numpy as np
     from tessera_rt import dist
     from tessera_rt.dist import checkpoint
@@ -37,14 +39,21 @@ SAVE = """
     version = int(sys.argv[1])
     W = np.arange(48, dtype=np.float32).reshape(8, 6) * version
     X = dist.distribute(W, layout=dist.ShardSpec(partition=("row", "col"), mesh_axes=("tp", "dp")), mesh=mesh)
-    if os.environ.get("KILL_RANK") == str(w.rank):
-        real = checkpoint._write_atomic
+    if os.environ.get("KILL_RANK") == str(w.rank):          # (on the io worker when ASYNC)
+        real = checkpoint.files._write_atomic
         def dying(path, data):
             with open(path + ".partial", "wb") as f:
                 f.write(data[: len(data) // 2])          # half a file on disk, then the rank dies
+            print("dying on", threading.current_thread().name, flush=True)
             os.kill(os.getpid(), 9)
-        checkpoint._write_atomic = dying
-    info = dist.save({"w": X, "step": version}, os.environ["CKPT"])
+        checkpoint.files._write_atomic = dying
+    if os.environ.get("ASYNC"):                  # the training goes on while the files are written
+        handle = dist.save({"w": X, "step": version}, os.environ["CKPT"], async_=True)
+        for _ in range(20):
+            dist.all_reduce(np.ones(8), axis="dp", mesh=mesh)
+        info = handle.wait()
+    else:
+        info = dist.save({"w": X, "step": version}, os.environ["CKPT"])
     print("saved", version, flush=True)
     if w.rank == 0:
         print(f"report: {info.summary()}", flush=True)
@@ -66,14 +75,17 @@ LOAD = """
 """
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, mode):
     ckpt = str(tmp_path / "ckpt")
     p, _ = _run(tmp_path, "save.py", SAVE.replace("sys.argv[1]", "1"), 4, {"CKPT": ckpt})
     assert p.returncode == 0 and "saved 1" in p.stdout, p.stdout + p.stderr
     before = open(os.path.join(ckpt, "index.json")).read()
-    p, took = _run(tmp_path, "save2.py", SAVE.replace("sys.argv[1]", "2"), 4, {"CKPT": ckpt, "KILL_RANK": "2"})
+    p, took = _run(tmp_path, "save2.py", SAVE.replace("sys.argv[1]", "2"), 4,
+                   {"CKPT": ckpt, "KILL_RANK": "2", "ASYNC": "1" if mode == "async" else ""})
     assert p.returncode not in (0, 124), p.stdout + p.stderr
     assert took < 30 and "saved 2" not in p.stdout
+    assert f"dying on {'tessera-stream-io-host' if mode == 'async' else 'MainThread'}" in p.stdout, p.stdout
     assert open(os.path.join(ckpt, "index.json")).read() == before        # the commit point never moved
     leftovers = [d for d in os.listdir(ckpt) if d.startswith("data-")]
     assert len(leftovers) == 2                                             # the killed save's dir is garbage
@@ -81,6 +93,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     p, _ = _run(tmp_path, "load.py", LOAD, 2, {"CKPT": ckpt})
     assert p.returncode == 0, p.stdout + p.stderr
     assert "rank 0 loaded version 1 local (8, 3)" in p.stdout
+    if mode == "async":
+        return                    # the rest is the same either way
     # the next good save commits and removes the killed save's leftovers
     p, _ = _run(tmp_path, "save3.py", SAVE.replace("sys.argv[1]", "3"), 4, {"CKPT": ckpt})
     assert p.returncode == 0, p.stdout + p.stderr
@@ -172,7 +186,7 @@ def test_a_failed_save_says_what_it_left_behind(tmp_path, monkeypatch):
         with open(f"{path}.tmp-1", "wb") as f:
             f.write(b"\0" * 500)                 # part of the file, then the disk is full
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint, "_write_atomic", disk_full)
+    monkeypatch.setattr(checkpoint.files, "_write_atomic", disk_full)
     try:
         dist.save(_state(2), ckpt)
         raise AssertionError("the save should fail")
@@ -195,7 +209,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
     ckpt = str(tmp_path / "ckpt")
     dist.save(_state(1), ckpt)
     committed = _disk_bytes(ckpt)
-    real, capacity = checkpoint._write_atomic, [committed + 100]      # another program filled the disk
+    real, capacity = checkpoint.files._write_atomic, [committed + 100]      # another program filled the disk
 
     def on_a_small_disk(path, data):
         free = capacity[0] - _disk_bytes(ckpt)
@@ -204,7 +218,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
                 f.write(data[:max(free, 0)])                            # what fits, then the disk is full
             raise OSError(28, "No space left on device")
         real(path, data)
-    monkeypatch.setattr(checkpoint, "_write_atomic", on_a_small_disk)
+    monkeypatch.setattr(checkpoint.files, "_write_atomic", on_a_small_disk)
     for _ in range(2):                     # the second failure begins by removing the first's leftovers
         with pytest.raises(checkpoint.CheckpointError, match=r"No space left on device \[this save left 100 B"):
             dist.save(_state(2), ckpt)
@@ -252,3 +266,15 @@ def test_pipeline_and_expert_checkpoints_load_onto_one_rank(tmp_path):
         assert sorted(flat) == sorted(expected) and len(flat) >= 40
         for k, v in flat.items():
             assert np.array_equal(v, expected[k]), k
+
+
+def test_an_async_save_never_waited_for_says_so_at_exit_and_commits_nothing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    script = ("import numpy as np\nfrom tessera_rt import dist\n"
+              f"h = dist.save({{'a': np.ones(3)}}, {str(ckpt)!r}, async_=True)\nprint('returned', flush=True)\n")
+    p = subprocess.run(["timeout", "-k", "5", "60", sys.executable, "-c", script], env=mpi_env(1),
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "returned" in p.stdout, p.stdout + p.stderr
+    assert f"rank 0: dist.save({str(ckpt)!r}, async_=True) was never waited for: it is not committed" in p.stderr, \
+        p.stderr
+    assert not (ckpt / "index.json").exists()

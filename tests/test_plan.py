@@ -227,6 +227,11 @@ def test_bad_cluster_and_mesh(tmp_path):
         plan.ModelSpec("m", vocab=8, d_model=8, n_layers=1, n_heads=4, n_kv_heads=3, ffn_hidden=8)
     with pytest.raises(ValueError, match="unknown model"):
         plan.get_model("llama9")
+    # the command line's errors name its flags, not the Python API's arguments
+    rc, _, err = _run_cli(["--model", "llama9", "--cluster", "local"])
+    assert rc == 2 and "error: --model llama9: unknown model 'llama9'; pass --model a preset (" in err, err
+    rc, _, err = _run_cli(["--model", "char", "--cluster", "nowhere.json"])
+    assert rc == 2 and "error: --cluster nowhere.json: nowhere.json: no such file" in err, err
 
 
 @pytest.mark.parametrize("argv", [["--seq", "-4096"], ["--seq", "0"], ["--batch", "0"], ["--batch", "-4"],

@@ -22,7 +22,7 @@ from .backend import get_backend
 
 __all__ = [
     "ROLES", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
-    "disable_overlap", "overlaps", "synchronize", "reset", "register_prefetch",
+    "disable_overlap", "overlaps", "synchronize", "reset", "register_prefetch", "host_worker",
 ]
 
 ROLES = ("compute", "tp_collective", "a2a", "io")
@@ -33,6 +33,7 @@ _slots: dict[int, object] = {}            # slot -> Stream, created on first use
 _role_streams: dict[str, object] = {}     # role -> Stream, the hot-path cache
 # None means "every role overlaps with every other" (the default).
 _overlap: set[frozenset] | None = None
+_host_workers: dict[str, object] = {}     # role -> a host thread for roles whose stream has none
 
 
 def set_stream_map(mapping: dict[str, int]) -> None:
@@ -77,6 +78,21 @@ def stream(role: str = "compute"):
     return s
 
 
+def host_worker(role: str = "io"):
+    """A worker thread for ``role``'s host-side work (``submit(fn)``, run in order; e.g. the
+    checkpoint's file writes on "io"): the role's own stream where that is a CPU worker
+    stream, else one made for the role here (a GPU stream or an in-order CPU stream runs no
+    host code beside the caller)."""
+    s = stream(role)
+    if hasattr(s, "submit"):
+        return s
+    w = _host_workers.get(role)
+    if w is None:
+        from .cpu_streams import CpuWorkerStream
+        w = _host_workers[role] = CpuWorkerStream(f"{role}-host")
+    return w
+
+
 def streams() -> dict[str, object]:
     return {role: stream(role) for role in _stream_map}
 
@@ -116,7 +132,7 @@ def synchronize() -> None:
 def _close_workers() -> None:
     # Before MPI_Finalize (mpi4py's, which runs after Python's exit handlers): let CPU workers
     # finish what they run, briefly, so none is inside MPI when it shuts down.
-    for s in list(_slots.values()):
+    for s in list(_slots.values()) + list(_host_workers.values()):
         close = getattr(s, "close", None)
         if close is not None:
             close(timeout=5.0)
@@ -126,9 +142,10 @@ def reset() -> None:
     """Back to the default map and overlap policy, dropping all streams (tests only; a
     worker stream that failed is dropped without raising again)."""
     global _overlap
-    for s in list(_slots.values()):
+    for s in list(_slots.values()) + list(_host_workers.values()):
         close = getattr(s, "close", None)
         s.synchronize() if close is None else close()
+    _host_workers.clear()
     had_streams = bool(_slots)
     _stream_map.clear()
     _stream_map.update(_DEFAULT_MAP)

@@ -3,6 +3,7 @@ the save report; and a DTensor's own persistence (pickle) and NumPy calls on rea
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -227,3 +228,64 @@ def test_stages_that_reuse_each_others_names_are_refused(world, ckpt_dir):
     with pytest.raises(dist.CheckpointError, match=r"'w' is a dtensor .* but rank\(s\) \[1.*\] of that mesh did not "
                                                    r"pass it \(only ranks \[0\] did\)"):
         dist.save({"w": W} if world.rank == 0 else {}, ckpt_dir)
+
+
+# ------------------------------------------------------------------ asynchronous saves
+
+def _row_state(mesh, version):
+    W = np.arange(56, dtype=np.float32).reshape(8, 7) * version
+    return {"w": dist.distribute(W, layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)), mesh=mesh),
+            "a": np.full(3, version, np.int64), "step": version}, W
+
+
+def _saved_step(ckpt_dir):
+    return MPI.COMM_WORLD.bcast(json.load(open(os.path.join(ckpt_dir, "index.json")))["values"]["step"]
+                                if MPI.COMM_WORLD.rank == 0 else None, root=0)
+
+
+@pytest.mark.timeout(120)
+def test_an_async_save_snapshots_the_state_and_commits_only_when_every_rank_wrote(world, ckpt_dir):
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": world.size})
+    dist.save(_row_state(mesh, 1)[0], ckpt_dir)
+    state, W2 = _row_state(mesh, 2)
+    h = dist.save(state, ckpt_dir, async_=True)
+    assert isinstance(h, dist.checkpoint.SaveHandle)
+    # the training goes on: it changes the state in place and runs collectives while the
+    # files are written; nothing is committed before every rank says its write is done
+    state["w"].to_local()[...] = -1
+    state["a"][...] = -1
+    for _ in range(3):
+        dist.all_reduce(np.ones(4), axis="dp", mesh=mesh)
+    assert _saved_step(ckpt_dir) == 1
+    while not h.poll():                  # collective: every rank polls at the same points
+        dist.all_reduce(np.ones(4), axis="dp", mesh=mesh)
+    assert h.done() and _saved_step(ckpt_dir) == 2 and h.wait() == os.path.join(ckpt_dir, "index.json")
+    got = dist.load(ckpt_dir, like=_row_state(mesh, 0)[0])
+    assert got["step"] == 2 and np.array_equal(got["w"].full_tensor(), W2) and list(got["a"]) == [2, 2, 2]
+    # the next save (or load) waits for the one in flight: at most one at a time
+    h3 = dist.async_save(_row_state(mesh, 3)[0], ckpt_dir)
+    info = dist.save(_row_state(mesh, 4)[0], ckpt_dir)
+    assert h3.wait().replaced_bytes > 0 and _saved_step(ckpt_dir) == 4 and info.leftovers == []
+
+
+@pytest.mark.timeout(120)
+def test_an_async_save_that_fails_on_one_rank_raises_at_the_next_save_naming_it(world, ckpt_dir, monkeypatch):
+    from tessera_rt.dist.checkpoint import files
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": world.size})
+    dist.save(_row_state(mesh, 1)[0], ckpt_dir)
+    victim = world.size - 1
+    if world.rank == victim:
+        def disk_full(path, data):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(files, "_write_atomic", disk_full)
+    dist.save(_row_state(mesh, 2)[0], ckpt_dir, async_=True)         # returns: the write fails on the worker
+    with pytest.raises(dist.CheckpointError) as e:
+        dist.save(_row_state(mesh, 3)[0], ckpt_dir)
+    msg = str(e.value)
+    assert re.search(rf"rank {victim}: dist.save\(.*\): writing data-\S+/rank{victim:05d}.safetensors failed: "
+                     r".*No space left on device", msg), msg
+    assert "an asynchronous dist.save" in msg and "the previous checkpoint is unchanged" in msg, msg
+    monkeypatch.undo()
+    assert dist.load(ckpt_dir)["step"] == 1                     # the failed save never committed
+    dist.save(_row_state(mesh, 3)[0], ckpt_dir, async_=True).wait()
+    assert dist.load(ckpt_dir)["step"] == 3

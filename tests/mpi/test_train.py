@@ -170,15 +170,26 @@ class _Stopped(Exception):
     """A run ended after a save (as by a dead rank), standing in for the crash."""
 
 
-def _crash_after_save_at(monkeypatch, step: int):
-    real = TRAIN.save_checkpoint
+def _crash_after_save_at(monkeypatch, step: int, sync: bool = False):
+    """The run stops as it starts the step after the one that followed the save at ``step``:
+    an asynchronous save (the default) has been written while that step ran; it is waited
+    for first, so the crash comes after its commit."""
+    real_save, real_batch, made = TRAIN.save_checkpoint, TRAIN.get_batch, []
 
-    def save_then_stop(*a, **k):
-        info = real(*a, **k)
-        if a[6] == step:                # save_checkpoint(world, path, model, params, opt, scaler, step, ...)
+    def save(*a, **k):
+        made.append((a[6], real_save(*a, **k)))    # save_checkpoint(world, path, model, params, opt, scaler, step, ...)
+        return made[-1][1]
+
+    def batch(data, at, *a, **k):
+        if at == step + 1:
+            info = dict(made)[step]
+            assert isinstance(info, str if sync else dist.checkpoint.SaveHandle), info
+            if not sync:
+                info.wait()
             raise _Stopped
-        return info
-    monkeypatch.setattr(TRAIN, "save_checkpoint", save_then_stop)
+        return real_batch(data, at, *a, **k)
+    monkeypatch.setattr(TRAIN, "save_checkpoint", save)
+    monkeypatch.setattr(TRAIN, "get_batch", batch)
 
 
 _MESHES = {"dp": ["--dp", str(SIZE)], "tp": ["--dp", "1", "--tp", str(SIZE)],
@@ -187,7 +198,7 @@ _MESHES = {"dp": ["--dp", str(SIZE)], "tp": ["--dp", "1", "--tp", str(SIZE)],
            "ep": ["--experts", "4", "--ep", str(SIZE), "--dp", "1"],
            "pp2xtp2": ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "interleaved", "--layers", "4",
                        "--microbatches", "2"],
-           "fp16": ["--dp", str(SIZE), "--dtype", "fp16"],          # the loss scaler's state too
+           "fp16": ["--dp", str(SIZE), "--dtype", "fp16", "--sync-save"],   # the loss scaler's state; sync saves
            "llama": ["--dp", str(SIZE), "--arch", "llama"]}
 _SAME_MESH = {1: ["dp", "pp", "ep", "fp16", "llama"], 2: ["dp", "tp", "pp", "gpipe", "ep"], 3: ["fp16"], 4: ["pp2xtp2"]}[SIZE]
 # saved on one mesh, resumed on another of the same job
@@ -197,11 +208,11 @@ _RUN = [a for a in ARGS if a != "--no-checkpoint"]
 
 
 def _stop_and_resume(monkeypatch, tmp_path, saved_on: list, resumed_on: list) -> list:
-    """Losses of a run saved every 2 steps on ``saved_on``, stopped after the save at step 2, and
+    """Losses of a run saved every 2 steps on ``saved_on``, stopped a step after the save at step 2, and
     resumed from its run directory on ``resumed_on``."""
     run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
     with monkeypatch.context() as m:
-        _crash_after_save_at(m, 2)
+        _crash_after_save_at(m, 2, sync="--sync-save" in saved_on)
         with pytest.raises(_Stopped):
             TRAIN.train(TRAIN.parse_args(_RUN + saved_on + ["--save-every", "2", "--run-dir", run]))
     out = TRAIN.train(TRAIN.parse_args(_RUN + resumed_on + ["--save-every", "2", "--run-dir", run, "--resume"]))
@@ -242,8 +253,9 @@ def test_a_run_directory_is_never_replaced(world, tmp_path):
     before = _files(Path(run))
     with pytest.raises(SystemExit, match=f"the run directory {run} is not empty; pass --resume"):
         TRAIN.train(TRAIN.parse_args(args))
-    with pytest.raises(SystemExit, match="is at step 1 already; pass --steps above 1"):
-        TRAIN.train(TRAIN.parse_args(args + ["--resume"]))
+    # a run resumed at its end (a restart after the final save) is complete: nothing runs or changes
+    done = TRAIN.train(TRAIN.parse_args(args + ["--resume"]))
+    assert done["complete"] and done["start"] == 1 and len(done["losses"]) == 1
     with pytest.raises(SystemExit, match=r"was saved with --d-model 16 \(now 32\)"):
         TRAIN.train(TRAIN.parse_args(args + ["--resume", "--steps", "2", "--d-model", "32"]))
     empty = MPI.COMM_WORLD.bcast(str(tmp_path / "empty"), root=0)

@@ -47,3 +47,24 @@ def test_ring_of_irecv_then_isend_completes():
     s = dist.send(cupy.full(6, float(w.rank), np.float32), right, axis="x", mesh=mesh, async_op=True)
     r.wait(), s.wait()
     np.testing.assert_array_equal(buf.get(), np.full(6, left, np.float32))
+
+
+def test_an_async_save_copies_on_the_io_stream_and_survives_changes_after_it_returns(tmp_path_factory):
+    # dist.save(async_=True) on device arrays: device-to-host on the io stream after an event
+    # from compute, into pinned memory; compute waits for that copy on the device.  The
+    # stand-in reports a copy that reads before compute's writes land or a write of compute
+    # that races the copy; the saved values are the ones at the call.
+    import cupy
+    w = dist.init()
+    mesh = dist.Mesh(axes=["dp"], shape={"dp": w.size})
+    path = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if w.rank == 0 else None, root=0)
+    W = np.arange(12 * w.size, dtype=np.float32).reshape(4 * w.size, 3)
+    X = dist.distribute(cupy.asarray(W), layout=dist.ShardSpec(partition=("row",), mesh_axes=("dp",)), mesh=mesh)
+    X.to_local()[...] *= 2                   # compute's work, still queued when the save starts
+    handle = dist.save({"w": X, "step": 3}, path, async_=True)
+    X.to_local()[...] = -1                   # the training changes the state once save returned
+    while not handle.poll():
+        pass
+    got = dist.load(path, like={"w": dist.zeros(W.shape, mesh=mesh), "step": 0})
+    assert got["step"] == 3 and isinstance(got["w"].to_local(), cupy.ndarray)
+    np.testing.assert_array_equal(got["w"].full_tensor().get(), 2 * W)

@@ -26,7 +26,7 @@ from .redistribute import Plan, Step, plan_redistribute
 from .rules import RuleError, register_rule
 from .shard import local_shape, local_slices, split_offsets, split_sizes
 from . import cost, debug
-from .checkpoint import CheckpointError, load, save
+from .checkpoint import CheckpointError, async_save, load, save
 from .debug import CollectiveMismatchError, flight_records
 from .determinism import deterministic, is_deterministic, set_deterministic
 
@@ -39,7 +39,7 @@ __all__ = [
     "Partial", "as_layout", "local_shape", "local_slices", "split_sizes", "split_offsets",
     "Plan", "Step", "plan_redistribute", "DTensor", "tensor", "zeros", "ones", "full", "distribute",
     "from_local", "rand", "randn", "RuleError", "register_rule",
-    "debug", "cost", "CollectiveMismatchError", "flight_records", "save", "load", "CheckpointError",
+    "debug", "cost", "CollectiveMismatchError", "flight_records", "save", "async_save", "load", "CheckpointError",
     "deterministic", "set_deterministic", "is_deterministic",
 ]
 

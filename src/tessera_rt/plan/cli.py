@@ -114,6 +114,14 @@ def _report(a, m, c, cands: list) -> str:
     return "\n".join(out)
 
 
+def _flag(flag: str, value: str, read):
+    """``read(value)``; its error names the flag, as the CLI's user wrote it (not the Python API)."""
+    try:
+        return read(value)
+    except ValueError as e:
+        raise ValueError(f"{flag} {value}: {e}".replace("use a preset", f"pass {flag} a preset")) from None
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     try:
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
             path = calibrate(ranks=a.ranks)
             print(f"saved the calibrated `local` cluster to {path}")
             return 0
-        m, c = get_model(a.model), get_cluster(a.cluster)
+        m, c = _flag("--model", a.model, get_model), _flag("--cluster", a.cluster, get_cluster)
         policy = None
         if a.dtype:
             from ..kernels.numerics import numeric
