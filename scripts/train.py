@@ -426,7 +426,8 @@ def train(args: argparse.Namespace) -> dict:
             if scaler is not None:
                 grads, finite = scaler.unscale(grads)
             if args.clip > 0 and finite:
-                grads, norm = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None)
+                grads, norm = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None,
+                                                   in_place=True)      # the step's own fresh gradients
             value = loss if pipe is not None else float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
             if finite and not args.no_check_finite:
                 # the loss and the global norm, which every rank holds already: one scalar each
