@@ -124,6 +124,11 @@ def _views(acc, b, hkv, *arrays):
     return [np.ascontiguousarray(widen(a, acc)).reshape(b * hkv, -1, a.shape[2], a.shape[3]) for a in arrays]
 
 
+def _group_sum(t: np.ndarray) -> np.ndarray:
+    """A kv head's gradient: the sum over its G query heads (axis 1); a view when G is 1."""
+    return t[:, 0] if t.shape[1] == 1 else t.sum(axis=1)
+
+
 def _key_end(causal: bool, i1: int, shift: int, sk: int) -> int:
     """How many keys a query block ending at row i1 (exclusive) can see."""
     return max(0, min(sk, i1 + shift)) if causal else sk
@@ -200,11 +205,11 @@ def flash_attention_backward(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, 
             p = np.matmul(qb, np.swapaxes(kb, -1, -2))
             _probs_arg(p, lse_b, sc, causal, i0 + shift, j0)
             exp_inplace(p)
-            dv[:, j0:j1] += np.matmul(np.swapaxes(p, -1, -2), dob).sum(axis=1)
+            dv[:, j0:j1] += _group_sum(np.matmul(np.swapaxes(p, -1, -2), dob))
             ds = np.matmul(dob, np.swapaxes(vb, -1, -2))
             _dscores(p, ds, delta_b, sc)
             dq[:, :, i0:i1] += np.matmul(ds, kb)
-            dk[:, j0:j1] += np.matmul(np.swapaxes(ds, -1, -2), qb).sum(axis=1)
+            dk[:, j0:j1] += _group_sum(np.matmul(np.swapaxes(ds, -1, -2), qb))
     res = result_dtype(q.dtype, policy)
     outs = out if out is not None else (None, None, None)
     shapes = (q.shape, k.shape, v.shape)
