@@ -5,13 +5,15 @@
     python scripts/bench_kernels.py --quick    # small sizes (CI, CPU)
     python scripts/bench_kernels.py --device cpu --markdown >> BENCHMARKS.md
     python scripts/bench_kernels.py --json out.json   # the rows as JSON too (scripts/gpu_check.py)
+    python scripts/bench_kernels.py --device cpu --fused   # the fused CPU kernels beside the references
 
 GPU: the tile GEMM beside cuBLAS (cupy.matmul) at 4096^3 fp16 and bf16 and two skinny decode
 shapes, the dual GEMM and SwiGLU beside two matmuls, flash attention forward and backward
 beside PyTorch's scaled_dot_product_attention (when torch sees the GPU; else the fraction of
 the tensor-core peak), the row kernels, FP8 quantize and paged decode beside a
 device-to-device copy; each with TFLOP/s or GB/s and the fraction of the device's peak.
-CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA.  On the CuPy
+CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA, and the fused
+Numba kernels the CPU kernel table picks beside those references (``--fused``).  On the CuPy
 stand-in (tests/gpu_emu) the GPU path runs in the emulation harness at tiny shapes: the
 figures say the code ran, not how fast a GPU is.
 
@@ -326,6 +328,88 @@ class Bench:
         self.add("paged_decode_attention", f"B{b} H{h}/{hkv} D{d} len {n} page {bs}", ms,
                  f"{'D2D copy' if self.gpu else 'memcpy'} of the K pages", peer_ms, nbytes=nbytes)
 
+    def fused(self):
+        """CPU: the fused Numba kernels (kernels.cpu_fused, cpu_attention) beside the NumPy
+        references they replace in the kernel table, at the training step's shapes (8 x 128
+        tokens, d_model 256, SwiGLU hidden 1024, vocab 256, 4 heads of 64); the backward
+        references are the NumPy chains the VJP rules ran before (the SwiGLU one recomputing
+        x@W1 and x@W3)."""
+        if self.gpu:
+            return
+        from tessera_rt.kernels import attention, cpu_attention as CA, cpu_fused as CF, mlp, norms
+        t_, d_, f_, v_ = self.pick(None, (256, 64, 256, 64), None, (1024, 256, 1024, 256))
+        x, g = self.arr((t_, d_)), self.arr((t_, d_))
+        w1, w3, w = self.arr((d_, f_), scale=0.06), self.arr((d_, f_), scale=0.06), self.arr((d_,))
+        h1, h3 = x @ w1, x @ w3
+        gf = self.arr((t_, f_))
+
+        def swiglu_bwd_ref():
+            a1, a3 = x @ w1, x @ w3
+            s = 1 / (1 + np.exp(-a1))
+            return gf * a3 * (s * (1 + a1 * (1 - s))), gf * (a1 * s)
+
+        def rms_bwd_ref():
+            r = 1 / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+            gw = g * w
+            m = (gw * x).mean(-1, keepdims=True)
+            return gw * r - x * (m * (r * (r * r))), (g * (x * r)).sum(0)
+
+        def ln_bwd_ref():
+            xc = x - x.mean(-1, keepdims=True)
+            r = 1 / np.sqrt((xc * xc).mean(-1, keepdims=True) + 1e-5)
+            xh, gw = xc * r, g * w
+            gx = r * (gw - gw.mean(-1, keepdims=True) - xh * (gw * xh).mean(-1, keepdims=True))
+            return gx, (g * xh).sum(0), g.sum(0)
+
+        logits = self.arr((t_, v_), scale=2)
+        tgt = self.rng.integers(0, v_, t_)
+        onehot = (tgt[:, None] == np.arange(v_)[None]).astype(np.float32)
+
+        def xent_ref():
+            sh = logits - logits.max(-1, keepdims=True)
+            e = np.exp(sh)
+            loss = (np.log(e.sum(-1)) - (sh * onehot).sum(-1)).mean()
+            return loss, (e / e.sum(-1, keepdims=True) - onehot) / t_
+
+        def xent_ours():
+            loss, lse = CF.softmax_cross_entropy(logits, tgt, return_lse=True)
+            return loss, CF.cross_entropy_backward(1.0, logits, tgt, lse)
+
+        y = CF.softmax(logits)
+        gy = self.arr(y.shape)
+        cases = [      # (name, shape, the array whose read + write is the rate's bytes, ours, reference)
+            ("swiglu fwd", f"{t_}x{d_}->{f_}", h1, lambda: CF.swiglu(x, w1, w3), lambda: mlp.swiglu(x, w1, w3)),
+            ("swiglu bwd (h1, h3 kept)", f"{t_}x{f_}", h1, lambda: CF.swiglu_backward(gf, h1, h3), swiglu_bwd_ref),
+            ("rmsnorm fwd", f"{t_}x{d_}", x, lambda: CF.rmsnorm(x, w), lambda: norms.rmsnorm(x, w)),
+            ("rmsnorm bwd", f"{t_}x{d_}", x, lambda: CF.rmsnorm_backward(g, x, w), rms_bwd_ref),
+            ("layernorm fwd", f"{t_}x{d_}", x, lambda: CF.layernorm(x, w, w), lambda: norms.layernorm(x, w, w)),
+            ("layernorm bwd", f"{t_}x{d_}", x, lambda: CF.layernorm_backward(g, x, w, w), ln_bwd_ref),
+            ("softmax fwd", f"{t_}x{v_}", y, lambda: CF.softmax(logits), lambda: norms.softmax(logits)),
+            ("softmax bwd", f"{t_}x{v_}", y, lambda: CF.softmax_backward(gy, y),
+             lambda: y * (gy - (gy * y).sum(-1, keepdims=True))),
+            ("cross-entropy fwd+bwd", f"{t_}x{v_}", y, xent_ours, xent_ref),
+        ]
+        for name, shape, main, ours, ref in cases:
+            ms, peer_ms = self.clock.pair(ours, ref)
+            got, want = ours(), ref()
+            got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+            err = max(max_rel_err(a, b) for a, b in zip(got, want))
+            self.add(name, shape + " f32", ms, "NumPy reference", peer_ms, nbytes=2 * main.nbytes,
+                     check=f"{'ok' if err <= 1e-4 else 'MISMATCH'} (err {err:.1e})")
+        b_, h_, s_, hd = self.pick(None, (2, 4, 128, 64), None, (8, 4, 128, 64))
+        q, k, v = (self.arr((b_, h_, s_, hd)) for _ in range(3))
+        o, lse = attention.flash_attention(q, k, v, causal=True, return_lse=True)
+        do = self.arr(q.shape)
+        flops = 4 * b_ * h_ * s_ * s_ * hd * 0.5
+        label = f"B{b_} H{h_} S{s_} D{hd} causal f32"
+        ms, peer_ms = self.clock.pair(lambda: CA.flash_attention(q, k, v, causal=True),
+                                      lambda: attention.flash_attention(q, k, v, causal=True))
+        self.add("attention fwd (blocked)", label, ms, "NumPy reference", peer_ms, flops=flops,
+                 check=self.checked(CA.flash_attention(q, k, v, causal=True), o, 1e-4))
+        ms, peer_ms = self.clock.pair(lambda: CA.flash_attention_backward(q, k, v, o, do, lse, causal=True),
+                                      lambda: attention.flash_attention_backward(q, k, v, o, do, lse, causal=True))
+        self.add("attention bwd (blocked)", label, ms, "NumPy reference", peer_ms, flops=2.5 * flops)
+
     def conv(self):
         from tessera_rt import kernels as K
         n_, c_, hw, kk = self.pick((1, 4, 32, 7), (1, 4, 32, 7), (4, 16, 256, 15), (4, 16, 64, 15))
@@ -355,11 +439,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for BENCHMARKS.md)")
     ap.add_argument("--reps", type=int, default=None, help="samples per side (median taken)")
+    ap.add_argument("--fused", action="store_true",
+                    help="only the fused CPU kernels beside their NumPy references (the training step's shapes)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     bench = Bench(args)
     errors = []
-    for section in (bench.gemm, bench.dual, bench.attention, bench.memory_bound, bench.conv):
+    sections = (bench.fused,) if args.fused else (bench.gemm, bench.dual, bench.attention, bench.memory_bound,
+                                                  bench.conv, bench.fused)
+    for section in sections:
         try:
             section()
         except Exception as exc:         # one broken section must not hide the others' figures

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import op
-from .autodiff import checkpoint, no_grad
+from .autodiff import checkpoint, detach, no_grad
 from .dist.dtensor import DTensor, distribute
 from .dist.layout import ShardSpec
 from .dtypes import resolve_dtype
@@ -142,6 +142,8 @@ def cross_entropy(logits, targets, iota=None):
     ``vocab_iota`` with the same sharding): the max and the sum of exponentials are pending
     reductions over tp (one small all-reduce each) and the target logit is picked by a
     one-hot against the local vocab slice, so the full logits never exist on one rank."""
+    if type(detach(logits)) is np.ndarray and type(targets) is np.ndarray:
+        return op.softmax_cross_entropy(logits, targets)       # one fused kernel on host arrays
     v = logits.shape[-1]
     if iota is None:
         iota = vocab_iota(v, len(targets.shape))

@@ -16,6 +16,9 @@ import numpy as np
 from .. import op
 from ..backend import get_backend
 from ..dist.dtensor import DTensor
+from ..kernels import cpu_fused
+from ..kernels.mlp import _check_pair as check_pair
+from ..kernels.numerics import result_dtype
 from .tape import _kind, vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
@@ -74,6 +77,14 @@ def _cot(g, x):
     if not _is_tensor(x):
         return None
     return _as(sum_to(g, _shape(x)), x)
+
+
+def _host(*xs) -> bool:
+    """All given values are NumPy arrays (None skipped): the fused CPU kernels' backward applies."""
+    for x in xs:
+        if x is not None and type(x) is not np.ndarray:
+            return False
+    return True
 
 
 def _mask(cond, like):
@@ -303,6 +314,8 @@ def _row_param(args, i):
 def _softmax(g, out, args, kw, needs):
     x = args[0]
     axis = args[1] if len(args) > 1 else kw.get("axis", -1)
+    if _host(out, g) and axis in (-1, len(_shape(out)) - 1):
+        return (cpu_fused.softmax_backward(g, out).astype(x.dtype, copy=False),) + (None,) * (len(args) - 1)
     y, gw = _wide(out), _wide(g)
     gx = op.mul(y, op.sub(gw, op.sum(op.mul(gw, y), axis=axis, keepdims=True)))
     return (_as(gx, x),) + (None,) * (len(args) - 1)
@@ -318,6 +331,9 @@ def _lead_sum(t, width):
 def _layernorm(g, out, args, kw, needs):
     x, w, b = args[0], _row_param(args, 1), _row_param(args, 2)
     eps = kw.get("eps", 1e-5)
+    if _host(x, w, b, g):
+        grads = cpu_fused.layernorm_backward(g, x, w, b, eps=eps)
+        return tuple(t if i < len(needs) and needs[i] else None for i, t in enumerate(grads))[:len(args)]
     xf, gf = _wide(x), _wide(g)
     mean = op.mean(xf, axis=-1, keepdims=True)
     xc = op.sub(xf, mean)
@@ -340,6 +356,9 @@ def _layernorm(g, out, args, kw, needs):
 def _rmsnorm(g, out, args, kw, needs):
     x, w = args[0], _row_param(args, 1)
     eps = kw.get("eps", 1e-6)
+    if _host(x, w, g):
+        grads = cpu_fused.rmsnorm_backward(g, x, w, eps=eps)
+        return tuple(t if i < len(needs) and needs[i] else None for i, t in enumerate(grads))[:len(args)]
     xf, gf = _wide(x), _wide(g)
     r = op.rsqrt(op.add(op.mean(op.mul(xf, xf), axis=-1, keepdims=True), eps))
     gw = op.mul(gf, _wide(w)) if w is not None else gf
@@ -354,15 +373,35 @@ def _rmsnorm(g, out, args, kw, needs):
 
 # --------------------------------------------------------------------------- fused kernels
 
-@vjp_rule("swiglu")
+def _swiglu_forward(fn, vals, kw):
+    """Run swiglu keeping its pre-activations ``h1 = x @ w1``, ``h3 = x @ w3`` for the backward,
+    which then recomputes neither GEMM.  Under ``ts.checkpoint`` the forward records nothing
+    (no_grad), so a rematerialized block holds them only while its own backward runs."""
+    x, w1, w3 = vals
+    policy = kw.get("policy")
+    if type(x) is DTensor or type(w1) is DTensor or type(w3) is DTensor:
+        from ..dist import dispatch
+        h1, h3 = dispatch.matmul(x, w1, None, policy), dispatch.matmul(x, w3, None, policy)
+        return dispatch.binary("mul", dispatch.unary("silu", h1), h3), (h1, h3)
+    if _host(x, w1, w3):
+        check_pair("swiglu", x, w1, w3, kw.get("stream"), policy)
+        y, h1, h3 = cpu_fused.swiglu_forward(x, w1, w3, policy)
+        return y.astype(result_dtype(x.dtype, policy), copy=False), (h1, h3)
+    return fn(*vals, **kw), None                                  # (GPU kernel: the rule recomputes)
+
+
+@vjp_rule("swiglu", forward=_swiglu_forward)
 def _swiglu(g, out, args, kw, needs):
     x, w1, w3 = args
     xf, w1f, w3f, gf = _wide(x), _wide(w1), _wide(w3), _wide(g)
-    h1, h3 = op.matmul(xf, w1f), op.matmul(xf, w3f)
-    s = op.sigmoid(h1)
-    a = op.mul(h1, s)
-    dh3 = op.mul(gf, a)
-    dh1 = op.mul(op.mul(gf, h3), op.mul(s, op.add(1, op.mul(h1, op.sub(1, s)))))
+    saved = kw.get("_saved")
+    h1, h3 = saved if saved is not None else (op.matmul(xf, w1f), op.matmul(xf, w3f))
+    if _host(h1, h3, g):
+        dh1, dh3 = cpu_fused.swiglu_backward(g, h1, h3)         # one fused pass
+    else:
+        s = op.sigmoid(h1)
+        dh3 = op.mul(gf, op.mul(h1, s))
+        dh1 = op.mul(op.mul(gf, h3), op.mul(s, op.add(1, op.mul(h1, op.sub(1, s)))))
     gx = gw1 = gw3 = None
     if needs[0]:
         gx = _as(op.add(op.matmul(dh1, op.transpose(w1f, None)), op.matmul(dh3, op.transpose(w3f, None))), x)
@@ -442,3 +481,15 @@ def _fake_quant(g, out, args, kw, needs):
 def _saxpy(g, out, args, kw, needs):
     x, y, alpha = args[0], args[1], args[2] if len(args) > 2 else kw["alpha"]
     return (op.mul(g, float(alpha)) if needs[0] else None, g if needs[1] else None, None)[:len(args)]
+
+
+def _xent_forward(fn, vals, kw):
+    loss, lse = fn(*vals, **dict(kw, return_lse=True))
+    return ((loss, lse) if kw.get("return_lse") else loss), lse
+
+
+@vjp_rule("softmax_cross_entropy", forward=_xent_forward)
+def _softmax_cross_entropy(g, out, args, kw, needs):
+    """(softmax - onehot) * g / rows from the logsumexp the forward kept."""
+    logits, targets = args
+    return cpu_fused.cross_entropy_backward(g, logits, targets, kw["_saved"]), None

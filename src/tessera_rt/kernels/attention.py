@@ -25,7 +25,7 @@ from ._common import array_module, check_float, check_policy, check_stream, fini
 from .norms import NORM_DTYPES
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
-__all__ = ["flash_attention", "flash_attention_backward", "check_attention", "GPU_HEAD_DIMS"]
+__all__ = ["flash_attention", "flash_attention_backward", "check_attention", "check_attention_backward", "GPU_HEAD_DIMS"]
 
 GPU_HEAD_DIMS = (64, 128)
 
@@ -57,6 +57,20 @@ def check_attention(op: str, q: Any, k: Any, v: Any, gpu: bool = False) -> tuple
         if np.dtype(q.dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
             raise TypeError(f"{op}: the GPU kernel takes float16 (or float32, cast to half on the "
                             f"way in), got {dtype_name(q.dtype)}")
+    return b, h, hkv, sq, sk, d
+
+
+def check_attention_backward(op: str, q, k, v, o, do, lse, stream, policy) -> tuple[int, ...]:
+    """``check_attention`` plus the backward's own arguments: o and do shaped like q, lse (B, H, Sq)."""
+    b, h, hkv, sq, sk, d = check_attention(op, q, k, v)
+    check_policy(op, policy)
+    check_stream(op, stream)
+    for name, t in (("o", o), ("do", do)):
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected q's {tuple(q.shape)}")
+    if tuple(lse.shape) != (b, h, sq):
+        raise ValueError(f"{op}: lse has shape {tuple(lse.shape)}, expected {(b, h, sq)} "
+                         "(from flash_attention(..., return_lse=True))")
     return b, h, hkv, sq, sk, d
 
 
@@ -128,15 +142,7 @@ def flash_attention_backward(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, 
     ``dS = P ∘ (dP - rowsum(dO ∘ O))``; ``dk``/``dv`` sum over each kv head's query group.
     """
     op = "flash_attention_backward"
-    b, h, hkv, sq, sk, d = check_attention(op, q, k, v)
-    check_policy(op, policy)
-    check_stream(op, stream)
-    for name, t in (("o", o), ("do", do)):
-        if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected q's {tuple(q.shape)}")
-    if tuple(lse.shape) != (b, h, sq):
-        raise ValueError(f"{op}: lse has shape {tuple(lse.shape)}, expected {(b, h, sq)} "
-                         "(from flash_attention(..., return_lse=True))")
+    b, h, hkv, sq, sk, d = check_attention_backward(op, q, k, v, o, do, lse, stream, policy)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     xp = array_module(q, k, v, o, do, lse)
     acc_dt = accum_dtype(q.dtype, policy)
