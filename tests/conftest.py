@@ -113,7 +113,9 @@ def mpi_env(nranks: int, device: str = "cpu", extra: dict | None = None) -> dict
 EXPECTED_RANK_SKIP = re.compile(
     r"needs (2|two|3) ranks|needs stages|needs two stages|ranks? (to disagree|outside the mesh)|a ring needs|"
     r"group of one|several ranks|one ep position|even rank count|2x2 mesh|sharded contraction|"
-    r"CPU worker threads themselves")
+    r"CPU worker threads themselves|"
+    # a parametrization built from the rank count can be empty at some sizes
+    r"got empty parameter set")
 
 
 def run_mpi_suite(suite, nranks: int, device: str | None = None, env: dict | None = None,

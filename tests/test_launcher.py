@@ -269,3 +269,18 @@ def test_a_death_banner_from_another_host_is_not_taken_for_a_rank_here(monkeypat
     with os.fdopen(read, "rb") as src:
         launcher._copy_stdout(src, io.BytesIO(), seen)
     assert seen["deaths"] == {4343: 9}
+
+
+@pytest.mark.timeout(120)
+def test_lines_of_different_ranks_are_never_interleaved(tmp_path):
+    # unbuffered output (PYTHONUNBUFFERED) writes print()'s pieces one by one; each rank's
+    # line must still reach the terminal whole
+    script = tmp_path / "lines.py"
+    script.write_text("from mpi4py import MPI\nr = MPI.COMM_WORLD.Get_rank()\n"
+                      "for i in range(150):\n    print('rank', r, 'line', i, 'end')\n")
+    env = dict(mpi_env(4), PYTHONUNBUFFERED="1")
+    p = subprocess.run([TESSERA_RUN, "-n", "4", str(script)], env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    broken = [line for line in lines if len(line.split()) != 5 or not line.endswith("end")]
+    assert len(lines) == 600 and not broken, broken[:5]

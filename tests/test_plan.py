@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tessera_rt import nn, op, plan
+from tessera_rt import dist, nn, op, plan
 from tessera_rt.plan import cli
 from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
 from tessera_rt.plan.plot import pareto_frontier
@@ -81,10 +81,12 @@ def test_memory_model_matches_the_runtime(remat):
     """Parameter and activation bytes of the real nn.Transformer (train.py's model) against
     the `char` preset's prediction, within 10%."""
     spec = plan.get_model("char")
-    model = nn.Transformer(spec.vocab, spec.d_model, spec.n_heads, spec.n_layers, spec.seq_len, remat=remat)
+    # on a one-rank mesh, as train.py runs it (DTensors: plain arrays take the fused loss)
+    mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": 1, "tp": 1})
+    model = nn.Transformer(spec.vocab, spec.d_model, spec.n_heads, spec.n_layers, spec.seq_len, remat=remat, mesh=mesh)
     params = model.init(0)
     rng = np.random.default_rng(0)
-    x, y = (rng.integers(0, spec.vocab, (8, spec.seq_len)) for _ in range(2))
+    x, y = (model.batch(rng.integers(0, spec.vocab, (8, spec.seq_len))) for _ in range(2))
     lay = plan.Layout(micro_batch=8, remat={"all": "every"}.get(remat, remat))
     mem = plan.memory_per_gpu(spec, plan.get_cluster("local"), lay, workload="train", batch=8, seq=spec.seq_len)
     assert local_bytes(params) == mem["params"]

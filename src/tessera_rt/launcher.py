@@ -429,6 +429,11 @@ def _rank_main(argv: list[str]) -> None:
     if run_dir:
         _mark(run_dir, f"{rank}.pid", str(os.getpid()))
         atexit.register(_mark, run_dir, f"{rank}.done", "")      # at a normal exit only (not os._exit)
+    # one write per line: unbuffered (PYTHONUNBUFFERED) print() writes each piece on its own,
+    # and mpiexec then interleaves other ranks' text into the middle of a line
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
     if os.environ.get(TAG_VAR):
         sys.stdout, sys.stderr = _Tagged(sys.stdout, f"[{rank}] "), _Tagged(sys.stderr, f"[{rank}] ")
         atexit.register(sys.stdout.flush)

@@ -215,3 +215,20 @@ def test_row_kernels_on_random_shapes(rows, n, scale):
     r = 1 / np.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-6)
     close(gx, gwx * r - xf * (gwx * xf).mean(-1, keepdims=True) * r ** 3, np.float32, scale=10.0)
     close(gw, (f64(g) * xf * r).sum(0), np.float32, scale=10.0 * math.sqrt(rows))
+
+
+@pytest.mark.parametrize("shape_q, shape_k", [((0, 2, 5, 3), (0, 1, 5, 3)), ((1, 2, 4, 3), (1, 1, 0, 3))])
+def test_attention_on_an_empty_piece_matches_the_reference(shape_q, shape_k):
+    # an uneven split of the batch leaves a rank no rows (3 ranks, batch 2); a sequence may be empty
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(shape_q).astype(np.float32)
+    k, v = (rng.standard_normal(shape_k).astype(np.float32) for _ in range(2))
+    o, lse = cpu_attention.flash_attention(q, k, v, return_lse=True)
+    ro, rlse = attention.flash_attention(q, k, v, return_lse=True)
+    np.testing.assert_array_equal(o, ro)
+    np.testing.assert_array_equal(lse, rlse)
+    grads = cpu_attention.flash_attention_backward(q, k, v, o, np.ones_like(o), lse)
+    ref = attention.flash_attention_backward(q, k, v, ro, np.ones_like(ro), rlse)
+    for g, r in zip(grads, ref):
+        assert g.shape == r.shape
+        np.testing.assert_array_equal(g, r)

@@ -139,7 +139,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: floa
                     stream: Any | None = None, policy: NumericPolicy | None = None):
     """``softmax(q kᵀ · scale) v`` (the reference: ``attention.flash_attention``)."""
     op = "flash_attention"
-    if any(is_cupy(a) for a in (q, k, v)):
+    # CuPy arrays, and the empty pieces of an uneven head split, go to the reference
+    if any(is_cupy(a) for a in (q, k, v)) or not (np.size(q) and np.size(k)):
         return attention.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                          block_kv=block_kv, out=out, stream=stream, policy=policy)
     b, h, hkv, sq, sk, d = attention.check_attention(op, q, k, v)
@@ -183,7 +184,7 @@ def flash_attention_backward(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, 
                              policy: NumericPolicy | None = None):
     """``(dq, dk, dv)`` of ``flash_attention`` (the reference: ``attention.flash_attention_backward``)."""
     op = "flash_attention_backward"
-    if any(is_cupy(a) for a in (q, k, v, o, do, lse)):
+    if any(is_cupy(a) for a in (q, k, v, o, do, lse)) or not (np.size(q) and np.size(k)):
         return attention.flash_attention_backward(q, k, v, o, do, lse, causal=causal, scale=scale, out=out,
                                                   stream=stream, policy=policy)
     b, h, hkv, sq, sk, d = attention.check_attention_backward(op, q, k, v, o, do, lse, stream, policy)

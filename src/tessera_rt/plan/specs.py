@@ -261,13 +261,15 @@ MODELS: dict[str, ModelSpec] = {
     # scripts/train.py's defaults, as the runtime runs them: f32, learned positions, and the
     # activation count of tessera_rt's tape, read off nn.py: every op output is kept, so a
     # block keeps norm1, o, add, norm2, w2, add (d each, replicated), q, k, v, attention out
-    # and its reshape (d/tp), swiglu (f/tp) and the logsumexp (heads/tp); outside: embedding,
-    # +pos, final norm (d), two one-hots, logits, shifted, exp, picked (vocab/tp).  Kernel
+    # and its reshape (d/tp), swiglu's output and the x@W1, x@W3 its backward keeps (3 f/tp)
+    # and the logsumexp (heads/tp); outside: embedding, +pos, final norm (d), two one-hots,
+    # logits, shifted, exp, picked (vocab/tp; train.py's loss on DTensors: the fused
+    # cross-entropy, which keeps only its logsumexp, serves plain arrays).  Kernel
     # and all-reduce counts per step are the profiler's and dist.trace_collectives' counts
     # of one train.py step (forward 22 ops per block, backward 95; tp: 6 all-reduces of the
     # block's activations per block).
     "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
-                      dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
+                      dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 3.0, 1.0),
                       act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
                       bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2,
                       uneven_gathers=(11, 3, 2), notes="scripts/train.py defaults"),
@@ -278,7 +280,7 @@ MODELS: dict[str, ModelSpec] = {
     # dispatched rows (d) and h1, h3, sigmoid, silu and their product (5 f); per token the
     # combine gather (top_k d), the gate's logits and probabilities (2 E)
     "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
-                          dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 1.0, 1.0),
+                          dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 3.0, 1.0),
                           act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=88,
                           bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
                           capacity_factor=1.25, moe_act_coeffs=(1.0, 5.0, 2.0, 2.0),
