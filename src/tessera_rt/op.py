@@ -52,8 +52,28 @@ def _no_extras(op: str, **kw) -> None:
 # --------------------------------------------------------------------------- kernels
 
 @differentiable("matmul", ("a", "b"))
-def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: NumericPolicy | None = None):
-    """``a @ b`` (batched, broadcasting); ``tile_shape=(BM, BN, BK)`` goes to the kernel."""
+def matmul(a: Any, b: Any, *, tile_shape: tuple[int, int, int] | None = None, out: Any = None, stream: Any = None,
+           policy: NumericPolicy | None = None) -> Any:
+    """``a @ b`` (batched, broadcasting).
+
+    Parameters
+    ----------
+    a, b : array or DTensor
+        The operands; DTensors go through the sharding rules (eager collectives where needed).
+    tile_shape : tuple of int, optional
+        ``(BM, BN, BK)`` for the kernel (arrays only).
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only; default the compute stream).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor
+        The product, a DTensor when an operand is one.
+    """
     if _is_dt(a, b):
         _no_extras("matmul", out=out, stream=stream)
         return _d.matmul(a, b, tile_shape, policy)
@@ -61,8 +81,28 @@ def matmul(a: Any, b: Any, *, tile_shape=None, out=None, stream=None, policy: Nu
 
 
 @differentiable("softmax", ("x",))
-def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPolicy | None = None):
-    """Softmax along ``axis``; a DTensor sharded along it is redistributed first."""
+def softmax(x: Any, axis: int = -1, *, out: Any = None, stream: Any = None,
+            policy: NumericPolicy | None = None) -> Any:
+    """Softmax along ``axis``; a DTensor sharded along it is redistributed first.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input.
+    axis : int
+        The dim normalized over.
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor
+        ``exp(x - max) / sum(exp(x - max))`` along ``axis``.
+    """
     if _is_dt(x):
         _no_extras("softmax", out=out, stream=stream)
         return _d.softmax(x, axis, policy)
@@ -70,9 +110,30 @@ def softmax(x: Any, axis: int = -1, *, out=None, stream=None, policy: NumericPol
 
 
 @differentiable("layernorm", ("x", "weight", "bias"))
-def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, out=None, stream=None,
-              policy: NumericPolicy | None = None):
-    """LayerNorm over the last dim (which a DTensor must not be sharded on: it is moved first)."""
+def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, out: Any = None,
+              stream: Any = None, policy: NumericPolicy | None = None) -> Any:
+    """LayerNorm over the last dim (which a DTensor must not be sharded on: it is moved first).
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input, normalized over its last dim.
+    weight, bias : array or DTensor, optional
+        The scale and shift (length of the last dim); None: 1 and 0.
+    eps : float
+        Added to the variance.
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor
+        ``(x - mean) / sqrt(var + eps) * weight + bias``.
+    """
     if _is_dt(x, weight, bias):
         _no_extras("layernorm", out=out, stream=stream)
         return _d.layernorm(x, weight, bias, eps, policy)
@@ -80,9 +141,30 @@ def layernorm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5
 
 
 @differentiable("rmsnorm", ("x", "weight"))
-def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out=None, stream=None,
-            policy: NumericPolicy | None = None):
-    """RMSNorm over the last dim."""
+def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out: Any = None, stream: Any = None,
+            policy: NumericPolicy | None = None) -> Any:
+    """RMSNorm over the last dim.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input, normalized over its last dim.
+    weight : array or DTensor, optional
+        The scale (length of the last dim); None: 1.
+    eps : float
+        Added to the mean square.
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor
+        ``x / sqrt(mean(x**2) + eps) * weight``.
+    """
     if _is_dt(x, weight):
         _no_extras("rmsnorm", out=out, stream=stream)
         return _d.rmsnorm(x, weight, eps, policy)
@@ -92,12 +174,14 @@ def rmsnorm(x: Any, weight: Any = None, *, eps: float = 1e-6, out=None, stream=N
 # --------------------------------------------------------------------------- elementwise
 
 def _binary(name: str, xp_name: str):
-    def fn(a: Any, b: Any):
+    def fn(a: Any, b: Any) -> Any:
         if _is_dt(a, b):
             return _d.binary(name, a, b)
         return getattr(get_backend().xp, xp_name)(a, b)
     fn.__name__ = fn.__qualname__ = xp_name if name in ("maximum", "minimum") else name
-    fn.__doc__ = f"Elementwise {xp_name} with NumPy broadcasting (DTensors, arrays or scalars)."
+    fn.__doc__ = (f"Elementwise {xp_name} with NumPy broadcasting (DTensors, arrays or scalars).\n\n"
+                  "Parameters\n----------\na, b : DTensor, array or scalar\n    The operands.\n\n"
+                  "Returns\n-------\nDTensor or array\n    The result, a DTensor when an operand is one.\n")
     return differentiable(name)(fn)
 
 
@@ -117,12 +201,13 @@ not_equal = _binary("ne", "not_equal")
 
 
 def _unary(name: str):
-    def fn(x: Any):
+    def fn(x: Any) -> Any:
         if _is_dt(x):
             return _d.unary(name, x)
         return _unary_table(get_backend().xp)[name](x)
     fn.__name__ = fn.__qualname__ = name
-    fn.__doc__ = f"Elementwise {name} (DTensor or array)."
+    fn.__doc__ = (f"Elementwise {name} (DTensor or array).\n\nParameters\n----------\nx : DTensor or array\n"
+                  "    The input.\n\nReturns\n-------\nDTensor or array\n    The result, with ``x``'s layout.\n")
     return differentiable(name)(fn)
 
 
@@ -142,7 +227,21 @@ silu = _unary("silu")
 
 
 @differentiable("astype")
-def astype(x: Any, dtype):
+def astype(x: Any, dtype: Any) -> Any:
+    """``x`` converted to ``dtype``.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input.
+    dtype : str or dtype
+        The target dtype (a name ``resolve_dtype`` knows, e.g. "bf16", or a NumPy dtype).
+
+    Returns
+    -------
+    array or DTensor
+        A converted copy with the same layout.
+    """
     from .dtypes import resolve_dtype
     if _is_dt(x):
         return x.astype(dtype)
@@ -152,13 +251,17 @@ def astype(x: Any, dtype):
 # --------------------------------------------------------------------------- reductions, shape
 
 def _reduction(name: str):
-    def fn(x: Any, axis=None, keepdims: bool = False):
+    def fn(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
         if _is_dt(x):
             return _d.reduce(name, x, axis, keepdims)
         return getattr(get_backend().xp, name)(x, axis=axis, keepdims=keepdims)
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (f"{name} over ``axis`` (None: all dims).  On a DTensor sharded along a reduced dim "
-                  "the result is a pending reduction (no collective until it is needed).")
+                  "the result is a pending reduction (no collective until it is needed).\n\n"
+                  "Parameters\n----------\nx : DTensor or array\n    The input.\n"
+                  "axis : int or tuple of int, optional\n    The dims reduced; None: all.\n"
+                  "keepdims : bool\n    Keep the reduced dims with length 1.\n\n"
+                  "Returns\n-------\nDTensor or array\n    The reduction.\n")
     return differentiable(name)(fn)
 
 
@@ -169,34 +272,98 @@ min = _reduction("min")                       # noqa: A001
 
 
 @differentiable("transpose")
-def transpose(x: Any, axes=None):
-    """Permute dims (reverse them when ``axes`` is None); a DTensor's layout is permuted too."""
+def transpose(x: Any, axes: tuple[int, ...] | None = None) -> Any:
+    """Permute dims; a DTensor's layout is permuted too.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input.
+    axes : tuple of int, optional
+        The new order of the dims; None reverses them.
+
+    Returns
+    -------
+    array or DTensor
+        The permuted tensor.
+    """
     if _is_dt(x):
         return _d.transpose(x, axes)
     return get_backend().xp.transpose(x, axes)
 
 
 @differentiable("reshape")
-def reshape(x: Any, shape):
+def reshape(x: Any, shape: tuple[int, ...]) -> Any:
     """Reshape; a DTensor keeps a dim's sharding where every rank's piece stays contiguous and
-    gathers it first otherwise."""
+    gathers it first otherwise.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input.
+    shape : tuple of int
+        The new (global) shape; one entry may be -1.
+
+    Returns
+    -------
+    array or DTensor
+        The reshaped tensor.
+    """
     if _is_dt(x):
         return _d.reshape(x, shape)
     return get_backend().xp.reshape(x, shape)
 
 
 @differentiable("getitem")
-def getitem(x: Any, index):
-    """``x[index]`` on an array (traced values support ``x[...]`` through this)."""
+def getitem(x: Any, index: Any) -> Any:
+    """``x[index]`` on an array (traced values support ``x[...]`` through this).
+
+    Parameters
+    ----------
+    x : array
+        The input (DTensor indexing raises with what to do instead).
+    index : int, slice, tuple or array
+        A NumPy index.
+
+    Returns
+    -------
+    array
+        ``x[index]``.
+    """
     return x[index]                   # DTensor indexing raises with what to do instead
 
 
 @differentiable("flash_attention", ("q", "k", "v"))
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
-                    return_lse: bool = False, block_kv: int | None = None, out=None, stream=None,
-                    policy: NumericPolicy | None = None):
+                    return_lse: bool = False, block_kv: int | None = None, out: Any = None, stream: Any = None,
+                    policy: NumericPolicy | None = None) -> Any:
     """``softmax(q kᵀ·scale) v`` for ``(B, H, S, D)`` inputs.  DTensors may be sharded over batch
-    and heads (heads over tp: each rank attends with its own heads, no communication)."""
+    and heads (heads over tp: each rank attends with its own heads, no communication).
+
+    Parameters
+    ----------
+    q, k, v : array or DTensor
+        Queries ``(B, H, Sq, D)``, keys and values ``(B, H, Sk, D)``.
+    causal : bool
+        Mask keys after each query's position (aligned at the end when ``Sq < Sk``).
+    scale : float, optional
+        The logit scale; default ``1 / sqrt(D)``.
+    return_lse : bool
+        Also return the log-sum-exp per query row (arrays only).
+    block_kv : int, optional
+        Keys per tile in the kernel (arrays only).
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor, or (array, array)
+        The attention output ``(B, H, Sq, D)``; with ``return_lse`` also the ``(B, H, Sq)`` log-sum-exp.
+    """
     if _is_dt(q, k, v):
         _no_extras("flash_attention", out=out, stream=stream, block_kv=block_kv)
         if return_lse:
@@ -208,9 +375,29 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: floa
 
 
 @differentiable("swiglu", ("x", "w1", "w3"))
-def swiglu(x: Any, w1: Any, w3: Any, *, out=None, stream=None, policy: NumericPolicy | None = None):
+def swiglu(x: Any, w1: Any, w3: Any, *, out: Any = None, stream: Any = None,
+           policy: NumericPolicy | None = None) -> Any:
     """``silu(x @ w1) * (x @ w3)``; on DTensors the two matmuls and the gate run through the
-    dispatcher (column-sharded w1/w3 give a column-sharded result without communication)."""
+    dispatcher (column-sharded w1/w3 give a column-sharded result without communication).
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The input ``(..., K)``.
+    w1, w3 : array or DTensor
+        The gate and up projections ``(K, N)``.
+    out : array, optional
+        Receives the result (arrays only).
+    stream : optional
+        The stream the kernel runs on (arrays only).
+    policy : NumericPolicy, optional
+        Accumulation and output dtypes (default: the current ``op.numeric`` policy).
+
+    Returns
+    -------
+    array or DTensor
+        The gated product ``(..., N)``.
+    """
     if _is_dt(x, w1, w3):
         _no_extras("swiglu", out=out, stream=stream)
         return _d.binary("mul", _d.unary("silu", _d.matmul(x, w1, None, policy)), _d.matmul(x, w3, None, policy))
@@ -236,18 +423,65 @@ def _moe_part(name: str):
     return part
 
 
-def moe(num_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25, **kw):
-    """A mixture-of-experts layer over the ``ep`` mesh axis (``tessera_rt.moe.MoE``)."""
+def moe(num_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25, **kw: Any) -> Any:
+    """A mixture-of-experts layer over the ``ep`` mesh axis (``tessera_rt.moe.MoE``).
+
+    Parameters
+    ----------
+    num_experts : int
+        Experts in all (divided over the ``ep`` axis).
+    top_k : int
+        Experts each token is routed to.
+    capacity_factor : float or None
+        Slots per expert as a multiple of the even share; None: no token is dropped.
+    **kw
+        The rest of ``tessera_rt.moe.MoE``'s parameters.
+
+    Returns
+    -------
+    tessera_rt.moe.MoE
+        The layer.
+    """
     return _moe_part("MoE")(num_experts, top_k, capacity_factor, **kw)
 
 
-def set_router(layer, fn):
-    """Route ``layer`` with ``fn(logits, meta) -> logits`` (``tessera_rt.moe.set_router``)."""
+def set_router(layer: Any, fn: Any) -> Any:
+    """Route ``layer`` with ``fn(logits, meta) -> logits`` (``tessera_rt.moe.set_router``).
+
+    Parameters
+    ----------
+    layer : tessera_rt.moe.MoE
+        The layer.
+    fn : callable
+        ``fn(logits, meta) -> logits`` in traced ``op.*`` code.
+
+    Returns
+    -------
+    tessera_rt.moe.MoE
+        ``layer``.
+    """
     return _moe_part("set_router")(layer, fn)
 
 
-def set_router_regularizer(layer, kind: str = "topology_distance", weight: float = 0.05, **kw):
-    """Locality-aware gating for ``layer`` (``tessera_rt.moe.set_router_regularizer``)."""
+def set_router_regularizer(layer: Any, kind: str = "topology_distance", weight: float = 0.05, **kw: Any) -> Any:
+    """Locality-aware gating for ``layer`` (``tessera_rt.moe.set_router_regularizer``).
+
+    Parameters
+    ----------
+    layer : tessera_rt.moe.MoE
+        The layer.
+    kind : str
+        The one kind is "topology_distance".
+    weight : float
+        The penalty's weight (>= 0).
+    **kw
+        ``groups`` and ``scale``, as ``tessera_rt.moe.set_router_regularizer`` takes them.
+
+    Returns
+    -------
+    tessera_rt.moe.MoE
+        ``layer``.
+    """
     return _moe_part("set_router_regularizer")(layer, kind, weight, **kw)
 
 

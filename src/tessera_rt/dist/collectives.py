@@ -58,11 +58,23 @@ _IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
-    the result."""
+    the result.  The collectives make it (``async_op=True``); it is not made by hand.
+
+    Parameters
+    ----------
+    event : object
+        The event recorded on the collective's stream after it (None: already complete).
+    result : object
+        What ``wait()`` returns.
+    then : callable, optional
+        Run once by the first ``wait()`` (e.g. unpacking into the caller's array).
+    keep : object, optional
+        Buffers the pending collective reads or writes, kept alive until ``wait()``.
+    """
 
     __slots__ = ("_event", "_result", "_then", "_done", "_call", "_keep")
 
-    def __init__(self, event, result, then=None, keep=None):
+    def __init__(self, event: object, result: object, then: object = None, keep: object = None) -> None:
         self._event = event
         self._result = result
         self._then = then
@@ -124,7 +136,13 @@ _WORLD_GROUP: list[AxisGroup] = []
 
 
 def world_group() -> AxisGroup:
-    """The group of every rank in the job (used when no mesh and no axis are given)."""
+    """The group of every rank in the job (used when no mesh and no axis are given).
+
+    Returns
+    -------
+    AxisGroup
+        All ranks, in world order.
+    """
     if not _WORLD_GROUP:
         w = world()
         _WORLD_GROUP.append(AxisGroup(("world",), tuple(range(w.size)), w.rank, w.communicator()))
@@ -310,10 +328,35 @@ def _bad_out(p: Plan, x, out):
     _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
 
 
-def all_reduce(x, axis=None, op: str = "sum", *, mesh=None, out=None, async_op: bool = False,
-               role: str = "tp_collective", tag: str | None = None):
-    """Reduce ``x`` elementwise over the group (sum, max, min, avg); every rank gets the result.
-    ``out=`` receives it (``out=x``: in place).  ``tag="tree"|"ring"``: see the module docstring."""
+def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, mesh: Mesh | None = None,
+               out: object = None, async_op: bool = False, role: str = "tp_collective",
+               tag: str | None = None) -> object:
+    """Reduce ``x`` elementwise over the group; every rank gets the result.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        This rank's contribution (a DTensor's layout change is planned instead).
+    axis : str or tuple of str, optional
+        The mesh axes whose group reduces; None: every rank of the mesh (or the world).
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    mesh : Mesh, optional
+        Default: the current mesh (``dist.set_mesh``), else the world.
+    out : array, optional
+        Receives the result (``out=x``: in place).
+    async_op : bool
+        Return a ``Work`` at once; ``wait()`` gives the result.
+    role : str
+        The stream role the collective runs on.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint (see the module docstring).
+
+    Returns
+    -------
+    array, DTensor or Work
+        The reduced array (a new pooled one unless ``out``), or a ``Work`` with ``async_op``.
+    """
     cls = x.__class__
     if cls in _ROUTES:
         _untaggable("all_reduce", x, tag)
@@ -341,11 +384,39 @@ def run_all_reduce(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     return _issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
 
 
-def reduce_scatter(x, axis=None, op: str = "sum", *, dim: int = 0, sizes: Sequence[int] | None = None,
-                   mesh=None, out=None, async_op: bool = False, role: str = "tp_collective",
-                   tag: str | None = None):
-    """Reduce over the group and leave each rank its part of ``dim`` (equal parts unless
-    ``sizes`` says otherwise).  ``tag``: see the module docstring."""
+def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, dim: int = 0,
+                   sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: object = None,
+                   async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+    """Reduce over the group and leave each rank its part of ``dim``.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        This rank's full-size contribution.
+    axis : str or tuple of str, optional
+        The mesh axes whose group reduces; None: every rank of the mesh (or the world).
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    dim : int
+        The dim split among the ranks.
+    sizes : sequence of int, optional
+        Each rank's length along ``dim`` (the same list on every rank); default equal parts.
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    out : array, optional
+        Receives this rank's part.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the collective runs on.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint (see the module docstring).
+
+    Returns
+    -------
+    array, DTensor or Work
+        This rank's reduced part, or a ``Work`` with ``async_op``.
+    """
     cls = x.__class__
     if cls in _ROUTES:
         _untaggable("reduce_scatter", x, tag)
@@ -382,11 +453,37 @@ def run_reduce_scatter(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     return _issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
 
 
-def all_gather(x, axis=None, *, dim: int | None = None, sizes: Sequence[int] | None = None, mesh=None,
-               out=None, async_op: bool = False, role: str = "tp_collective", tag: str | None = None):
-    """Concatenate every rank's ``x`` along ``dim`` (None: 0) in group order.  Ranks may hold
-    different lengths along ``dim`` if ``sizes`` lists them (the same list on every rank).
-    ``tag``: see the module docstring."""
+def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int | None = None,
+               sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: object = None,
+               async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+    """Concatenate every rank's ``x`` along ``dim`` in group order.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        This rank's part.
+    axis : str or tuple of str, optional
+        The mesh axes whose group gathers; None: every rank of the mesh (or the world).
+    dim : int, optional
+        The dim concatenated along (None: 0).
+    sizes : sequence of int, optional
+        Each rank's length along ``dim`` when they differ (the same list on every rank).
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    out : array, optional
+        Receives the gathered array.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the collective runs on.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint (see the module docstring).
+
+    Returns
+    -------
+    array, DTensor or Work
+        The concatenation, or a ``Work`` with ``async_op``.
+    """
     cls = x.__class__
     if cls in _ROUTES:
         _untaggable("all_gather", x, tag)
@@ -423,19 +520,48 @@ def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     return _run(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
 
 
-def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = None,
-               split_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None,
-               mesh=None, async_op: bool = False, role: str = "a2a", out=None, tag: str | None = None):
+def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_dim: int = 0,
+               concat_dim: int | None = None, split_sizes: Sequence[int] | None = None,
+               recv_sizes: Sequence[int] | None = None, mesh: Mesh | None = None, async_op: bool = False,
+               role: str = "a2a", out: object = None, tag: str | None = None) -> object:
     """Split ``x`` along ``split_dim`` into one part per rank, send part i to rank i, and
-    concatenate what arrives along ``concat_dim`` (default: ``split_dim``).
+    concatenate what arrives along ``concat_dim``.
 
-    ``split_sizes`` gives uneven parts (zeros allowed).  ``recv_sizes[j]`` is the length
-    along ``concat_dim`` of what rank j sends here; left out with uneven parts, the sizes are
-    exchanged first (one small extra all_to_all).  ``out=`` (dim 0 only) receives into a
-    caller-owned buffer, so a persistent dispatch buffer needs no allocation per call.
     ``tag="tree"|"ring"`` is recorded and checked to agree like the other collectives' tags;
     it changes nothing: neither NCCL (an all-to-all is its grouped sends/recvs) nor MPI has
     an algorithm choice per all-to-all call.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        What this rank sends.
+    axis : str or tuple of str, optional
+        The mesh axes whose group exchanges; None: every rank of the mesh (or the world).
+    split_dim : int
+        The dim cut into one part per rank.
+    concat_dim : int, optional
+        The dim the received parts are concatenated along (default: ``split_dim``).
+    split_sizes : sequence of int, optional
+        Uneven part lengths along ``split_dim`` (zeros allowed).
+    recv_sizes : sequence of int, optional
+        ``recv_sizes[j]``: the length along ``concat_dim`` of what rank j sends here; left out
+        with uneven parts, the sizes are exchanged first (one small extra all_to_all).
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the collective runs on.
+    out : array, optional
+        Receives the result (needs ``split_dim=concat_dim=0``): a persistent buffer needs no
+        allocation per call.
+    tag : {"tree", "ring"}, optional
+        Recorded and checked; changes nothing here.
+
+    Returns
+    -------
+    array, DTensor or Work
+        The concatenated parts, or a ``Work`` with ``async_op``.
     """
     cls = x.__class__
     if cls in _ROUTES:
@@ -468,10 +594,32 @@ def all_to_all(x, axis=None, *, split_dim: int = 0, concat_dim: int | None = Non
     return _run(info, role, async_op, p.comm.all_to_all, (send, out, *p.counts), out, tag=tag)
 
 
-def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False, role: str = "tp_collective",
-              tag: str | None = None):
-    """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place; returns x).
-    ``root`` is a position in the group, not a world rank.  ``tag``: see the module docstring."""
+def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int = 0, mesh: Mesh | None = None,
+              async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+    """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place).
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The root's data; the buffer received into elsewhere.
+    axis : str or tuple of str, optional
+        The mesh axes whose group takes part; None: every rank of the mesh (or the world).
+    root : int
+        A position in the group, not a world rank.
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the collective runs on.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint (see the module docstring).
+
+    Returns
+    -------
+    array, DTensor or Work
+        ``x``, or a ``Work`` with ``async_op``.
+    """
     cls = x.__class__
     if cls in _ROUTES:
         _untaggable("broadcast", x, tag)
@@ -522,8 +670,26 @@ def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
     return _issue(role, async_op, comm.recv, (x, src, tag,), x)
 
 
-def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_collective"):
-    """Wait until every rank of the group gets here (drains the role's stream on GPU)."""
+def barrier(axis: str | tuple[str, ...] | None = None, *, mesh: Mesh | None = None, async_op: bool = False,
+            role: str = "tp_collective") -> Work | None:
+    """Wait until every rank of the group gets here (drains the role's stream on GPU).
+
+    Parameters
+    ----------
+    axis : str or tuple of str, optional
+        The mesh axes whose group waits; None: every rank of the mesh (or the world).
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role drained.
+
+    Returns
+    -------
+    Work or None
+        A ``Work`` with ``async_op``, else None.
+    """
     g = _group(mesh, axis, "barrier")
     check = _SEAM.check
     if check is not None:

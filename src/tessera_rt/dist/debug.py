@@ -183,7 +183,14 @@ def configure(debug=None, timeout=None, world=None) -> None:
 
 
 def flight_records() -> list[Call]:
-    """This rank's last collectives, oldest first (empty unless the recorder is on)."""
+    """This rank's last collectives, oldest first (empty unless the recorder is on:
+    ``dist.init(debug="flight")`` or ``"collectives"``; ``TESSERA_FLIGHT_N`` of them).
+
+    Returns
+    -------
+    list of Call
+        Op, group, shapes, dtype and call site of each.
+    """
     return list(_cfg.ring)
 
 

@@ -71,19 +71,42 @@ def _flag(policy) -> bool:
     return bool(getattr(policy, "deterministic", False))
 
 
-def set_deterministic(policy=True, *, compensated: bool = False) -> None:
-    """Turn the mode on or off for the process: a bool or a NumericPolicy (its ``deterministic``)."""
+def set_deterministic(policy: object = True, *, compensated: bool = False) -> None:
+    """Turn the mode on or off for the process (see the module docstring).
+
+    Parameters
+    ----------
+    policy : bool or NumericPolicy
+        On or off; a NumericPolicy gives its ``deterministic`` field.
+    compensated : bool
+        Carry a TwoSum error term through the reduction tree.
+    """
     _apply(_flag(policy), bool(compensated))
 
 
 def is_deterministic() -> bool:
+    """Whether the deterministic mode is on.
+
+    Returns
+    -------
+    bool
+        The process-wide mode.
+    """
     return _STATE.on
 
 
 class deterministic:
-    """Context manager form of :func:`set_deterministic` (restores the previous mode)."""
+    """Context manager form of :func:`set_deterministic` (restores the previous mode).
 
-    def __init__(self, policy=None, *, compensated: bool = False):
+    Parameters
+    ----------
+    policy : bool or NumericPolicy, optional
+        On or off; a NumericPolicy gives its ``deterministic`` field; None: on.
+    compensated : bool
+        Carry a TwoSum error term through the reduction tree.
+    """
+
+    def __init__(self, policy: object = None, *, compensated: bool = False) -> None:
         self._want = (_flag(policy), bool(compensated))
 
     def __enter__(self) -> "deterministic":

@@ -374,7 +374,28 @@ def _partialize(local, layout: Layout, mesh: Mesh):
     return local
 
 
-def full(shape, fill_value, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+def full(shape: int | tuple[int, ...], fill_value: float, *, layout: object = None, mesh: Mesh | None = None,
+         dtype: object = "float32") -> DTensor:
+    """A DTensor filled with ``fill_value``; each rank makes only its piece.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    fill_value : float
+        The value of every element.
+    layout : Layout or spec, optional
+        ``ShardSpec``, ``ReplicateSpec``, ``PartialSpec`` or ``Layout``; None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        The tensor (under a partial sum layout, one rank holds the value and the others zeros).
+    """
     mesh = _mesh(mesh, "dist.full")
     shape = _shape(shape, "dist.full")
     lay = as_layout(layout, shape, mesh)
@@ -383,22 +404,93 @@ def full(shape, fill_value, *, layout=None, mesh=None, dtype="float32") -> DTens
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, dt, mesh))
 
 
-def tensor(shape, layout=None, mesh=None, dtype="float32") -> DTensor:
-    """A DTensor of zeros (the seeds' ``dist.tensor``)."""
+def tensor(shape: int | tuple[int, ...], layout: object = None, mesh: Mesh | None = None,
+           dtype: object = "float32") -> DTensor:
+    """A DTensor of zeros (the seeds' ``dist.tensor``).
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        ``zeros(shape, layout=layout, mesh=mesh, dtype=dtype)``.
+    """
     return full(shape, 0, layout=layout, mesh=mesh, dtype=dtype)
 
 
-def zeros(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+def zeros(shape: int | tuple[int, ...], *, layout: object = None, mesh: Mesh | None = None,
+          dtype: object = "float32") -> DTensor:
+    """A DTensor of zeros; each rank makes only its piece.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        The tensor.
+    """
     return full(shape, 0, layout=layout, mesh=mesh, dtype=dtype)
 
 
-def ones(shape, *, layout=None, mesh=None, dtype="float32") -> DTensor:
+def ones(shape: int | tuple[int, ...], *, layout: object = None, mesh: Mesh | None = None,
+         dtype: object = "float32") -> DTensor:
+    """A DTensor of ones; each rank makes only its piece.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        The tensor (under a partial sum layout, one rank holds the ones and the others zeros).
+    """
     return full(shape, 1, layout=layout, mesh=mesh, dtype=dtype)
 
 
 @differentiable("distribute")
-def distribute(global_array, layout=None, mesh=None) -> DTensor:
-    """Cut the same global array (on every rank) into this rank's piece; no communication."""
+def distribute(global_array: object, layout: object = None, mesh: Mesh | None = None) -> DTensor:
+    """Cut the same global array (on every rank) into this rank's piece; no communication.
+
+    Parameters
+    ----------
+    global_array : array
+        The whole tensor, the same on every rank.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+
+    Returns
+    -------
+    DTensor
+        The tensor with this rank's piece.
+    """
     mesh = _mesh(mesh, "dist.distribute")
     backend = get_backend()
     g = _io.as_global(global_array, backend)
@@ -412,10 +504,29 @@ def distribute(global_array, layout=None, mesh=None) -> DTensor:
 
 
 @differentiable("from_local")
-def from_local(local, layout=None, mesh=None, shape=None, *, validate: bool = True) -> DTensor:
-    """Wrap this rank's piece.  With ``validate`` (default) the ranks exchange their local
-    shapes (one small all_gather) and every rank raises the same ValueError if the pieces do
-    not make up the global ``shape`` (inferred when left out) under ``layout``."""
+def from_local(local: object, layout: object = None, mesh: Mesh | None = None,
+               shape: tuple[int, ...] | None = None, *, validate: bool = True) -> DTensor:
+    """Wrap this rank's piece.
+
+    Parameters
+    ----------
+    local : array
+        This rank's piece under ``layout``.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    shape : tuple of int, optional
+        The global shape; inferred from the pieces when left out.
+    validate : bool
+        The ranks exchange their local shapes (one small all_gather) and every rank raises
+        the same ValueError if the pieces do not make up ``shape`` under ``layout``.
+
+    Returns
+    -------
+    DTensor
+        The tensor (``local`` is not copied).
+    """
     mesh = _mesh(mesh, "dist.from_local")
     backend = get_backend()
     if not backend.is_array(local):
@@ -519,12 +630,52 @@ def _random(kind: str, shape, layout, mesh, seed: int, dtype) -> DTensor:
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, dt, mesh))
 
 
-def rand(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DTensor:
+def rand(shape: int | tuple[int, ...], *, layout: object = None, mesh: Mesh | None = None, seed: int = 0,
+         dtype: object = "float32") -> DTensor:
     """Uniform [0, 1) values that depend only on (seed, global index): the same global
-    tensor whatever the mesh and layout; each rank computes only its piece."""
+    tensor whatever the mesh and layout; each rank computes only its piece.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    seed : int
+        The stream's seed.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        The tensor.
+    """
     return _random("rand", shape, layout, mesh, seed, dtype)
 
 
-def randn(shape, *, layout=None, mesh=None, seed: int = 0, dtype="float32") -> DTensor:
-    """Standard normal values, the same global tensor whatever the mesh and layout."""
+def randn(shape: int | tuple[int, ...], *, layout: object = None, mesh: Mesh | None = None, seed: int = 0,
+          dtype: object = "float32") -> DTensor:
+    """Standard normal values, the same global tensor whatever the mesh and layout.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        The global shape.
+    layout : Layout or spec, optional
+        None: replicated.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    seed : int
+        The stream's seed.
+    dtype : str or dtype
+        The element type.
+
+    Returns
+    -------
+    DTensor
+        The tensor.
+    """
     return _random("randn", shape, layout, mesh, seed, dtype)

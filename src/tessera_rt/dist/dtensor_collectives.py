@@ -163,8 +163,32 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
 
 
 @differentiable("send")  # autodiff hook: traced inputs record the collective
-def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False, role: str = "tp_collective"):
-    """Send an array, or a DTensor's local piece, to position ``dst`` of the group."""
+def send(x: object, dst: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
+         async_op: bool = False, role: str = "tp_collective") -> object:
+    """Send an array, or a DTensor's local piece, to position ``dst`` of the group.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        What is sent.
+    dst : int
+        The receiver's position in the group (not a world rank).
+    axis : str or tuple of str, optional
+        The mesh axes of the group; None: every rank of the mesh (or the world).
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    tag : int
+        Matches this send with the ``recv`` of the same tag.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the send runs on.
+
+    Returns
+    -------
+    Work or None
+        A ``Work`` with ``async_op``, else None.
+    """
     if type(x) is DTensor:
         mesh = x.mesh if mesh is None else mesh
         x = x._local if x._local.flags.c_contiguous else x._local.copy()
@@ -172,8 +196,33 @@ def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = Fa
 
 
 @differentiable("recv")  # autodiff hook: traced inputs record the collective
-def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False, role: str = "tp_collective"):
-    """Receive into an array (in place), or into a new DTensor shaped like ``x``."""
+def recv(x: object, src: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
+         async_op: bool = False, role: str = "tp_collective") -> object:
+    """Receive into an array (in place), or into a new DTensor shaped like ``x``.
+
+    Parameters
+    ----------
+    x : array or DTensor
+        The buffer received into (an array), or the DTensor whose shape, layout and dtype the
+        result takes.
+    src : int
+        The sender's position in the group (not a world rank).
+    axis : str or tuple of str, optional
+        The mesh axes of the group; None: every rank of the mesh (or the world).
+    mesh : Mesh, optional
+        Default: the current mesh, else the world.
+    tag : int
+        Matches the ``send`` of the same tag.
+    async_op : bool
+        Return a ``Work`` at once.
+    role : str
+        The stream role the receive runs on.
+
+    Returns
+    -------
+    array, DTensor or Work
+        ``x`` filled, the new DTensor, or a ``Work`` with ``async_op``.
+    """
     if type(x) is not DTensor:
         return C.recv(x, src, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
     buf = x._local.copy()

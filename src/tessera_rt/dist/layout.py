@@ -44,7 +44,17 @@ class LayoutError(ValueError):
 class Placement:
     """What one mesh axis does to a tensor: replicate (R), shard a dim (S(d)), or hold a
     pending reduction (P(op)).  The per-axis view of a Layout, for display and for users
-    coming from PyTorch; the runtime itself works on Layouts."""
+    coming from PyTorch; the runtime itself works on Layouts.
+
+    Parameters
+    ----------
+    kind : {"R", "S", "P"}
+        Replicate, shard or partial.
+    dim : int
+        The sharded dim (kind "S").
+    op : str
+        The pending reduction (kind "P").
+    """
     kind: str                 # "R", "S" or "P"
     dim: int = -1
     op: str = ""
@@ -57,14 +67,45 @@ REPLICATE_P = Placement("R")
 
 
 def Replicate() -> Placement:           # noqa: N802 (PyTorch spelling)
+    """The replicated placement, ``R``.
+
+    Returns
+    -------
+    Placement
+        ``Placement("R")``.
+    """
     return REPLICATE_P
 
 
 def Shard(dim: int) -> Placement:       # noqa: N802
+    """The placement sharding ``dim``, ``S(dim)``.
+
+    Parameters
+    ----------
+    dim : int
+        The tensor dim split over the axis.
+
+    Returns
+    -------
+    Placement
+        ``Placement("S", dim=dim)``.
+    """
     return Placement("S", dim=dim)
 
 
 def Partial(op: str = "sum") -> Placement:   # noqa: N802
+    """The pending reduction placement, ``P(op)``.
+
+    Parameters
+    ----------
+    op : {"sum", "max", "min", "avg"}
+        The reduction pending over the axis.
+
+    Returns
+    -------
+    Placement
+        ``Placement("P", op=op)``.
+    """
     _check_op(op, "Partial")
     return Placement("P", op=op)
 
@@ -78,10 +119,14 @@ def _check_op(op: str, where: str) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved layout of an ``ndim``-dim tensor.
+    """Resolved layout of an ``ndim``-dim tensor (``as_layout`` makes it from a spec).
 
-    ``dims[d]``: mesh axes sharding dim d, major first (() = not sharded).
-    ``partial``: ((axis, op), ...) pending reductions, sorted by axis name.
+    Parameters
+    ----------
+    dims : tuple of tuple of str
+        ``dims[d]``: mesh axes sharding dim d, major first (() = not sharded).
+    partial : tuple of (str, str)
+        ``((axis, op), ...)`` pending reductions, sorted by axis name.
     """
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[tuple[str, str], ...] = ()
@@ -216,7 +261,17 @@ def _axes_tuple(v, where: str) -> tuple[str, ...]:
 @dataclass(frozen=True, init=False)
 class ShardSpec:
     """Shard ``partition[i]`` over ``mesh_axes[i]``; optionally with pending reductions
-    (``partial={"dp": "sum"}``) on other axes."""
+    (``partial={"dp": "sum"}``) on other axes.
+
+    Parameters
+    ----------
+    partition : int, str or iterable
+        The sharded dims: ints, or "row" (-2), "col" (-1), "experts" (0).
+    mesh_axes : str or iterable
+        The mesh axis (or a tuple of axes, major first) for each entry of ``partition``.
+    partial : dict or iterable of (str, str)
+        ``{axis: op}`` pending reductions on other axes.
+    """
     partition: tuple
     mesh_axes: tuple
     partial: tuple = ()
@@ -252,8 +307,14 @@ class ShardSpec:
 
 @dataclass(frozen=True, init=False)
 class ReplicateSpec:
-    """Every rank holds the whole tensor.  ``mesh_axes`` names the axes it is replicated
-    over (checked against the mesh); axes it leaves out are replicated too."""
+    """Every rank holds the whole tensor.
+
+    Parameters
+    ----------
+    mesh_axes : iterable of str
+        The axes it is replicated over (checked against the mesh); axes it leaves out are
+        replicated too.
+    """
     mesh_axes: tuple = ()
 
     def __init__(self, mesh_axes: Iterable[str] = ()):
@@ -265,8 +326,16 @@ class ReplicateSpec:
 
 @dataclass(frozen=True, init=False)
 class PartialSpec:
-    """A pending reduction: the tensor is the ``op`` (sum, max, min, avg) of every rank's
-    local tensor over ``mesh_axes``."""
+    """A pending reduction: the tensor is the ``op`` of every rank's local tensor over
+    ``mesh_axes``.
+
+    Parameters
+    ----------
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    mesh_axes : iterable of str
+        The axes it is pending over.
+    """
     op: str = "sum"
     mesh_axes: tuple = ()
 
@@ -316,9 +385,24 @@ def _resolve(spec, shape: tuple, mesh) -> Layout:
     return _validate(lay, shape, mesh, "layout" if isinstance(spec, Layout) else f"{spec!r} ->")
 
 
-def as_layout(spec, shape, mesh) -> Layout:
-    """Resolve any spec (or a Layout) for a tensor of global ``shape`` on ``mesh``; raises
-    LayoutError naming the dim, the mesh axis and the sizes when it does not fit."""
+def as_layout(spec: Any, shape: tuple, mesh: Any) -> Layout:
+    """Resolve any spec (or a Layout) for a tensor of global ``shape`` on ``mesh``.
+
+    Parameters
+    ----------
+    spec : ShardSpec, ReplicateSpec, PartialSpec, Layout or None
+        The layout asked for (None: replicated).
+    shape : tuple of int
+        The global shape.
+    mesh : Mesh
+        The mesh whose axes the spec names.
+
+    Returns
+    -------
+    Layout
+        The resolved layout; raises LayoutError naming the dim, the mesh axis and the sizes
+        when it does not fit.
+    """
     if spec is None:
         return REPLICATE(len(shape))
     return _resolve(spec, tuple(shape), mesh)

@@ -28,7 +28,22 @@ _DEVICE_NAME = re.compile(r"^(?:gpu|cuda:?|rank|device)?\s*(\d+)$", re.IGNORECAS
 
 @dataclass(frozen=True)
 class AxisGroup:
-    """This rank's group along some mesh axes: its members (world ranks) and communicator."""
+    """This rank's group along some mesh axes: its members (world ranks) and communicator
+    (``Mesh.group(axis)`` makes it).
+
+    Parameters
+    ----------
+    axes : tuple of str
+        The mesh axes the group spans.
+    ranks : tuple of int
+        Its members' world ranks, in group order.
+    index : int
+        This rank's position in ``ranks``.
+    comm : Communicator
+        The group's communicator.
+    size : int
+        Set to ``len(ranks)`` (stored: it is read on every collective).
+    """
     axes: tuple[str, ...]
     ranks: tuple[int, ...]
     index: int                 # this rank's position in ``ranks``
@@ -78,9 +93,20 @@ def _normalize_shape(axes: tuple[str, ...], shape, n_devices: int | None) -> tup
 
 
 class Mesh:
-    """A named N-axis grid of ranks."""
+    """A named N-axis grid of ranks (collective over the job: every rank makes the same one).
 
-    def __init__(self, axes: Iterable[str], shape=None, devices=None):
+    Parameters
+    ----------
+    axes : str or iterable of str
+        The axis names, major first, each unique.
+    shape : dict or tuple of int, optional
+        ``{axis: size}`` or sizes in ``axes`` order; may be left out for one axis (all ranks).
+    devices : iterable of int or str, optional
+        The ranks on the grid in row-major order (ints or names like "GPU3", "cuda:3",
+        "rank3"); default every rank of the job in topology order.
+    """
+
+    def __init__(self, axes: Iterable[str], shape: dict | tuple | None = None, devices: Iterable | None = None):
         w = world()
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         if not axes:
@@ -249,7 +275,13 @@ _DEFAULT: list[Mesh] = []
 
 
 def set_mesh(m: Mesh | None) -> None:
-    """Make ``m`` the mesh that collectives on plain arrays use when given no ``mesh=``."""
+    """Make ``m`` the mesh that collectives on plain arrays use when given no ``mesh=``.
+
+    Parameters
+    ----------
+    m : Mesh or None
+        The default mesh; None clears it.
+    """
     _DEFAULT[:] = [m] if m is not None else []
 
 
@@ -260,11 +292,33 @@ def mesh_stacks() -> tuple[list, list]:
 
 
 def current_mesh() -> Mesh | None:
+    """The mesh of the innermost ``with mesh:``, else the one ``set_mesh`` set.
+
+    Returns
+    -------
+    Mesh or None
+        None when neither is set.
+    """
     if _CURRENT:
         return _CURRENT[-1]
     return _DEFAULT[0] if _DEFAULT else None
 
 
-def mesh(devices=None, axes=("dp",), shape=None) -> Mesh:
-    """The seeds' spelling: ``dist.mesh(devices=[...], axes=("dp", "tp"), shape=(2, 2))``."""
+def mesh(devices: Iterable | None = None, axes: Iterable[str] = ("dp",), shape: dict | tuple | None = None) -> Mesh:
+    """The seeds' spelling: ``dist.mesh(devices=[...], axes=("dp", "tp"), shape=(2, 2))``.
+
+    Parameters
+    ----------
+    devices : iterable of int or str, optional
+        The ranks on the grid (see ``Mesh``); default every rank.
+    axes : iterable of str
+        The axis names, major first.
+    shape : dict or tuple of int, optional
+        The axis sizes.
+
+    Returns
+    -------
+    Mesh
+        ``Mesh(axes=axes, shape=shape, devices=devices)``.
+    """
     return Mesh(axes=axes, shape=shape, devices=devices)

@@ -35,6 +35,25 @@ class Seat:
 
 @dataclass
 class World:
+    """The process group: this rank's place in the job and its backend (``dist.world()``).
+
+    Parameters
+    ----------
+    rank, size : int
+        This rank and the number of ranks in the job.
+    local_rank, local_size : int
+        This rank's position among the ranks on its host, and how many there are.
+    host : str
+        This rank's host name.
+    backend : Backend
+        The array backend (NumPy on the CPU, CuPy on GPUs).
+    mpi : MPI.Comm
+        The world communicator.
+    seats : tuple of Seat
+        Every rank's (rank, host, local rank, device), in rank order.
+    comm_preference : str
+        "mpi", "nccl", "host" or "" (choose), from ``init(comm=)`` or ``TESSERA_COMM``.
+    """
     rank: int
     size: int
     local_rank: int
@@ -83,15 +102,30 @@ def _configure_checks(debug, timeout) -> None:
         fn(debug, timeout, _WORLD)
 
 
-def init(*, comm: str | None = None, debug=None, timeout: float | None = None) -> World:
-    """Join the process group (idempotent).  ``comm`` forces "mpi", "nccl" or "host"
-    (``TESSERA_COMM`` does the same); by default NCCL serves GPU groups it can serve.
+def init(*, comm: str | None = None, debug: str | bool | None = None, timeout: float | None = None) -> World:
+    """Join the process group (idempotent).
 
-    ``debug="collectives"`` (or ``TESSERA_DEBUG=collectives``) checks before every collective
-    that all ranks of the mesh issue the same one and keeps a flight recorder; ``"flight"``
-    keeps only the recorder.  ``timeout`` (``TESSERA_TIMEOUT``, default 300 s, 0 = off) is the
-    watchdog's limit on one collective (see ``dist.debug``).  Given to a later call, they
-    change the modes (every rank must pass the same)."""
+    Given to a later call, ``debug`` and ``timeout`` change the modes (every rank must pass
+    the same).
+
+    Parameters
+    ----------
+    comm : {"mpi", "nccl", "host"}, optional
+        Forces the communicator library (``TESSERA_COMM`` does the same); by default NCCL
+        serves GPU groups it can serve.
+    debug : str or bool, optional
+        ``"collectives"`` (or ``TESSERA_DEBUG=collectives``) checks before every collective
+        that all ranks of the mesh issue the same one and keeps a flight recorder;
+        ``"flight"`` keeps only the recorder.  None: read ``TESSERA_DEBUG``.
+    timeout : float, optional
+        The watchdog's limit on one collective in seconds, 0 = off (see ``dist.debug``).
+        None: read ``TESSERA_TIMEOUT``, default 300.  The watchdog runs at world size > 1.
+
+    Returns
+    -------
+    World
+        The process group.
+    """
     global _WORLD
     if _WORLD is not None:
         if debug is not None or timeout is not None:
@@ -237,22 +271,55 @@ def _install_excepthook(rank: int) -> None:
 
 
 def world() -> World:
-    """The process group, joining it first if needed."""
+    """The process group, joining it first if needed.
+
+    Returns
+    -------
+    World
+        What ``init()`` returns.
+    """
     return _WORLD if _WORLD is not None else init()
 
 
 def is_initialized() -> bool:
+    """Whether this process has joined the process group.
+
+    Returns
+    -------
+    bool
+        True after ``init()`` (or anything that calls it).
+    """
     return _WORLD is not None
 
 
 def get_rank() -> int:
+    """This process's rank in the job (joins the group first if needed).
+
+    Returns
+    -------
+    int
+        ``world().rank``.
+    """
     return world().rank
 
 
 def get_world_size() -> int:
+    """The number of ranks in the job (joins the group first if needed).
+
+    Returns
+    -------
+    int
+        ``world().size``.
+    """
     return world().size
 
 
 def abort(code: int = 1) -> None:
-    """End every rank of the job now (what an uncaught exception does under tessera-run)."""
+    """End every rank of the job now (what an uncaught exception does under tessera-run).
+
+    Parameters
+    ----------
+    code : int
+        The exit status.
+    """
     MPI.COMM_WORLD.Abort(code)

@@ -57,12 +57,36 @@ def _backend():
 
 
 class Step:
-    """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``."""
+    """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``.
+    The planner makes steps; they are read, not built by hand.
+
+    Parameters
+    ----------
+    kind : str
+        The collective (all_gather, all_to_all, reduce_scatter, ...) or local step (slice, ...).
+    axis : str
+        The mesh axis (or axes, joined) it runs over.
+    src, dst : Layout
+        The layouts before and after.
+    detail : str
+        What it does, for display.
+    bytes_sent : int
+        The most any rank sends.
+    bytes_by_position : tuple
+        What each position of the group sends.
+    run : callable
+        Runs the step on a local piece.
+    copy_bytes : int
+        The most any rank copies locally (slices, packing).
+    spec : tuple, optional
+        A collective's arguments, for the compiled plan (None: a local step).
+    """
 
     __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run", "copy_bytes",
                  "spec")
 
-    def __init__(self, kind, axis, src, dst, detail, bytes_sent, bytes_by_position, run, copy_bytes=0, spec=None):
+    def __init__(self, kind: str, axis: str, src: Layout, dst: Layout, detail: str, bytes_sent: int,
+                 bytes_by_position: tuple, run: Callable, copy_bytes: int = 0, spec: tuple | None = None) -> None:
         self.kind, self.axis, self.src, self.dst, self.detail = kind, axis, src, dst, detail
         self.bytes_sent, self.bytes_by_position, self._run = bytes_sent, bytes_by_position, run
         self.copy_bytes = copy_bytes          # the most any rank copies locally (slices, packing)
@@ -78,11 +102,26 @@ class Step:
 
 
 class Plan:
-    """The steps from ``src`` to ``dst`` for a tensor of global ``shape`` on ``mesh``."""
+    """The steps from ``src`` to ``dst`` for a tensor of global ``shape`` on ``mesh``
+    (``plan_redistribute`` makes them; ``run`` runs one on a rank's piece).
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The global shape.
+    src, dst : Layout
+        The layouts before and after.
+    mesh : Mesh
+        The mesh.
+    steps : iterable of Step
+        In order.
+    dtype_name : str
+        The element type's name.
+    """
 
     __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name", "check_meta", "_exec", "_verified")
 
-    def __init__(self, shape, src, dst, mesh, steps, dtype_name):
+    def __init__(self, shape: tuple, src: Layout, dst: Layout, mesh: Mesh, steps: tuple, dtype_name: str) -> None:
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
         self.steps: tuple[Step, ...] = tuple(steps)
         self.dtype_name = dtype_name
@@ -504,13 +543,31 @@ def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dt
 on_change(_plan_cached.cache_clear)
 
 
-def plan_redistribute(shape, src: Layout, dst: Layout, mesh, dtype, *, direct: bool | None = None) -> Plan:
+def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: object, *,
+                      direct: bool | None = None) -> Plan:
     """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``.
 
-    ``direct``: None (default) picks, by the registered cost model (``dist.cost``), between
-    the one-axis-per-step plan and one direct all_to_all over the axes involved (ties: the
-    steps); False forces the steps, True the direct all_to_all where one applies (the same
-    pending reductions before and after)."""
+    Parameters
+    ----------
+    shape : tuple of int
+        The global shape.
+    src, dst : Layout
+        The layouts before and after.
+    mesh : Mesh
+        The mesh.
+    dtype : str or dtype
+        The element type.
+    direct : bool, optional
+        None picks, by the registered cost model (``dist.cost``), between the
+        one-axis-per-step plan and one direct all_to_all over the axes involved (ties: the
+        steps); False forces the steps, True the direct all_to_all where one applies (the
+        same pending reductions before and after).
+
+    Returns
+    -------
+    Plan
+        The plan (cached per shape, layouts, mesh and dtype).
+    """
     from ..dtypes import dtype_name
     import numpy as np
     dt = np.dtype(dtype)

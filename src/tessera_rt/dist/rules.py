@@ -64,7 +64,24 @@ class ConstKind:
 RULES: dict[str, Callable[..., Strategy]] = {}
 
 
-def register_rule(*ops: str):
+def register_rule(*ops: str) -> Callable[[Callable[..., Strategy]], Callable[..., Strategy]]:
+    """Decorator registering the sharding rule of ``ops`` for DTensor dispatch.
+
+    The rule is called as ``rule(op, kinds, params) -> Strategy``: ``kinds`` holds each
+    argument's ``TensorMeta`` (or ``ScalarKind``/``ConstKind``), ``params`` the op's static
+    parameters; it returns the input layouts to move to, the output layout and shape, and the
+    local function.  It raises ``RuleError`` (the same on every rank) for what it cannot shard.
+
+    Parameters
+    ----------
+    *ops : str
+        The op names the rule serves; each may be registered once.
+
+    Returns
+    -------
+    callable
+        The decorator (it returns the rule unchanged).
+    """
     def put(fn):
         for op in ops:
             if op in RULES:

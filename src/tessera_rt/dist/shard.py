@@ -24,13 +24,40 @@ __all__ = [
 
 @lru_cache(maxsize=8192)
 def split_sizes(length: int, n: int) -> tuple[int, ...]:
-    """Part sizes of ``length`` over ``n`` ranks: the first ``length % n`` get one extra."""
+    """Part sizes of ``length`` over ``n`` ranks: the first ``length % n`` get one extra.
+
+    Parameters
+    ----------
+    length : int
+        The dim's global length.
+    n : int
+        The number of parts.
+
+    Returns
+    -------
+    tuple of int
+        ``n`` sizes summing to ``length``.
+    """
     q, r = divmod(length, n)
     return tuple(q + 1 if i < r else q for i in range(n))
 
 
 @lru_cache(maxsize=8192)
 def split_offsets(length: int, n: int) -> tuple[int, ...]:
+    """Where each of ``split_sizes(length, n)``'s parts starts.
+
+    Parameters
+    ----------
+    length : int
+        The dim's global length.
+    n : int
+        The number of parts.
+
+    Returns
+    -------
+    tuple of int
+        ``n`` offsets, the first 0.
+    """
     q, r = divmod(length, n)
     return tuple(i * q + min(i, r) for i in range(n))
 
@@ -78,8 +105,25 @@ def _coords_key(mesh, coords) -> tuple:
     return tuple(coords[a] for a in mesh.axes)
 
 
-def local_shape(shape: tuple, layout: Layout, mesh, coords: dict | None = None) -> tuple[int, ...]:
-    """This rank's (or ``coords``') local shape for a tensor of global ``shape``."""
+def local_shape(shape: tuple, layout: Layout, mesh: Mesh, coords: dict | None = None) -> tuple[int, ...]:
+    """This rank's (or ``coords``') local shape for a tensor of global ``shape``.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The global shape.
+    layout : Layout
+        The resolved layout (``as_layout``).
+    mesh : Mesh
+        The mesh the layout names axes of.
+    coords : dict, optional
+        ``{axis: coordinate}`` of another position; default this rank's.
+
+    Returns
+    -------
+    tuple of int
+        The piece's shape.
+    """
     return _local(tuple(shape), layout, mesh, _coords_key(mesh, coords))[1]
 
 
@@ -91,7 +135,24 @@ def local_offsets(shape: tuple, layout: Layout, mesh, coords: dict | None = None
     return _local(tuple(shape), layout, mesh, _coords_key(mesh, coords))[0]
 
 
-def local_slices(shape: tuple, layout: Layout, mesh, coords: dict | None = None) -> tuple[slice, ...]:
-    """The index of this rank's piece in the global tensor."""
+def local_slices(shape: tuple, layout: Layout, mesh: Mesh, coords: dict | None = None) -> tuple[slice, ...]:
+    """The index of this rank's piece in the global tensor.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The global shape.
+    layout : Layout
+        The resolved layout (``as_layout``).
+    mesh : Mesh
+        The mesh the layout names axes of.
+    coords : dict, optional
+        ``{axis: coordinate}`` of another position; default this rank's.
+
+    Returns
+    -------
+    tuple of slice
+        One slice per dim: ``global[local_slices(...)]`` is the piece.
+    """
     offs, sizes = _local(tuple(shape), layout, mesh, _coords_key(mesh, coords))
     return tuple(slice(o, o + s) for o, s in zip(offs, sizes))

@@ -10,7 +10,20 @@ __all__ = ["bus_factor", "CollectiveRecord", "TAGS", "trace_collectives"]
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw/algbw factor: what each rank must move for ``op`` over ``n`` ranks."""
+    """nccl-tests' busbw/algbw factor: what each rank must move for ``op`` over ``n`` ranks.
+
+    Parameters
+    ----------
+    op : str
+        "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", ...
+    n : int
+        The group size.
+
+    Returns
+    -------
+    float
+        E.g. ``2 (n - 1) / n`` for all_reduce.
+    """
     if n <= 1:
         return 0.0 if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") else 1.0
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
@@ -19,7 +32,27 @@ def bus_factor(op: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as issued: op, group, local shapes, and the bytes this rank sends."""
+    """One collective as issued: op, group, local shapes, and the bytes this rank sends.
+
+    Parameters
+    ----------
+    op : str
+        The collective.
+    axis : str
+        The mesh axes of its group.
+    group_size : int
+        Ranks in the group.
+    shape : tuple
+        This rank's input shape.
+    dtype : str
+        The element type.
+    bytes_sent : int
+        What this rank sends.
+    algo : str
+        The algorithm a ``dist.ccl`` op ran (ring, line, library, hierarchical).
+    tag : str
+        The tree/ring hint the call carried.
+    """
     op: str
     axis: str
     group_size: int
