@@ -39,14 +39,27 @@ _TABLE: dict[str, list[tuple[float, str]]] = {}
 
 
 def algo_table() -> dict[str, list[tuple[float, str]]]:
-    """The table ``algo="auto"`` reads: {op: [(max_bytes, algo), ...]}."""
+    """The table ``algo="auto"`` reads.
+
+    Returns
+    -------
+    dict
+        ``{op: [(max_bytes, algo), ...]}``: the first row whose ``max_bytes`` holds the
+        per-rank size picks the algorithm.
+    """
     if not _TABLE:
         _TABLE.update({k: list(v) for k, v in DEFAULT_TABLE[world().backend.name].items()})
     return {k: list(v) for k, v in _TABLE.items()}
 
 
 def set_algo_table(table: dict[str, list[tuple[float, str]]] | None) -> None:
-    """Install a measured table (``None``: back to the default).  Rows are (max_bytes, algo)."""
+    """Install a measured table (``tune`` does after measuring).
+
+    Parameters
+    ----------
+    table : dict or None
+        ``{op: [(max_bytes, algo), ...]}``; None: back to the default.
+    """
     _TABLE.clear()
     clear_plans()                       # plans hold the algorithm the old table chose
     if table is None:

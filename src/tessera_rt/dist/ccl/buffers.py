@@ -47,7 +47,13 @@ _ALLOCS = [0]                      # arrays allocated by ccl (persistent or per 
 
 
 def allocations() -> int:
-    """How many arrays ccl has allocated so far in this process (persistent sets included)."""
+    """How many arrays ccl has allocated so far in this process (persistent sets included).
+
+    Returns
+    -------
+    int
+        The count (a test reads it to see that keyed calls allocate nothing more).
+    """
     return _ALLOCS[0]
 
 
@@ -114,13 +120,25 @@ def entry(key: str, sig: tuple, shapes, dtype) -> _Entry:
 
 
 def persistent_buffers() -> list[dict[str, Any]]:
-    """One row per key: key, op, axis, shape, dtype, bytes (both sets), where first made."""
+    """The persistent buffer sets made by calls with a ``buffer_key``.
+
+    Returns
+    -------
+    list of dict
+        One row per key: key, op, axis, shape, dtype, bytes (both sets), where first made.
+    """
     return [{"key": e.key, "op": e.sig[0], "axis": e.sig[1], "shape": tuple(e.sig[2]), "dtype": dtype_name(e.sig[3]),
              "bytes": e.nbytes, "sets": len(e.sets), "made_at": e.site} for e in _ENTRIES.values()]
 
 
 def clear_persistent_buffers(key: str | None = None) -> None:
-    """Forget one key's buffers (or all): the next call with it allocates again."""
+    """Forget one key's buffers (or all): the next call with it allocates again.
+
+    Parameters
+    ----------
+    key : str, optional
+        The ``buffer_key``; None: every key.
+    """
     if key is None:
         _ENTRIES.clear()
     else:

@@ -21,8 +21,9 @@ def _matmul(a: Any, b: Any):
 
 
 def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: int | str = 1, dim: int = -1, *,
-                                      mesh=None, sizes: Sequence[int] | None = None, buffer_key: str | None = None,
-                                      num_links: int = 1, algo: str = "auto", overlap: bool | None = None):
+                                      mesh: Mesh | None = None, sizes: Sequence[int] | None = None,
+                                      buffer_key: str | None = None, num_links: int = 1, algo: str = "auto",
+                                      overlap: bool | None = None) -> tuple[Any, Any]:
     """``(line_reduce_scatter(x @ w1, dim), x @ w3)`` in one of two ways:
 
     * one pass (``overlap=False``): the ``dual_matmul`` kernel makes both products reading x
@@ -30,10 +31,37 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
       ``x @ [w1 | w3]``), then the reduce-scatter runs;
     * overlapped (``overlap=True``): ``x @ w1``, then the reduce-scatter is posted and
       ``x @ w3`` runs while it is in flight (x is read twice).
-    ``None`` takes the one pass wherever the kernel really reads x once
-    (``kernels.mlp.dual_reads_x_once``: fp16 on a GPU; on the CPU when x has more rows than
-    2F, below which concatenating the weights costs more than reading x twice) and overlaps
-    otherwise."""
+
+    Parameters
+    ----------
+    x : array
+        This rank's input ``(..., K)``.
+    w1, w3 : array
+        This rank's weights ``(K, F)``; ``x @ w1`` is a partial sum over the axis.
+    cluster_axis : int or str
+        The mesh axis (index or name) reduced over.
+    dim : int
+        The dim of ``x @ w1`` scattered.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    sizes : sequence of int, optional
+        Uneven part lengths along ``dim``.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers (the result is a view into them).
+    num_links : int
+        Sub-messages each transfer is cut into, all in flight together.
+    algo : {"auto", "library", "ring", "line"}
+        The reduce-scatter's algorithm (``auto``: by size, ``algo_table``).
+    overlap : bool, optional
+        None takes the one pass wherever the kernel really reads x once
+        (``kernels.mlp.dual_reads_x_once``: fp16 on a GPU; on the CPU when x has more rows
+        than 2F) and overlaps otherwise.
+
+    Returns
+    -------
+    tuple of array
+        This rank's part of the reduced ``x @ w1``, and ``x @ w3``.
+    """
     name = "double_matmul_line_reduce_scatter"
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x, w1, w3 = (check_array(name, g, a) for a in (x, w1, w3))
@@ -64,11 +92,36 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
 
 
 def llama_rs_create_heads(xqkv: Any, n_heads: int, n_kv_heads: int, head_dim: int, cluster_axis: int | str = 1, *,
-                          mesh=None, buffer_key: str | None = None, num_links: int = 1, algo: str = "auto"):
-    """Reduce-scatter the fused QKV projection's partial sums ``xqkv (batch, seq, (H + 2 Hkv) * D)``
-    (Q heads, then K, then V) so each rank of the axis gets its own heads, summed:
-    ``q (batch, H/n, seq, D)``, ``k, v (batch, Hkv/n, seq, D)``.  The columns are put in
-    per-rank order ``[q_i | k_i | v_i]`` first (one copy), so one reduce-scatter does it."""
+                          mesh: Mesh | None = None, buffer_key: str | None = None, num_links: int = 1,
+                          algo: str = "auto") -> tuple[Any, Any, Any]:
+    """Reduce-scatter the fused QKV projection's partial sums so each rank of the axis gets
+    its own heads, summed.  The columns are put in per-rank order ``[q_i | k_i | v_i]``
+    first (one copy), so one reduce-scatter does it.
+
+    Parameters
+    ----------
+    xqkv : array
+        ``(batch, seq, (H + 2 Hkv) * D)``: Q heads, then K, then V (a partial sum over the axis).
+    n_heads, n_kv_heads : int
+        ``H`` and ``Hkv``, both divisible by the axis size.
+    head_dim : int
+        ``D``.
+    cluster_axis : int or str
+        The mesh axis (index or name) reduced over.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers.
+    num_links : int
+        Sub-messages each transfer is cut into.
+    algo : {"auto", "library", "ring", "line"}
+        The reduce-scatter's algorithm.
+
+    Returns
+    -------
+    tuple of array
+        ``q (batch, H/n, seq, D)``, ``k, v (batch, Hkv/n, seq, D)``.
+    """
     name = "llama_rs_create_heads"
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     xqkv = check_array(name, g, xqkv)
@@ -112,12 +165,37 @@ def _head_order(n: int, h: int, hkv: int, d: int) -> list[int]:
     return cols
 
 
-def all_gather_concat(x: Any, dim: int = 1, cluster_axis: int | str = 1, *, num_heads: int | None = None, mesh=None,
-                      buffer_key: str | None = None, num_links: int = 1, algo: str = "auto"):
-    """Gather every rank's heads ``x (batch, local_heads, seq, D)`` (heads on ``dim`` = 1) and
-    concatenate them on the feature dim: ``(batch, seq, n * local_heads * D)`` in rank order,
-    i.e. ``all_gather(x, dim=1).transpose(0, 2, 1, 3).reshape(batch, seq, -1)``.  The local
-    heads are laid out as features first (one copy), so one gather lands in final order."""
+def all_gather_concat(x: Any, dim: int = 1, cluster_axis: int | str = 1, *, num_heads: int | None = None,
+                      mesh: Mesh | None = None, buffer_key: str | None = None, num_links: int = 1,
+                      algo: str = "auto") -> Any:
+    """Gather every rank's heads and concatenate them on the feature dim, i.e.
+    ``all_gather(x, dim=1).transpose(0, 2, 1, 3).reshape(batch, seq, -1)``.  The local heads
+    are laid out as features first (one copy), so one gather lands in final order.
+
+    Parameters
+    ----------
+    x : array
+        This rank's heads ``(batch, local_heads, seq, D)``.
+    dim : int
+        The heads dim: must be 1 (or -3).
+    cluster_axis : int or str
+        The mesh axis (index or name) gathered over.
+    num_heads : int, optional
+        This rank's heads, checked against ``x.shape[1]``.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers.
+    num_links : int
+        Sub-messages each transfer is cut into.
+    algo : {"auto", "library", "ring", "line"}
+        The gather's algorithm.
+
+    Returns
+    -------
+    array
+        ``(batch, seq, n * local_heads * D)`` in rank order.
+    """
     name = "all_gather_concat"
     mesh, axis, g = resolve(name, mesh, cluster_axis)
     x = check_array(name, g, x)

@@ -25,8 +25,20 @@ _HOST_MESHES: dict = {}
 
 def host_mesh(mesh: Mesh, local_size: int | None = None) -> Mesh:
     """A 2-D view ``("inter", "intra")`` of a 1-D ``mesh``: ``intra`` runs over the ranks of one
-    host, ``inter`` over hosts.  ``local_size`` overrides ranks per host (e.g. to run the
-    hierarchical path on one machine).  Collective over the job's ranks, cached per mesh."""
+    host, ``inter`` over hosts.  Collective over the job's ranks, cached per mesh.
+
+    Parameters
+    ----------
+    mesh : Mesh
+        A 1-D mesh whose ranks are grouped by host.
+    local_size : int, optional
+        Ranks per host (e.g. to run the hierarchical path on one machine); default the hosts'.
+
+    Returns
+    -------
+    Mesh
+        The 2-D mesh over the same ranks.
+    """
     w = world()
     if mesh.ndim != 1:
         raise ValueError(f"rank {w.rank}: host_mesh takes a 1-D mesh, got {mesh!r}; for a 2-D mesh pass "
@@ -47,11 +59,35 @@ def host_mesh(mesh: Mesh, local_size: int | None = None) -> Mesh:
     return _HOST_MESHES[key]
 
 
-def hierarchical_all_reduce(x: Any, *, mesh=None, intra: str | None = None, inter: str | None = None,
-                            local_size: int | None = None, op: str = "sum", algo: str = "auto",
-                            tag: str | None = None):
-    """``all_reduce(x)`` over ``intra`` x ``inter`` (or a 1-D mesh split by host), in three stages.
-    Any shape: the flattened array is split into uneven parts where needed."""
+def hierarchical_all_reduce(x: Any, *, mesh: Mesh | None = None, intra: str | None = None,
+                            inter: str | None = None, local_size: int | None = None, op: str = "sum",
+                            algo: str = "auto", tag: str | None = None) -> Any:
+    """``all_reduce(x)`` over ``intra`` x ``inter`` (or a 1-D mesh split by host) in three
+    stages: reduce-scatter within a host, all-reduce across hosts, all-gather within a host.
+    Any shape: the flattened array is split into uneven parts where needed.
+
+    Parameters
+    ----------
+    x : array
+        This rank's contribution.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    intra, inter : str, optional
+        The mesh axes within and across hosts (both or neither); neither: ``host_mesh(mesh)``.
+    local_size : int, optional
+        Ranks per host for ``host_mesh``.
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    algo : {"auto", "library", "ring", "line"}
+        Every stage's algorithm.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint, recorded and checked.
+
+    Returns
+    -------
+    array
+        The reduced array, on every rank.
+    """
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
         raise ValueError(f"rank {world().rank}: ccl.hierarchical_all_reduce needs a mesh: pass mesh=")

@@ -41,7 +41,22 @@ Transfer = tuple  # (src, dst, chunk, piece): piece 0/1 = half of the chunk, Non
 
 @lru_cache(maxsize=256)
 def schedule(kind: str, n: int, algo: str) -> tuple[tuple[Transfer, ...], ...]:
-    """The steps of ``kind`` ("reduce_scatter" or "all_gather") over ``n`` ranks by ``algo``."""
+    """The steps of ``kind`` over ``n`` ranks by ``algo`` (see the module docstring).
+
+    Parameters
+    ----------
+    kind : {"reduce_scatter", "all_gather"}
+        The collective.
+    n : int
+        Ranks on the axis.
+    algo : {"ring", "line"}
+        The algorithm.
+
+    Returns
+    -------
+    tuple of tuple of Transfer
+        ``n - 1`` steps, each its ``(src, dst, chunk, piece)`` transfers.
+    """
     steps = []
     for t in range(n - 1):
         step = []
@@ -304,14 +319,47 @@ def _plan_reduce_scatter(name, mesh, cluster_axis, x, dim, op, sizes, num_links,
                  progs=(prog,), nbytes=nbytes, check=(op, dim, algo))
 
 
-def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
-                        sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
-                        algo: str = "auto", tag: str | None = None, role: str = "tp_collective",
-                        between: Callable | None = None):
+def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh: Mesh | None = None,
+                        op: str = "sum", sizes: Sequence[int] | None = None, buffer_key: str | None = None,
+                        num_links: int = 1, algo: str = "auto", tag: str | None = None, role: str = "tp_collective",
+                        between: Callable | None = None) -> Any:
     """``dist.reduce_scatter(x, axis, op, dim=dim, sizes=sizes)`` along the cluster axis by a
-    line or ring of sends/recvs.  ``dim`` must split evenly over the axis unless ``sizes``
-    lists the parts (the plain collective's rule).  With ``buffer_key`` the result is a view
-    into the key's persistent buffer: valid until the call after next with that key."""
+    line or ring of sends/recvs.
+
+    Parameters
+    ----------
+    x : array
+        This rank's full-size contribution.
+    dim : int
+        The dim scattered: it must split evenly over the axis unless ``sizes`` lists the parts.
+    cluster_axis : int or str
+        The mesh axis (index or name).
+    mesh : Mesh, optional
+        Default: the current mesh.
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    sizes : sequence of int, optional
+        Uneven part lengths along ``dim``.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers: the result is a view into them, valid until the
+        call after next with that key.
+    num_links : int
+        Sub-messages each transfer is cut into, all in flight together.
+    algo : {"auto", "library", "ring", "line"}
+        ``auto``: by size (``algo_table``); ``library``: ``dist.reduce_scatter``.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
+        ring, ``tree`` the library collective.
+    role : str
+        The stream role it runs on.
+    between : callable, optional
+        Run once while the first step's messages travel (overlapped compute).
+
+    Returns
+    -------
+    array
+        This rank's reduced part.
+    """
     name = "line_reduce_scatter"
     if mesh is None:
         mesh = current_mesh()
@@ -388,11 +436,41 @@ def _plan_all_gather(name, mesh, cluster_axis, x, dim, sizes, num_links, algo, t
                  check=(C.with_dim(x.shape, dim, -1), (dim, tuple(sizes), algo)))
 
 
-def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh=None,
+def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh: Mesh | None = None,
                     sizes: Sequence[int] | None = None, buffer_key: str | None = None, num_links: int = 1,
-                    algo: str = "auto", tag: str | None = None, role: str = "tp_collective"):
+                    algo: str = "auto", tag: str | None = None, role: str = "tp_collective") -> Any:
     """``dist.all_gather(x, axis, dim=dim, sizes=sizes)`` along the cluster axis by a line or
-    ring.  Ranks may hold different lengths along ``dim`` if ``sizes`` lists all of them."""
+    ring of sends/recvs.
+
+    Parameters
+    ----------
+    x : array
+        This rank's part.
+    dim : int
+        The dim concatenated along.
+    cluster_axis : int or str
+        The mesh axis (index or name).
+    mesh : Mesh, optional
+        Default: the current mesh.
+    sizes : sequence of int, optional
+        Every rank's length along ``dim`` when they differ.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers (the result is a view into them).
+    num_links : int
+        Sub-messages each transfer is cut into, all in flight together.
+    algo : {"auto", "library", "ring", "line"}
+        ``auto``: by size (``algo_table``); ``library``: ``dist.all_gather``.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
+        ring, ``tree`` the library collective.
+    role : str
+        The stream role it runs on.
+
+    Returns
+    -------
+    array
+        The concatenation in rank order.
+    """
     name = "line_all_gather"
     if mesh is None:
         mesh = current_mesh()
@@ -446,12 +524,40 @@ def _plan_all_reduce(name, mesh, cluster_axis, x, op, num_links, algo, tag, role
                  progs=progs, nbytes=nbytes, check=(op, algo))
 
 
-def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh=None, op: str = "sum",
+def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh: Mesh | None = None, op: str = "sum",
                     buffer_key: str | None = None, num_links: int = 1, algo: str = "auto",
-                    tag: str | None = None, role: str = "tp_collective"):
+                    tag: str | None = None, role: str = "tp_collective") -> Any:
     """``dist.all_reduce(x, axis, op)`` along the cluster axis: a line/ring reduce-scatter of
     the flattened array (uneven parts when n does not divide its size) then an all-gather,
-    in one buffer."""
+    in one buffer.
+
+    Parameters
+    ----------
+    x : array
+        This rank's contribution.
+    cluster_axis : int or str
+        The mesh axis (index or name).
+    mesh : Mesh, optional
+        Default: the current mesh.
+    op : {"sum", "max", "min", "avg"}
+        The reduction.
+    buffer_key : str, optional
+        Reuse the key's persistent buffers (the result is a view into them).
+    num_links : int
+        Sub-messages each transfer is cut into, all in flight together.
+    algo : {"auto", "library", "ring", "line"}
+        ``auto``: by size (``algo_table``); ``library``: ``dist.all_reduce``.
+    tag : {"tree", "ring"}, optional
+        An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
+        ring, ``tree`` the library collective.
+    role : str
+        The stream role it runs on.
+
+    Returns
+    -------
+    array
+        The reduced array, on every rank.
+    """
     name = "line_all_reduce"
     if mesh is None:
         mesh = current_mesh()

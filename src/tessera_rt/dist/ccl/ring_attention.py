@@ -40,7 +40,24 @@ def _lengths(seq_len: int, n: int, layout: str) -> list[int]:
 
 
 def sequence_positions(seq_len: int, n: int, index: int, layout: str = "striped") -> np.ndarray:
-    """The global token positions rank ``index`` of ``n`` holds."""
+    """The global token positions rank ``index`` of ``n`` holds.
+
+    Parameters
+    ----------
+    seq_len : int
+        The full sequence length.
+    n : int
+        Ranks on the axis.
+    index : int
+        The rank's position on the axis.
+    layout : {"striped", "contiguous"}
+        Striped: tokens ``index, index + n, ...``; contiguous: one block (``split_sizes``).
+
+    Returns
+    -------
+    numpy.ndarray
+        The positions, ascending.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; use one of {LAYOUTS}")
     if layout == "striped":
@@ -49,8 +66,28 @@ def sequence_positions(seq_len: int, n: int, index: int, layout: str = "striped"
                      + split_sizes(seq_len, n)[index])
 
 
-def shard_sequence(x: Any, axis, *, mesh=None, layout: str = "striped", dim: int = 2):
-    """This rank's tokens of the full ``x`` (same on every rank) along ``dim``, for ring_attention."""
+def shard_sequence(x: Any, axis: str | None, *, mesh: Mesh | None = None, layout: str = "striped",
+                   dim: int = 2) -> Any:
+    """This rank's tokens of the full ``x`` (same on every rank) along ``dim``, for ring_attention.
+
+    Parameters
+    ----------
+    x : array
+        The full tensor, e.g. ``(B, H, S, D)``.
+    axis : str
+        The mesh axis the sequence is split over.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    layout : {"striped", "contiguous"}
+        Which tokens each rank holds (``sequence_positions``).
+    dim : int
+        The sequence dim.
+
+    Returns
+    -------
+    array
+        This rank's tokens.
+    """
     mesh, name, g = resolve("shard_sequence", mesh, axis)
     pos = sequence_positions(x.shape[dim], g.size, g.index, layout)
     xp = get_backend().xp
@@ -159,13 +196,39 @@ def _forward(q, k, v, axis, mesh, causal, scale, layout, seq_len):
 
 
 @differentiable("ring_attention", ("q", "k", "v"))
-def ring_attention(q: Any, k: Any, v: Any, axis=None, *, mesh=None, causal: bool = False, scale: float | None = None,
-                   layout: str = "striped", seq_len: int | None = None, return_lse: bool = False):
-    """Attention of this rank's queries over the whole sequence split along ``axis``:
-    ``q (B, H, S_local, D)``, ``k, v (B, Hkv, S_local, D)`` are this rank's tokens in
-    ``layout``.  Equals ``op.flash_attention`` on the gathered sequence, at this rank's
-    positions (``sequence_positions``).  ``seq_len``: the full length when the split is
-    uneven (default: every rank holds the same number)."""
+def ring_attention(q: Any, k: Any, v: Any, axis: str | None = None, *, mesh: Mesh | None = None,
+                   causal: bool = False, scale: float | None = None, layout: str = "striped",
+                   seq_len: int | None = None, return_lse: bool = False) -> Any:
+    """Attention of this rank's queries over the whole sequence split along ``axis``.  Equals
+    ``op.flash_attention`` on the gathered sequence, at this rank's positions
+    (``sequence_positions``).
+
+    Parameters
+    ----------
+    q : array
+        This rank's queries ``(B, H, S_local, D)``.
+    k, v : array
+        This rank's keys and values ``(B, Hkv, S_local, D)``.
+    axis : str
+        The mesh axis the sequence is split over.
+    mesh : Mesh, optional
+        Default: the current mesh.
+    causal : bool
+        Mask later positions (by global position).
+    scale : float, optional
+        The logit scale; default ``1 / sqrt(D)``.
+    layout : {"striped", "contiguous"}
+        Which tokens each rank holds.
+    seq_len : int, optional
+        The full length when the split is uneven (default: every rank holds the same number).
+    return_lse : bool
+        Also return the log-sum-exp per query.
+
+    Returns
+    -------
+    array, or (array, array)
+        The output ``(B, H, S_local, D)``; with ``return_lse`` also ``(B, H, S_local)`` lse.
+    """
     o, lse = _forward(q, k, v, axis, mesh, bool(causal), scale, layout, seq_len)
     return (o, lse) if return_lse else o
 

@@ -30,10 +30,31 @@ _OPS = {
 }
 
 
-def tune(mesh=None, cluster_axis: int | str = 0, *, sizes: Sequence[int] = (1 << 10, 64 << 10, 1 << 20),
+def tune(mesh: Mesh | None = None, cluster_axis: int | str = 0, *, sizes: Sequence[int] = (1 << 10, 64 << 10, 1 << 20),
          algos: Sequence[str] = ("library", "ring", "line"), reps: int = 3, iters: int = 3,
          install: bool = True) -> dict[str, list[tuple[float, str]]]:
-    """The fastest algorithm per op at each size in ``sizes`` (bytes each rank contributes)."""
+    """Measure the fastest algorithm per op at each size (collective over the axis).
+
+    Parameters
+    ----------
+    mesh : Mesh, optional
+        Default: the current mesh.
+    cluster_axis : int or str
+        The mesh axis (index or name) measured.
+    sizes : sequence of int
+        Bytes each rank contributes.
+    algos : sequence of str
+        The algorithms raced.
+    reps, iters : int
+        Repetitions (the median wins) of ``iters`` calls each.
+    install : bool
+        Install the result as the ``algo="auto"`` table (``set_algo_table``).
+
+    Returns
+    -------
+    dict
+        ``{op: [(max_bytes, algo), ...]}``, the same on every rank.
+    """
     mesh, axis, g = resolve("tune", mesh, cluster_axis)
     xp = C.backend().xp
     sync = (lambda: __import__("tessera_rt").runtime.synchronize()) if C.backend().is_gpu else (lambda: None)

@@ -117,9 +117,19 @@ def _remove(path: str, names: list[str]) -> tuple[list[str], int, int]:
 
 def cleanup(path: str) -> dict:
     """Remove what killed saves left in ``path`` (everything the committed index does not
-    use); not collective: call it on one rank, with no save to ``path`` running.  Returns
-    {"removed": names, "removed_bytes": n, "left_bytes": n}.  Without an index (no save ever
-    committed) every ``data-*`` directory and temporary file is a leftover."""
+    use); not collective: call it on one rank, with no save to ``path`` running.  Without an
+    index (no save ever committed) every ``data-*`` directory and temporary file is a leftover.
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory.
+
+    Returns
+    -------
+    dict
+        ``{"removed": names, "removed_bytes": n, "left_bytes": n}``.
+    """
     keep = read_index(path)["data_dir"] if os.path.exists(os.path.join(path, "index.json")) else None
     removed, gone, left = _remove(path, _leftovers(path, keep))
     return {"removed": removed, "removed_bytes": gone, "left_bytes": left}
@@ -162,7 +172,18 @@ def _left_note(path: str, data_dir: str):
 # --------------------------------------------------------------------------- load
 
 def read_index(path: str) -> dict:
-    """The checkpoint's index (global shapes, layouts, pieces, checksums, values)."""
+    """The checkpoint's index (global shapes, layouts, pieces, checksums, values).
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory.
+
+    Returns
+    -------
+    dict
+        The parsed ``index.json``.
+    """
     ipath = os.path.join(path, "index.json")
     try:
         with open(ipath, "rb") as f:

@@ -86,18 +86,30 @@ def _check_requests(w, path: str, mine: dict) -> str | None:
     return None
 
 
-def load(path: str, like=None, *, cleanup: bool = False):
+def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
     """Read a checkpoint written by :func:`save`; collective over every rank of the job.
 
-    ``cleanup=True``: after a good load, rank 0 removes what killed saves left in ``path``
-    (see :func:`cleanup`; no other job may be saving to ``path`` then).
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory.
+    like : dict or list, optional
+        The structure and where each tensor goes (nested dicts and lists, e.g.
+        ``{"params": model.init()}``; ranks may ask for different entries): a DTensor there is
+        loaded as a DTensor of its layout and mesh (any mesh and layout: pieces are cut from
+        the saved ones by global offsets); an array is loaded whole; another value is replaced
+        by the saved value.  Shapes and dtypes must be the saved ones.  Without ``like`` every
+        entry is loaded, tensors whole as arrays, in nested dicts (a list's items under "0",
+        "1", ...).
+    cleanup : bool
+        After a good load, rank 0 removes what killed saves left in ``path`` (see
+        :func:`cleanup`; no other job may be saving to ``path`` then).
 
-    ``like`` gives the structure and where each tensor goes (nested dicts and lists, e.g.
-    ``{"params": model.init()}``; ranks may ask for different entries): a DTensor there is
-    loaded as a DTensor of its layout and mesh (any mesh and layout: pieces are cut from the
-    saved ones by global offsets); an array is loaded whole; another value is replaced by the
-    saved value.  Shapes and dtypes must be the saved ones.  Without ``like`` every entry is
-    loaded, tensors whole as arrays, in nested dicts (a list's items under "0", "1", ...)."""
+    Returns
+    -------
+    dict or list
+        ``like``'s structure (or nested dicts) holding the loaded values.
+    """
     w = world()
     wait_pending()                     # an asynchronous save in flight commits first
     err, result, index, targets = None, None, None, None

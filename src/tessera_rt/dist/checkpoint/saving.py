@@ -37,7 +37,7 @@ _PENDING: list = [None]          # the asynchronous save not committed yet (at m
 
 
 class SaveHandle:
-    """An asynchronous save in flight (what ``save(..., async_=True)`` returns).
+    """An asynchronous save in flight (what ``save(..., async_=True)`` returns; not made by hand).
 
     ``done()``: this rank's part so far is written (local: no communication).  ``poll()``:
     once every rank's file is written, rank 0 queues the index on its worker; once that is
@@ -45,9 +45,19 @@ class SaveHandle:
     returns the :class:`SaveInfo`.  ``poll`` and ``wait`` are collective (every rank calls
     them at the same points, like the step's collectives) and raise the save's error on
     every rank, naming the rank and file that failed.  ``abandon()`` (local) drops it
-    uncommitted, for a training that stops with an error between saves."""
+    uncommitted, for a training that stops with an error between saves.
 
-    def __init__(self, w, s: _Save, task):
+    Parameters
+    ----------
+    w : World
+        The process group.
+    s : _Save
+        The save's prepared state.
+    task : object
+        The io worker's task: this rank's file, then rank 0's index.
+    """
+
+    def __init__(self, w: World, s: _Save, task: object) -> None:
         self._w, self._s, self._task = w, s, task      # task: this rank's file, then rank 0's index
         self._agreed = False                            # every rank wrote its file
         self._info: SaveInfo | None = None
@@ -144,22 +154,41 @@ def _never_waited() -> None:
 
 
 def wait_pending() -> SaveInfo | None:
-    """Commit the asynchronous save in flight, if any (collective); its SaveInfo."""
+    """Commit the asynchronous save in flight, if any (collective).
+
+    Returns
+    -------
+    SaveInfo or None
+        Its SaveInfo; None when no save was in flight.
+    """
     h = _PENDING[0]
     return h.wait() if h is not None else None
 
 
-def save(state: dict, path: str, *, async_: bool = False):
-    """Write ``state`` (nested dicts and lists of DTensors, arrays and JSON values) to the
-    directory ``path``; collective over every rank of the job.  Ranks may pass different trees
-    (each pipeline stage its own blocks): the index holds every rank's entries, each with the
-    ranks that passed it; ranks passing the same name must pass the same tensor or value.
-    Returns the path of the new index as a :class:`SaveInfo` (``.bytes`` on disk,
-    ``.removed_bytes`` of older or failed saves; the same on every rank).
+def save(state: dict, path: str, *, async_: bool = False) -> SaveInfo | SaveHandle:
+    """Write ``state`` to the directory ``path``; collective over every rank of the job.
+    Any save or load first waits for (commits) the one in flight, raising its error.
 
-    ``async_=True`` returns at once with a :class:`SaveHandle` once the state is copied to
-    host memory; the files are written on the io role's host worker (see the module doc).
-    Any save or load first waits for (commits) the one in flight, raising its error."""
+    Parameters
+    ----------
+    state : dict
+        Nested dicts and lists of DTensors, arrays and JSON values.  Ranks may pass different
+        trees (each pipeline stage its own blocks): the index holds every rank's entries, each
+        with the ranks that passed it; ranks passing the same name must pass the same tensor
+        or value.
+    path : str
+        A directory on a file system every rank sees.
+    async_ : bool
+        Return at once with a :class:`SaveHandle` once the state is copied to host memory;
+        the files are written on the io role's host worker (see the module doc).
+
+    Returns
+    -------
+    SaveInfo or SaveHandle
+        The path of the new index as a :class:`SaveInfo` (``.bytes`` and ``.files`` on disk,
+        ``.replaced_bytes`` of the previous checkpoint and ``.leftover_bytes`` of failed saves,
+        deleted; the same on every rank), or the handle with ``async_``.
+    """
     w = world()
     wait_pending()                         # at most one save in flight: the next one waits for it
     s = _prepare(w, state, path, copy=async_)
@@ -173,5 +202,18 @@ def save(state: dict, path: str, *, async_: bool = False):
 
 
 def async_save(state: dict, path: str) -> SaveHandle:
-    """``save(state, path, async_=True)``: the files are written while the caller goes on."""
+    """``save(state, path, async_=True)``: the files are written while the caller goes on.
+
+    Parameters
+    ----------
+    state : dict
+        Nested dicts and lists of DTensors, arrays and JSON values.
+    path : str
+        A directory on a file system every rank sees.
+
+    Returns
+    -------
+    SaveHandle
+        Poll or wait on it to commit.
+    """
     return save(state, path, async_=True)
