@@ -47,9 +47,19 @@ def _rng_normal(seed: int, name: str, shape: tuple, std: float) -> np.ndarray:
 
 
 class Module:
-    """A configuration that makes a parameter dict (``init``) and applies it (``__call__``)."""
+    """A configuration that makes a parameter dict (``init``) and applies it (``__call__``).
 
-    def __init__(self, mesh=None, tp_axis: str = "tp", dtype="float32"):
+    Parameters
+    ----------
+    mesh : Mesh, optional
+        The mesh its parameters live on; None: plain arrays (the single-process reference).
+    tp_axis : str
+        The tensor-parallel mesh axis (used when the mesh has it).
+    dtype : str or dtype
+        The parameters' dtype.
+    """
+
+    def __init__(self, mesh: Mesh | None = None, tp_axis: str = "tp", dtype: Any = "float32"):
         self.mesh = mesh
         self.tp = tp_axis if mesh is not None and tp_axis in mesh.axes else None
         self.dtype = resolve_dtype(dtype)
@@ -70,11 +80,29 @@ class Module:
 
 
 class Linear(Module):
-    """``y = x @ W (+ b)``; ``parallel``: "column" (W sharded on its output dim), "row"
-    (sharded on its input dim; the output is a pending sum over tp) or None (replicated)."""
+    """``y = x @ W (+ b)``.
+
+    Parameters
+    ----------
+    d_in, d_out : int
+        The input and output features.
+    parallel : {"column", "row"} or None
+        "column": W sharded on its output dim; "row": sharded on its input dim (the output is
+        a pending sum over tp); None: replicated.
+    bias : bool
+        Add a bias ``b``.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The parameters' dtype.
+    std : float, optional
+        The weights' init standard deviation; default ``1 / sqrt(d_in)``.
+    """
 
     def __init__(self, d_in: int, d_out: int, *, parallel: str | None = "column", bias: bool = False,
-                 mesh=None, tp_axis: str = "tp", dtype="float32", std: float | None = None):
+                 mesh: Mesh | None = None, tp_axis: str = "tp", dtype: Any = "float32", std: float | None = None):
         super().__init__(mesh, tp_axis, dtype)
         if parallel not in ("column", "row", None):
             raise ValueError(f"Linear(parallel={parallel!r}): use 'column', 'row' or None")
@@ -97,9 +125,26 @@ class Linear(Module):
 _IOTAS: dict = {}
 
 
-def vocab_iota(vocab: int, ndim: int, mesh=None, tp_axis: str | None = None):
+def vocab_iota(vocab: int, ndim: int, mesh: Mesh | None = None, tp_axis: str | None = None) -> Any:
     """``arange(vocab)`` shaped ``(1,) * ndim + (vocab,)``, its last dim sharded over ``tp_axis``
-    (each rank holds the ids of its vocab slice)."""
+    (each rank holds the ids of its vocab slice).
+
+    Parameters
+    ----------
+    vocab : int
+        The vocabulary size.
+    ndim : int
+        The leading length-1 dims (the ids' ndim).
+    mesh : Mesh, optional
+        None: a plain array.
+    tp_axis : str, optional
+        The axis the vocab dim is sharded over; None: replicated.
+
+    Returns
+    -------
+    DTensor or array
+        The ids, int32.
+    """
     key = (vocab, ndim, mesh, tp_axis)
     t = _IOTAS.get(key)
     if t is None:
@@ -109,9 +154,24 @@ def vocab_iota(vocab: int, ndim: int, mesh=None, tp_axis: str | None = None):
     return t
 
 
-def one_hot(ids, iota, dtype):
+def one_hot(ids: Any, iota: Any, dtype: Any) -> Any:
     """One-hot rows of integer ``ids`` against ``iota`` (from ``vocab_iota``): a constant,
-    laid out like iota's vocab dim, so a vocab-parallel rank builds only its columns."""
+    laid out like iota's vocab dim, so a vocab-parallel rank builds only its columns.
+
+    Parameters
+    ----------
+    ids : DTensor or array
+        Integer ids ``(...)``.
+    iota : DTensor or array
+        ``vocab_iota(vocab, ids.ndim, ...)``.
+    dtype : str or dtype
+        The result's dtype.
+
+    Returns
+    -------
+    DTensor or array
+        ``(..., vocab)``: 1 where the column is the id.
+    """
     with no_grad():
         col = op.reshape(ids, tuple(ids.shape) + (1,))
         return op.astype(op.equal(col, iota), dtype)
@@ -120,9 +180,26 @@ def one_hot(ids, iota, dtype):
 class Embedding(Module):
     """Vocab-parallel embedding: the (vocab, dim) table is sharded over tp on the vocab dim;
     each rank looks up the ids it owns (a one-hot GEMM against its rows, exact for the small
-    vocabularies this targets) and the result is a pending sum over tp."""
+    vocabularies this targets) and the result is a pending sum over tp.
 
-    def __init__(self, vocab: int, dim: int, *, mesh=None, tp_axis: str = "tp", dtype="float32", std: float = 0.02):
+    Parameters
+    ----------
+    vocab : int
+        The vocabulary size.
+    dim : int
+        The embedding width.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The table's dtype.
+    std : float
+        The init standard deviation.
+    """
+
+    def __init__(self, vocab: int, dim: int, *, mesh: Mesh | None = None, tp_axis: str = "tp", dtype: Any = "float32",
+                 std: float = 0.02):
         super().__init__(mesh, tp_axis, dtype)
         self.vocab, self.dim, self.std = vocab, dim, std
 
@@ -136,12 +213,27 @@ class Embedding(Module):
         return op.matmul(one_hot(ids, self.iota(len(ids.shape)), self.dtype), p["w"])
 
 
-def cross_entropy(logits, targets, iota=None):
-    """Mean token cross-entropy of ``logits (..., V)`` against integer ``targets (...)``.
-    Vocab-parallel when the logits are sharded over tp on the vocab dim (pass ``iota`` from
-    ``vocab_iota`` with the same sharding): the max and the sum of exponentials are pending
-    reductions over tp (one small all-reduce each) and the target logit is picked by a
-    one-hot against the local vocab slice, so the full logits never exist on one rank."""
+def cross_entropy(logits: Any, targets: Any, iota: Any = None) -> Any:
+    """Mean token cross-entropy of ``logits`` against integer ``targets``.  Vocab-parallel
+    when the logits are sharded over tp on the vocab dim: the max and the sum of
+    exponentials are pending reductions over tp (one small all-reduce each) and the target
+    logit is picked by a one-hot against the local vocab slice, so the full logits never
+    exist on one rank.
+
+    Parameters
+    ----------
+    logits : DTensor or array
+        ``(..., V)``.
+    targets : DTensor or array
+        Integer ids ``(...)``.
+    iota : DTensor, optional
+        ``vocab_iota`` with the logits' vocab sharding (needed when they are sharded).
+
+    Returns
+    -------
+    DTensor or array
+        The scalar mean loss.
+    """
     if type(detach(logits)) is np.ndarray and type(targets) is np.ndarray:
         return op.softmax_cross_entropy(logits, targets)       # one fused kernel on host arrays
     v = logits.shape[-1]
@@ -156,7 +248,23 @@ def cross_entropy(logits, targets, iota=None):
 
 
 class RMSNorm(Module):
-    def __init__(self, dim: int, *, eps: float = 1e-6, mesh=None, tp_axis: str = "tp", dtype="float32"):
+    """RMSNorm over the last dim with a learned scale (``op.rmsnorm``), replicated.
+
+    Parameters
+    ----------
+    dim : int
+        The normalized width.
+    eps : float
+        Added to the mean square.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The scale's dtype.
+    """
+    def __init__(self, dim: int, *, eps: float = 1e-6, mesh: Mesh | None = None, tp_axis: str = "tp",
+                 dtype: Any = "float32"):
         super().__init__(mesh, tp_axis, dtype)
         self.dim, self.eps = dim, eps
 
@@ -168,12 +276,28 @@ class RMSNorm(Module):
 
 
 class Attention(Module):
-    """Causal multi-head self-attention, heads sharded over tp: q/k/v projections are
+    """Multi-head self-attention, heads sharded over tp: q/k/v projections are
     column-parallel (each rank computes its heads), flash attention runs per head with no
-    communication, and the output projection is row-parallel (a pending sum over tp)."""
+    communication, and the output projection is row-parallel (a pending sum over tp).
 
-    def __init__(self, d_model: int, n_heads: int, *, mesh=None, tp_axis: str = "tp", dtype="float32",
-                 causal: bool = True):
+    Parameters
+    ----------
+    d_model : int
+        The model width.
+    n_heads : int
+        Heads (divisible by the tp size).
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The parameters' dtype.
+    causal : bool
+        Mask later positions.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, mesh: Mesh | None = None, tp_axis: str = "tp",
+                 dtype: Any = "float32", causal: bool = True):
         super().__init__(mesh, tp_axis, dtype)
         if d_model % n_heads:
             raise ValueError(f"Attention: d_model={d_model} is not a multiple of n_heads={n_heads}")
@@ -197,9 +321,24 @@ class Attention(Module):
 
 
 class SwiGLUMLP(Module):
-    """``(silu(x W1) * (x W3)) W2``: W1, W3 column-parallel, W2 row-parallel."""
+    """``(silu(x W1) * (x W3)) W2``: W1, W3 column-parallel, W2 row-parallel.
 
-    def __init__(self, d_model: int, hidden: int, *, mesh=None, tp_axis: str = "tp", dtype="float32"):
+    Parameters
+    ----------
+    d_model : int
+        The model width.
+    hidden : int
+        The hidden width (divisible by the tp size).
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The parameters' dtype.
+    """
+
+    def __init__(self, d_model: int, hidden: int, *, mesh: Mesh | None = None, tp_axis: str = "tp",
+                 dtype: Any = "float32"):
         super().__init__(mesh, tp_axis, dtype)
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.w1 = Linear(d_model, hidden, parallel="column", **kw)
@@ -232,10 +371,31 @@ def _part(name: str, what: str):
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    def __init__(self, d_model: int, n_heads: int, hidden: int, *, mesh=None, tp_axis: str = "tp",
-                 dtype="float32", moe: dict | None = None, ep_axis: str = "ep"):
+    Parameters
+    ----------
+    d_model : int
+        The model width.
+    n_heads : int
+        Attention heads.
+    hidden : int
+        The MLP's hidden width.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis : str
+        The tensor-parallel mesh axis.
+    dtype : str or dtype
+        The parameters' dtype.
+    moe : dict, optional
+        Routed experts over ``ep_axis`` instead of the dense MLP: ``tessera_rt.moe``'s MoE
+        block arguments (num_experts, top_k, ...).
+    ep_axis : str
+        The expert-parallel mesh axis.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, hidden: int, *, mesh: Mesh | None = None, tp_axis: str = "tp",
+                 dtype: Any = "float32", moe: dict | None = None, ep_axis: str = "ep"):
         super().__init__(mesh, tp_axis, dtype)
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
@@ -256,12 +416,43 @@ class TransformerBlock(Module):
 class Transformer(Module):
     """A small decoder-only language model: vocab-parallel embedding + learned positions,
     ``n_layers`` blocks, a final RMSNorm and a vocab-parallel LM head with its
-    cross-entropy.  ``remat``: "none", "all" or "every_other" block (seed 000 §3.5)."""
+    cross-entropy.  A mesh with a ``pp_axis`` splits the blocks over pipeline stages (run
+    with ``dist.Pipeline``): each rank builds only its stage's parameters.
+
+    Parameters
+    ----------
+    vocab : int
+        The vocabulary size.
+    d_model : int
+        The model width.
+    n_heads : int
+        Attention heads.
+    n_layers : int
+        Blocks.
+    seq_len : int
+        The longest sequence (the learned positions).
+    hidden : int, optional
+        The MLP's hidden width; default ``4 * d_model``.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis, dp_axis, ep_axis, pp_axis : str
+        The tensor-, data-, expert- and pipeline-parallel mesh axes (each used when the mesh has it).
+    dtype : str or dtype
+        The parameters' dtype.
+    remat : {"none", "all", "every_other"}
+        Which blocks recompute their activations in the backward (seed 000 §3.5).
+    moe : dict, optional
+        MoE blocks instead of dense MLPs (see ``TransformerBlock``); needs ``remat="none"``.
+    stage_of : sequence of int, optional
+        ``stage_of[layer]``: the (virtual) stage of each block; default an even split.
+    virtual_stages : int
+        Virtual stages per pipeline rank (interleaved schedules).
+    """
 
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int, *,
-                 hidden: int | None = None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
-                 dtype="float32", remat: str = "none", moe: dict | None = None, ep_axis: str = "ep",
-                 pp_axis: str = "pp", stage_of=None, virtual_stages: int = 1):
+                 hidden: int | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", dp_axis: str = "dp",
+                 dtype: Any = "float32", remat: str = "none", moe: dict | None = None, ep_axis: str = "ep",
+                 pp_axis: str = "pp", stage_of: list[int] | None = None, virtual_stages: int = 1):
         # a mesh with a pp axis splits the blocks over stages (run with dist.Pipeline): this
         # rank's modules live on its stage's sub-mesh and it builds only its own parameters
         self.stage_plan = None

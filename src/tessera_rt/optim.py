@@ -85,9 +85,18 @@ def _check_grads(where: str, params: list, grads: list, paths: list) -> None:
 
 
 class Optimizer:
-    """Holds f32 masters and per-parameter state; ``step(params, grads)`` -> new params."""
+    """Holds f32 masters and per-parameter state; ``step(params, grads)`` -> new params.
 
-    def __init__(self, params, lr: float):
+    Parameters
+    ----------
+    params : pytree
+        The parameters (nested dicts/lists of DTensors or arrays, f32/bf16/fp16); the masters
+        are f32 copies of them.
+    lr : float
+        The learning rate.
+    """
+
+    def __init__(self, params: Any, lr: float):
         leaves, self._paths, self._struct = tree_flatten(params)
         for p, path in zip(leaves, self._paths):
             name = np.dtype(p.dtype).name
@@ -160,9 +169,21 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """``w -= lr * (g + wd*w)``, with heavy-ball ``momentum`` (buffer ``b = m*b + g``)."""
+    """``w -= lr * (g + wd*w)``, with heavy-ball ``momentum`` (buffer ``b = m*b + g``).
 
-    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
+    Parameters
+    ----------
+    params : pytree
+        The parameters.
+    lr : float
+        The learning rate.
+    momentum : float
+        ``m``; 0: plain SGD.
+    weight_decay : float
+        ``wd``.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
         super().__init__(params, lr)
         self.momentum, self.wd = float(momentum), float(weight_decay)
         self.bufs = [_zeros(m) if momentum else None for m in self.masters]
@@ -183,10 +204,24 @@ class SGD(Optimizer):
 
 
 class AdamW(Optimizer):
-    """Adam with decoupled weight decay (Loshchilov & Hutter), state in f32."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter), state in f32.
+
+    Parameters
+    ----------
+    params : pytree
+        The parameters.
+    lr : float
+        The learning rate.
+    betas : tuple of float
+        The first and second moments' decay.
+    eps : float
+        Added to the second moment's square root.
+    weight_decay : float
+        Decoupled: ``w -= lr * wd * w``.
+    """
     _slots = ("m", "v")
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
         super().__init__(params, lr)
         self.b1, self.b2 = float(betas[0]), float(betas[1])
@@ -248,10 +283,21 @@ def _sum_squares(x):
     return total
 
 
-def global_norm(grads) -> float:
+def global_norm(grads: Any) -> float:
     """The L2 norm of all gradients together, the same on every rank.  Each rank sums the
     squares of its local pieces (weighted so replicated elements count once) and one
-    all-reduce of a single float64 over each mesh adds them up."""
+    all-reduce of a single float64 over each mesh adds them up.
+
+    Parameters
+    ----------
+    grads : pytree
+        DTensors and arrays.
+
+    Returns
+    -------
+    float
+        The norm.
+    """
     # The squares are summed where the gradients live (on the GPU: no copy to the host).
     leaves, _, _ = tree_flatten(grads)
     local_total = 0.0
@@ -268,13 +314,31 @@ def global_norm(grads) -> float:
     return math.sqrt(local_total)
 
 
-def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False,
-                   in_place: bool = False):
+def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False,
+                   in_place: bool = False) -> tuple[Any, float]:
     """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards.
-    ``in_place``: scale the gradients themselves where that changes nothing else (see
-    ``_owned``; the others are scaled into new arrays), allocating nothing: for a training
-    loop that drops the unclipped gradients anyway.
-    ``error_if_nonfinite``: raise ``NonFiniteError`` when the norm is inf or nan."""
+
+    Parameters
+    ----------
+    grads : pytree
+        DTensors and arrays.
+    max_norm : float
+        The largest norm kept.
+    norm : float, optional
+        The global norm if already known (default: ``global_norm(grads)``).
+    error_if_nonfinite : bool
+        Raise ``NonFiniteError`` when the norm is inf or nan.
+    in_place : bool
+        Scale the gradients themselves where that changes nothing else (the others are
+        scaled into new arrays), allocating nothing: for a training loop that drops the
+        unclipped gradients anyway.
+
+    Returns
+    -------
+    tuple
+        The clipped gradients (``grads`` itself when the norm is within ``max_norm`` or not
+        finite) and the norm before clipping.
+    """
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
     norm = global_norm(grads) if norm is None else norm
@@ -314,20 +378,47 @@ def _owned(arrays: list) -> list[bool]:
 # --------------------------------------------------------------------------- non-finite steps
 
 class NonFiniteError(FloatingPointError):
-    """The loss or the gradients of a step are inf or nan (``check_finite``).  ``reason`` says
-    which; ``step``, ``rank`` and ``first`` (the path of this rank's first non-finite leaf
-    among the ``what``s searched, or None) say where; ``count`` of ``total`` hold inf/nan."""
+    """The loss or the gradients of a step are inf or nan (``check_finite``).
 
-    def __init__(self, message: str, *, reason: str = "", step=None, rank=None, what: str = "gradient", first=None,
-                 count: int = 0, total: int = 0):
+    Parameters
+    ----------
+    message : str
+        The error message.
+    reason : str
+        Which value was not finite (loss, norm).
+    step : int, optional
+        The training step.
+    rank : int, optional
+        The rank raising it.
+    what : str
+        What was searched for the first bad leaf ("gradient", ...).
+    first : str, optional
+        The path of this rank's first non-finite leaf, or None.
+    count, total : int
+        How many of how many elements hold inf/nan.
+    """
+
+    def __init__(self, message: str, *, reason: str = "", step: int | None = None, rank: int | None = None,
+                 what: str = "gradient", first: str | None = None, count: int = 0, total: int = 0):
         super().__init__(message)
         self.reason, self.step, self.rank, self.what = reason, step, rank, what
         self.first, self.count, self.total = first, count, total
 
 
-def non_finite_leaves(tree) -> list[str]:
+def non_finite_leaves(tree: Any) -> list[str]:
     """The paths of the leaves of ``tree`` whose local pieces (this rank's) hold inf or nan:
-    one pass over every leaf, for after a step was found non-finite or before a save."""
+    one pass over every leaf, for after a step was found non-finite or before a save.
+
+    Parameters
+    ----------
+    tree : pytree
+        DTensors and arrays.
+
+    Returns
+    -------
+    list of str
+        The leaves' paths, e.g. ``"['blocks'][0]['attn']['wq']"``.
+    """
     leaves, paths, _ = tree_flatten(tree)
     bad = []
     for x, path in zip(leaves, paths):
@@ -345,15 +436,28 @@ def _rank():
     return world().rank if is_initialized() else None
 
 
-def check_finite(loss=None, norm=None, *, grads=None, step: int | None = None, what: str = "gradient") -> None:
+def check_finite(loss: Any = None, norm: Any = None, *, grads: Any = None, step: int | None = None,
+                 what: str = "gradient") -> None:
     """Raise ``NonFiniteError`` if ``loss`` or ``norm`` is inf or nan.
 
     Pass scalars every rank agrees on (the reduced loss, the global gradient norm that
     ``clip_grad_norm`` / ``global_norm`` / ``Pipeline.grad_norm`` return), so every rank
-    stops at the same step; the check costs only those scalars.  Only when one is not finite
-    are ``grads`` (this rank's pieces; ``what`` names them) searched, to name the first leaf
-    holding inf/nan.  Call it before ``opt.step``, so the non-finite update never reaches
-    the weights.  With ``DynamicLossScaler``, check only steps it did not skip."""
+    stops at the same step; the check costs only those scalars.  Call it before
+    ``opt.step``, so the non-finite update never reaches the weights.  With
+    ``DynamicLossScaler``, check only steps it did not skip.
+
+    Parameters
+    ----------
+    loss, norm : float, optional
+        The scalars checked.
+    grads : pytree, optional
+        Searched only when one is not finite, to name the first leaf holding inf/nan (this
+        rank's pieces).
+    step : int, optional
+        The step, for the message.
+    what : str
+        What ``grads`` are, for the message.
+    """
     bad = [f"the {name} is {v}" for name, v in (("loss", loss), (f"{what} norm", norm))
            if v is not None and not math.isfinite(float(v))]
     if not bad:
@@ -381,7 +485,21 @@ def check_finite(loss=None, norm=None, *, grads=None, step: int | None = None, w
 class DynamicLossScaler:
     """Multiply the loss by ``scale`` so fp16 gradients do not underflow; after a step
     with an inf/nan gradient (on any rank) skip it and halve the scale; after
-    ``growth_interval`` clean steps double it."""
+    ``growth_interval`` clean steps double it.
+
+    Parameters
+    ----------
+    init_scale : float
+        The first scale.
+    growth_factor : float
+        The scale's factor after ``growth_interval`` clean steps.
+    backoff_factor : float
+        The scale's factor after a skipped step.
+    growth_interval : int
+        Clean steps between growths.
+    min_scale : float
+        The scale never goes below it.
+    """
 
     def __init__(self, init_scale: float = 2.0 ** 15, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 200, min_scale: float = 1.0):
