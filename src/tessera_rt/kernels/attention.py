@@ -88,8 +88,35 @@ def _scores(xp, q, k, groups: int, scale: float, causal: bool, sk: int, k0: int 
 
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
                     return_lse: bool = False, block_kv: int | None = None, out: Any | None = None,
-                    stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``softmax(q kᵀ · scale) v`` with f32 accumulation; ``(o, lse)`` when ``return_lse``."""
+                    stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``softmax(q kᵀ · scale) v`` with f32 accumulation; ``(o, lse)`` when ``return_lse``.
+
+    Parameters
+    ----------
+    q : array
+        Queries ``(B, H, Sq, D)``.
+    k, v : array
+        Keys and values ``(B, Hkv, Sk, D)`` (H divisible by Hkv).
+    causal : bool
+        Mask keys after each query (aligned at the end when Sq < Sk).
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    return_lse : bool
+        Also return the log-sum-exp ``(B, H, Sq)``, f32.
+    block_kv : int, optional
+        Keys per tile.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array or (array, array)
+        ``o (B, H, Sq, D)`` of q's dtype, and ``lse`` when ``return_lse``.
+    """
     op = "flash_attention"
     b, h, hkv, sq, sk, d = check_attention(op, q, k, v)
     check_policy(op, policy)
@@ -136,10 +163,36 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: floa
 def flash_attention_backward(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, *,
                              causal: bool = False, scale: float | None = None,
                              out: tuple | None = None, stream: Any | None = None,
-                             policy: NumericPolicy | None = None):
+                             policy: NumericPolicy | None = None) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of ``flash_attention``, recomputing P from ``lse`` (FlashAttention-2).
 
     ``dS = P ∘ (dP - rowsum(dO ∘ O))``; ``dk``/``dv`` sum over each kv head's query group.
+
+    Parameters
+    ----------
+    q, k, v : array
+        The forward's inputs.
+    o : array
+        The forward's output.
+    do : array
+        The output's cotangent.
+    lse : array
+        The forward's log-sum-exp.
+    causal : bool
+        As in the forward.
+    scale : float, optional
+        As in the forward.
+    out : tuple of array, optional
+        Receive ``(dq, dk, dv)``.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    tuple of array
+        ``(dq, dk, dv)``.
     """
     op = "flash_attention_backward"
     b, h, hkv, sq, sk, d = check_attention_backward(op, q, k, v, o, do, lse, stream, policy)

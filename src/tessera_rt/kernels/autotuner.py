@@ -174,5 +174,25 @@ class Autotuner:
 
 def autotune(space: dict[str, list], *, name: str | None = None, key: Callable[..., tuple] | None = None,
              warmup: int = 1, reps: int = 3) -> Callable[[Callable], Autotuner]:
-    """Decorator: ``@autotune(space={"tile_shape": [...]})`` (see the module doc)."""
+    """Decorator: ``@autotune(space={"tile_shape": [...]})`` (see the module doc).
+
+    Parameters
+    ----------
+    space : dict of str to list
+        Each keyword the launcher takes and its candidate values; every combination is timed.
+    name : str, optional
+        The cache entry's name (default: the function's).
+    key : callable, optional
+        ``key(*args, **kwargs) -> tuple``: what a winner is kept per (default: the arguments' shapes
+        and dtypes).
+    warmup : int
+        Untimed runs per candidate.
+    reps : int
+        Timed runs per candidate.
+
+    Returns
+    -------
+    callable
+        The decorator: it wraps the launcher in an ``Autotuner``.
+    """
     return lambda fn: Autotuner(fn, space, name=name, key=key, warmup=warmup, reps=reps)

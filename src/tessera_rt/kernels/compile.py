@@ -212,10 +212,23 @@ def registered_sources() -> dict[str, KernelSource]:
 
 
 def inspect_ir(kernel: str, level: str = "source", arch: str = "sm_90", **config) -> str:
-    """A kernel's CUDA C source ("source" / "tile"), PTX ("ptx" / "target") or ptxas report ("resources").
+    """A kernel's CUDA C source, PTX or ptxas report.
 
-    ``kernel`` is a registered source name (``registered_sources()``); ``config`` picks the
-    variant (default: the first registered config).
+    Parameters
+    ----------
+    kernel : str
+        A registered source name (``registered_sources()``).
+    level : str
+        "source" / "tile" (CUDA C), "ptx" / "target" (PTX), or "resources" (the ptxas report).
+    arch : str
+        The GPU architecture compiled for.
+    **config
+        Picks the variant (default: the first registered config).
+
+    Returns
+    -------
+    str
+        The text.
     """
     sources = registered_sources()
     if kernel not in sources:

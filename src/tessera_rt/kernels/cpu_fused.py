@@ -333,9 +333,24 @@ def _check_targets(op: str, logits: Any, targets: Any):
     return np.ascontiguousarray(targets, dtype=np.int64).reshape(-1)
 
 
-def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False):
+def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False) -> Any:
     """Mean over rows of ``logsumexp(logits) - logits[target]`` (f32 statistics; f64 for f64),
-    a scalar of the logits' dtype; ``(loss, lse)`` when ``return_lse`` (the backward's)."""
+    a scalar of the logits' dtype; ``(loss, lse)`` when ``return_lse`` (the backward's).
+
+    Parameters
+    ----------
+    logits : array
+        ``(..., V)``.
+    targets : array
+        Integer ids ``(...)``.
+    return_lse : bool
+        Also return the rows' log-sum-exp.
+
+    Returns
+    -------
+    array or (array, array)
+        The scalar loss, and ``lse`` when ``return_lse``.
+    """
     op = "softmax_cross_entropy"
     check_float(op, "logits", logits, norms.NORM_DTYPES)
     t = _check_targets(op, logits, targets)

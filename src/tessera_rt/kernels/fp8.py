@@ -80,14 +80,36 @@ def _stochastic_cast(y, dt: np.dtype, seed: int):
     return np.where(pick & (y != d32), other_bits, down.view(np.uint8)).view(dt)
 
 
-def quantize_fp8(x: Any, dtype="fp8_e4m3", *, scale: str | Any = "per_tensor", axis: int = -1,
+def quantize_fp8(x: Any, dtype: str = "fp8_e4m3", *, scale: str | Any = "per_tensor", axis: int = -1,
                  stochastic_round: bool = False, seed: int = 0, out: Any | None = None,
-                 stream: Any | None = None, policy: NumericPolicy | None = None):
-    """Quantize ``x`` to FP8; returns ``(q, scale)`` with ``x ≈ q.astype(f32) * scale``.
+                 stream: Any | None = None, policy: NumericPolicy | None = None) -> tuple[Any, Any]:
+    """Quantize ``x`` to FP8.  Values beyond the format saturate to its max (no inf/NaN from an outlier).
 
-    ``scale`` is "per_tensor", "per_channel" (one per index of ``axis``) or a given f32
-    scale array.  A ``policy`` overrides ``dtype``, ``scale`` and ``stochastic_round``.
-    Values beyond the format saturate to its max (no inf/NaN from an outlier).
+    Parameters
+    ----------
+    x : array
+        The input (float).
+    dtype : str
+        "fp8_e4m3" or "fp8_e5m2".
+    scale : str or array
+        "per_tensor", "per_channel" (one per index of ``axis``) or a given f32 scale array.
+    axis : int
+        The channel dim for per-channel scales.
+    stochastic_round : bool
+        Round stochastically (seeded) instead of to nearest.
+    seed : int
+        The stochastic rounding's seed.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Overrides ``dtype``, ``scale`` and ``stochastic_round``.
+
+    Returns
+    -------
+    tuple of array
+        ``(q, scale)`` with ``x ≈ q.astype(f32) * scale``.
     """
     op = "quantize_fp8"
     check_stream(op, stream)
@@ -115,9 +137,28 @@ def quantize_fp8(x: Any, dtype="fp8_e4m3", *, scale: str | Any = "per_tensor", a
     return q, s
 
 
-def dequantize_fp8(q: Any, scale: Any, *, dtype="f32", out: Any | None = None,
-                   stream: Any | None = None):
-    """``q.astype(dtype) * scale`` computed in f32."""
+def dequantize_fp8(q: Any, scale: Any, *, dtype: str = "f32", out: Any | None = None,
+                   stream: Any | None = None) -> Any:
+    """``q.astype(dtype) * scale`` computed in f32.
+
+    Parameters
+    ----------
+    q : array
+        FP8 values.
+    scale : array
+        The scale ``quantize_fp8`` returned.
+    dtype : str
+        The result's dtype.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+
+    Returns
+    -------
+    array
+        ``q * scale`` in ``dtype``.
+    """
     op = "dequantize_fp8"
     check_stream(op, stream)
     check_float(op, "q", q, FP8_DTYPES, min_ndim=0)
@@ -148,8 +189,25 @@ def dequantize_fp8_bits(bits: Any, scale: Any, dtype="fp8_e4m3", *, axis: int = 
     return r
 
 
-def fake_quantize_fp8(x: Any, policy: NumericPolicy, axis: int = -1, seed: int = 0):
-    """Round-trip ``x`` through the policy's FP8 format, returning f32 (how GEMMs see FP8 operands)."""
+def fake_quantize_fp8(x: Any, policy: NumericPolicy, axis: int = -1, seed: int = 0) -> Any:
+    """Round-trip ``x`` through the policy's FP8 format, returning f32 (how GEMMs see FP8 operands).
+
+    Parameters
+    ----------
+    x : array
+        The input.
+    policy : NumericPolicy
+        An FP8 policy (its dtype, scale, rounding).
+    axis : int
+        The channel dim for per-channel scales.
+    seed : int
+        The stochastic rounding's seed.
+
+    Returns
+    -------
+    array
+        f32 values on the FP8 grid.
+    """
     q, s = quantize_fp8(x, policy.dtype, scale=policy.scale or "per_tensor", axis=axis,
                         stochastic_round=policy.stochastic_round, seed=seed)
     return q.astype(np.float32) * s

@@ -79,11 +79,29 @@ _PLAIN = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def matmul(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
-           stream: Any | None = None, policy: NumericPolicy | None = None):
+           stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
     """``a @ b`` with f32 accumulation for low-precision inputs (NumPy reference).
 
     FP8 inputs (or an FP8 ``policy``) compute on the dequantized values and return f32
     (or the input dtype), since an FP8 result would discard the f32 accumulation.
+
+    Parameters
+    ----------
+    a, b : array
+        The operands (batched, broadcasting).
+    tile_shape : tuple of int, optional
+        ``(BM, BN, BK)`` for the GPU kernel (checked against shared memory).
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        The product, f32 for FP8 inputs, else the inputs' dtype.
     """
     if (tile_shape is None and out is None and stream is None and policy is None and type(a) is np.ndarray
             and type(b) is np.ndarray and a.dtype == b.dtype and a.dtype in _PLAIN and a.ndim >= 2 and b.ndim >= 2

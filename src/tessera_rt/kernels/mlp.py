@@ -31,16 +31,40 @@ def erf(x: Any):
     return xp.sign(x) * (1.0 - poly * xp.exp(-x * x))
 
 
-def gelu(x: Any, approximate: bool = False):
-    """x·Φ(x); ``approximate`` uses the tanh form GPT-2 trained with (cheaper on GPUs)."""
+def gelu(x: Any, approximate: bool = False) -> Any:
+    """x·Φ(x); ``approximate`` uses the tanh form GPT-2 trained with (cheaper on GPUs).
+
+    Parameters
+    ----------
+    x : array
+        The input.
+    approximate : bool
+        Use the tanh form.
+
+    Returns
+    -------
+    array
+        x's dtype.
+    """
     xp = array_module(x)
     if approximate:
         return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
     return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
 
-def silu(x: Any):
-    """x·sigmoid(x), written so exp never overflows for large |x|."""
+def silu(x: Any) -> Any:
+    """x·sigmoid(x), written so exp never overflows for large |x|.
+
+    Parameters
+    ----------
+    x : array
+        The input.
+
+    Returns
+    -------
+    array
+        x's dtype.
+    """
     xp = array_module(x)
     z = xp.exp(-xp.abs(x))
     return x * xp.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
@@ -61,8 +85,29 @@ def _activate(op: str, y: Any, act: str):
 
 
 def bias_act(x: Any, bias: Any | None = None, *, act: str = "gelu", out: Any | None = None,
-             stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``act(x + bias)`` with ``bias`` over the last dim, computed in f32 and cast once."""
+             stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``act(x + bias)`` with ``bias`` over the last dim, computed in f32 and cast once.
+
+    Parameters
+    ----------
+    x : array
+        The input ``(..., N)``.
+    bias : array, optional
+        ``(N,)``; None: no bias.
+    act : str
+        The activation: "gelu", "gelu_tanh", "silu", "relu", ... (``ACTIVATIONS``).
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        x's dtype.
+    """
     op = "bias_act"
     check_float(op, "x", x, NORM_DTYPES)
     check_policy(op, policy)
@@ -81,13 +126,55 @@ def bias_act(x: Any, bias: Any | None = None, *, act: str = "gelu", out: Any | N
 
 
 def bias_gelu(x: Any, bias: Any | None = None, *, approximate: bool = False, out: Any | None = None,
-              stream: Any | None = None, policy: NumericPolicy | None = None):
+              stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``gelu(x + bias)`` (``bias_act`` with act "gelu", or "gelu_tanh" when ``approximate``).
+
+    Parameters
+    ----------
+    x : array
+        The input ``(..., N)``.
+    bias : array, optional
+        ``(N,)``.
+    approximate : bool
+        The tanh form.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        x's dtype.
+    """
     return bias_act(x, bias, act="gelu_tanh" if approximate else "gelu", out=out, stream=stream,
                     policy=policy)
 
 
 def bias_silu(x: Any, bias: Any | None = None, *, out: Any | None = None, stream: Any | None = None,
-              policy: NumericPolicy | None = None):
+              policy: NumericPolicy | None = None) -> Any:
+    """``silu(x + bias)`` (``bias_act`` with act "silu").
+
+    Parameters
+    ----------
+    x : array
+        The input ``(..., N)``.
+    bias : array, optional
+        ``(N,)``.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        x's dtype.
+    """
     return bias_act(x, bias, act="silu", out=out, stream=stream, policy=policy)
 
 
@@ -106,8 +193,27 @@ def _check_pair(op: str, x: Any, w1: Any, w3: Any, stream: Any, policy: Any) -> 
 
 
 def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | None = None,
-           policy: NumericPolicy | None = None):
-    """``silu(x @ w1) * (x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)``; one pass over ``x``."""
+           policy: NumericPolicy | None = None) -> Any:
+    """``silu(x @ w1) * (x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)``; one pass over ``x``.
+
+    Parameters
+    ----------
+    x : array
+        ``(..., D)``.
+    w1, w3 : array
+        The gate and up projections ``(D, F)``.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        ``(..., F)``, x's dtype.
+    """
     op = "swiglu"
     _check_pair(op, x, w1, w3, stream, policy)
     xp = array_module(x, w1, w3)
@@ -126,11 +232,28 @@ def dual_reads_x_once(x: Any, w1: Any, w3: Any, policy: Any = None, *, on_gpu: b
     return x.ndim >= 1 and x.size // max(x.shape[-1], 1) > 2 * w1.shape[-1]
 
 
-def dual_matmul(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: NumericPolicy | None = None):
+def dual_matmul(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: NumericPolicy | None = None) -> tuple[Any, Any]:
     """``(x @ w1, x @ w3)`` for ``x (..., D)``, ``w1, w3 (D, F)`` (seed 004's double matmul).
     One product ``x @ [w1 | w3]``, split after, when x has more than 2F rows: it reads x once
     but copies both weights into the concatenation, which only pays when x is the larger
-    operand; two products otherwise (decode-sized x)."""
+    operand; two products otherwise (decode-sized x).
+
+    Parameters
+    ----------
+    x : array
+        ``(..., D)``.
+    w1, w3 : array
+        ``(D, F)`` each.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    tuple of array
+        ``(x @ w1, x @ w3)``.
+    """
     op = "dual_matmul"
     _check_pair(op, x, w1, w3, stream, policy)
     xp = array_module(x, w1, w3)

@@ -31,8 +31,27 @@ def _check_row_param(op: str, name: str, p: Any, x: Any) -> None:
 
 
 def softmax(x: Any, *, axis: int = -1, out: Any | None = None, stream: Any | None = None,
-            policy: NumericPolicy | None = None):
-    """Max-subtracted softmax along ``axis``: exp never overflows, the largest term is exp(0)=1."""
+            policy: NumericPolicy | None = None) -> Any:
+    """Max-subtracted softmax along ``axis``: exp never overflows, the largest term is exp(0)=1.
+
+    Parameters
+    ----------
+    x : array
+        The input.
+    axis : int
+        The dim normalized over.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        The softmax, x's dtype.
+    """
     op = "softmax"
     check_float(op, "x", x, NORM_DTYPES)
     check_policy(op, policy)
@@ -57,8 +76,29 @@ def _check_norm_args(op: str, x: Any, eps: float, policy, stream, **row_params) 
 
 
 def layernorm(x: Any, weight: Any | None = None, bias: Any | None = None, *, eps: float = 1e-5,
-              out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim, f32 statistics."""
+              out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim, f32 statistics.
+
+    Parameters
+    ----------
+    x : array
+        The input, normalized over its last dim.
+    weight, bias : array, optional
+        Scale and shift (last dim's length); None: 1 and 0.
+    eps : float
+        Added to the variance.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        The normalized array, x's dtype.
+    """
     op = "layernorm"
     _check_norm_args(op, x, eps, policy, stream, weight=weight, bias=bias)
     acc = accum_dtype(x.dtype, policy)
@@ -76,8 +116,29 @@ def layernorm(x: Any, weight: Any | None = None, bias: Any | None = None, *, eps
 
 
 def rmsnorm(x: Any, weight: Any | None = None, *, eps: float = 1e-6, out: Any | None = None,
-            stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, f32 statistics."""
+            stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, f32 statistics.
+
+    Parameters
+    ----------
+    x : array
+        The input, normalized over its last dim.
+    weight : array, optional
+        The scale (last dim's length); None: 1.
+    eps : float
+        Added to the mean square.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        The normalized array, x's dtype.
+    """
     op = "rmsnorm"
     _check_norm_args(op, x, eps, policy, stream, weight=weight)
     acc = accum_dtype(x.dtype, policy)

@@ -48,7 +48,21 @@ def register_mode_switch(context) -> None:
 
 @dataclass(frozen=True)
 class NumericPolicy:
-    """How an op stores, accumulates, scales and rounds.  Build it with :func:`numeric`."""
+    """How an op stores, accumulates, scales and rounds.  Build it with :func:`numeric`.
+
+    Parameters
+    ----------
+    dtype : dtype, optional
+        What operands are stored/quantized as (None: as given).
+    accum : dtype
+        The accumulation dtype (f32 or f64).
+    scale : str, optional
+        FP8 scaling: "per_tensor" or "per_channel".
+    stochastic_round : bool
+        Round FP8 stochastically.
+    deterministic : bool
+        Fixed-order reductions (``dist.deterministic``).
+    """
 
     dtype: np.dtype | None = None
     accum: np.dtype = np.dtype(np.float32)
@@ -88,9 +102,28 @@ class NumericPolicy:
         return self.dtype is not None and self.dtype in FP8_DTYPES
 
 
-def numeric(dtype=None, accum="f32", scale: str | None = None, stochastic_round: bool = False,
-            deterministic: bool = False) -> NumericPolicy:
-    """Make a :class:`NumericPolicy`; ``op.numeric(dtype="fp8_e4m3", accum="f32", scale="per_channel")``."""
+def numeric(dtype: str | np.dtype | None = None, accum: str | np.dtype = "f32", scale: str | None = None,
+            stochastic_round: bool = False, deterministic: bool = False) -> NumericPolicy:
+    """Make a :class:`NumericPolicy`; ``op.numeric(dtype="fp8_e4m3", accum="f32", scale="per_channel")``.
+
+    Parameters
+    ----------
+    dtype : str or dtype, optional
+        A float dtype (FP8 ones quantize operands).
+    accum : str or dtype
+        "f32" or "f64".
+    scale : str, optional
+        "per_tensor" or "per_channel" (FP8 dtypes only).
+    stochastic_round : bool
+        Round FP8 stochastically.
+    deterministic : bool
+        Fixed-order reductions; ``with op.numeric(deterministic=True):`` turns them on for a block.
+
+    Returns
+    -------
+    NumericPolicy
+        The policy.
+    """
     dt = None if dtype is None else resolve_dtype(dtype)
     if dt is not None and dt not in FLOAT_DTYPES:
         raise TypeError(f"numeric: dtype {dtype_name(dt)} is not a float type; use one of "

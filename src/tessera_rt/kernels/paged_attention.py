@@ -54,8 +54,36 @@ def check_paged(op: str, q: Any, k_pages: Any, v_pages: Any, block_tables: Any, 
 
 def paged_decode_attention(q: Any, k_pages: Any, v_pages: Any, block_tables: Any, seq_lens: Any, *,
                            seq_starts: Any = None, scale: float | None = None, out: Any | None = None,
-                           stream: Any | None = None, policy: NumericPolicy | None = None):
-    """``softmax(q kᵀ · scale) v`` over each sequence's cached keys, gathered through its block table."""
+                           stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """``softmax(q kᵀ · scale) v`` over each sequence's cached keys, gathered through its block table.
+
+    Parameters
+    ----------
+    q : array
+        ``(B, H, D)``: one new query per sequence.
+    k_pages, v_pages : array
+        ``(num_blocks, Hkv, block_size, D)``.
+    block_tables : array
+        ``(B, max_blocks)`` int32: entry j the page of positions ``j*block_size ...`` (-1 past the
+        sequence).
+    seq_lens : array
+        ``(B,)`` keys per sequence.
+    seq_starts : array, optional
+        ``(B,)`` first visible position (a sliding window).
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        ``(B, H, D)``, q's dtype.
+    """
     op = "paged_decode_attention"
     b, h, hkv, d, bs, mb = check_paged(op, q, k_pages, v_pages, block_tables, seq_lens, seq_starts)
     check_policy(op, policy)

@@ -49,8 +49,31 @@ def _crop(y: Any, h: int, w: int, kh: int, kw: int, padding: str):
 
 
 def conv2d_fft(x: Any, w: Any, bias: Any | None = None, *, padding: str = "same",
-               out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None):
-    """conv2d (cross-correlation, stride 1) of ``x (N, Ci, H, W)`` with ``w (Co, Ci, kh, kw)`` via FFT."""
+               out: Any | None = None, stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
+    """conv2d (cross-correlation, stride 1) of ``x (N, Ci, H, W)`` with ``w (Co, Ci, kh, kw)`` via FFT.
+
+    Parameters
+    ----------
+    x : array
+        ``(N, Ci, H, W)``.
+    w : array
+        ``(Co, Ci, kh, kw)``.
+    bias : array, optional
+        ``(Co,)``.
+    padding : str
+        "same", "valid" or "full".
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+    policy : NumericPolicy, optional
+        Storage, accumulation and rounding (default: the op's own).
+
+    Returns
+    -------
+    array
+        ``(N, Co, H', W')``.
+    """
     op = "conv2d_fft"
     _check_conv(op, x, w, padding)
     check_policy(op, policy)
@@ -70,8 +93,25 @@ def conv2d_fft(x: Any, w: Any, bias: Any | None = None, *, padding: str = "same"
     return finish(op, y, out, result_dtype(np.result_type(x.dtype, w.dtype), policy))
 
 
-def conv2d_direct(x: Any, w: Any, bias: Any | None = None, *, padding: str = "same"):
-    """The direct sum over the filter taps: the oracle ``conv2d_fft`` is tested against."""
+def conv2d_direct(x: Any, w: Any, bias: Any | None = None, *, padding: str = "same") -> Any:
+    """The direct sum over the filter taps: the oracle ``conv2d_fft`` is tested against.
+
+    Parameters
+    ----------
+    x : array
+        ``(N, Ci, H, W)``.
+    w : array
+        ``(Co, Ci, kh, kw)``.
+    bias : array, optional
+        ``(Co,)``.
+    padding : str
+        "same", "valid" or "full".
+
+    Returns
+    -------
+    array
+        ``(N, Co, H', W')``.
+    """
     op = "conv2d_direct"
     _check_conv(op, x, w, padding)
     xp = array_module(x, w)
@@ -88,15 +128,46 @@ def conv2d_direct(x: Any, w: Any, bias: Any | None = None, *, padding: str = "sa
     return y if bias is None else y + bias.reshape(1, co, 1, 1)
 
 
-def fft2d(x: Any, *, out: Any | None = None, stream: Any | None = None):
-    """2-D FFT over the last two dims (seed 002 §2.8's ``fft2d``)."""
+def fft2d(x: Any, *, out: Any | None = None, stream: Any | None = None) -> Any:
+    """2-D FFT over the last two dims (seed 002 §2.8's ``fft2d``).
+
+    Parameters
+    ----------
+    x : array
+        Real or complex input.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+
+    Returns
+    -------
+    array
+        Complex.
+    """
     check_float("fft2d", "x", x, _SPECTRAL_DTYPES + (np.complex64, np.complex128))
     check_stream("fft2d", stream)
     y = array_module(x).fft.fft2(x)
     return finish("fft2d", y, out, y.dtype)
 
 
-def ifft2d(x: Any, *, out: Any | None = None, stream: Any | None = None):
+def ifft2d(x: Any, *, out: Any | None = None, stream: Any | None = None) -> Any:
+    """Inverse 2-D FFT over the last two dims.
+
+    Parameters
+    ----------
+    x : array
+        Complex input.
+    out : array, optional
+        Receives the result.
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+
+    Returns
+    -------
+    array
+        Complex.
+    """
     check_float("ifft2d", "x", x, (np.complex64, np.complex128))
     check_stream("ifft2d", stream)
     y = array_module(x).fft.ifft2(x)

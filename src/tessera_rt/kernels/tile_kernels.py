@@ -90,8 +90,25 @@ def make_tiled_matmul(ts: int = 16) -> tile.TileKernel:
     return kern
 
 
-def saxpy_reference(x: Any, y: Any, alpha: float, *, out: Any | None = None, stream: Any | None = None):
-    """``alpha * x + y`` (into ``out``, which may be ``y`` itself, as the seed's ``mut y``)."""
+def saxpy_reference(x: Any, y: Any, alpha: float, *, out: Any | None = None, stream: Any | None = None) -> Any:
+    """``alpha * x + y`` (into ``out``, which may be ``y`` itself, as the seed's ``mut y``).
+
+    Parameters
+    ----------
+    x, y : array
+        Vectors of one shape (f32).
+    alpha : float
+        The scale of x.
+    out : array, optional
+        Receives the result (may be ``y``).
+    stream : stream, optional
+        The stream the kernel runs on (default: the compute stream).
+
+    Returns
+    -------
+    array
+        ``alpha * x + y``.
+    """
     _check_axpy("saxpy", x, y, out)
     xp = array_module(x, y)
     r = xp.asarray(alpha, dtype=y.dtype) * x + y
