@@ -419,7 +419,14 @@ def _make_cuda_backend(explicit: bool) -> Backend | None:
 
 
 def get_backend() -> Backend:
-    """The process's backend, chosen on first call."""
+    """The process's backend, chosen on first call.
+
+    Returns
+    -------
+    Backend
+        CuPy on a GPU when one is usable, else NumPy on the CPU (``TESSERA_DEVICE=cpu|cuda`` forces
+        one).
+    """
     global _BACKEND
     if _BACKEND is not None:
         return _BACKEND

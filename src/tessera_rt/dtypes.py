@@ -38,8 +38,19 @@ _SHORT_NAMES = {
 }
 
 
-def resolve_dtype(dtype) -> np.dtype:
-    """Return the NumPy dtype for any accepted spelling; raise TypeError naming the choices."""
+def resolve_dtype(dtype: object) -> np.dtype:
+    """Return the NumPy dtype for any accepted spelling; raise TypeError naming the choices.
+
+    Parameters
+    ----------
+    dtype : str or dtype
+        A name ("f32", "bf16", "fp8_e4m3", ...) or a NumPy dtype.
+
+    Returns
+    -------
+    numpy.dtype
+        The dtype.
+    """
     if isinstance(dtype, str):
         try:
             return _ALIASES[dtype.lower()]

@@ -97,9 +97,24 @@ def _accumulate(acc, g):
 
 
 class Pipeline:
-    """A pipelined ``value_and_grad`` over the ``axis`` of ``mesh`` (see the module doc)."""
+    """A pipelined ``value_and_grad`` over the ``axis`` of ``mesh`` (see the module doc).
 
-    def __init__(self, model, mesh=None, axis: str = "pp", microbatches: int = 1, schedule: str = "1f1b"):
+    Parameters
+    ----------
+    model : nn.Transformer
+        A model built on a mesh with the pipeline axis (it has a ``stage_plan``).
+    mesh : Mesh, optional
+        Default: the model's stage plan's mesh.
+    axis : str
+        The pipeline axis.
+    microbatches : int
+        Micro-batches per step (the batch splits evenly).
+    schedule : str
+        "gpipe", "1f1b" or "interleaved".
+    """
+
+    def __init__(self, model: object, mesh: Mesh | None = None, axis: str = "pp", microbatches: int = 1,
+                 schedule: str = "1f1b"):
         plan = getattr(model, "stage_plan", None)
         mesh = mesh if mesh is not None else getattr(plan, "mesh", None)
         rank = world().rank

@@ -25,10 +25,47 @@ Action = tuple  # (kind "F" | "B", chunk, microbatch)
 
 
 def gpipe(pp: int, stage: int, m: int, v: int = 1) -> list[Action]:
+    """GPipe: every forward, then every backward (m micro-batches of activations alive).
+
+    Parameters
+    ----------
+    pp : int
+        Pipeline stages (ranks on the pp axis).
+    stage : int
+        This stage's position.
+    m : int
+        Micro-batches per step.
+    v : int
+        Chunks per rank: unused (one chunk), taken so every schedule has one signature.
+
+    Returns
+    -------
+    list of Action
+        The stage's ``(kind, chunk, microbatch)`` actions in order.
+    """
     return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
 
 
 def one_f_one_b(pp: int, stage: int, m: int, v: int = 1) -> list[Action]:
+    """1F1B: ``pp - stage - 1`` warm-up forwards, then one forward / one backward in turn, then the
+    remaining backwards.
+
+    Parameters
+    ----------
+    pp : int
+        Pipeline stages (ranks on the pp axis).
+    stage : int
+        This stage's position.
+    m : int
+        Micro-batches per step.
+    v : int
+        Chunks per rank: unused (one chunk), taken so every schedule has one signature.
+
+    Returns
+    -------
+    list of Action
+        The stage's ``(kind, chunk, microbatch)`` actions in order.
+    """
     warm = min(pp - stage - 1, m)
     acts = [("F", 0, i) for i in range(warm)]
     for i in range(m - warm):
@@ -37,6 +74,25 @@ def one_f_one_b(pp: int, stage: int, m: int, v: int = 1) -> list[Action]:
 
 
 def interleaved(pp: int, stage: int, m: int, v: int = 2) -> list[Action]:
+    """Interleaved 1F1B over ``v`` chunks per rank (virtual stages ``c * pp + stage``), in
+    Megatron-core's order; needs ``m % pp == 0``.
+
+    Parameters
+    ----------
+    pp : int
+        Pipeline stages (ranks on the pp axis).
+    stage : int
+        This stage's position.
+    m : int
+        Micro-batches per step.
+    v : int
+        Chunks per rank.
+
+    Returns
+    -------
+    list of Action
+        The stage's ``(kind, chunk, microbatch)`` actions in order.
+    """
     if m % pp:
         raise ValueError(f"interleaved schedule: microbatches={m} must be a multiple of pp={pp}")
     total = m * v
@@ -56,7 +112,20 @@ def interleaved(pp: int, stage: int, m: int, v: int = 2) -> list[Action]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 
-def schedule_for(name: str):
+def schedule_for(name: str) -> Callable[..., list[Action]]:
+    """The schedule function of ``name``.
+
+    Parameters
+    ----------
+    name : str
+        A key of ``SCHEDULES`` ("gpipe", "1f1b", "interleaved").
+
+    Returns
+    -------
+    callable
+        ``fn(pp, stage, m, v) -> list of Action``; raises ValueError naming the schedules for
+        another name.
+    """
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
@@ -138,16 +207,52 @@ def check_link_order(name: str, pp: int, m: int, v: int = 1, fn=None) -> None:
 
 
 def theory_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
-    """The textbook idle fraction of a stage (equal forward/backward cost per layer)."""
+    """The textbook idle fraction of a stage (equal forward/backward cost per layer).
+
+    Parameters
+    ----------
+    name : str
+        The schedule.
+    pp : int
+        Pipeline stages.
+    m : int
+        Micro-batches.
+    v : int
+        Chunks per rank.
+
+    Returns
+    -------
+    float
+        The idle fraction, e.g. ``(pp-1)/(m+pp-1)`` for 1F1B.
+    """
     v = v if name == "interleaved" else 1
     return (pp - 1) / (v * m + pp - 1)
 
 
 def simulate(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0) -> dict:
-    """Run every stage's schedule against the others in simulated time (a forward costs
-    ``t_f`` per chunk, a backward ``t_b``, messages are free).  Returns per-stage finish
-    time, busy time, bubble fraction and peak live activations; raises RuntimeError on a
-    deadlock (no stage can run its next action)."""
+    """Run every stage's schedule against the others in simulated time (messages are free); raises
+    RuntimeError on a deadlock (no stage can run its next action).
+
+    Parameters
+    ----------
+    name : str
+        The schedule.
+    pp : int
+        Pipeline stages.
+    m : int
+        Micro-batches.
+    v : int
+        Chunks per rank.
+    t_f : float
+        A forward's cost per chunk.
+    t_b : float
+        A backward's cost per chunk.
+
+    Returns
+    -------
+    dict
+        Per-stage finish time, busy time, bubble fraction and peak live activations.
+    """
     fn = schedule_for(name)
     vv = v if name == "interleaved" else 1
     acts = [fn(pp, s, m, vv) for s in range(pp)]

@@ -24,9 +24,22 @@ _STAGE_MESHES: dict = {}
 
 
 def stage_meshes(mesh: Mesh, axis: str = "pp") -> list:
-    """One sub-mesh per stage over the mesh's other axes (None when ``axis`` is the only
-    axis: a one-rank stage computes on plain arrays).  Collective over the whole job the
-    first time (every rank makes every stage's mesh); cached after."""
+    """One sub-mesh per stage over the mesh's other axes.  Collective over the whole job the first
+    time (every rank makes every stage's mesh); cached after.
+
+    Parameters
+    ----------
+    mesh : Mesh
+        The mesh with the pipeline axis.
+    axis : str
+        The pipeline axis.
+
+    Returns
+    -------
+    list of Mesh or None
+        Indexed by stage; None entries when ``axis`` is the only axis (a one-rank stage computes on
+        plain arrays).
+    """
     key = (mesh, axis)
     got = _STAGE_MESHES.get(key)
     if got is not None:
@@ -45,7 +58,24 @@ def stage_meshes(mesh: Mesh, axis: str = "pp") -> list:
 def split_layers(n_layers: int, n_stages: int, stage_of: Sequence[int] | None = None,
                  what: str = "pipeline") -> list[list[int]]:
     """The layers of each (virtual) stage: an even split (earlier stages take the extra
-    layers of an uneven count), or the explicit ``stage_of[layer] = stage``."""
+    layers of an uneven count), or the explicit ``stage_of[layer] = stage``.
+
+    Parameters
+    ----------
+    n_layers : int
+        Layers in all.
+    n_stages : int
+        (Virtual) stages.
+    stage_of : sequence of int, optional
+        ``stage_of[layer] = stage``; default an even split.
+    what : str
+        Names the caller in errors.
+
+    Returns
+    -------
+    list of list of int
+        The layer indices of each stage.
+    """
     if stage_of is None:
         if n_stages > n_layers:
             raise ValueError(f"{what}: {n_stages} pipeline stages but only {n_layers} layers; every stage needs "
@@ -72,10 +102,26 @@ def split_layers(n_layers: int, n_stages: int, stage_of: Sequence[int] | None = 
 
 class StagePlan:
     """Where each layer runs: ``layers[vs]`` for virtual stage ``vs``; this rank's ``stage``
-    and its ``chunks`` (virtual stage ids, in chunk order), its stage mesh and pp group."""
+    and its ``chunks`` (virtual stage ids, in chunk order), its stage mesh and pp group.
 
-    def __init__(self, mesh: Mesh, axis: str, n_layers: int, stage_of=None, virtual_stages: int = 1,
-                 what: str = "Transformer"):
+    Parameters
+    ----------
+    mesh : Mesh
+        The mesh with the pipeline axis.
+    axis : str
+        The pipeline axis.
+    n_layers : int
+        Layers in all.
+    stage_of : sequence of int, optional
+        ``stage_of[layer] = virtual stage``; default an even split.
+    virtual_stages : int
+        Chunks per rank (interleaved schedules).
+    what : str
+        Names the caller in errors.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, n_layers: int, stage_of: Sequence[int] | None = None,
+                 virtual_stages: int = 1, what: str = "Transformer"):
         if axis not in mesh.axes:
             raise ValueError(f"{what}: mesh {mesh!r} has no {axis!r} axis to split stages over; add it, "
                              f"e.g. dist.Mesh(axes=[{axis!r}, 'dp'], ...)")

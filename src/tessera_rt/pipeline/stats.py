@@ -15,7 +15,25 @@ class PipelineStats:
     from the step's start (the stages start together, after the signature all_gather) to
     its last action; the step takes ``max(wall)``, and a stage's idle time is that minus
     its busy time (waiting on a neighbour, or done early), as in the textbook bubble;
-    ``peak_live[s]``: the most micro-batches whose activations it held at once."""
+    ``peak_live[s]``: the most micro-batches whose activations it held at once.
+
+    Parameters
+    ----------
+    schedule : str
+        The schedule run.
+    pp : int
+        Pipeline stages.
+    microbatches : int
+        Micro-batches per step.
+    virtual : int
+        Chunks per rank.
+    loss : float
+        The step's loss.
+    busy, wall : list of float
+        Per stage, seconds.
+    peak_live : list of int
+        Per stage.
+    """
     schedule: str
     pp: int
     microbatches: int
