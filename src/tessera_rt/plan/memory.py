@@ -33,7 +33,21 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: the mesh factorization plus the knobs that change memory and time."""
+    """One candidate: the mesh factorization plus the knobs that change memory and time.
+
+    Parameters
+    ----------
+    tp, ep, pp, dp : int
+        The mesh factorization.
+    micro_batch : int
+        Sequences per micro-batch per data-parallel rank.
+    remat : str
+        "none", "all" or "every_other".
+    schedule : str
+        The pipeline schedule.
+    offload : bool
+        Optimizer state in the host tier.
+    """
 
     tp: int = 1
     ep: int = 1
@@ -63,7 +77,20 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def param_counts(m: ModelSpec, lay: Layout) -> dict:
-    """Parameters on the busiest GPU: {"dense": ..., "expert": ..., "largest": largest tensor}."""
+    """Parameters on the busiest GPU.
+
+    Parameters
+    ----------
+    m : ModelSpec
+        The model.
+    lay : Layout
+        The factorization.
+
+    Returns
+    -------
+    dict
+        ``{"dense": ..., "expert": ..., "largest": largest tensor}``.
+    """
     tp, d, hd = lay.tp, m.d_model, m.head_dim
     layers = _ceil_div(m.n_layers, lay.pp)
     moe_layers = _ceil_div(m.n_moe_layers, lay.pp) if m.n_experts else 0
@@ -112,7 +139,24 @@ def _layer_act_elems(m: ModelSpec, tp: int, moe: bool) -> float:
 
 def activation_bytes(m: ModelSpec, lay: Layout, seq: int, micro_batch: int | None = None) -> dict:
     """Activation bytes kept per GPU after the forward of the micro-batches in flight, and
-    the transient of one rematerialized block."""
+    the transient of one rematerialized block.
+
+    Parameters
+    ----------
+    m : ModelSpec
+        The model.
+    lay : Layout
+        The factorization.
+    seq : int
+        The sequence length.
+    micro_batch : int, optional
+        Sequences per micro-batch (default ``lay.micro_batch``).
+
+    Returns
+    -------
+    dict
+        The kept bytes and the transient, by kind.
+    """
     mb = lay.micro_batch if micro_batch is None else micro_batch
     tokens = mb * seq
     b = m.dtype_bytes
@@ -137,8 +181,30 @@ def activation_bytes(m: ModelSpec, lay: Layout, seq: int, micro_batch: int | Non
 
 def memory_per_gpu(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, batch: int, seq: int,
                    n_micro: int = 1) -> dict:
-    """The bytes breakdown on the busiest GPU (see the module docstring); ``batch`` is the
-    global batch in sequences; decode reads ``seq`` as the context length."""
+    """The bytes breakdown on the busiest GPU (see the module docstring).
+
+    Parameters
+    ----------
+    m : ModelSpec
+        The model.
+    cluster : Cluster
+        The cluster.
+    lay : Layout
+        The factorization.
+    workload : str
+        "train" or "decode".
+    batch : int
+        The global batch in sequences.
+    seq : int
+        The sequence length (decode: the context length).
+    n_micro : int
+        Micro-batches per step.
+
+    Returns
+    -------
+    dict
+        Bytes by kind (parameters, gradients, optimizer, activations, ...) and the total.
+    """
     p = param_counts(m, lay)
     b = m.dtype_bytes
     train = workload == "train"

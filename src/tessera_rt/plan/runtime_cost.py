@@ -21,7 +21,13 @@ __all__ = ["ClusterCostModel", "use_calibrated", "use_builtin"]
 
 class ClusterCostModel:
     """dist.cost's interface over ``plan.timing.collective_time`` (measured alpha/beta where the
-    cluster has them, nccl-tests bus factors otherwise) and the cluster's memory bandwidth."""
+    cluster has them, nccl-tests bus factors otherwise) and the cluster's memory bandwidth.
+
+    Parameters
+    ----------
+    cluster : Cluster
+        The cluster whose time model it serves.
+    """
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
@@ -37,9 +43,20 @@ class ClusterCostModel:
         return f"ClusterCostModel({self.name})"
 
 
-def use_calibrated(cluster="local") -> ClusterCostModel:
-    """Register ``cluster``'s time model for the runtime's choices; returns it.  For "local"
-    the calibration must exist (``tessera-plan --calibrate`` writes it)."""
+def use_calibrated(cluster: object = "local") -> ClusterCostModel:
+    """Register ``cluster``'s time model for the runtime's choices.  For "local" the calibration
+    must exist (``tessera-plan --calibrate`` writes it).
+
+    Parameters
+    ----------
+    cluster : str, dict or Cluster
+        As ``get_cluster`` takes it.
+
+    Returns
+    -------
+    ClusterCostModel
+        The registered model.
+    """
     if isinstance(cluster, str) and cluster == "local" and not local_cluster_path().exists():
         raise ValueError(f"plan.use_calibrated(): no calibration at {local_cluster_path()}; run "
                          "`tessera-plan --calibrate` first, or name a cluster (a preset, a JSON file, a plan.Cluster)")
@@ -49,5 +66,6 @@ def use_calibrated(cluster="local") -> ClusterCostModel:
 
 
 def use_builtin() -> None:
-    """Go back to dist's built-in alpha-beta model."""
+    """Go back to dist's built-in alpha-beta model.
+    """
     _cost.set_cost_model(None)

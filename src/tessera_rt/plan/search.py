@@ -39,6 +39,31 @@ RECIPES = {
 
 @dataclass
 class Candidate:
+    """One priced factorization (``evaluate`` makes it; ``search`` ranks them).
+
+    Parameters
+    ----------
+    tp, ep, pp, dp : int
+        The mesh factorization.
+    feasible : bool
+        Every rule holds (memory fits, divisibility).
+    params_per_gpu : int
+        Parameters on the busiest GPU.
+    memory : dict
+        ``memory_per_gpu``'s breakdown.
+    step_time : dict
+        ``step_time``'s breakdown.
+    layout : Layout
+        With the knobs chosen.
+    why : list of str
+        Why it ranks where it does.
+    violations : list of str
+        The rules it breaks.
+    label : str
+        A recipe's name, when it is one.
+    launch : str
+        The launch line (``launch_command``), set by evaluate.
+    """
     tp: int
     ep: int
     pp: int
@@ -72,7 +97,24 @@ class Candidate:
 
 
 def factorizations(n: int, *, moe: bool, max_tp: int, max_pp: int) -> list[tuple]:
-    """Every (tp, ep, pp, dp) with tp * ep * pp * dp == n (ep > 1 only for MoE models)."""
+    """Every (tp, ep, pp, dp) with tp * ep * pp * dp == n (ep > 1 only for MoE models).
+
+    Parameters
+    ----------
+    n : int
+        GPUs.
+    moe : bool
+        Allow ep > 1.
+    max_tp : int
+        The largest tp.
+    max_pp : int
+        The largest pp.
+
+    Returns
+    -------
+    list of tuple
+        The factorizations.
+    """
     divs = [d for d in range(1, n + 1) if n % d == 0]
     out = []
     for tp, ep, pp in itertools.product(divs, divs if moe else [1], divs):
@@ -160,11 +202,38 @@ def _why(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, t: dict) -> list[str]
     return why
 
 
-def evaluate(model, cluster, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, workload: str = "train",
-             batch: int | None = None, seq: int | None = None, policy=None, label: str = "",
-             knobs: dict | None = None) -> Candidate:
+def evaluate(model: object, cluster: object, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1,
+             workload: str = "train", batch: int | None = None, seq: int | None = None, policy: object = None,
+             label: str = "", knobs: dict | None = None) -> Candidate:
     """Price one factorization; picks micro-batch, remat, schedule and offload (the fastest
-    setting that satisfies every rule, else the one with the least memory)."""
+    setting that satisfies every rule, else the one with the least memory).
+
+    Parameters
+    ----------
+    model : str, dict or ModelSpec
+        As ``get_model`` takes it.
+    cluster : str, dict or Cluster
+        As ``get_cluster`` takes it.
+    tp, ep, pp, dp : int
+        The factorization.
+    workload : str
+        "train" or "decode".
+    batch : int, optional
+        Global batch (default the model's).
+    seq : int, optional
+        Sequence length (default the model's).
+    policy : NumericPolicy or str, optional
+        A NumericPolicy whose dtype is the compute dtype (None: the model's).
+    label : str
+        A name for the candidate.
+    knobs : dict, optional
+        Fix micro_batch, remat, schedule or offload instead of choosing.
+
+    Returns
+    -------
+    Candidate
+        The priced candidate.
+    """
     m, c = get_model(model), get_cluster(cluster)
     for name, v in (("batch", batch), ("seq", seq), ("micro_batch", (knobs or {}).get("micro_batch"))):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -228,10 +297,36 @@ def _validate(m: ModelSpec, c: Cluster, workload: str, n: int, f: tuple) -> None
         raise ValueError(f"mesh pp={f[2]} but model {m.name!r} has only {m.n_layers} layers")
 
 
-def search(model="llama3-70b", cluster="nvl72", workload: str = "train", batch: int | None = None,
-           seq: int | None = None, policy=None, *, require_feasible: bool = True, top: int | None = None) -> list:
+def search(model: object = "llama3-70b", cluster: object = "nvl72", workload: str = "train",
+           batch: int | None = None, seq: int | None = None, policy: object = None, *, require_feasible: bool = True,
+           top: int | None = None) -> list[Candidate]:
     """Every factorization of the cluster's GPUs, best first.  Raises ValueError when none
-    fits (with by how much and what would), unless ``require_feasible=False``."""
+    fits (with by how much and what would), unless ``require_feasible=False``.
+
+    Parameters
+    ----------
+    model : str, dict or ModelSpec
+        As ``get_model`` takes it.
+    cluster : str, dict or Cluster
+        As ``get_cluster`` takes it.
+    workload : str
+        "train" or "decode".
+    batch : int, optional
+        Global batch (default the model's).
+    seq : int, optional
+        Sequence length (default the model's).
+    policy : NumericPolicy or str, optional
+        A NumericPolicy whose dtype is the compute dtype (None: the model's).
+    require_feasible : bool
+        Raise when nothing fits.
+    top : int, optional
+        Keep the best ``top``.
+
+    Returns
+    -------
+    list of Candidate
+        Best first.
+    """
     m, c = get_model(model), get_cluster(cluster)
     if workload not in ("train", "decode"):
         raise ValueError(f"workload={workload!r}; use 'train' or 'decode'")
@@ -265,10 +360,31 @@ def _no_fit(m: ModelSpec, c: Cluster, least: Candidate, workload: str) -> str:
     return msg + ", or ".join(fixes)
 
 
-def recipes(model="sr-moe", cluster="nvl72", workload: str = "train", batch: int | None = None,
-            seq: int | None = None, policy=None) -> list:
+def recipes(model: object = "sr-moe", cluster: object = "nvl72", workload: str = "train",
+            batch: int | None = None, seq: int | None = None, policy: object = None) -> list[Candidate]:
     """The seed's recipes for this cluster (RECIPES) beside the planner's best, ranked like
-    search; each is labelled."""
+    search; each is labelled.
+
+    Parameters
+    ----------
+    model : str, dict or ModelSpec
+        As ``get_model`` takes it.
+    cluster : str, dict or Cluster
+        As ``get_cluster`` takes it.
+    workload : str
+        "train" or "decode".
+    batch : int, optional
+        Global batch.
+    seq : int, optional
+        Sequence length.
+    policy : NumericPolicy or str, optional
+        A NumericPolicy whose dtype is the compute dtype (None: the model's).
+
+    Returns
+    -------
+    list of Candidate
+        Ranked like ``search``.
+    """
     c, m = get_cluster(cluster), get_model(model)
     out = []
     for name, f in RECIPES.get(c.name, {}).items():

@@ -41,7 +41,66 @@ class ModelSpec:
     sequence parallelism (norm and residual inputs replicated; q, k, v and the attention
     output sharded; w1, w3 outputs and the w2 input sharded).  ``act_outside``: the same
     outside the blocks, as multiples of (d_model, vocab / tp, 1).  ``ops_per_layer`` (forward kernels per block) prices the fixed cost per
-    kernel launch in the time model."""
+    kernel launch in the time model.
+
+    Parameters
+    ----------
+    name : str
+        The preset's name.
+    vocab : int
+        Vocabulary size.
+    d_model : int
+        Model width.
+    n_layers : int
+        Blocks.
+    n_heads : int
+        Attention heads.
+    ffn_hidden : int
+        The dense MLP's hidden width.
+    n_kv_heads : int, optional
+        Key/value heads (grouped-query); None: ``n_heads``.
+    seq_len : int
+        Default sequence length.
+    dtype : str
+        Parameters, gradients and compute.
+    n_experts : int
+        Experts per MoE layer; 0: dense.
+    top_k : int
+        Experts per token.
+    capacity_factor : float
+        Expert slots as a multiple of the even share.
+    expert_hidden : int, optional
+        An expert's hidden width (None: ``ffn_hidden``).
+    moe_every : int
+        Every k-th layer is MoE.
+    learned_pos : bool
+        A ``(seq_len, d_model)`` position table.
+    tied_embeddings : bool
+        The head shares the embedding table.
+    act_coeffs : tuple
+        The activation elements the backward keeps per token per layer, as multiples of (d_model
+        replicated, d_model / tp, ffn_hidden / tp, heads / tp); the default is Megatron's count for
+        a pre-norm SwiGLU block with flash attention and no sequence parallelism.
+    act_outside : tuple
+        The same outside the blocks, as multiples of (d_model, vocab / tp, 1): embedding, head,
+        loss.
+    moe_act_coeffs : tuple
+        An MoE block's: (x d, x f/tp per slot; x d, x E per token); (): GShard's count.
+    uneven_gathers : tuple
+        Batch all_gathers when batch % dp != 0: (x d, x f per block, x vocab).
+    ops_per_layer, ops_outside : int
+        Forward kernels per block and outside the blocks (the fixed cost per launch).
+    bwd_ops_per_layer, bwd_ops_outside : int
+        Backward kernels per block (dgrad + wgrad per GEMM) and outside.
+    tp_ar_per_layer : int
+        tp all-reduces per block, forward + backward (Megatron: 2 + 2).
+    tp_ar_outside : int
+        The big ones outside the blocks (embedding, head input).
+    batch : int
+        Default global batch (sequences).
+    notes : str
+        Free text.
+    """
 
     name: str
     vocab: int
@@ -171,7 +230,59 @@ class Cluster:
     ranks on one machine).  Rates per dtype in FLOP/s; bandwidths in bytes/s per GPU per
     direction; ``alpha`` in seconds per algorithm step.  ``measured`` holds calibrated
     alpha/beta per collective and group size ({op: {n: [alpha_s, s_per_byte]}}), which wins
-    over the analytic model where present."""
+    over the analytic model where present.
+
+    Parameters
+    ----------
+    name : str
+        The preset's name.
+    n_gpus : int
+        GPUs (or CPU ranks).
+    hbm_bytes : float
+        Memory per GPU.
+    hbm_bw : float
+        Memory bandwidth per GPU, bytes/s.
+    flops : dict
+        FLOP/s per dtype.
+    link_bw : float
+        Bytes/s per GPU per direction.
+    alpha : float
+        Seconds per algorithm step.
+    topology : str
+        "switch" (every GPU one hop from every other: NVLink Switch), "ring2d" (a ``grid`` of rings,
+        seed 004's 8x4 Galaxy) or "host" (CPU ranks on one machine).
+    grid : tuple
+        The ring2d grid's shape.
+    links : int
+        Links per neighbour (seed 004: num_links=3).
+    host_tier_bytes : float
+        Host memory per GPU usable as a capacity tier (Grace LPDDR).
+    host_tier_bw : float
+        Its bytes/s per GPU (C2C).
+    bw_efficiency : float
+        Achievable busbw / link bandwidth (nccl-tests).
+    op_overhead_s : float
+        Fixed cost per kernel (launch, eager dispatch).
+    cores : int
+        CPU ranks: cores shared by the ranks (0: one per rank).
+    overlap : float
+        Share of tp/ep/dp collective time hidden behind compute.
+    share : float
+        CPU ranks: the share of a core each gets (other load on the machine).
+    dp_overlap : float, optional
+        Share of the dp gradient all-reduce hidden behind the backward (None: ``overlap``).
+    op_rates : dict
+        FLOP/s per op class ("gemm", "attention"), calibrated.
+    measured : dict
+        Calibrated alpha/beta per collective and group size (``{op: {n: [alpha_s, s_per_byte]}}``),
+        which wins over the analytic model where present.
+    calibrated : bool
+        Made by ``tessera-plan --calibrate``.
+    devices_per_node : int
+        GPUs sharing a node's fast links; tp stays inside one (0: all).
+    notes : str
+        Free text.
+    """
 
     name: str
     n_gpus: int
@@ -290,7 +401,13 @@ MODELS: dict[str, ModelSpec] = {
 
 def local_cluster_path() -> Path:
     """Where ``tessera-plan --calibrate`` saves the `local` cluster ($TESSERA_PLAN_HOME or
-    ~/.cache/tessera_rt)."""
+    ~/.cache/tessera_rt).
+
+    Returns
+    -------
+    pathlib.Path
+        The JSON file's path.
+    """
     base = os.environ.get("TESSERA_PLAN_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tessera_rt")
     return Path(base) / "local_cluster.json"
 
@@ -319,7 +436,18 @@ CLUSTERS: dict[str, Cluster] = {
 
 
 def get_model(model: Any) -> ModelSpec:
-    """A preset name, a JSON file path, a dict, or a ModelSpec."""
+    """A model spec from a preset name, a JSON file path, a dict, or a ModelSpec.
+
+    Parameters
+    ----------
+    model : str, dict or ModelSpec
+        What names the model (``MODELS`` lists the presets).
+
+    Returns
+    -------
+    ModelSpec
+        The spec.
+    """
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
@@ -335,7 +463,19 @@ def get_model(model: Any) -> ModelSpec:
 
 
 def get_cluster(cluster: Any) -> Cluster:
-    """A preset name ("local" reads the calibrated file when there is one), a JSON path, a dict or a Cluster."""
+    """A cluster from a preset name ("local" reads the calibrated file when there is one), a JSON
+    path, a dict or a Cluster.
+
+    Parameters
+    ----------
+    cluster : str, dict or Cluster
+        What names the cluster (``CLUSTERS`` lists the presets).
+
+    Returns
+    -------
+    Cluster
+        The cluster.
+    """
     if isinstance(cluster, Cluster):
         return cluster
     if isinstance(cluster, dict):

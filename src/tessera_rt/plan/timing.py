@@ -62,9 +62,29 @@ def _measured(cluster: Cluster, op: str, n: int):
 
 def collective_time(cluster: Cluster, op: str, size: float, n: int, *, span: int = 1,
                     algorithm: str | None = None) -> tuple[float, str]:
-    """(seconds, algorithm) for one collective of ``size`` bytes over ``n`` ranks; ``span``:
-    how many ring axes (ring2d) the group crosses.  Without ``algorithm`` the fastest
-    available one is picked, as NCCL's tuner does."""
+    """The time of one collective; without ``algorithm`` the fastest available one is picked, as
+    NCCL's tuner does.
+
+    Parameters
+    ----------
+    cluster : Cluster
+        The cluster.
+    op : str
+        all_reduce, reduce_scatter, all_gather, all_to_all, ...
+    size : float
+        Bytes.
+    n : int
+        Ranks in the group.
+    span : int
+        How many ring axes (ring2d) the group crosses.
+    algorithm : str, optional
+        Force one (ring, tree, ...).
+
+    Returns
+    -------
+    tuple of (float, str)
+        Seconds and the algorithm.
+    """
     if n <= 1 or size <= 0:
         return 0.0, "none"
     if op not in BUS_FACTOR:
@@ -164,7 +184,30 @@ def _roofline(cluster: Cluster, ops: list, dtype: str, slow: float, bwd: bool = 
 def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, batch: int, seq: int,
               dtype: str | None = None) -> dict:
     """The breakdown in seconds: compute, tp_comm, ep_comm, pp_comm, pp_bubble, dp_comm,
-    exposed (communication not hidden), total; plus counts that explain them."""
+    exposed (communication not hidden), total; plus counts that explain them.
+
+    Parameters
+    ----------
+    m : ModelSpec
+        The model.
+    cluster : Cluster
+        The cluster.
+    lay : Layout
+        The factorization.
+    workload : str
+        "train" or "decode".
+    batch : int
+        The global batch in sequences.
+    seq : int
+        The sequence length.
+    dtype : str, optional
+        Compute dtype (default the model's).
+
+    Returns
+    -------
+    dict
+        Seconds by part, the total, and the counts.
+    """
     dtype = dtype or m.dtype
     train = workload == "train"
     # tessera_rt's reshape cannot merge a batch dim split unevenly over the data ranks (batch %
