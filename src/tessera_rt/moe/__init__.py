@@ -22,8 +22,21 @@ __all__ = ["MoE", "MoEAux", "GATES", "DispatchBuffers", "TokenDispatcher", "Tran
            "dense_reference", "set_router", "set_router_regularizer"]
 
 
-def set_router(layer: MoE, fn) -> MoE:
-    """Route with ``fn(logits, meta) -> logits`` (traced op.* code; seed 000 §10.1)."""
+def set_router(layer: MoE, fn: "Callable[..., Any]") -> MoE:
+    """Route with ``fn(logits, meta) -> logits`` (traced op.* code; seed 000 §10.1).
+
+    Parameters
+    ----------
+    layer : MoE
+        The layer.
+    fn : callable
+        ``fn(logits, meta) -> logits``.
+
+    Returns
+    -------
+    MoE
+        ``layer``.
+    """
     if not callable(fn):
         raise TypeError(f"op.set_router: fn must be callable (logits, meta) -> logits, got {type(fn).__name__}")
     layer.router = fn
@@ -34,7 +47,26 @@ def set_router_regularizer(layer: MoE, kind: str = "topology_distance", weight: 
                            groups: list | None = None, scale: float = 10.0) -> MoE:
     """Penalize experts outside the token's locality group: ``weight * scale`` is subtracted
     from their logits, and ``aux["router_reg"]`` (``weight`` times the expected remote share)
-    joins the gating loss.  ``groups``: a group id per ep position (default: by host)."""
+    joins the gating loss.  ``groups``: a group id per ep position (default: by host).
+
+    Parameters
+    ----------
+    layer : MoE
+        The layer.
+    kind : str
+        The one kind is "topology_distance".
+    weight : float
+        ``aux["router_reg"]`` is ``weight`` times the expected remote share (>= 0).
+    groups : list of int, optional
+        A group id per ep position (default: by host).
+    scale : float
+        ``weight * scale`` is subtracted from remote experts' logits.
+
+    Returns
+    -------
+    MoE
+        ``layer``.
+    """
     if kind != "topology_distance":
         raise ValueError(f"op.set_router_regularizer: kind={kind!r}; the one kind is 'topology_distance'")
     if not float(weight) >= 0:

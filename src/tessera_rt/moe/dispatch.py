@@ -81,9 +81,15 @@ def _rows_index(xp, cnt):
 
 
 class TokenDispatcher:
-    """The steps of ``layer``'s dispatch; the exchanges go through ``layer.transport``."""
+    """The steps of ``layer``'s dispatch; the exchanges go through ``layer.transport``.
 
-    def __init__(self, layer):
+    Parameters
+    ----------
+    layer : MoE
+        The layer whose transport, buffers and ranges it uses.
+    """
+
+    def __init__(self, layer: Any):
         self.layer = layer
 
     def source_tokens(self, x) -> list[int] | None:
@@ -257,8 +263,27 @@ def _wrap_like(x, y):
 
 
 @differentiable("moe_ffn")
-def moe_ffn(x, probs, w1, w3, w2, *, layer):
-    """The routed experts' output ``y`` (x's shape and layout) and the routing info."""
+def moe_ffn(x: Any, probs: Any, w1: Any, w3: Any, w2: Any, *, layer: Any) -> tuple[Any, dict]:
+    """The routed experts' output and the routing info (differentiable: ``ts.grad`` runs its VJP).
+
+    Parameters
+    ----------
+    x : DTensor or array
+        Tokens ``(T, d_model)``.
+    probs : DTensor or array
+        Gate probabilities ``(T, E)``.
+    w1, w3 : DTensor or array
+        Experts' gate and up projections ``(E, d_model, d_ff)``.
+    w2 : DTensor or array
+        Experts' down projections ``(E, d_ff, d_model)``.
+    layer : MoE
+        The layer (routing, transport, buffers).
+
+    Returns
+    -------
+    tuple
+        ``(y, info)``: y of x's shape and layout, and the routing info.
+    """
     return _forward(x, probs, w1, w3, w2, layer, save=False)[0]
 
 

@@ -45,11 +45,43 @@ def _rng(seed: int, name: str, shape: tuple, std: float) -> np.ndarray:
 
 class MoE:
     """A top-k routed SwiGLU mixture of experts; experts split over ``experts_layout``'s mesh
-    axis by the array_split rule (E=8 over ep=3: 3, 3, 2)."""
+    axis by the array_split rule (E=8 over ep=3: 3, 3, 2).
+
+    Parameters
+    ----------
+    num_experts : int
+        Experts in all (E).
+    top_k : int
+        Experts each token is routed to.
+    capacity_factor : float or None
+        Slots per expert as a multiple of the even share ``tokens * top_k / E``; None: dropless (>=
+        E / top_k never drops either).
+    d_model : int
+        The token width.
+    d_ff : int
+        An expert's hidden width.
+    mesh : Mesh, optional
+        None: plain arrays, one rank holds every expert.
+    experts_layout : ShardSpec, optional
+        Shards the experts dim over one mesh axis; default ``ShardSpec(partition=("experts",),
+        mesh_axes=("ep",))``.
+    gate : str
+        One of ``GATES``: "topk_softmax" or "topk_softmax_noisy".
+    quantize_fp8 : bool
+        Send the dispatched and combined rows as FP8 (per-row scales).
+    policy : NumericPolicy, optional
+        A bf16 or fp16 dtype here is the dtype the backward's exchanged gradients take.
+    noise_std : float, optional
+        The noisy gate's standard deviation (default 1/E).
+    seed : int
+        The gate noise's seed.
+    groups : list of int, optional
+        A locality group id per ep position (the router regularizer's).
+    """
 
     def __init__(self, num_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25, *,
-                 d_model: int, d_ff: int, mesh=None, experts_layout: ShardSpec | None = None,
-                 gate: str = "topk_softmax", quantize_fp8: bool = False, policy=None,
+                 d_model: int, d_ff: int, mesh: Mesh | None = None, experts_layout: ShardSpec | None = None,
+                 gate: str = "topk_softmax", quantize_fp8: bool = False, policy: NumericPolicy | None = None,
                  noise_std: float | None = None, seed: int = 0, groups: list[int] | None = None):
         where = f"rank {world().rank}: op.moe(num_experts={num_experts}, top_k={top_k})"
         if int(num_experts) < 1 or not 1 <= int(top_k) <= int(num_experts):
@@ -238,11 +270,27 @@ class MoEAux(Mapping):
     ``load`` (E,) pairs the gate routed to each expert, ``dropped`` pairs over capacity,
     ``balance_loss`` Switch's ``E * sum_e f_e P_e``, ``z_loss`` ``mean(logsumexp(logits)^2)``,
     ``router_reg`` the locality regularizer (0 without one), ``remote_fraction`` the share of
-    kept pairs sent outside their locality group, ``load_cv`` std/mean of ``load``."""
+    kept pairs sent outside their locality group, ``load_cv`` std/mean of ``load``.
+
+    Parameters
+    ----------
+    layer : MoE
+        The layer.
+    info : dict
+        The routing info of the call.
+    probs : DTensor or array
+        The gate probabilities.
+    logits : DTensor or array
+        The router logits.
+    penalty : DTensor or array
+        The locality regularizer's penalty (or None).
+    x : DTensor or array
+        The layer's input.
+    """
 
     KEYS = ("load", "dropped", "balance_loss", "z_loss", "router_reg", "remote_fraction", "load_cv")
 
-    def __init__(self, layer: MoE, info: dict, probs, logits, penalty, x):
+    def __init__(self, layer: MoE, info: dict, probs: Any, logits: Any, penalty: Any, x: Any):
         self._layer, self._info, self._probs, self._logits, self._penalty, self._x = \
             layer, info, probs, logits, penalty, x
         self._cache: dict = {}

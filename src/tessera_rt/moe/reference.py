@@ -18,8 +18,29 @@ def _silu(v):
 
 
 def dense_reference(params: dict, x: np.ndarray, top_k: int, capacity_factor: float | None = None,
-                    sources: int = 1, logits_add: np.ndarray | None = None):
-    """``(y, load, dropped)`` for global ``x`` (tokens, d_model), computed in f64."""
+                    sources: int = 1, logits_add: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """A dense NumPy oracle of the layer, computed in f64.
+
+    Parameters
+    ----------
+    params : dict
+        ``gate``, ``w1``, ``w3``, ``w2`` as global arrays.
+    x : numpy.ndarray
+        Global tokens ``(tokens, d_model)``.
+    top_k : int
+        Experts per token.
+    capacity_factor : float, optional
+        None: dropless.
+    sources : int
+        Token groups with their own capacity (the ranks holding tokens).
+    logits_add : numpy.ndarray, optional
+        Added to the logits (a regularizer's penalty).
+
+    Returns
+    -------
+    tuple
+        ``(y, load, dropped)``: the output, pairs routed per expert, pairs over capacity.
+    """
     x = np.asarray(x, np.float64)
     gate = np.asarray(params["gate"], np.float64)
     w1, w3, w2 = (np.asarray(params[k], np.float64) for k in ("w1", "w3", "w2"))

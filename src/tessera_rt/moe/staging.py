@@ -17,7 +17,13 @@ __all__ = ["DispatchBuffers", "Clock", "A2AStream"]
 class DispatchBuffers:
     """Two sets of grow-only staging buffers, used alternately (one set per call), so the
     buffers of call i are still intact while call i+1 packs.  ``allocations`` counts the
-    times a buffer had to be (re)allocated: it stops growing once the sizes are seen."""
+    times a buffer had to be (re)allocated: it stops growing once the sizes are seen.
+
+    Parameters
+    ----------
+    headroom : float
+        A buffer grows to this multiple of the size asked for.
+    """
 
     def __init__(self, headroom: float = 1.25):
         self._sets: list[dict] = [{}, {}]

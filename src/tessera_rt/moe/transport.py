@@ -27,9 +27,21 @@ __all__ = ["Transport", "AllToAll", "to_wire", "from_wire"]
 
 class Transport(abc.ABC):
     """Moves rows between the ``size`` positions of mesh axis ``axis`` of ``mesh``; this rank is
-    position ``index``."""
+    position ``index``.
 
-    def __init__(self, axis: str, mesh, size: int, index: int):
+    Parameters
+    ----------
+    axis : str
+        The mesh axis.
+    mesh : Mesh
+        The mesh.
+    size : int
+        Positions on the axis.
+    index : int
+        This rank's position.
+    """
+
+    def __init__(self, axis: str, mesh: object, size: int, index: int):
         self.axis, self.mesh, self.size, self.index = axis, mesh, int(size), int(index)
 
     def __repr__(self) -> str:
@@ -52,7 +64,19 @@ class Transport(abc.ABC):
 
 class AllToAll(Transport):
     """One ``all_to_all`` over the axis per exchange (MPI's Alltoallv, NCCL's grouped
-    sends/recvs), on the ``a2a`` stream; with one position a copy."""
+    sends/recvs), on the ``a2a`` stream; with one position a copy.
+
+    Parameters
+    ----------
+    axis : str
+        The mesh axis.
+    mesh : Mesh
+        The mesh.
+    size : int
+        Positions on the axis.
+    index : int
+        This rank's position.
+    """
 
     def exchange(self, buf, split, recv, out):
         if self.size == 1:
