@@ -22,7 +22,31 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The fields of a Hugging Face ``LlamaConfig`` this runtime uses."""
+    """The fields of a Hugging Face ``LlamaConfig`` this runtime uses.
+
+    Parameters
+    ----------
+    vocab_size, hidden_size, intermediate_size : int
+        Vocabulary, model and MLP widths.
+    num_hidden_layers : int
+        Blocks.
+    num_attention_heads, num_key_value_heads : int
+        Query and key/value heads.
+    head_dim : int
+        Per head.
+    rms_norm_eps : float
+        The RMSNorms' eps.
+    rope_theta : float
+        RoPE's base.
+    rope_scaling : dict, optional
+        Llama 3's RoPE scaling, as config.json gives it.
+    tie_word_embeddings : bool
+        The head shares the embedding.
+    max_position_embeddings : int
+        The longest position.
+    bos_token_id, eos_token_id : int or list of int, optional
+        As config.json gives them.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -80,7 +104,18 @@ class LlamaConfig:
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Rotary inverse frequencies (f32, as transformers computes them), Llama 3 scaling applied."""
+    """Rotary inverse frequencies (f32, as transformers computes them), Llama 3 scaling applied.
+
+    Parameters
+    ----------
+    cfg : LlamaConfig
+        The model's config.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(head_dim // 2,)`` f32.
+    """
     d = cfg.head_dim
     inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
     inv = inv.astype(np.float32)
@@ -102,7 +137,13 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
 
 
 class CheckpointReader:
-    """Lazy reads of named tensors, or row/column slices of them, from a safetensors checkpoint."""
+    """Lazy reads of named tensors, or row/column slices of them, from a safetensors checkpoint.
+
+    Parameters
+    ----------
+    path : str or Path
+        The checkpoint directory (``model.safetensors.index.json`` or ``*.safetensors``).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

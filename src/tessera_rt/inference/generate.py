@@ -47,11 +47,39 @@ def _prefill_attend(cache, sid, pos):
     return attend
 
 
-def generate(model, cache, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, eos_token_id: int | None = None,
-             max_batch: int | None = None) -> list[list[int]]:
-    """Generated ids (prompt excluded) for each prompt.  ``max_batch`` caps the sequences decoding
-    at once (the rest wait and join as others finish); ``eos_token_id`` ends a sequence early."""
+def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_id: int | None = None, max_batch: int | None = None) -> list[list[int]]:
+    """Generated ids (prompt excluded) for each prompt; collective over the model's mesh.
+
+    Parameters
+    ----------
+    model : Llama
+        The model.
+    cache : KVCache
+        Its cache (sequences are added and freed here).
+    prompts : sequence of sequence of int
+        Token ids.
+    max_new_tokens : int
+        Per sequence.
+    temperature : float
+        0: greedy.
+    top_k : int, optional
+        Sample among the k likeliest.
+    top_p : float, optional
+        Sample within the nucleus of mass p.
+    seed : int
+        The sampling noise's seed.
+    eos_token_id : int, optional
+        Ends a sequence early.
+    max_batch : int, optional
+        Caps the sequences decoding at once (the rest wait and join as others finish).
+
+    Returns
+    -------
+    list of list of int
+        One list per prompt.
+    """
     ps = check_prompts(model, cache, prompts, max_new_tokens)
     check_sampling(temperature, top_k, top_p, model.config.vocab_size)
     if max_batch is not None and max_batch <= 0:

@@ -97,10 +97,27 @@ class DecodeStep:
 
 
 class KVCache:
-    """Paged KV cache for one ``Llama`` on this rank; ``max_tokens`` positions in all."""
+    """Paged KV cache for one ``Llama`` on this rank (see the module docstring).
 
-    def __init__(self, model, max_tokens: int, block_size: int = 16, device_budget_tokens: int | None = None,
-                 window: int | None = None, dtype=None):
+    Parameters
+    ----------
+    model : Llama
+        The model (its layers, kv heads and dtype).
+    max_tokens : int
+        Positions in all, over every sequence (rounded up to whole pages).
+    block_size : int
+        Positions per page.
+    device_budget_tokens : int, optional
+        Pages kept on the device; older ones move to the host tier (None: all on the device).
+    window : int, optional
+        Sliding-window attention: a decode query sees the last ``window`` positions; pages wholly
+        before them are dropped.
+    dtype : dtype, optional
+        Default: the model's.
+    """
+
+    def __init__(self, model: Any, max_tokens: int, block_size: int = 16, device_budget_tokens: int | None = None,
+                 window: int | None = None, dtype: Any = None):
         for name, val in (("max_tokens", max_tokens), ("block_size", block_size)):
             if not isinstance(val, (int, np.integer)) or val <= 0:
                 raise ValueError(f"nn.KVCache: {name} must be a positive int, got {val!r}")

@@ -32,7 +32,23 @@ __all__ = ["Llama", "TPShard"]
 
 @dataclass(frozen=True)
 class TPShard:
-    """What one tp rank owns: its heads, kv heads, MLP columns and vocabulary rows."""
+    """What one tp rank owns: its heads, kv heads, MLP columns and vocabulary rows.
+
+    Parameters
+    ----------
+    tp : int
+        Ranks on the tp axis.
+    index : int
+        This rank's position.
+    heads, kv_heads : slice
+        Its query and kv heads.
+    ffn : slice
+        Its MLP columns.
+    vocab : slice
+        Its vocabulary rows.
+    vocab_sizes : tuple
+        Every rank's vocabulary rows.
+    """
 
     tp: int
     index: int
@@ -70,10 +86,26 @@ def _cols(sl: slice, d: int) -> slice:
 
 
 class Llama:
-    """``nn.Llama``: a Llama decoder whose weights live as per-rank shards (plain arrays)."""
+    """``nn.Llama``: a Llama decoder whose weights live as per-rank shards (plain arrays).
 
-    def __init__(self, cfg: LlamaConfig, params: dict, shard: TPShard, *, mesh=None, tp_axis: str = "tp",
-                 dtype="float32"):
+    Parameters
+    ----------
+    cfg : LlamaConfig
+        The config.
+    params : dict
+        This rank's shards (``from_pretrained`` reads them).
+    shard : TPShard
+        What this rank owns.
+    mesh : Mesh, optional
+        The tp mesh; None: one rank.
+    tp_axis : str
+        The tp axis.
+    dtype : str or dtype
+        The weights' dtype.
+    """
+
+    def __init__(self, cfg: LlamaConfig, params: dict, shard: TPShard, *, mesh: Mesh | None = None,
+                 tp_axis: str = "tp", dtype: Any = "float32"):
         self.config, self.params, self.shard = cfg, params, shard
         self.mesh, self.tp_axis = mesh, tp_axis
         self.dtype = resolve_dtype(dtype)

@@ -103,11 +103,37 @@ class LlamaBlock(TransformerBlock):
 
 class LlamaLM(Module):
     """A decoder-only LM of Llama's shape (see the module docstring); ``loss``/``batch``/``init``
-    as ``nn.Transformer``'s, so train.py drives either."""
+    as ``nn.Transformer``'s, so train.py drives either.
+
+    Parameters
+    ----------
+    vocab : int
+        Vocabulary size.
+    d_model : int
+        Model width.
+    n_heads : int
+        Query heads.
+    n_layers : int
+        Blocks.
+    seq_len : int
+        The longest sequence.
+    n_kv_heads : int, optional
+        Key/value heads (grouped-query); None: ``n_heads``.
+    hidden : int, optional
+        The MLP's hidden width.
+    mesh : Mesh, optional
+        None: plain arrays.
+    tp_axis, dp_axis : str
+        The tensor- and data-parallel axes.
+    dtype : str or dtype
+        The parameters' dtype.
+    eps : float
+        The RMSNorms' eps.
+    """
 
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int, *,
-                 n_kv_heads: int | None = None, hidden: int | None = None, mesh=None, tp_axis: str = "tp",
-                 dp_axis: str = "dp", dtype="float32", eps: float = 1e-6):
+                 n_kv_heads: int | None = None, hidden: int | None = None, mesh: Mesh | None = None,
+                 tp_axis: str = "tp", dp_axis: str = "dp", dtype: object = "float32", eps: float = 1e-6):
         super().__init__(mesh, tp_axis, dtype)
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.vocab, self.d, self.seq_len, self.eps = vocab, d_model, seq_len, eps
@@ -193,7 +219,26 @@ def char_tokenizer_json(chars: Sequence[str]) -> str:
 
 def export_hf(model: LlamaLM, params: dict, out_dir: str | Path, chars: Sequence[str] | None = None,
               rank: int = 0) -> Path:
-    """Write ``out_dir`` as a Hugging Face Llama checkpoint (collective; ``rank`` 0 writes)."""
+    """Write ``out_dir`` as a Hugging Face Llama checkpoint (collective; ``rank`` 0 writes).
+
+    Parameters
+    ----------
+    model : LlamaLM
+        The model.
+    params : dict
+        Its parameters (DTensors or arrays).
+    out_dir : str or Path
+        The directory written.
+    chars : sequence of str, optional
+        A character vocabulary: also writes ``tessera_chars.json`` and a tokenizer.
+    rank : int
+        The rank that writes.
+
+    Returns
+    -------
+    Path
+        ``out_dir``.
+    """
     if not isinstance(model, LlamaLM):
         raise TypeError(f"export_hf: the model is a {type(model).__name__}; only a LlamaLM (train.py --arch "
                         "llama) has the Llama shape")

@@ -95,10 +95,32 @@ def _global_lse(model, lg: np.ndarray) -> np.ndarray:
     return mg + np.log((ms[..., 1] * np.exp(ms[..., 0] - mg[:, None])).sum(axis=-1))
 
 
-def sample(model, local_logits: Any, *, temperature: float = 0.0, top_k: int | None = None,
+def sample(model: Any, local_logits: Any, *, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, seed: int = 0, keys: Sequence[tuple] = ()) -> np.ndarray:
-    """Next token ids ``(B,)`` from this rank's f32 logits slice ``(B, V_local)``; ``keys`` gives each
-    row's (sequence, step) for the noise.  Every rank returns the same ids."""
+    """Next token ids from this rank's logits slice; every rank returns the same ids.
+
+    Parameters
+    ----------
+    model : Llama
+        The model (its mesh and vocab split).
+    local_logits : array
+        This rank's f32 logits ``(B, V_local)``.
+    temperature : float
+        0: greedy.
+    top_k : int, optional
+        Sample among the k likeliest.
+    top_p : float, optional
+        Within the nucleus of mass p.
+    seed : int
+        The noise's seed.
+    keys : sequence of tuple
+        Each row's (sequence, step) for the noise.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(B,)`` token ids.
+    """
     lg = get_backend().to_host(local_logits).astype(np.float64)      # (B, V_local): small next to the weights
     b, v0, vocab = lg.shape[0], model.shard.vocab.start, model.config.vocab_size
     if temperature == 0 or top_k == 1:
