@@ -101,6 +101,106 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
     assert 'id="tessera_rt.dist.all_reduce"' in api        # the API reference is generated, not empty
 
 
+# --- the public API's docstrings and type hints
+# Every public function and class of these packages (their ``__all__``) has a NumPy-style
+# docstring: a summary line, a ``Parameters`` section naming each parameter of its signature,
+# and ``Returns`` (or ``Yields``) when its return annotation is not None; and type hints on
+# every parameter and on the return.  A class is checked through its constructor's signature.
+# Skipped: ``self``/``cls``, ``_private`` parameters (a dataclass's private fields), and
+# ``*args``/``**kwargs``, which forward to something documented elsewhere (a docstring may
+# still list them as ``*args``/``**kwargs``).
+API_PACKAGES = ("tessera_rt", "tessera_rt.dist", "tessera_rt.op", "tessera_rt.nn", "tessera_rt.optim",
+                "tessera_rt.inference", "tessera_rt.moe", "tessera_rt.pipeline", "tessera_rt.plan",
+                "tessera_rt.kernels", "tessera_rt.dist.ccl", "tessera_rt.dist.checkpoint")
+# TEMPORARY: names whose home is autodiff/, profiler.py or launcher.py, documented by the
+# autograd helper in parallel; the lead empties this set after merging both branches.
+PENDING_AUTOGRAD = {"tessera_rt.grad", "tessera_rt.value_and_grad", "tessera_rt.vjp", "tessera_rt.checkpoint",
+                    "tessera_rt.detach"}
+
+
+def public_callables() -> dict[str, object]:
+    """``"module.name" -> object`` for every public function and class of ``API_PACKAGES``
+    (each object once, under the first package that exports it)."""
+    import importlib
+    import inspect
+    seen, out = set(), {}
+    for pkg in API_PACKAGES:
+        mod = importlib.import_module(pkg)
+        names = getattr(mod, "__all__", None) or [n for n in vars(mod) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(mod, name)
+            if inspect.ismodule(obj) or not callable(obj) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            out[f"{pkg}.{name}"] = obj
+    return out
+
+
+def doc_sections(doc: str) -> dict[str, list[str]]:
+    """A NumPy-style docstring's sections: ``"Parameters" -> the names its entries list``
+    (``a, b : int`` lists two) and the other section titles -> []."""
+    import inspect
+    lines = inspect.cleandoc(doc).splitlines()
+    out, current = {}, None
+    for i, line in enumerate(lines):
+        if i + 1 < len(lines) and line.strip() and re.fullmatch(r"\s*-{3,}\s*", lines[i + 1]):
+            current = line.strip()
+            out[current] = []
+        elif current and line and not line[0].isspace() and not re.fullmatch(r"-{3,}", line.strip()):
+            out[current] += [n.strip() for n in line.split(" : ")[0].split(",") if n.strip()]
+    return out
+
+
+def api_doc_problems(name: str, obj) -> list[str]:
+    """What ``obj``'s docstring and signature lack (empty when complete)."""
+    import inspect
+    doc = inspect.getdoc(obj) if not inspect.isclass(obj) else obj.__doc__
+    if not doc or not doc.strip():
+        return [f"{name}: no docstring"]
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):            # an exception class taking the message as it is
+        sig = inspect.Signature()
+    problems, sections = [], doc_sections(doc)
+    params = [p for p in sig.parameters.values()             # (a dataclass's _private fields are not API)
+              if p.name not in ("self", "cls") and not p.name.startswith("_")
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    documented = {n.lstrip("*") for n in sections.get("Parameters", [])}
+    lacking = [p.name for p in params if p.name not in documented]
+    if lacking:
+        problems.append(f"{name}: Parameters section lacks {lacking}")
+    unhinted = [p.name for p in params if p.annotation is p.empty]
+    if unhinted:
+        problems.append(f"{name}: no type hint on {unhinted}")
+    if not inspect.isclass(obj):
+        ret = sig.return_annotation
+        if ret is sig.empty:
+            problems.append(f"{name}: no return type hint")
+        elif ret not in (None, "None") and not {"Returns", "Yields"} & set(sections):
+            problems.append(f"{name}: returns {ret} but has no Returns section")
+    return problems
+
+
+@pytest.mark.timeout(120)
+def test_public_api_has_numpy_docstrings_and_type_hints():
+    problems = [p for name, obj in public_callables().items() if name not in PENDING_AUTOGRAD
+                for p in api_doc_problems(name, obj)]
+    assert not problems, f"{len(problems)} gaps in the public API's docs:\n" + "\n".join(problems)
+
+
+@pytest.mark.timeout(60)
+def test_help_on_a_collective_shows_its_parameters():
+    # the collectives are C callables (dist/_hot.c) wrapping the Python functions: pydoc shows
+    # their docstring, not a signature, so the Parameters section is what help() lists
+    import inspect
+    import pydoc
+    from tessera_rt import dist
+    for fn in (dist.all_reduce, dist.all_gather, dist.reduce_scatter, dist.all_to_all, dist.broadcast):
+        text = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+        missing = [p for p in inspect.signature(fn).parameters if not re.search(rf"^\s*{p}\b", text, flags=re.M)]
+        assert "Parameters" in text and not missing, f"help({fn.__name__}) does not list {missing}:\n{text}"
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write-cli"]:
         write_cli()
