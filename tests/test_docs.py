@@ -99,6 +99,8 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
         assert (tmp_path / "site" / page).is_file(), page
     api = (tmp_path / "site" / "api" / "dist" / "index.html").read_text()
     assert 'id="tessera_rt.dist.all_reduce"' in api        # the API reference is generated, not empty
+    entry = api[api.index('id="tessera_rt.dist.all_reduce"'):][:8000]
+    assert "Parameters" in entry and "async_op" in entry, "the NumPy docstrings' sections are not rendered"
 
 
 # --- the public API's docstrings and type hints

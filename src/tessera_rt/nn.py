@@ -70,9 +70,20 @@ class Module:
             return value
         return distribute(value, layout=spec if self.tp is not None else None, mesh=self.mesh)
 
-    def spec(self, kind: str):
+    def spec(self, kind: str) -> ShardSpec | None:
         """The layout of a parameter kind: "col" (last dim over tp), "row" (dim -2 over tp),
-        "vec" (1-D over tp), "rep" (replicated)."""
+        "vec" (1-D over tp), "rep" (replicated).
+
+        Parameters
+        ----------
+        kind : str
+            "col", "row", "vec" or "rep".
+
+        Returns
+        -------
+        ShardSpec or None
+            None without a tp axis or for "rep".
+        """
         if self.tp is None or kind == "rep":
             return None
         part = {"col": ("col",), "row": ("row",), "vec": (0,)}[kind]
@@ -110,6 +121,21 @@ class Linear(Module):
         self.std = 1.0 / math.sqrt(d_in) if std is None else std
 
     def init(self, seed: int, name: str = "linear") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "linear").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         kind = {"column": "col", "row": "row", None: "rep"}[self.parallel]
         p = {"w": self._place(_rng_normal(seed, name + ".w", (self.d_in, self.d_out), self.std), self.spec(kind))}
         if self.bias:
@@ -203,10 +229,37 @@ class Embedding(Module):
         super().__init__(mesh, tp_axis, dtype)
         self.vocab, self.dim, self.std = vocab, dim, std
 
-    def iota(self, ndim: int):
+    def iota(self, ndim: int) -> Any:
+        """``vocab_iota`` for ids of ``ndim`` dims, sharded like the table.
+
+        Parameters
+        ----------
+        ndim : int
+            The ids' ndim.
+
+        Returns
+        -------
+        DTensor or array
+            The vocab ids.
+        """
         return vocab_iota(self.vocab, ndim, self.mesh, self.tp)
 
     def init(self, seed: int, name: str = "embed") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "embed").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {"w": self._place(_rng_normal(seed, name + ".w", (self.vocab, self.dim), self.std), self.spec("row"))}
 
     def __call__(self, p: dict, ids):
@@ -269,6 +322,21 @@ class RMSNorm(Module):
         self.dim, self.eps = dim, eps
 
     def init(self, seed: int, name: str = "norm") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "norm").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {"w": self._place(np.ones(self.dim, np.float32), None)}
 
     def __call__(self, p: dict, x):
@@ -307,6 +375,21 @@ class Attention(Module):
         self.o = Linear(d_model, d_model, parallel="row", std=1.0 / math.sqrt(2 * d_model), **kw)
 
     def init(self, seed: int, name: str = "attn") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "attn").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("q", "k", "v", "o")}
 
     def _heads(self, t, b: int, s: int):
@@ -346,6 +429,21 @@ class SwiGLUMLP(Module):
         self.w2 = Linear(hidden, d_model, parallel="row", std=1.0 / math.sqrt(2 * hidden), **kw)
 
     def init(self, seed: int, name: str = "mlp") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "mlp").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("w1", "w3", "w2")}
 
     def __call__(self, p: dict, x):
@@ -406,6 +504,21 @@ class TransformerBlock(Module):
             self.mlp = SwiGLUMLP(d_model, hidden, **kw)
 
     def init(self, seed: int, name: str = "block") -> dict:
+        """The parameters (global values, placed on the mesh in their layouts).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+        name : str
+            The parameters' name prefix (default "block").
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {n: getattr(self, n).init(seed, f"{name}.{n}") for n in ("norm1", "attn", "norm2", "mlp")}
 
     def __call__(self, p: dict, x):
@@ -479,6 +592,20 @@ class Transformer(Module):
         self.head = Linear(d_model, vocab, parallel="column", **kw)
 
     def init(self, seed: int = 0) -> dict:
+        """The parameters (the same global values on any mesh); with pipeline stages, this rank's
+        only (``stage_init``).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         if self.stage_plan is not None:
             return self.stage_init(seed)
         return {
@@ -489,8 +616,19 @@ class Transformer(Module):
             "head": self.head.init(seed, "head"),
         }
 
-    def batch(self, tokens: np.ndarray):
-        """Place a global (B, S) int batch (the same on every rank): batch dim over dp."""
+    def batch(self, tokens: np.ndarray) -> Any:
+        """Place a global (B, S) int batch (the same on every rank): batch dim over dp.
+
+        Parameters
+        ----------
+        tokens : numpy.ndarray
+            ``(B, S)`` ints, the same on every rank.
+
+        Returns
+        -------
+        DTensor or array
+            The batch, sharded over dp (and ep).
+        """
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if self.mesh is None:
             return tokens
@@ -514,7 +652,21 @@ class Transformer(Module):
                 total = extra if total is None else op.add(total, extra)
         return total
 
-    def logits(self, p: dict, tokens):
+    def logits(self, p: dict, tokens: Any) -> Any:
+        """The LM head's logits for ``tokens``.
+
+        Parameters
+        ----------
+        p : dict
+            The parameters.
+        tokens : DTensor or array
+            ``(B, S)`` ints (``batch``'s).
+
+        Returns
+        -------
+        DTensor or array
+            ``(B, S, vocab)``, the vocab dim sharded over tp.
+        """
         if self.stage_plan is not None:
             raise ValueError(f"Transformer: this model is split over pipeline stages ({self.stage_plan}); "
                              "run it through dist.Pipeline(model, ...).value_and_grad(params, x, y)")
@@ -532,7 +684,23 @@ class Transformer(Module):
             x = checkpoint(blk)(bp, x) if remat else blk(bp, x)
         return self.head(p["head"], self.norm(p["norm"], x))
 
-    def loss(self, p: dict, tokens, targets):
+    def loss(self, p: dict, tokens: Any, targets: Any) -> Any:
+        """The mean token cross-entropy (plus the MoE blocks' auxiliary losses).
+
+        Parameters
+        ----------
+        p : dict
+            The parameters.
+        tokens : DTensor or array
+            ``(B, S)`` ints.
+        targets : DTensor or array
+            ``(B, S)`` ints.
+
+        Returns
+        -------
+        DTensor or array
+            The scalar loss.
+        """
         logits = self.logits(p, tokens)
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")      # the loss in f32 for bf16/fp16 compute
@@ -542,7 +710,13 @@ class Transformer(Module):
 
     def moe_stats(self) -> dict | None:
         """Load std/mean per MoE block and dropped pairs of the latest forward (collective:
-        call on every rank), or None without MoE blocks."""
+        call on every rank), or None without MoE blocks.
+
+        Returns
+        -------
+        dict or None
+            ``{"load_cv": [...], "dropped": n}``.
+        """
         auxes = [blk.mlp.auxes[-1] for blk in self.blocks if getattr(blk.mlp, "auxes", None)]
         if not auxes:
             return None
@@ -552,7 +726,19 @@ class Transformer(Module):
 
     def stage_init(self, seed: int = 0) -> dict:
         """This rank's parameters only: the embedding on virtual stage 0, its blocks, the
-        final norm and head on the last virtual stage (the same values as ``init`` gives)."""
+        final norm and head on the last virtual stage (the same values as ``init`` gives).
+
+        Parameters
+        ----------
+        seed : int
+            Every parameter's values depend only on (seed, name): the same global tensors on any
+            mesh.
+
+        Returns
+        -------
+        dict
+            This rank's parameter tree.
+        """
         plan, p = self.stage_plan, {}
         if 0 in plan.chunks:
             p["embed"] = self.embed.init(seed, "embed")
@@ -564,7 +750,18 @@ class Transformer(Module):
         return p
 
     def split_params(self, params: dict) -> list[dict]:
-        """``stage_init``'s tree as one tree per local chunk (virtual stage), in chunk order."""
+        """``stage_init``'s tree as one tree per local chunk (virtual stage), in chunk order.
+
+        Parameters
+        ----------
+        params : dict
+            ``stage_init``'s tree.
+
+        Returns
+        -------
+        list of dict
+            One tree per local chunk.
+        """
         plan, out, at = self.stage_plan, [], 0
         for vs in plan.chunks:
             n = len(plan.layers[vs])
@@ -580,17 +777,50 @@ class Transformer(Module):
         optimizer's masters) with the blocks keyed by their global layer number, for
         ``dist.save``/``dist.load``: each pipeline stage's blocks then have names of their own,
         the names ``init()``'s block list has on one rank (``blocks/2`` is layer 2 on any mesh).
-        ``from_checkpoint_tree`` turns a loaded tree back into this rank's structure."""
+        ``from_checkpoint_tree`` turns a loaded tree back into this rank's structure.
+
+        Parameters
+        ----------
+        tree : dict
+            This rank's parameters or a tree of their structure.
+
+        Returns
+        -------
+        dict
+            The tree with global block keys.
+        """
         layers = self.stage_plan.local_layers if self.stage_plan is not None else range(len(tree["blocks"]))
         return dict(tree, blocks={str(i): b for i, b in zip(layers, tree["blocks"])})
 
     def from_checkpoint_tree(self, tree: dict) -> dict:
-        """The inverse of ``checkpoint_tree``: the blocks as this rank's list."""
+        """The inverse of ``checkpoint_tree``: the blocks as this rank's list.
+
+        Parameters
+        ----------
+        tree : dict
+            ``checkpoint_tree``'s form.
+
+        Returns
+        -------
+        dict
+            This rank's form.
+        """
         layers = self.stage_plan.local_layers if self.stage_plan is not None else range(len(tree["blocks"]))
         return dict(tree, blocks=[tree["blocks"][str(i)] for i in layers])
 
     def join_params(self, chunks: list[dict]) -> dict:
-        """The inverse of ``split_params``."""
+        """The inverse of ``split_params``.
+
+        Parameters
+        ----------
+        chunks : list of dict
+            ``split_params``'s trees.
+
+        Returns
+        -------
+        dict
+            One tree.
+        """
         p: dict = {"blocks": [b for cp in chunks for b in cp["blocks"]]}
         for cp in chunks:
             p.update({k: v for k, v in cp.items() if k != "blocks"})
@@ -598,15 +828,43 @@ class Transformer(Module):
 
     def stage_boundary(self, rows: int) -> tuple:
         """(global shape, dtype, spec) of the activation between stages for ``rows`` sequences:
-        the batch over dp (and ep), replicated over tp."""
+        the batch over dp (and ep), replicated over tp.
+
+        Parameters
+        ----------
+        rows : int
+            Sequences in the micro-batch.
+
+        Returns
+        -------
+        tuple
+            ``(shape, dtype, spec)``.
+        """
         spec = self._batch_spec() if self.mesh is not None else None
         return (rows, self.seq_len, self.d), self.dtype, spec
 
-    def stage_forward(self, p: dict, vs: int, h, targets=None):
+    def stage_forward(self, p: dict, vs: int, h: Any, targets: Any = None) -> Any:
         """Virtual stage ``vs`` on its chunk's parameters: token ids in on stage 0 (else the
         previous stage's activation), the mean loss out on the last stage (else the activation).
         MoE blocks add their balance/z terms: to the loss on the last stage, else returned as
-        ``(activation, aux)`` so the stage's backward seeds its own term (pipeline/runner)."""
+        ``(activation, aux)`` so the stage's backward seeds its own term (pipeline/runner).
+
+        Parameters
+        ----------
+        p : dict
+            The chunk's parameters.
+        vs : int
+            The virtual stage.
+        h : DTensor or array
+            Token ids (stage 0) or the previous stage's activation.
+        targets : DTensor or array, optional
+            Needed on the last stage.
+
+        Returns
+        -------
+        DTensor or array
+            The activation (``(activation, aux)`` with MoE blocks), or the loss on the last stage.
+        """
         plan = self.stage_plan
         if vs == 0:
             h = op.add(self.embed(p["embed"], h), p["pos"])

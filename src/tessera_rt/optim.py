@@ -108,7 +108,22 @@ class Optimizer:
         self.t = 0
         self._tmp: dict = {}              # array module -> two f32 scratch buffers (see _temps)
 
-    def step(self, params, grads) -> Any:
+    def step(self, params: Any, grads: Any) -> Any:
+        """One update: new parameters from ``grads`` (the masters update in f32; the result is cast
+        to each parameter's dtype).
+
+        Parameters
+        ----------
+        params : pytree
+            The current parameters (their structure, dtypes and layouts).
+        grads : pytree
+            Gradients of the same structure, shapes and layouts.
+
+        Returns
+        -------
+        pytree
+            The new parameters.
+        """
         p_leaves, _, _ = tree_flatten(params)
         g_leaves, _, _ = tree_flatten(grads)
         where = f"{type(self).__name__}.step"
@@ -140,7 +155,13 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """{"t": steps taken, "masters": f32 masters, and each slot (e.g. "m", "v")}, the
-        trees in the parameters' structure: what a resumed run needs to continue exactly."""
+        trees in the parameters' structure: what a resumed run needs to continue exactly.
+
+        Returns
+        -------
+        dict
+            The state.
+        """
         # copies: the next step updates the live state in place
         out = {"t": self.t, "masters": tree_unflatten(self._struct, [_f32(w) for w in self.masters])}
         out.update({k: tree_unflatten(self._struct, [_f32(x) for x in getattr(self, k)]) for k in self._slots})
@@ -148,7 +169,13 @@ class Optimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s values (e.g. ``dist.load``'s, on another mesh): the
-        trees must have the parameters' structure, shapes and layouts."""
+        trees must have the parameters' structure, shapes and layouts.
+
+        Parameters
+        ----------
+        state : dict
+            ``state_dict()``'s form.
+        """
         where = f"{type(self).__name__}.load_state_dict"
         lists = {}
         for k in ("masters",) + self._slots:
@@ -511,11 +538,34 @@ class DynamicLossScaler:
         self.good_steps = 0
         self.skipped = 0
 
-    def scale(self, loss):
+    def scale(self, loss: Any) -> Any:
+        """``loss * scale`` (differentiate this one).
+
+        Parameters
+        ----------
+        loss : DTensor or array
+            The loss.
+
+        Returns
+        -------
+        DTensor or array
+            The scaled loss.
+        """
         return op.mul(loss, self.scale_value)
 
-    def unscale(self, grads):
-        """``(grads / scale, finite)``; ``finite`` is agreed by every rank (one all-reduce)."""
+    def unscale(self, grads: Any) -> tuple[Any, bool]:
+        """``(grads / scale, finite)``; ``finite`` is agreed by every rank (one all-reduce).
+
+        Parameters
+        ----------
+        grads : pytree
+            Gradients of the scaled loss.
+
+        Returns
+        -------
+        tuple
+            ``(grads / scale, finite)``.
+        """
         leaves, _, struct = tree_flatten(grads)
         inv = 1.0 / self.scale_value
         out = [op.mul(g if np.dtype(g.dtype) == _F32 else op.astype(g, "float32"), inv) for g in leaves]
@@ -530,6 +580,14 @@ class DynamicLossScaler:
         return tree_unflatten(struct, out), bad == 0.0
 
     def update(self, finite: bool) -> None:
+        """After a step: grow the scale after ``growth_interval`` finite steps, shrink it (and count
+        a skip) after a non-finite one.
+
+        Parameters
+        ----------
+        finite : bool
+            ``unscale``'s flag (skip the optimizer step when False).
+        """
         if finite:
             self.good_steps += 1
             if self.good_steps >= self.interval:
@@ -541,9 +599,22 @@ class DynamicLossScaler:
             self.scale_value = max(self.scale_value * self.backoff, self.min_scale)
 
     def state_dict(self) -> dict:
-        """The scale and its counters (JSON values), for a resumed run to continue with."""
+        """The scale and its counters (JSON values), for a resumed run to continue with.
+
+        Returns
+        -------
+        dict
+            ``scale``, ``good_steps``, ``skipped``.
+        """
         return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s values.
+
+        Parameters
+        ----------
+        state : dict
+            ``state_dict()``'s form.
+        """
         self.scale_value = float(state["scale"])
         self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])

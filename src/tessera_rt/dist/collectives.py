@@ -87,7 +87,15 @@ class Work:
         # is still reading on its own stream.
         self._keep = keep
 
-    def wait(self):
+    def wait(self) -> object:
+        """Order the compute stream after the collective and return its result (once done, again
+        without waiting).
+
+        Returns
+        -------
+        array or object
+            What the collective returns.
+        """
         if not self._done:
             call = self._call
             if call is not None:
@@ -107,6 +115,13 @@ class Work:
         return self._result
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished (no waiting).
+
+        Returns
+        -------
+        bool
+            True once done.
+        """
         return self._done or self._event.query()
 
     @classmethod
@@ -349,7 +364,7 @@ def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "
         Return a ``Work`` at once; ``wait()`` gives the result.
     role : str
         The stream role the collective runs on.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint (see the module docstring).
 
     Returns
@@ -409,7 +424,7 @@ def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str
         Return a ``Work`` at once.
     role : str
         The stream role the collective runs on.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint (see the module docstring).
 
     Returns
@@ -476,7 +491,7 @@ def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int
         Return a ``Work`` at once.
     role : str
         The stream role the collective runs on.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint (see the module docstring).
 
     Returns
@@ -555,7 +570,7 @@ def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_di
     out : array, optional
         Receives the result (needs ``split_dim=concat_dim=0``): a persistent buffer needs no
         allocation per call.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         Recorded and checked; changes nothing here.
 
     Returns
@@ -612,7 +627,7 @@ def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int
         Return a ``Work`` at once.
     role : str
         The stream role the collective runs on.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint (see the module docstring).
 
     Returns

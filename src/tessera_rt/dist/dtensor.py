@@ -229,21 +229,46 @@ class DTensor:
                             (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
 
     # access --------------------------------------------------------------------
-    def to_local(self):
-        """This rank's piece (the array itself, not a copy)."""
+    def to_local(self) -> object:
+        """This rank's piece (the array itself, not a copy).
+
+        Returns
+        -------
+        array
+            This rank's piece.
+        """
         return self._local
 
-    def full_tensor(self):
-        """The whole tensor on every rank (the collectives its layout needs)."""
+    def full_tensor(self) -> object:
+        """The whole tensor on every rank (the collectives its layout needs).
+
+        Returns
+        -------
+        array
+            The global array, the same on every rank.
+        """
         return self.redistribute(REPLICATE(self._meta.ndim))._local
 
-    def redistribute(self, layout, *, out: "DTensor | None" = None) -> "DTensor":
+    def redistribute(self, layout: object, *, out: "DTensor | None" = None) -> "DTensor":
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step.
 
         ``out=Y`` writes the result into Y's local piece and returns Y: a DTensor of the
         result's global shape, layout, mesh and dtype (say, an earlier result of the same
         call) whose piece is C-contiguous and shares no memory with this one.  A loop that
-        keeps Y allocates nothing per call, as a hand-written exchange into buffers made once."""
+        keeps Y allocates nothing per call, as a hand-written exchange into buffers made once.
+
+        Parameters
+        ----------
+        layout : Layout or spec
+            The target layout.
+        out : DTensor, optional
+            Receives the result (see above).
+
+        Returns
+        -------
+        DTensor
+            The tensor in ``layout`` (``out`` when given).
+        """
         m = self._meta
         last = m.last
         if last is not None and last[0] is layout:
@@ -288,9 +313,20 @@ class DTensor:
             return None
         return loc
 
-    def explain_redistribute(self, layout) -> Plan:
+    def explain_redistribute(self, layout: object) -> Plan:
         """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and
-        each step's time as the registered cost model (``dist.cost``) predicts it."""
+        each step's time as the registered cost model (``dist.cost``) predicts it.
+
+        Parameters
+        ----------
+        layout : Layout or spec
+            The target layout.
+
+        Returns
+        -------
+        Plan
+            The plan (print it for the steps).
+        """
         m = self._meta
         dst = as_layout(layout, m.shape, m.mesh)
         return plan_redistribute(m.shape, m.layout, dst, m.mesh, m.dtype)
@@ -320,21 +356,118 @@ class DTensor:
     def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ne", self, o)  # type: ignore[override]
 
-    def sum(self, axis=None, keepdims: bool = False): return _d.reduce("sum", self, axis, keepdims)
-    def mean(self, axis=None, keepdims: bool = False): return _d.reduce("mean", self, axis, keepdims)
-    def max(self, axis=None, keepdims: bool = False): return _d.reduce("max", self, axis, keepdims)
-    def min(self, axis=None, keepdims: bool = False): return _d.reduce("min", self, axis, keepdims)
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+        """``op.sum(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
-    def transpose(self, *axes): return _d.transpose(self, axes[0] if len(axes) == 1 and not isinstance(
-        axes[0], int) else (axes or None))
+        Parameters
+        ----------
+        axis : int or tuple of int, optional
+            The dims reduced; None: all.
+        keepdims : bool
+            Keep the reduced dims with length 1.
+
+        Returns
+        -------
+        DTensor
+            The sum.
+        """
+        return _d.reduce("sum", self, axis, keepdims)
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+        """``op.mean(self, axis, keepdims)``: over a sharded dim, a pending reduction.
+
+        Parameters
+        ----------
+        axis : int or tuple of int, optional
+            The dims reduced; None: all.
+        keepdims : bool
+            Keep the reduced dims with length 1.
+
+        Returns
+        -------
+        DTensor
+            The mean.
+        """
+        return _d.reduce("mean", self, axis, keepdims)
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+        """``op.max(self, axis, keepdims)``: over a sharded dim, a pending reduction.
+
+        Parameters
+        ----------
+        axis : int or tuple of int, optional
+            The dims reduced; None: all.
+        keepdims : bool
+            Keep the reduced dims with length 1.
+
+        Returns
+        -------
+        DTensor
+            The maximum.
+        """
+        return _d.reduce("max", self, axis, keepdims)
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+        """``op.min(self, axis, keepdims)``: over a sharded dim, a pending reduction.
+
+        Parameters
+        ----------
+        axis : int or tuple of int, optional
+            The dims reduced; None: all.
+        keepdims : bool
+            Keep the reduced dims with length 1.
+
+        Returns
+        -------
+        DTensor
+            The minimum.
+        """
+        return _d.reduce("min", self, axis, keepdims)
+
+    def transpose(self, *axes: int | tuple[int, ...]) -> "DTensor":
+        """``op.transpose``: dims permuted (reversed without ``axes``), the layout with them.
+
+        Parameters
+        ----------
+        *axes : int
+            The new order, as ints or one tuple.
+
+        Returns
+        -------
+        DTensor
+            The permuted tensor.
+        """
+        return _d.transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
 
     @property
     def T(self): return _d.transpose(self, None)           # noqa: N802
 
-    def reshape(self, *shape): return _d.reshape(self, shape[0] if len(shape) == 1 and not isinstance(
-        shape[0], int) else shape)
+    def reshape(self, *shape: int | tuple[int, ...]) -> "DTensor":
+        """``op.reshape`` (see there for which shardings survive).
 
-    def astype(self, dtype): return _d.unary("astype", self, resolve_dtype(dtype))
+        Parameters
+        ----------
+        *shape : int
+            The new global shape, as ints or one tuple.
+
+        Returns
+        -------
+        DTensor
+            The reshaped tensor.
+        """
+        return _d.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+
+    def astype(self, dtype: object) -> "DTensor":
+        """This tensor converted to ``dtype``, same layout.
+
+        Parameters
+        ----------
+        dtype : str or dtype
+            The target dtype.
+
+        Returns
+        -------
+        DTensor
+            The converted tensor.
+        """
+        return _d.unary("astype", self, resolve_dtype(dtype))
 
     def __getitem__(self, index):
         raise TypeError("DTensor indexing is not supported yet; index X.full_tensor() or X.to_local(), "

@@ -186,11 +186,35 @@ class Mesh:
         return self._grid.copy()
 
     def size(self, axis: str | Iterable[str] | None = None) -> int:
+        """Ranks along ``axis``.
+
+        Parameters
+        ----------
+        axis : str or iterable of str, optional
+            One axis or several (their product); None: the whole mesh.
+
+        Returns
+        -------
+        int
+            The size.
+        """
         if axis is None:
             return len(self.devices)
         return int(np.prod([self.sizes[self.axis_index(a)] for a in self._axes_of(axis)]))
 
     def axis_index(self, axis: str) -> int:
+        """The position of ``axis`` in ``axes``.
+
+        Parameters
+        ----------
+        axis : str
+            An axis name.
+
+        Returns
+        -------
+        int
+            The index; ValueError names the axes for an unknown one.
+        """
         try:
             return self.axes.index(axis)
         except ValueError:
@@ -210,11 +234,34 @@ class Mesh:
         return None if self._coords is None else dict(zip(self.axes, self._coords))
 
     def coordinate(self, axis: str) -> int:
+        """This rank's coordinate along ``axis`` (it must be on the mesh).
+
+        Parameters
+        ----------
+        axis : str
+            An axis name.
+
+        Returns
+        -------
+        int
+            The coordinate.
+        """
         self._require_member("coordinate")
         return self._coords[self.axis_index(axis)]
 
-    def group_ranks(self, axis) -> tuple[int, ...]:
-        """World ranks of this rank's group along ``axis`` (a name or a tuple of names)."""
+    def group_ranks(self, axis: str | tuple[str, ...]) -> tuple[int, ...]:
+        """World ranks of this rank's group along ``axis`` (a name or a tuple of names).
+
+        Parameters
+        ----------
+        axis : str or tuple of str
+            The axes.
+
+        Returns
+        -------
+        tuple of int
+            Group order.
+        """
         self._require_member("group_ranks")
         axes = self._axes_of(axis)
         idx = [self.axis_index(a) for a in axes]
@@ -230,7 +277,13 @@ class Mesh:
         return tuple(int(r) for r in sub.reshape(-1))
 
     def rank_map(self) -> list[dict]:
-        """One row per position: coordinates, world rank, host, node-local rank and GPU."""
+        """One row per position: coordinates, world rank, host, node-local rank and GPU.
+
+        Returns
+        -------
+        list of dict
+            One row per position.
+        """
         seats = world().seats
         rows = []
         for pos in np.ndindex(*self.sizes):
@@ -241,9 +294,20 @@ class Mesh:
         return rows
 
     # groups and communicators ----------------------------------------------
-    def group(self, axis) -> AxisGroup:
+    def group(self, axis: str | tuple[str, ...]) -> AxisGroup:
         """This rank's group along ``axis``; the communicator is made on first use
-        (collective over the group's members only)."""
+        (collective over the group's members only).
+
+        Parameters
+        ----------
+        axis : str or tuple of str
+            The axes.
+
+        Returns
+        -------
+        AxisGroup
+            Cached per axes.
+        """
         g = self._groups.get(axis)
         if g is not None:
             return g

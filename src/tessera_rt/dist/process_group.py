@@ -71,14 +71,26 @@ class World:
 
     def topology_order(self) -> list[int]:
         """World ranks ordered host by host, then by local rank, so that consecutive mesh
-        positions (the innermost mesh axis) share a node and its NVLink domain."""
+        positions (the innermost mesh axis) share a node and its NVLink domain.
+
+        Returns
+        -------
+        list of int
+            The ranks.
+        """
         host_index: dict[str, int] = {}
         for seat in self.seats:
             host_index.setdefault(seat.host, len(host_index))
         return [s.rank for s in sorted(self.seats, key=lambda s: (host_index[s.host], s.local_rank))]
 
     def communicator(self) -> Communicator:
-        """The communicator over all ranks (made on first use; collective)."""
+        """The communicator over all ranks (made on first use; collective).
+
+        Returns
+        -------
+        Communicator
+            The world communicator.
+        """
         if self._comm is None:
             self._comm = make_communicator(self.mpi, self.backend, self.comm_preference)
         return self._comm
@@ -110,7 +122,7 @@ def init(*, comm: str | None = None, debug: str | bool | None = None, timeout: f
 
     Parameters
     ----------
-    comm : {"mpi", "nccl", "host"}, optional
+    comm : {None, "mpi", "nccl", "host"}
         Forces the communicator library (``TESSERA_COMM`` does the same); by default NCCL
         serves GPU groups it can serve.
     debug : str or bool, optional

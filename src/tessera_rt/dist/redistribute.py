@@ -132,11 +132,24 @@ class Plan:
         self._exec = None
         self._verified = None            # consistency.check_run's record of the last verified run
 
-    def run(self, x, out=None):
+    def run(self, x: object, out: object = None) -> object:
         """This rank's piece ``x`` in ``dst`` (written into ``out``, a C-contiguous array of the
         result's local shape and dtype, when given).  A repeated run takes the compiled form
         (compiled_plan: the communicator calls only) unless something watches collectives;
-        the agreement check then runs for every collective of the plan before the first."""
+        the agreement check then runs for every collective of the plan before the first.
+
+        Parameters
+        ----------
+        x : array
+            This rank's piece in ``src``.
+        out : array, optional
+            Receives the result.
+
+        Returns
+        -------
+        array
+            This rank's piece in ``dst``.
+        """
         ex = self._exec
         if ex is None:
             ex = self._compile(x)
@@ -188,7 +201,13 @@ class Plan:
         return sum(s.bytes_sent for s in self.steps)
 
     def step_times(self) -> list[float]:
-        """Seconds the registered cost model (dist.cost) predicts for each step."""
+        """Seconds the registered cost model (dist.cost) predicts for each step.
+
+        Returns
+        -------
+        list of float
+            One per step.
+        """
         return [step_time(s, self.mesh) for s in self.steps]
 
     @property

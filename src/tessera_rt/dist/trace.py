@@ -95,7 +95,14 @@ class trace_collectives:
     def __exit__(self, *exc) -> None:
         _HOOKS.remove(self)
 
-    def before(self, call) -> None:
+    def before(self, call: object) -> None:
+        """Record ``call`` (the collectives' hook; barriers are not recorded).
+
+        Parameters
+        ----------
+        call : Call
+            The collective about to run.
+        """
         if call.op == "barrier":
             return
         sent = int(round(call.nbytes * bus_factor(call.op, call.group_size)))
@@ -103,6 +110,18 @@ class trace_collectives:
                                              tag=call.tag))
 
     def count(self, op: str | None = None) -> int:
+        """How many collectives of ``op`` (all with None) the block issued.
+
+        Parameters
+        ----------
+        op : str, optional
+            The collective's name.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return sum(1 for r in self.records if op is None or r.op == op)
 
     @property

@@ -240,9 +240,24 @@ class Pipeline:
         self._sends.append(work)
 
     # ------------------------------------------------------------------ the step
-    def value_and_grad(self, params, x, y):
+    def value_and_grad(self, params: dict, x: object, y: object) -> tuple[float, dict]:
         """(loss, grads): the mean loss over the whole batch (on every rank) and this
-        rank's gradients, in its parameters' layouts (the same tree as ``params``)."""
+        rank's gradients, in its parameters' layouts (the same tree as ``params``).
+
+        Parameters
+        ----------
+        params : dict
+            This rank's parameters (``model.init``).
+        x : numpy.ndarray
+            The global input batch ``(B, S)``, the same on every rank.
+        y : numpy.ndarray
+            The targets ``(B, S)``.
+
+        Returns
+        -------
+        tuple
+            ``(loss, grads)``.
+        """
         x, y = self._check(x, y)
         model, plan, m = self.model, self.plan, self.microbatches
         rows = split_sizes(x.shape[0], m)
@@ -336,15 +351,32 @@ class Pipeline:
                                     wall=every[:, 2].tolist(), peak_live=[int(p) for p in every[:, 3]])
         record_spans(self.stage, spans)
 
-    def grad_norm(self, grads) -> float:
+    def grad_norm(self, grads: dict) -> float:
         """The global L2 norm of the whole model's gradients (every stage's), on every rank:
-        pass it to ``optim.clip_grad_norm(grads, max_norm, norm=...)``."""
+        pass it to ``optim.clip_grad_norm(grads, max_norm, norm=...)``.
+
+        Parameters
+        ----------
+        grads : dict
+            This rank's gradients (``value_and_grad``'s).
+
+        Returns
+        -------
+        float
+            The norm.
+        """
         from ..optim import global_norm
         sq = np.array([global_norm(grads) ** 2], dtype=np.float64)
         return float(np.sqrt(_to_host(C.all_reduce(_on_device(sq), axis=self.axis, mesh=self.mesh))[0]))
 
     def stats(self) -> PipelineStats:
-        """The last step's per-stage busy/idle time, bubble fraction and peak live activations."""
+        """The last step's per-stage busy/idle time, bubble fraction and peak live activations.
+
+        Returns
+        -------
+        PipelineStats
+            The last step's figures.
+        """
         if self._stats is None:
             raise ValueError(f"rank {world().rank}: Pipeline.stats(): no step has run yet; call value_and_grad first")
         return self._stats

@@ -80,7 +80,7 @@ def hierarchical_all_reduce(x: Any, *, mesh: Mesh | None = None, intra: str | No
         The reduction.
     algo : {"auto", "library", "ring", "line"}
         Every stage's algorithm.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint, recorded and checked.
 
     Returns

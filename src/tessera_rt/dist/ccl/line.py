@@ -347,7 +347,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         Sub-messages each transfer is cut into, all in flight together.
     algo : {"auto", "library", "ring", "line"}
         ``auto``: by size (``algo_table``); ``library``: ``dist.reduce_scatter``.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
         ring, ``tree`` the library collective.
     role : str
@@ -460,7 +460,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh:
         Sub-messages each transfer is cut into, all in flight together.
     algo : {"auto", "library", "ring", "line"}
         ``auto``: by size (``algo_table``); ``library``: ``dist.all_gather``.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
         ring, ``tree`` the library collective.
     role : str
@@ -547,7 +547,7 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh: Mesh | None = 
         Sub-messages each transfer is cut into, all in flight together.
     algo : {"auto", "library", "ring", "line"}
         ``auto``: by size (``algo_table``); ``library``: ``dist.all_reduce``.
-    tag : {"tree", "ring"}, optional
+    tag : {None, "tree", "ring"}
         An algorithm hint, recorded and checked; with ``algo="auto"`` it picks: ``ring`` the
         ring, ``tree`` the library collective.
     role : str

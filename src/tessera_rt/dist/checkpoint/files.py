@@ -63,6 +63,13 @@ class SaveInfo(str):
     left_bytes: int
 
     def summary(self) -> str:
+        """One line for a log: bytes, files, where, and what was removed.
+
+        Returns
+        -------
+        str
+            The line.
+        """
         out = f"{human_bytes(self.bytes)} in {self.files} files at {os.path.dirname(self)}"
         if self.leftovers:
             out += (f"; removed {human_bytes(self.leftover_bytes)} left by killed saves "

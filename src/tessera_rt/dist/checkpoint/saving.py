@@ -72,9 +72,23 @@ class SaveHandle:
         return os.path.join(self._s.path, "index.json") if self._s else str(self._info or "")
 
     def done(self) -> bool:
+        """Whether this rank's part so far is written (local: no communication).
+
+        Returns
+        -------
+        bool
+            True once written.
+        """
         return self._s is None or self._task.test()
 
     def poll(self) -> bool:
+        """Advance the save without waiting (collective); raises its error on every rank.
+
+        Returns
+        -------
+        bool
+            True once committed.
+        """
         w = self._w
         if self._s is not None:
             if not self._agreed:
@@ -88,6 +102,13 @@ class SaveHandle:
         return self.wait() is not None
 
     def wait(self) -> SaveInfo:
+        """Wait until the save is committed (collective); raises its error on every rank.
+
+        Returns
+        -------
+        SaveInfo
+            What ``save`` returns.
+        """
         if self._s is not None:
             if not self._agreed:
                 self._agree()
@@ -97,6 +118,8 @@ class SaveHandle:
         return self._info
 
     def abandon(self) -> None:
+        """Drop the save uncommitted (local), for a training that stops with an error between saves.
+        """
         if self._s is not None:
             self._local_wait()
             self._s, self._error = None, CheckpointError(f"rank {self._w.rank}: dist.save: this asynchronous save "
