@@ -122,7 +122,8 @@ PENDING_AUTOGRAD = {"tessera_rt.grad", "tessera_rt.value_and_grad", "tessera_rt.
 
 def public_callables() -> dict[str, object]:
     """``"module.name" -> object`` for every public function and class of ``API_PACKAGES``
-    (each object once, under the first package that exports it)."""
+    (each object once, under the first package that exports it), and ``"module.Class.method"``
+    for the public methods a public class defines itself."""
     import importlib
     import inspect
     seen, out = set(), {}
@@ -135,6 +136,9 @@ def public_callables() -> dict[str, object]:
                 continue
             seen.add(id(obj))
             out[f"{pkg}.{name}"] = obj
+            if inspect.isclass(obj):
+                out.update((f"{pkg}.{name}.{m}", f) for m, f in vars(obj).items()
+                           if not m.startswith("_") and inspect.isfunction(f))
     return out
 
 

@@ -148,19 +148,54 @@ class Layout:
         return tuple(a for a, _ in self.partial)
 
     def partial_op(self, axis: str) -> str | None:
+        """The reduction pending over ``axis``.
+
+        Parameters
+        ----------
+        axis : str
+            A mesh axis.
+
+        Returns
+        -------
+        str or None
+            None when nothing is pending there.
+        """
         for a, op in self.partial:
             if a == axis:
                 return op
         return None
 
     def dim_of(self, axis: str) -> int | None:
+        """The dim ``axis`` shards.
+
+        Parameters
+        ----------
+        axis : str
+            A mesh axis.
+
+        Returns
+        -------
+        int or None
+            None when it shards no dim.
+        """
         for d, axes in enumerate(self.dims):
             if axis in axes:
                 return d
         return None
 
-    def placements(self, mesh) -> tuple[Placement, ...]:
-        """One placement per mesh axis, in mesh order: ``(S(1), R)``."""
+    def placements(self, mesh: Any) -> tuple[Placement, ...]:
+        """One placement per mesh axis, in mesh order: ``(S(1), R)``.
+
+        Parameters
+        ----------
+        mesh : Mesh
+            The mesh whose axes are listed.
+
+        Returns
+        -------
+        tuple of Placement
+            One per axis.
+        """
         out = []
         for a in mesh.axes:
             d, op = self.dim_of(a), self.partial_op(a)
@@ -175,14 +210,53 @@ class Layout:
         return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
 
     # functional edits (used by rules and the planner) ---------------------------
-    def with_dims(self, dims) -> "Layout":
+    def with_dims(self, dims: Iterable) -> "Layout":
+        """This layout with other dim shardings (the pending reductions kept).
+
+        Parameters
+        ----------
+        dims : iterable of iterable of str
+            Mesh axes per dim.
+
+        Returns
+        -------
+        Layout
+            The new layout.
+        """
         return Layout(tuple(tuple(a) for a in dims), self.partial)
 
-    def with_partial(self, partial) -> "Layout":
+    def with_partial(self, partial: Any) -> "Layout":
+        """This layout with other pending reductions (the dims kept).
+
+        Parameters
+        ----------
+        partial : dict or iterable of (str, str)
+            ``{axis: op}``.
+
+        Returns
+        -------
+        Layout
+            The new layout.
+        """
         return Layout(self.dims, tuple(sorted(dict(partial).items())))
 
-    def validate(self, shape: tuple[int, ...], mesh, *, what: str = "layout") -> "Layout":
-        """Raise LayoutError unless this layout fits ``shape`` on ``mesh``."""
+    def validate(self, shape: tuple[int, ...], mesh: Any, *, what: str = "layout") -> "Layout":
+        """Raise LayoutError unless this layout fits ``shape`` on ``mesh``.
+
+        Parameters
+        ----------
+        shape : tuple of int
+            The global shape.
+        mesh : Mesh
+            The mesh.
+        what : str
+            Names the tensor in the error.
+
+        Returns
+        -------
+        Layout
+            This layout.
+        """
         return _validate(self, tuple(shape), mesh, what)
 
 

@@ -183,16 +183,49 @@ class CheckpointReader:
         return h
 
     def has(self, name: str) -> bool:
+        """Whether the checkpoint holds tensor ``name``.
+
+        Parameters
+        ----------
+        name : str
+            The tensor's name.
+
+        Returns
+        -------
+        bool
+            True when present.
+        """
         return name in self.files
 
     def shape(self, name: str) -> tuple:
-        """A tensor's shape, from its file's header (no data read)."""
+        """A tensor's shape, from its file's header (no data read).
+
+        Parameters
+        ----------
+        name : str
+            The tensor's name.
+
+        Returns
+        -------
+        tuple
+            The shape.
+        """
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def check(self, cfg: LlamaConfig, where: str, allow_unused: bool = False) -> None:
         """Every tensor ``cfg`` needs is there with the shape it implies, and (unless
         ``allow_unused``) nothing else is: a config that disagrees with its weights is refused
-        before any read, naming the file, the tensor and the config field."""
+        before any read, naming the file, the tensor and the config field.
+
+        Parameters
+        ----------
+        cfg : LlamaConfig
+            The config.
+        where : str
+            Names the caller in errors.
+        allow_unused : bool
+            Accept tensors the config does not use.
+        """
         expected = _expected_shapes(cfg, tied=cfg.tie_word_embeddings or "lm_head.weight" not in self.files)
         cfg_file = self.path / "config.json"
         for name, dims in expected.items():
@@ -221,7 +254,20 @@ class CheckpointReader:
                              f"{hint}fix config.json, or pass allow_unused=True to load without them")
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
-        """``tensor[rows, cols]`` as an f32 array, reading only that slice from disk."""
+        """``tensor[rows, cols]`` as an f32 array, reading only that slice from disk.
+
+        Parameters
+        ----------
+        name : str
+            The tensor's name.
+        rows, cols : slice, optional
+            The slice read (None: all).
+
+        Returns
+        -------
+        numpy.ndarray
+            f32.
+        """
         if name not in self.files:
             raise ValueError(f"nn.Llama.from_pretrained: tensor {name!r} is not in the checkpoint at {self.path}")
         f = self.files[name]

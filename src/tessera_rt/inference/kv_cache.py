@@ -152,26 +152,73 @@ class KVCache:
 
     # ---- sequences -------------------------------------------------------------------------
     def add(self) -> int:
-        """A new empty sequence; returns its id."""
+        """A new empty sequence.
+
+        Returns
+        -------
+        int
+            Its id.
+        """
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = _Seq()
         return sid
 
     def free(self, sid: int) -> None:
-        """Finish sequence ``sid``: its pages go back to the pool."""
+        """Finish sequence ``sid``: its pages go back to the pool.
+
+        Parameters
+        ----------
+        sid : int
+            The sequence id.
+        """
         for b in self._seqs.pop(sid).blocks:
             if b >= 0:
                 self._release(b)
 
     def length(self, sid: int) -> int:
+        """Positions sequence ``sid`` holds.
+
+        Parameters
+        ----------
+        sid : int
+            The sequence id.
+
+        Returns
+        -------
+        int
+            Its length.
+        """
         return self._seqs[sid].length
 
     def pages_of(self, sid: int) -> int:
-        """Pages sequence ``sid`` holds now (dropped ones not counted)."""
+        """Pages sequence ``sid`` holds now (dropped ones not counted).
+
+        Parameters
+        ----------
+        sid : int
+            The sequence id.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return sum(1 for b in self._seqs[sid].blocks if b >= 0)
 
     def blocks_needed(self, n_tokens: int) -> int:
+        """Pages ``n_tokens`` positions take.
+
+        Parameters
+        ----------
+        n_tokens : int
+            Positions.
+
+        Returns
+        -------
+        int
+            ``ceil(n_tokens / block_size)``.
+        """
         return math.ceil(n_tokens / self.block_size)
 
     @property
@@ -179,7 +226,20 @@ class KVCache:
         return self.pages.num_free
 
     def reserve(self, sid: int, n: int) -> np.ndarray:
-        """Make room for ``n`` more positions of ``sid``; returns their positions."""
+        """Make room for ``n`` more positions of ``sid``; returns their positions.
+
+        Parameters
+        ----------
+        sid : int
+            The sequence id.
+        n : int
+            Positions to add.
+
+        Returns
+        -------
+        numpy.ndarray
+            The new positions.
+        """
         s = self._seqs[sid]
         need = self.blocks_needed(s.length + n) - len(s.blocks)
         if need > self.pages.num_free:
@@ -225,7 +285,19 @@ class KVCache:
 
     # ---- data ------------------------------------------------------------------------------
     def write(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
-        """Store ``k, v (B, Hkv_l, S, D)`` of sequences ``sids`` at ``positions (B, S)``."""
+        """Store ``k, v (B, Hkv_l, S, D)`` of sequences ``sids`` at ``positions (B, S)``.
+
+        Parameters
+        ----------
+        layer : int
+            The layer.
+        sids : sequence of int
+            The sequences.
+        positions : numpy.ndarray
+            ``(B, S)``.
+        k, v : array
+            ``(B, Hkv_l, S, D)``.
+        """
         bs = self.block_size
         pages = np.array([[self._seqs[sid].blocks[p // bs] for p in row] for sid, row in zip(sids, positions)])
         rows = (np.asarray(positions) % bs).ravel()
@@ -240,7 +312,19 @@ class KVCache:
     def write_decode(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
         """Store one position per sequence, ``k, v (B, Hkv_l, D)``: row by row into the pages
         (basic slices, so nothing is allocated).  Decode writes into a sequence's last page,
-        which eviction keeps on the device."""
+        which eviction keeps on the device.
+
+        Parameters
+        ----------
+        layer : int
+            The layer.
+        sids : sequence of int
+            The sequences.
+        positions : numpy.ndarray
+            ``(B,)``.
+        k, v : array
+            ``(B, Hkv_l, D)``.
+        """
         bs = self.block_size
         for i, (sid, p) in enumerate(zip(sids, positions)):
             page = self._seqs[sid].blocks[int(p) // bs]
@@ -248,18 +332,48 @@ class KVCache:
             self.storage.write_row(layer, int(self.tiers.slot[page]), int(p) % bs, k[i], v[i])
 
     def decode_buffers(self, b: int) -> DecodeBuffers:
-        """The persistent buffers of a decode step at batch ``b`` (made on first use)."""
+        """The persistent buffers of a decode step at batch ``b`` (made on first use).
+
+        Parameters
+        ----------
+        b : int
+            The batch.
+
+        Returns
+        -------
+        DecodeBuffers
+            The buffers.
+        """
         buf = self._buffers.get(b)
         if buf is None:
             buf = self._buffers[b] = DecodeBuffers(self.model, self, b)
         return buf
 
     def step(self, sids: Sequence[int], buf: DecodeBuffers | None = None) -> DecodeStep:
-        """The tables of a decode step over ``sids`` (call after ``reserve``)."""
+        """The tables of a decode step over ``sids`` (call after ``reserve``).
+
+        Parameters
+        ----------
+        sids : sequence of int
+            The sequences decoding.
+        buf : DecodeBuffers, optional
+            Persistent buffers (``decode_buffers``).
+
+        Returns
+        -------
+        DecodeStep
+            Block tables, lengths and staging for the step.
+        """
         return DecodeStep(self, sids, buf if buf is not None else self.decode_buffers(len(sids)))
 
     def stats(self) -> dict:
-        """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer)."""
+        """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer).
+
+        Returns
+        -------
+        dict
+            The figures.
+        """
         page_bytes = self.storage.page_bytes
         dev, host = self.n_dev - self.tiers.dev.num_free, self.n_host - self.tiers.host.num_free
         reads = self._reads["pages"]

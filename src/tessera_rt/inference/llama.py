@@ -170,13 +170,33 @@ class Llama:
         return cls(cfg, params, shard, mesh=mesh, tp_axis=tp_axis, dtype=dt)
 
     # ---- collectives over tp ---------------------------------------------------------------
-    def sum_tp(self, x):
-        """``x`` summed over tp in place (the row-parallel partial sums; no new array)."""
+    def sum_tp(self, x: Any) -> Any:
+        """``x`` summed over tp in place (the row-parallel partial sums; no new array).
+
+        Parameters
+        ----------
+        x : array
+            This rank's partial sums.
+
+        Returns
+        -------
+        array
+            ``x``, summed.
+        """
         if self.shard.tp == 1:
             return x
         return C.all_reduce(x, axis=self.tp_axis, mesh=self.mesh, out=x)
 
-    def check_ids(self, ids, where: str) -> None:
+    def check_ids(self, ids: Any, where: str) -> None:
+        """Raise ValueError (naming ``where`` and the id) when a token id is outside the vocabulary.
+
+        Parameters
+        ----------
+        ids : array-like
+            Token ids.
+        where : str
+            Names the caller.
+        """
         a = np.asarray(ids)
         if a.size and (a.min() < 0 or a.max() >= self.config.vocab_size):
             bad = int(a.max()) if a.max() >= self.config.vocab_size else int(a.min())
@@ -184,8 +204,19 @@ class Llama:
                              f"(rank {self.shard.index} of tp={self.shard.tp}); check the tokenizer matches the model")
 
     # ---- the layer stack -------------------------------------------------------------------
-    def embed(self, ids) -> Any:
-        """Vocab-parallel lookup: this rank's rows, zeros elsewhere, summed over tp."""
+    def embed(self, ids: Any) -> Any:
+        """Vocab-parallel lookup: this rank's rows, zeros elsewhere, summed over tp.
+
+        Parameters
+        ----------
+        ids : array
+            Token ids ``(B, S)``.
+
+        Returns
+        -------
+        array
+            ``(B, S, hidden)``.
+        """
         xp, v = self.xp, self.shard.vocab
         ids = xp.asarray(ids)
         local = ids - v.start
@@ -194,8 +225,19 @@ class Llama:
         x *= mine[..., None].astype(x.dtype)
         return self.sum_tp(x)
 
-    def rope(self, positions) -> tuple:
-        """cos, sin of shape ``(..., head_dim)`` for integer positions (f32, as transformers)."""
+    def rope(self, positions: Any) -> tuple:
+        """cos, sin of shape ``(..., head_dim)`` for integer positions (f32, as transformers).
+
+        Parameters
+        ----------
+        positions : array
+            Integer positions.
+
+        Returns
+        -------
+        tuple of array
+            ``(cos, sin)``.
+        """
         xp = self.xp
         f = xp.asarray(positions, dtype=np.float32)[..., None] * self.inv_freq
         emb = xp.concatenate([f, f], axis=-1)
@@ -209,9 +251,24 @@ class Llama:
         rot[..., h:] = x[..., :h]
         return x * cos + rot * sin
 
-    def hidden(self, ids, positions, attend: Callable) -> Any:
+    def hidden(self, ids: Any, positions: Any, attend: Callable) -> Any:
         """Final-normed hidden states ``(B, S, hidden)`` of ids ``(B, S)`` at ``positions (B, S)``;
-        ``attend(layer, q, k, v)`` with q ``(B, Hl, S, D)``, k/v ``(B, Hkv_l, S, D)`` (roped)."""
+        ``attend(layer, q, k, v)`` with q ``(B, Hl, S, D)``, k/v ``(B, Hkv_l, S, D)`` (roped).
+
+        Parameters
+        ----------
+        ids : array
+            ``(B, S)`` token ids.
+        positions : array
+            ``(B, S)`` positions.
+        attend : callable
+            ``attend(layer, q, k, v)`` -> the attention output.
+
+        Returns
+        -------
+        array
+            ``(B, S, hidden)``.
+        """
         cfg, xp = self.config, self.xp
         b, s = ids.shape
         hd, hl, kvl = cfg.head_dim, self.n_heads, self.n_kv
@@ -237,13 +294,35 @@ class Llama:
             x = x + self.sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
         return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps).reshape(b, s, cfg.hidden_size)
 
-    def local_logits(self, h) -> Any:
-        """This rank's vocab slice of the logits, f32 ``(..., V_local)``."""
+    def local_logits(self, h: Any) -> Any:
+        """This rank's vocab slice of the logits, f32 ``(..., V_local)``.
+
+        Parameters
+        ----------
+        h : array
+            Hidden states ``(..., hidden)``.
+
+        Returns
+        -------
+        array
+            ``(..., V_local)``.
+        """
         return op.matmul(h, self.params["head"]).astype(np.float32, copy=False)
 
-    def logits(self, ids) -> Any:
+    def logits(self, ids: Any) -> Any:
         """Full-vocabulary f32 logits ``(B, S, V)`` of a causal forward with no cache (a test and
-        scoring path: it gathers the vocab, which decoding never does)."""
+        scoring path: it gathers the vocab, which decoding never does).
+
+        Parameters
+        ----------
+        ids : array
+            ``(B, S)`` token ids.
+
+        Returns
+        -------
+        array
+            ``(B, S, V)``.
+        """
         ids = np.atleast_2d(np.asarray(ids))
         self.check_ids(ids, "Llama.logits")
         pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
@@ -254,8 +333,23 @@ class Llama:
         return C.all_gather(self.xp.ascontiguousarray(lg), axis=self.tp_axis, mesh=self.mesh, dim=lg.ndim - 1,
                             sizes=self.shard.vocab_sizes)
 
-    def generate(self, cache, prompts, **kw):
-        """Prefill ``prompts`` into ``cache`` and decode; see ``inference.generate.generate``."""
+    def generate(self, cache: Any, prompts: Any, **kw) -> list[list[int]]:
+        """Prefill ``prompts`` into ``cache`` and decode; see ``inference.generate.generate``.
+
+        Parameters
+        ----------
+        cache : KVCache
+            The model's cache.
+        prompts : sequence of sequence of int
+            Token ids.
+        **kw
+            ``generate``'s keywords.
+
+        Returns
+        -------
+        list of list of int
+            Generated ids per prompt.
+        """
         from .generate import generate
         return generate(self, cache, prompts, **kw)
 

@@ -147,34 +147,96 @@ class LlamaLM(Module):
         self.head = Linear(d_model, vocab, parallel="column", **kw)
 
     def init(self, seed: int = 0) -> dict:
+        """The parameters (the same global values on any mesh).
+
+        Parameters
+        ----------
+        seed : int
+            Values depend only on (seed, name).
+
+        Returns
+        -------
+        dict
+            The parameter tree.
+        """
         return {"embed": self.embed.init(seed, "embed"),
                 "blocks": [b.init(seed, f"blocks.{i}") for i, b in enumerate(self.blocks)],
                 "norm": self.norm.init(seed, "norm"), "head": self.head.init(seed, "head")}
 
-    def batch(self, tokens: np.ndarray):
-        """A global (B, S) int batch (the same on every rank), its batch dim over dp."""
+    def batch(self, tokens: np.ndarray) -> object:
+        """A global (B, S) int batch (the same on every rank), its batch dim over dp.
+
+        Parameters
+        ----------
+        tokens : numpy.ndarray
+            ``(B, S)`` ints.
+
+        Returns
+        -------
+        DTensor or array
+            The placed batch.
+        """
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if self.mesh is None:
             return tokens
         spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
         return distribute(tokens, layout=spec, mesh=self.mesh)
 
-    def logits(self, p: dict, tokens):
+    def logits(self, p: dict, tokens: object) -> object:
+        """The LM head's logits.
+
+        Parameters
+        ----------
+        p : dict
+            The parameters.
+        tokens : DTensor or array
+            ``(B, S)`` ints.
+
+        Returns
+        -------
+        DTensor or array
+            ``(B, S, vocab)``, vocab sharded over tp.
+        """
         x = self.embed(p["embed"], tokens)
         for blk, bp in zip(self.blocks, p["blocks"]):
             x = blk(bp, x)
         return self.head(p["head"], self.norm(p["norm"], x))
 
-    def loss(self, p: dict, tokens, targets):
+    def loss(self, p: dict, tokens: object, targets: object) -> object:
+        """The mean token cross-entropy.
+
+        Parameters
+        ----------
+        p : dict
+            The parameters.
+        tokens : DTensor or array
+            ``(B, S)`` ints.
+        targets : DTensor or array
+            ``(B, S)`` ints.
+
+        Returns
+        -------
+        DTensor or array
+            The scalar loss.
+        """
         logits = self.logits(p, tokens)
         if np.dtype(logits.dtype).itemsize < 4:
             logits = op.astype(logits, "float32")
         return cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
 
     def moe_stats(self) -> None:
+        """None: no MoE blocks (``nn.Transformer``'s interface).
+        """
         return None
 
     def hf_config(self) -> dict:
+        """The Hugging Face ``config.json`` of this model.
+
+        Returns
+        -------
+        dict
+            The config.
+        """
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab,
                 "hidden_size": self.d, "intermediate_size": self.hidden, "num_hidden_layers": self.n_layers,
                 "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,

@@ -92,9 +92,20 @@ class TokenDispatcher:
     def __init__(self, layer: Any):
         self.layer = layer
 
-    def source_tokens(self, x) -> list[int] | None:
+    def source_tokens(self, x: Any) -> list[int] | None:
         """Tokens each ep position holds (same coordinates elsewhere), from x's layout; None when
-        x is a plain array (each rank's count is then exchanged)."""
+        x is a plain array (each rank's count is then exchanged).
+
+        Parameters
+        ----------
+        x : DTensor or array
+            The layer's input.
+
+        Returns
+        -------
+        list of int or None
+            Per ep position.
+        """
         layer = self.layer
         n = layer.ep_size
         if type(x) is not DTensor:
@@ -109,9 +120,26 @@ class TokenDispatcher:
             out.append(dim_extent(x.shape[0], sizes, tuple(coords[a] for a in axes))[1])
         return out
 
-    def preprocess(self, x, xl, pl, clock: Clock) -> Dispatch:
+    def preprocess(self, x: Any, xl: Any, pl: Any, clock: Clock) -> Dispatch:
         """Route this rank's tokens ``xl`` by their probabilities ``pl``, get the counts every
-        position sends here, and pack the rows in send order."""
+        position sends here, and pack the rows in send order.
+
+        Parameters
+        ----------
+        x : DTensor or array
+            The layer's input.
+        xl : array
+            This rank's tokens ``(T, d)``.
+        pl : array
+            Their probabilities ``(T, E)``.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        Dispatch
+            The route, counts and packed rows.
+        """
         lay = self.layer
         xp, bufs = get_backend().xp, lay.buffers
         n, (lo, hi) = lay.ep_size, lay.ranges[lay.ep_index]
@@ -141,15 +169,45 @@ class TokenDispatcher:
             clock.lap("pack")
         return Dispatch(r, cnt, [int(c) for c in cnt.sum(axis=1)], t, send)
 
-    def dispatch(self, plan: Dispatch, clock: Clock):
-        """The packed rows to their experts' positions; returns the rows this rank received."""
+    def dispatch(self, plan: Dispatch, clock: Clock) -> Any:
+        """The packed rows to their experts' positions; returns the rows this rank received.
+
+        Parameters
+        ----------
+        plan : Dispatch
+            ``preprocess``'s result.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        array
+            The received rows.
+        """
         got = self.send(plan.send, plan.route.split, plan.recv_rows, "recv", self.layer.quantize_fp8)
         clock.lap("exchange")
         return got
 
-    def unpack(self, plan: Dispatch, got, fresh: bool, clock: Clock):
+    def unpack(self, plan: Dispatch, got: Any, fresh: bool, clock: Clock) -> Any:
         """The received rows as the experts' batch ``(experts, M, d)`` (the active experts only
-        under tiers); ``fresh``: a new array the backward may keep, not a staging buffer."""
+        under tiers); ``fresh``: a new array the backward may keep, not a staging buffer.
+
+        Parameters
+        ----------
+        plan : Dispatch
+            ``preprocess``'s result.
+        got : array
+            ``dispatch``'s rows.
+        fresh : bool
+            Return a new array.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        array
+            ``(experts, M, d)``.
+        """
         xp = get_backend().xp
         with A2AStream():
             cnt = plan.counts if plan.active is None else plan.counts[:, plan.active]
@@ -160,9 +218,24 @@ class TokenDispatcher:
             clock.lap("pack")
         return xe
 
-    def combine(self, plan: Dispatch, ye, clock: Clock) -> tuple:
+    def combine(self, plan: Dispatch, ye: Any, clock: Clock) -> tuple:
         """The experts' rows back home, summed per token with the combine weights: ``y (T, d)``
-        and each pair's expert output ``(T*k, d)`` (the weights' gradient reads it)."""
+        and each pair's expert output ``(T*k, d)`` (the weights' gradient reads it).
+
+        Parameters
+        ----------
+        plan : Dispatch
+            ``preprocess``'s result.
+        ye : array
+            The experts' outputs ``(experts, M, d)``.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        tuple of array
+            ``(y, o)``.
+        """
         xp, lay, r = get_backend().xp, self.layer, plan.route
         d = ye.shape[-1]
         with A2AStream():
@@ -178,10 +251,31 @@ class TokenDispatcher:
             clock.lap("combine")
         return y, o
 
-    def combine_backward(self, plan: Dispatch, gy, o, pl, batch: tuple, clock: Clock) -> tuple:
+    def combine_backward(self, plan: Dispatch, gy: Any, o: Any, pl: Any, batch: tuple, clock: Clock) -> tuple:
         """From the cotangent ``gy (T, d)`` of ``y``: the probabilities' (through the combine
         weights; ``pl``'s shape) and the experts' outputs' ``gye`` (``batch`` = (experts, M),
-        the forward's batch), sent back to the experts' positions."""
+        the forward's batch), sent back to the experts' positions.
+
+        Parameters
+        ----------
+        plan : Dispatch
+            ``preprocess``'s result.
+        gy : array
+            ``(T, d)``.
+        o : array
+            ``combine``'s per-pair outputs.
+        pl : array
+            The probabilities.
+        batch : tuple
+            ``(experts, M)``.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        tuple of array
+            ``(gp, gye)``.
+        """
         xp, lay, r = get_backend().xp, self.layer, plan.route
         t, d = gy.shape
         k, kept = lay.top_k, r.kept
@@ -204,8 +298,25 @@ class TokenDispatcher:
         gye.reshape(-1, d)[plan.rows_at] = grecv
         return gp, gye
 
-    def dispatch_backward(self, plan: Dispatch, dxe, dtype, clock: Clock):
-        """The cotangent of the dispatched rows ``dxe`` back to their tokens: ``dx (T, d)``."""
+    def dispatch_backward(self, plan: Dispatch, dxe: Any, dtype: Any, clock: Clock) -> Any:
+        """The cotangent of the dispatched rows ``dxe`` back to their tokens: ``dx (T, d)``.
+
+        Parameters
+        ----------
+        plan : Dispatch
+            ``preprocess``'s result.
+        dxe : array
+            ``(experts, M, d)``.
+        dtype : dtype
+            The cotangent's dtype.
+        clock : Clock
+            Times the phases (``MoEAux``'s timings).
+
+        Returns
+        -------
+        array
+            ``dx (T, d)``.
+        """
         xp, lay, r = get_backend().xp, self.layer, plan.route
         d = dxe.shape[-1]
         dsend = lay.buffers.get("dsend", (int(plan.rows_at.size), d), lay.grad_dtype(dtype))
@@ -217,9 +328,28 @@ class TokenDispatcher:
         clock.lap("bwd_combine")
         return dx
 
-    def send(self, rows, split, recv, name: str, fp8: bool):
+    def send(self, rows: Any, split: list, recv: list, name: str, fp8: bool) -> Any:
         """``rows (N, d)`` over the transport (split/recv: rows per position) into staging buffer
-        ``name``; returns the received rows (FP8 on the wire when ``fp8``)."""
+        ``name``; returns the received rows (FP8 on the wire when ``fp8``).
+
+        Parameters
+        ----------
+        rows : array
+            ``(N, d)``.
+        split : list of int
+            Rows to each position.
+        recv : list of int
+            Rows from each position.
+        name : str
+            The staging buffer.
+        fp8 : bool
+            FP8 on the wire (per-row scales).
+
+        Returns
+        -------
+        array
+            The received rows.
+        """
         bufs, d = self.layer.buffers, rows.shape[1]
         total = int(sum(recv))
         if not fp8:

@@ -130,18 +130,49 @@ class MoE:
 
     # parameters -----------------------------------------------------------------
     def shapes(self) -> dict[str, tuple]:
+        """The global shape of each parameter.
+
+        Returns
+        -------
+        dict
+            ``{"gate": (d, E), "w1": (E, d, f), "w3": (E, d, f), "w2": (E, f, d)}``.
+        """
         e, d, f = self.num_experts, self.d_model, self.d_ff
         return {"gate": (d, e), "w1": (e, d, f), "w3": (e, d, f), "w2": (e, f, d)}
 
-    def init(self, seed: int = 0, dtype="float32") -> dict:
-        """Global parameters, the same values on any mesh."""
+    def init(self, seed: int = 0, dtype: Any = "float32") -> dict:
+        """Global parameters, the same values on any mesh.
+
+        Parameters
+        ----------
+        seed : int
+            Values depend only on (seed, name).
+        dtype : str or dtype
+            The parameters' dtype.
+
+        Returns
+        -------
+        dict
+            Global arrays by name.
+        """
         d, f = self.d_model, self.d_ff
         dt = resolve_dtype(dtype)
         stds = {"gate": d ** -0.5, "w1": d ** -0.5, "w3": d ** -0.5, "w2": f ** -0.5}
         return {k: _rng(seed, k, s, stds[k]).astype(dt) for k, s in self.shapes().items()}
 
     def shard(self, params: dict) -> dict:
-        """Place global parameters on the mesh: the gate replicated, the experts over ``ep``."""
+        """Place global parameters on the mesh: the gate replicated, the experts over ``ep``.
+
+        Parameters
+        ----------
+        params : dict
+            ``init``'s global arrays.
+
+        Returns
+        -------
+        dict
+            DTensors (arrays without a mesh).
+        """
         if self.mesh is None:
             return dict(params)
         xp = get_backend().xp
@@ -189,15 +220,46 @@ class MoE:
             raise ValueError(f"{where}: x is a plain array but params are DTensors; pass x as a DTensor")
 
     # helpers the dispatch reads ------------------------------------------------------
-    def token_axes_besides_ep(self, x) -> tuple:
+    def token_axes_besides_ep(self, x: Any) -> tuple:
+        """The mesh axes other than ep that shard ``x``'s token dim.
+
+        Parameters
+        ----------
+        x : DTensor or array
+            The tokens.
+
+        Returns
+        -------
+        tuple of str
+            Empty for an array.
+        """
         return tuple(a for a in x.layout.dims[0] if a != self.axis) if type(x) is DTensor else ()
 
-    def grad_dtype(self, dt):
+    def grad_dtype(self, dt: Any) -> Any:
+        """The dtype the backward's exchanged gradients take: the policy's when it is bf16 or fp16,
+        else ``dt``.
+
+        Parameters
+        ----------
+        dt : dtype
+            The forward's dtype.
+
+        Returns
+        -------
+        dtype
+            The gradients' dtype.
+        """
         pd = getattr(self.policy, "dtype", None)
         return pd if pd is not None and np.dtype(pd).name in ("bfloat16", "float16") else dt
 
     def group_ids(self) -> list[int]:
-        """Locality group of each ep position: ``groups=`` or the host its rank runs on."""
+        """Locality group of each ep position: ``groups=`` or the host its rank runs on.
+
+        Returns
+        -------
+        list of int
+            One id per ep position.
+        """
         if self.groups is not None:
             return list(self.groups)
         if self.mesh is None:
@@ -225,8 +287,21 @@ class MoE:
         return slice(off, off + n)
 
     # the layer ----------------------------------------------------------------------
-    def gate_logits(self, params: dict, x):
-        """Router logits (tokens, E) and the locality penalty matrix (or None)."""
+    def gate_logits(self, params: dict, x: Any) -> tuple[Any, Any]:
+        """Router logits (tokens, E) and the locality penalty matrix (or None).
+
+        Parameters
+        ----------
+        params : dict
+            The layer's parameters.
+        x : DTensor or array
+            Tokens ``(tokens, d_model)``.
+
+        Returns
+        -------
+        tuple
+            ``(logits, penalty)``.
+        """
         from ..dist.determinism import is_deterministic
         dt = "float64" if np.dtype(detach(x).dtype) == np.float64 else "float32"
         logits = op.matmul(op.astype(x, dt), op.astype(params["gate"], dt))

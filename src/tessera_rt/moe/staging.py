@@ -32,9 +32,30 @@ class DispatchBuffers:
         self.allocations = 0
 
     def flip(self) -> None:
+        """Switch to the other set (once per call).
+        """
         self._cur ^= 1
 
-    def get(self, name: str, shape: tuple, dtype, zero: bool = False):
+    def get(self, name: str, shape: tuple, dtype: object, zero: bool = False) -> object:
+        """A buffer of the current set for ``name`` (grown when too small; counted in
+        ``allocations``).
+
+        Parameters
+        ----------
+        name : str
+            The buffer's role.
+        shape : tuple
+            The shape asked for.
+        dtype : dtype
+            The element type.
+        zero : bool
+            Zero it first.
+
+        Returns
+        -------
+        array
+            A ``shape`` view of the buffer.
+        """
         xp = get_backend().xp
         n = math.prod(shape)
         key = (name, np.dtype(dtype))
@@ -49,7 +70,13 @@ class DispatchBuffers:
         return view
 
     def ids(self) -> list[set]:
-        """The identities of each set's buffers (tests check that the two sets alternate)."""
+        """The identities of each set's buffers (tests check that the two sets alternate).
+
+        Returns
+        -------
+        list of set
+            Per set, its buffers' ids.
+        """
         return [{id(b) for b in s.values()} for s in self._sets]
 
 

@@ -48,14 +48,46 @@ class Transport(abc.ABC):
         return f"{type(self).__name__}({self.axis}={self.size})"
 
     @abc.abstractmethod
-    def exchange(self, buf, split: list, recv: list, out):
+    def exchange(self, buf: object, split: list, recv: list, out: object) -> object:
         """Send ``buf``'s first ``split[0]`` rows to position 0, the next ``split[1]`` to position
         1, ...; receive ``recv[j]`` rows from each position j into ``out`` (sender-major) and
-        return ``out``.  Every position calls it with matching sizes (split here == recv there)."""
+        return ``out``.  Every position calls it with matching sizes (split here == recv there).
 
-    def counts(self, mine, ranges: list, out) -> np.ndarray:
+        Parameters
+        ----------
+        buf : array
+            The rows sent, position-major.
+        split : list of int
+            Rows to each position.
+        recv : list of int
+            Rows from each position.
+        out : array
+            Receives them.
+
+        Returns
+        -------
+        array
+            ``out``.
+        """
+
+    def counts(self, mine: object, ranges: list, out: object) -> np.ndarray:
         """Per-expert row counts: ``mine`` (E,) this rank sends to each expert; returns the host
-        (positions, local experts) counts every position sends this rank's experts."""
+        (positions, local experts) counts every position sends this rank's experts.
+
+        Parameters
+        ----------
+        mine : array
+            ``(E,)`` rows this rank sends to each expert.
+        ranges : list of (int, int)
+            Each position's expert range.
+        out : array
+            A staging buffer for the exchange.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(positions, local experts)``.
+        """
         xp = get_backend().xp
         nle = ranges[self.index][1] - ranges[self.index][0]
         got = self.exchange(xp.ascontiguousarray(mine), [hi - lo for lo, hi in ranges], [nle] * self.size, out)
@@ -78,7 +110,25 @@ class AllToAll(Transport):
         This rank's position.
     """
 
-    def exchange(self, buf, split, recv, out):
+    def exchange(self, buf: object, split: list, recv: list, out: object) -> object:
+        """``dist.all_to_all`` with these sizes on the ``a2a`` stream (a copy with one position).
+
+        Parameters
+        ----------
+        buf : array
+            The rows sent.
+        split : list of int
+            Rows to each position.
+        recv : list of int
+            Rows from each position.
+        out : array
+            Receives them.
+
+        Returns
+        -------
+        array
+            ``out``.
+        """
         if self.size == 1:
             out[...] = buf
             return out

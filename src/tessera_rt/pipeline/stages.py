@@ -141,7 +141,18 @@ class StagePlan:
         self.stage_mesh = stage_meshes(mesh, axis)[self.stage] if self.stage is not None else None
 
     def rank_of(self, vs: int) -> int:
-        """The pp position that runs virtual stage ``vs``."""
+        """The pp position that runs virtual stage ``vs``.
+
+        Parameters
+        ----------
+        vs : int
+            A virtual stage.
+
+        Returns
+        -------
+        int
+            vs % pp.
+        """
         return vs % self.pp
 
     @property

@@ -69,6 +69,13 @@ class Layout:
         return self.dp * self.ep
 
     def label(self) -> str:
+        """``tp=.. ep=.. pp=.. dp=..``.
+
+        Returns
+        -------
+        str
+            The label.
+        """
         return f"tp={self.tp} ep={self.ep} pp={self.pp} dp={self.dp}"
 
 

@@ -34,9 +34,37 @@ class ClusterCostModel:
         self.name = f"plan cluster {cluster.name!r}" + (" (calibrated)" if cluster.calibrated else "")
 
     def collective_time(self, op: str, size: float, n: int) -> float:
+        """Seconds for one collective (``plan.timing.collective_time``'s fastest algorithm).
+
+        Parameters
+        ----------
+        op : str
+            The collective.
+        size : float
+            Bytes.
+        n : int
+            Ranks in the group.
+
+        Returns
+        -------
+        float
+            Seconds.
+        """
         return collective_time(self.cluster, op, size, n)[0]
 
     def copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` on one GPU (read and write at the memory bandwidth).
+
+        Parameters
+        ----------
+        nbytes : float
+            Bytes.
+
+        Returns
+        -------
+        float
+            Seconds.
+        """
         return 2.0 * nbytes / self.cluster.hbm_bw
 
     def __repr__(self) -> str:

@@ -83,6 +83,13 @@ class Candidate:
         return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp}
 
     def to_json(self) -> dict:
+        """The candidate as JSON values (``tessera-plan --json``).
+
+        Returns
+        -------
+        dict
+            The main figures.
+        """
         mem_keys = ("params", "grads", "optimizer", "activations", "kv_cache", "buffers", "transient", "total",
                     "host_tier")
         time_keys = ("compute", "tp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "sync", "exposed", "total")

@@ -170,39 +170,105 @@ class ModelSpec:
 
     # parameters -----------------------------------------------------------------
     def attn_params(self) -> int:
+        """Attention parameters of one block (q, o and k, v).
+
+        Returns
+        -------
+        int
+            The count.
+        """
         d, kv = self.d_model, self.kv_heads * self.head_dim
         return d * d * 2 + 2 * d * kv                     # q, o and k, v
 
     def mlp_params(self) -> int:
+        """Dense SwiGLU MLP parameters of one block (w1, w3, w2).
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return 3 * self.d_model * self.ffn_hidden          # SwiGLU: w1, w3, w2
 
     def expert_params_per_layer(self) -> int:
+        """Expert parameters of one MoE block (every expert's w1, w3, w2).
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return self.n_experts * 3 * self.d_model * self.f_expert
 
     def router_params(self) -> int:
+        """Router parameters of one MoE block.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return self.d_model * self.n_experts
 
     def embed_params(self) -> int:
+        """Embedding, head (unless tied), learned positions and the final norm.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         pos = self.seq_len * self.d_model if self.learned_pos else 0
         head = 0 if self.tied_embeddings else self.vocab * self.d_model
         return self.vocab * self.d_model + head + pos + self.d_model     # + final norm
 
     def dense_layer_params(self, moe: bool) -> int:
-        """Parameters of one block that are not experts (sharded over tp, replicated over ep)."""
+        """Parameters of one block that are not experts (sharded over tp, replicated over ep).
+
+        Parameters
+        ----------
+        moe : bool
+            The block is an MoE block (router instead of the dense MLP).
+
+        Returns
+        -------
+        int
+            The count.
+        """
         return self.attn_params() + 2 * self.d_model + (self.router_params() if moe else self.mlp_params())
 
     def total_params(self) -> int:
+        """Every parameter of the model.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         n_moe = self.n_moe_layers
         return (self.embed_params() + self.n_layers * self.attn_params() + 2 * self.n_layers * self.d_model
                 + (self.n_layers - n_moe) * self.mlp_params()
                 + n_moe * (self.router_params() + self.expert_params_per_layer()))
 
     def active_params_per_token(self) -> int:
-        """Parameters one token touches (the N of training's 6N FLOPs): top_k of the experts."""
+        """Parameters one token touches (the N of training's 6N FLOPs): top_k of the experts.
+
+        Returns
+        -------
+        int
+            The count.
+        """
         idle = self.n_experts - self.top_k if self.n_experts else 0
         return self.total_params() - self.n_moe_layers * idle * 3 * self.d_model * self.f_expert
 
     def to_dict(self) -> dict:
+        """The fields as a dict (JSON values).
+
+        Returns
+        -------
+        dict
+            The fields.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
@@ -327,7 +393,18 @@ class Cluster:
             raise ValueError(f"Cluster({self.name!r}): flops must be a dict dtype -> FLOP/s, e.g. {{'bf16': 2.5e15}}")
 
     def rate(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype``; a dtype the cluster lacks runs at the nearest wider one."""
+        """Peak FLOP/s for ``dtype``; a dtype the cluster lacks runs at the nearest wider one.
+
+        Parameters
+        ----------
+        dtype : str
+            A compute dtype.
+
+        Returns
+        -------
+        float
+            FLOP/s.
+        """
         for d in (dtype, {"fp4": "fp8", "fp8": "bf16", "bfp8": "bf16", "fp8_e4m3": "bf16"}.get(dtype, "bf16"),
                   "bf16", "f32"):
             if d in self.flops:
@@ -335,6 +412,13 @@ class Cluster:
         return float(next(iter(self.flops.values())))
 
     def to_dict(self) -> dict:
+        """The fields as a dict (JSON values).
+
+        Returns
+        -------
+        dict
+            The fields.
+        """
         d = dataclasses.asdict(self)
         d["grid"] = list(self.grid)
         return d
