@@ -165,7 +165,7 @@ def render_callcost(outputs, ctx) -> str:
     table: dict[str, list[str]] = {}
     for i, out in enumerate(outputs):
         for m in line.finditer(out):
-            table.setdefault(m.group(1), ["-"] * len(outputs))[i] = f"+{m.group(4)} ({m.group(5)}); raw {m.group(3)} us"
+            table.setdefault(m.group(1), ["-"] * len(outputs))[i] = f"{float(m.group(4)):+.2f} ({float(m.group(5)):+.2f}); raw {m.group(3)} us"
     if not table:
         raise ValueError("no 'CASE tessera_rt X us raw mpi4py Y us' lines in bench_callcost.py's output")
     return as_md(["case", *cols], [[k, *v] for k, v in table.items()])
@@ -452,7 +452,8 @@ def main(argv=None) -> int:
     text = out.read_text() if out.exists() else "# Benchmarks\n"
     env = dict(os.environ, **THREADS)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-    has_gpu, cache, failed, t_all, cpu_all = bool(gpu_name()), {}, [], time.time(), cpu_seconds()
+    has_gpu, cache, failed, written = bool(gpu_name()), {}, [], False
+    t_all, cpu_all = time.time(), cpu_seconds()
     for topic in topics:
         if topic.needs_gpu and not has_gpu:
             print(f"bench_all: {topic.key}: skipped (no GPU here; its block stays as it was)", flush=True)
@@ -466,7 +467,8 @@ def main(argv=None) -> int:
             continue
         text = replace_block(text, topic.key, topic.title, body)
         out.write_text(text)                  # after every topic: an interrupted run keeps what it measured
-    print(f"bench_all: wrote {out} in {took(t_all, cpu_all)}"
+        written = True
+    print(f"bench_all: {'wrote ' + str(out) if written else 'nothing written'} in {took(t_all, cpu_all)}"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 
