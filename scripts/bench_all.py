@@ -18,6 +18,7 @@ gets one BLAS/OpenMP/Numba thread per process (the ranks share the cores).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -165,7 +166,8 @@ def render_callcost(outputs, ctx) -> str:
     table: dict[str, list[str]] = {}
     for i, out in enumerate(outputs):
         for m in line.finditer(out):
-            table.setdefault(m.group(1), ["-"] * len(outputs))[i] = f"{float(m.group(4)):+.2f} ({float(m.group(5)):+.2f}); raw {m.group(3)} us"
+            plus, median = float(m.group(4)), float(m.group(5))
+            table.setdefault(m.group(1), ["-"] * len(outputs))[i] = f"{plus:+.2f} ({median:+.2f}); raw {m.group(3)} us"
     if not table:
         raise ValueError("no 'CASE tessera_rt X us raw mpi4py Y us' lines in bench_callcost.py's output")
     return as_md(["case", *cols], [[k, *v] for k, v in table.items()])
@@ -182,11 +184,11 @@ def render_collectives(outputs, ctx) -> str:
 
     def busbw(r, time_col):     # from the time (the table rounds busbw to 3 decimals: 0 for small sizes)
         return size_bytes(r[col["size"]]) / float(r[col[time_col]]) / 1e3 * factor.get(r[col["op"]], (n - 1) / n)
-    fig = size_panels(rows, lambda r: r[col["op"]], lambda r: size_bytes(r[col["size"]]),
-                      [("tessera_rt", lambda r: busbw(r, "time us")), ("raw mpi4py", lambda r: busbw(r, "peer us"))],
-                      "busbw GB/s", f"Collective bandwidth, {n} ranks: tessera_rt beside the raw call")
-    return text + "\n\n" + ctx.save(fig, "bench_collectives.png",
-                                    "busbw against message size, tessera_rt beside raw mpi4py")
+    return text + "\n\n" + ctx.plot("bench_collectives.png", "busbw against message size, tessera_rt beside raw mpi4py",
+                                    lambda: size_panels(
+        rows, lambda r: r[col["op"]], lambda r: size_bytes(r[col["size"]]),
+        [("tessera_rt", lambda r: busbw(r, "time us")), ("raw mpi4py", lambda r: busbw(r, "peer us"))],
+        "busbw GB/s", f"Collective bandwidth, {n} ranks: tessera_rt beside the raw call"))
 
 
 def render_dtensor(outputs, ctx, part: str) -> str:
@@ -211,10 +213,10 @@ def render_dtensor(outputs, ctx, part: str) -> str:
             f"side keeps its buffers{_torch_note(tor)}.\n\n"
             + as_md(["case", "shape", "MiB", "steps", "tessera_rt us", "mpi4py us", "ratio", "out= us", "out= ratio",
                      "torch DTensor us"], rows))
-    fig = size_panels(red, lambda r: r["case"], lambda r: r["bytes"],
-                      [("tessera_rt", lambda r: r["tessera_us"]), ("hand-written mpi4py", lambda r: r["mpi4py_us"])],
-                      "us per call", f"Redistribution, {res['ranks']} ranks: tessera_rt beside hand-written mpi4py")
-    return text + "\n\n" + ctx.save(fig, "bench_redistribution.png", "redistribution time against size")
+    return text + "\n\n" + ctx.plot("bench_redistribution.png", "redistribution time against size", lambda: size_panels(
+        red, lambda r: r["case"], lambda r: r["bytes"],
+        [("tessera_rt", lambda r: r["tessera_us"]), ("hand-written mpi4py", lambda r: r["mpi4py_us"])],
+        "us per call", f"Redistribution, {res['ranks']} ranks: tessera_rt beside hand-written mpi4py"))
 
 
 def _torch_note(tor) -> str:
@@ -234,17 +236,18 @@ def render_vs_torch(outputs, ctx) -> str:
     rows = [r for r in rows if re.fullmatch(r"[\d.]+", r[-1] or "")]
     if not rows:
         return text
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.4 * len(rows)))
-    ratios = [float(r[-1]) for r in rows]
-    bars = ax.barh(range(len(rows)), ratios, color=["tab:green" if v >= 1 else "tab:orange" for v in ratios])
-    ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(rows)), [r[0].replace("`", "")[:60] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("torch time / tessera_rt time (> 1: tessera_rt faster)")
-    fig.suptitle("The same step in tessera_rt and PyTorch", fontsize=10)
-    return text + "\n\n" + ctx.save(fig, "bench_vs_torch.png", "torch time over tessera_rt time per workload")
+    def bars():
+        fig, ax = _plt().subplots(figsize=(9, 1.6 + 0.4 * len(rows)))
+        ratios = [float(r[-1]) for r in rows]
+        drawn = ax.barh(range(len(rows)), ratios, color=["tab:green" if v >= 1 else "tab:orange" for v in ratios])
+        ax.bar_label(drawn, fmt="%.2f", fontsize=8)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks(range(len(rows)), [r[0].replace("`", "")[:60] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("torch time / tessera_rt time (> 1: tessera_rt faster)")
+        fig.suptitle("The same step in tessera_rt and PyTorch", fontsize=10)
+        return fig
+    return text + "\n\n" + ctx.plot("bench_vs_torch.png", "torch time over tessera_rt time per workload", bars)
 
 
 def render_train(outputs, ctx) -> str:
@@ -367,7 +370,11 @@ class Ctx:
     def ranks_of(self, i: int) -> int:
         return self.cmds[i].ranks or 1
 
-    def save(self, fig, name: str, alt: str) -> str:
+    def plot(self, name: str, alt: str, make) -> str:
+        """Draw ``make()``'s figure into docs/img/NAME; the Markdown that shows it."""
+        if importlib.util.find_spec("matplotlib") is None:
+            return "*(No plot: matplotlib is not installed; `pip install matplotlib`, the dev extra has it.)*"
+        fig = make()
         self.img_dir.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
         fig.savefig(self.img_dir / name, dpi=90)
