@@ -49,7 +49,7 @@ def main() -> None:
     g = C.world_group()
     modes["tessera all_reduce, default"] = ("off", lambda: dist.all_reduce(x))
     modes["tessera all_reduce, check off"] = ("nocheck", lambda: dist.all_reduce(x))
-    modes["default check alone (no MPI)"] = ("off", lambda: C._check("all_reduce", g, x.dtype, x.shape, "sum"))
+    modes["default check alone (no MPI)"] = ("off", lambda: consistency.check("all_reduce", g, x.dtype, x.shape, "sum"))
     if has:
         from tessera_rt import profiler
         modes["flight recorder"] = ("flight", lambda: dist.all_reduce(x))

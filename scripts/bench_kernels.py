@@ -3,7 +3,7 @@
 
     python scripts/bench_kernels.py            # the backend's device (GPU if CuPy sees one)
     python scripts/bench_kernels.py --quick    # small sizes (CI, CPU)
-    python scripts/bench_kernels.py --device cpu --markdown >> BENCHMARKS.md
+    python scripts/bench_kernels.py --device cpu --markdown   # Markdown (scripts/bench_all.py: BENCHMARKS.md)
     python scripts/bench_kernels.py --json out.json   # the rows as JSON too (scripts/gpu_check.py)
     python scripts/bench_kernels.py --device cpu --fused   # the fused CPU kernels beside the references
 

@@ -33,3 +33,40 @@ def test_bench_vs_torch_quick_checks_the_same_losses_then_times_both_sides():
     for row in ("1rank", "dp2"):
         assert f"# {row}: the same weights on both sides: losses of two steps agree" in p.stdout, p.stdout
     assert all(float(r.rstrip(" |").split(" | ")[-1]) > 0 for r in rows), p.stdout        # a ratio per row
+
+
+def test_bench_all_quick_rewrites_only_its_blocks_and_draws_the_plot(tmp_path):
+    # scripts/bench_all.py's smoke run on a copy of BENCHMARKS.md: the collectives block is
+    # regenerated (date, machine, command, the nccl-tests table, the plot beside raw MPI) and
+    # everything outside that block's markers stays as it was; the debug topic's script runs too
+    # (it called a check function that had moved)
+    import re
+    import runpy
+    bench = tmp_path / "BENCHMARKS.md"
+    original = (ROOT / "BENCHMARKS.md").read_text()
+    bench.write_text(original)
+    begin, end = "<!-- bench_all:collectives -->", "<!-- /bench_all:collectives -->"
+    assert begin in original and end in original, "BENCHMARKS.md lost the collectives markers"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_all.py"), "--quick",
+                        "--only", "collectives,debug", "--out", str(bench)],
+                       cwd=ROOT, env=mpi_env(2), capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    new = bench.read_text()
+    block = new.split(begin)[1].split(end)[0]
+    outside = re.compile(r"<!-- bench_all:(collectives|debug) -->.*?<!-- /bench_all:\1 -->", re.S)
+    assert outside.sub("", new) == outside.sub("", original)
+    assert "--quick (smoke sizes)" in block and "load average" in block
+    assert "tessera-run -n 2 scripts/bench_collectives.py" in block
+    assert "| all_reduce | 8 B |" in block and "| broadcast | 32 KiB |" in block, block
+    assert "](docs/img/bench_collectives.png)" in block
+    assert "desync check (collectives)" in new.split("<!-- bench_all:debug -->")[1], new
+    assert (tmp_path / "docs" / "img" / "bench_collectives.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every topic has its markers in BENCHMARKS.md; one whose markers are missing is appended
+    mod = runpy.run_path(str(ROOT / "scripts" / "bench_all.py"), run_name="bench_all")
+    missing = [t.key for t in mod["TOPICS"] if f"<!-- bench_all:{t.key} -->" not in original
+               or f"<!-- /bench_all:{t.key} -->" not in original]
+    assert not missing, f"BENCHMARKS.md has no markers for the topics {missing}"
+    replace_block = mod["replace_block"]
+    out = replace_block("# B\n\nprose\n", "moe", "MoE", "table")
+    assert out == "# B\n\nprose\n\n## MoE\n\n<!-- bench_all:moe -->\ntable\n<!-- /bench_all:moe -->\n"
+    assert replace_block(out, "moe", "MoE", "new") == out.replace("table", "new")
