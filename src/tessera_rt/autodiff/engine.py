@@ -31,7 +31,7 @@ _RULES_LOADED = []
 
 def _load_rules() -> None:
     if not _RULES_LOADED:
-        from . import dist_vjps, vjps    # noqa: F401  (register the VJP table)
+        from . import dist_vjps    # noqa: F401  (register the VJP table; op registers its own)
         _RULES_LOADED.append(True)
 
 

@@ -14,3 +14,4 @@ the entry points as the operators of traced values (``x + y`` inside ``ts.grad``
 from . import ops
 from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
 from .ops import __all__, register_moe  # noqa: F401
+from . import vjps  # noqa: F401  (registers the VJP rules of the ops above)

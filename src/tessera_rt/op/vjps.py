@@ -13,13 +13,13 @@ import math
 
 import numpy as np
 
-from .. import op
+from . import ops as op
 from ..backend import get_backend
 from ..dist.dtensor import DTensor
 from ..kernels import cpu_fused
 from ..kernels.mlp import _check_pair as check_pair
 from ..kernels.numerics import result_dtype
-from .tape import _kind, vjp_rule
+from ..autodiff.tape import _kind, vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
 
