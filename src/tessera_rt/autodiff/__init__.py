@@ -13,12 +13,13 @@ op name (``vjp_rule``).  A DTensor parameter's gradient comes back in its layout
 pending sums of finished gradients go out in flat buckets (``buckets``, PyTorch DDP's
 scheme; ``set_grad_bucket_mb`` / ``$TESSERA_GRAD_BUCKET_MB`` set the cap).
 """
+from . import dist_vjps  # noqa: F401  (registers the data-movement VJP rules)
 from .buckets import grad_bucket_bytes, set_grad_bucket_mb
 from .engine import GRAD_ROLE, checkpoint, grad, reduce_grads, tree_flatten, tree_unflatten, value_and_grad, vjp
-from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, vjp_rule
+from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, register_ops, vjp_rule
 
 __all__ = [
     "grad", "value_and_grad", "vjp", "checkpoint", "no_grad", "detach", "is_traced", "Var", "Tape",
     "differentiable", "vjp_rule", "VJPS", "current_tape", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
-    "reduce_grads", "set_grad_bucket_mb", "grad_bucket_bytes",
+    "reduce_grads", "set_grad_bucket_mb", "grad_bucket_bytes", "register_ops",
 ]

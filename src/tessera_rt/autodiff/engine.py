@@ -20,19 +20,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, _op, no_grad, vjp_rule
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, no_grad, ops, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads"]
 
 GRAD_ROLE = "grad_reduce"
-_RULES_LOADED = []
-
-
-def _load_rules() -> None:
-    if not _RULES_LOADED:
-        from . import dist_vjps    # noqa: F401  (register the VJP table; op registers its own)
-        _RULES_LOADED.append(True)
 
 
 # --------------------------------------------------------------------------- pytrees
@@ -107,7 +100,7 @@ def _zeros_like(x):
 
 
 def _add(a, b):
-    return _op().add(a, b)               # tape's cached module, not an import per call
+    return ops().add(a, b)               # the op layer's add (registered with the tape)
 
 
 def _add_into(acc, ct) -> bool:
@@ -291,7 +284,6 @@ def _describe(v) -> str:
 
 def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True, bucket_mb: float | None = None):
     """Run ``fn`` with the leaves of ``args[argnums]`` traced; returns the pieces of a pullback."""
-    _load_rules()
     if STATE.tape is not None:
         raise NotImplementedError(f"ts.grad({fn_name}) inside another ts.grad: higher-order gradients are "
                                   "not supported; compute the inner gradient outside, or use ts.checkpoint")

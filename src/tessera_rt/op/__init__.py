@@ -11,7 +11,10 @@ The op layer sits above autodiff: ``ops`` holds the entry points (each wrapped w
 ``op.*``. Importing this package plugs both into autodiff: the rules into its VJP table, and
 the entry points as the operators of traced values (``x + y`` inside ``ts.grad``).
 """
+from ..autodiff import register_ops
 from . import ops
 from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
 from .ops import __all__, register_moe  # noqa: F401
 from . import vjps  # noqa: F401  (registers the VJP rules of the ops above)
+
+register_ops(ops)   # traced values' operators (x + y, x.sum(), ...) are these ops
