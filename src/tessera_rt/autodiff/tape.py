@@ -14,6 +14,10 @@ dispatcher picks the gradient's layouts and collectives).
 The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
 autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
 distributed core records on the tape without importing autodiff.
+
+The op layer sits above: a traced value's operators (``x + y``, ``x @ w``, ``x.sum()``) call
+the namespace ``tessera_rt.op`` registers here on import (``register_ops``), and its VJP rules
+register into the same table; this module never imports op.
 """
 from __future__ import annotations
 
@@ -29,23 +33,40 @@ from ..dist.hooks import TRACE as STATE
 
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
-    "EFFECT_OPS", "SOURCE_OPS",
+    "EFFECT_OPS", "SOURCE_OPS", "register_ops", "ops",
 ]
 
 
 class Tape:
-    """The ops recorded by one ``ts.grad`` call, in program order (a topological order)."""
+    """The ops recorded by one ``ts.grad`` call, in program order (a topological order):
+    ``nodes`` (the Vars), ``recording`` (False inside ``no_grad``).  Takes no parameters."""
 
     __slots__ = ("nodes", "recording", "parent")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.nodes: list[Var] = []
         self.recording = True
         self.parent: Tape | None = None
 
 
 class Var:
-    """A traced value: ``value`` plus how it was made (``op``, plain ``args``/``kw``, parents)."""
+    """A traced value: ``value`` plus how it was made (``op``, plain ``args``/``kw``, parents).
+
+    Parameters
+    ----------
+    value : Any
+        The plain value (an array, a DTensor, a scalar).
+    tape : Tape
+        The trace it belongs to.
+    op : str or None
+        The op that made it (None: a leaf, one of the differentiated arguments).
+    args : tuple
+        The op's plain positional arguments (its VJP rule's residuals).
+    kw : dict or None
+        The op's keyword arguments.
+    parents : tuple
+        ``(argument position, Var)`` of each traced argument.
+    """
 
     __slots__ = ("value", "tape", "op", "args", "kw", "parents", "grad", "uses", "leaf", "name", "finish")
     __array_ufunc__ = None               # ndarray (op) Var -> Var's reflected operator
@@ -193,10 +214,29 @@ def _to_local(x):
 
 
 def current_tape() -> Tape | None:
+    """The tape ``ts.grad`` records on now.
+
+    Returns
+    -------
+    Tape or None
+        None outside ``ts.grad`` / ``ts.vjp``.
+    """
     return STATE.tape
 
 
-def is_traced(x) -> bool:
+def is_traced(x: Any) -> bool:
+    """Whether ``x`` is a traced value (inside ``ts.grad``, one that depends on the arguments).
+
+    Parameters
+    ----------
+    x : Any
+        Any value.
+
+    Returns
+    -------
+    bool
+        True for a ``Var``.
+    """
     return type(x) is Var
 
 
@@ -328,21 +368,22 @@ def _foreign(name: str, a: Var, tape: Tape) -> None:
 
 class no_grad:
     """Inside the block ops on traced values run on their plain values and record nothing
-    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator."""
+    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator:
+    ``@no_grad()``.  Takes no parameters."""
 
-    def __enter__(self):
+    def __enter__(self) -> "no_grad":
         self._tape = STATE.tape
         self._rec = self._tape.recording if self._tape is not None else None
         if self._tape is not None:
             self._tape.recording = False
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         if self._tape is not None:
             self._tape.recording = self._rec
         return None
 
-    def __call__(self, fn):
+    def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapped(*a, **k):
             with no_grad():
@@ -350,8 +391,19 @@ class no_grad:
         return wrapped
 
 
-def detach(x):
-    """The plain value of ``x`` (no gradient flows through it); works on pytrees."""
+def detach(x: Any) -> Any:
+    """The plain value of ``x``: no gradient flows through it.
+
+    Parameters
+    ----------
+    x : Any
+        A traced value, a plain one, or a pytree (lists, tuples, dicts) of them.
+
+    Returns
+    -------
+    Any
+        ``x`` with every traced value replaced by its plain value.
+    """
     if type(x) is Var:
         return x.value
     if isinstance(x, (list, tuple)):
