@@ -45,9 +45,12 @@ import os
 import time
 from collections import defaultdict
 
-from ._format import human_bytes
-from .dist.dispatch import compute_region
-from .dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from .._format import human_bytes
+from ..dist.dispatch import compute_region
+from ..dist.dtensor import DTensor
+from ..dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from ..dist.process_group import world
+from ..dist.shard import local_shape
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
            "count_copy", "bytes_copied"]
@@ -221,7 +224,6 @@ def overlap_ratio(collective: list, compute: list) -> float | None:
 
 
 _clock = time.perf_counter
-_DT: list = []                  # [DTensor], imported on the first profile (dist imports this module's users)
 
 
 def _op_info(dec, args, out) -> tuple:
@@ -230,11 +232,10 @@ def _op_info(dec, args, out) -> tuple:
     pieces' sizes.  Bytes: the output's and every DTensor argument's local piece."""
     k = 0
     if dec.op == "matmul":
-        from .dist.shard import local_shape
         a = args[0]
         tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
         k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
-    nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is _DT[0])
+    nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is DTensor)
     return (_op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"),
             k * out._local.size, nbytes)
 
@@ -285,10 +286,6 @@ class Profile:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        from .dist.process_group import world
-        if not _DT:
-            from .dist.dtensor import DTensor
-            _DT.append(DTensor)
         w = world()
         if w.size > 1:
             w.mpi.Barrier()
@@ -299,7 +296,6 @@ class Profile:
         return self
 
     def __exit__(self, *exc) -> None:
-        from .dist.process_group import world
         if self in SEAM.watchers:
             SEAM.watchers.remove(self)
         if self in SEAM.op_watchers:
