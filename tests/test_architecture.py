@@ -11,7 +11,7 @@ Layers, lowest first; an arrow may point to the same or a lower layer only:
   3 autodiff
   4 op, nn, optim, profiler, graph
   5 moe, pipeline
-  6 inference, plan, launcher
+  6 inference, plan, launcher (+ launch_hosts)
   7 the package root tessera_rt                       (assembles everything)
 An upper layer plugs into a lower one through a registry the lower one owns and the upper
 one fills on import (e.g. ``dist.hooks``), never by the lower one importing it.
@@ -38,7 +38,7 @@ LAYERS = [
     ["autodiff"],
     ["op", "nn", "optim", "profiler", "graph"],
     ["moe", "pipeline"],
-    ["inference", "plan", "launcher"],
+    ["inference", "plan", "launcher", "launch_hosts"],
 ]
 
 # Today's upward arrows (importer -> imported, names relative to tessera_rt). Each one is a
