@@ -73,7 +73,7 @@ class Var:
     __array_priority__ = 1000
     __hash__ = object.__hash__
 
-    def __init__(self, value, tape: Tape, op: str | None = None, args: tuple = (), kw: dict | None = None,
+    def __init__(self, value: Any, tape: Tape, op: str | None = None, args: tuple = (), kw: dict | None = None,
                  parents: tuple = ()):
         self.value = value
         self.tape = tape

@@ -10,6 +10,7 @@ of low-precision values are recomputed in f32, as the forward kernels do.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,21 @@ def _as(x, like):
     return op.astype(x, dt)
 
 
-def sum_to(g, shape: tuple):
-    """Undo NumPy broadcasting: sum ``g`` down to ``shape``."""
+def sum_to(g: Any, shape: tuple) -> Any:
+    """Undo NumPy broadcasting: sum ``g`` down to ``shape``.
+
+    Parameters
+    ----------
+    g : array or DTensor
+        A cotangent of a broadcast result.
+    shape : tuple of int
+        The operand's shape.
+
+    Returns
+    -------
+    array or DTensor
+        ``g`` summed over the broadcast dims, of shape ``shape``.
+    """
     gs = _shape(g)
     shape = tuple(shape)
     if gs == shape:
@@ -60,9 +74,22 @@ def sum_to(g, shape: tuple):
     return g
 
 
-def broadcast_like(g, x):
+def broadcast_like(g: Any, x: Any) -> Any:
     """``g`` broadcast to ``x``'s shape (a DTensor takes ``x``'s sharding, without its
-    pending reductions)."""
+    pending reductions).
+
+    Parameters
+    ----------
+    g : array or DTensor
+        The cotangent of a reduction.
+    x : array or DTensor
+        The reduced operand.
+
+    Returns
+    -------
+    array or DTensor
+        ``g`` broadcast to ``x``'s shape.
+    """
     if _shape(g) == _shape(x):
         return g
     if type(x) is DTensor:
