@@ -47,20 +47,7 @@ def _as(x, like):
 
 
 def sum_to(g: Any, shape: tuple) -> Any:
-    """Undo NumPy broadcasting: sum ``g`` down to ``shape``.
-
-    Parameters
-    ----------
-    g : array or DTensor
-        A cotangent of a broadcast result.
-    shape : tuple of int
-        The operand's shape.
-
-    Returns
-    -------
-    array or DTensor
-        ``g`` summed over the broadcast dims, of shape ``shape``.
-    """
+    """Undo NumPy broadcasting: sum the cotangent ``g`` down to its operand's ``shape``."""
     gs = _shape(g)
     shape = tuple(shape)
     if gs == shape:
@@ -75,21 +62,8 @@ def sum_to(g: Any, shape: tuple) -> Any:
 
 
 def broadcast_like(g: Any, x: Any) -> Any:
-    """``g`` broadcast to ``x``'s shape (a DTensor takes ``x``'s sharding, without its
-    pending reductions).
-
-    Parameters
-    ----------
-    g : array or DTensor
-        The cotangent of a reduction.
-    x : array or DTensor
-        The reduced operand.
-
-    Returns
-    -------
-    array or DTensor
-        ``g`` broadcast to ``x``'s shape.
-    """
+    """The cotangent ``g`` of a reduction broadcast to its operand ``x``'s shape (a DTensor takes
+    ``x``'s sharding, without its pending reductions)."""
     if _shape(g) == _shape(x):
         return g
     if type(x) is DTensor:
