@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import mpi_env
-from tessera_rt import launcher
+from tessera_rt import launch_hosts, launcher
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
 # a job that runs until it is stopped (says "ready" once its ranks are connected)
@@ -188,8 +188,8 @@ def test_hosts_lay_out_the_ranks_host_by_host(capsys, tmp_path, monkeypatch):
     assert _after(cmd, "-n") == "5" and _after(cmd, "-hosts") == "node1:2,node2:3"
     assert _after(cmd, "-launcher") == "rsh" and _after(cmd, "-launcher-exec") == "/bin/myrsh"
     # a rank's finished mark is looked for only on this machine's hosts
-    monkeypatch.setattr(launcher, "is_local", lambda host: host == "node2")
-    assert launcher._ranks_here([("node1", 2), ("node2", 3)]) == [2, 3, 4]
+    monkeypatch.setattr(launch_hosts, "is_local", lambda host: host == "node2")
+    assert launch_hosts.ranks_here([("node1", 2), ("node2", 3)]) == [2, 3, 4]
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -245,7 +245,7 @@ def test_a_host_that_cannot_run_the_ranks_is_named_before_the_launch(capsys, tmp
     rsh = tmp_path / "rsh"
     rsh.write_text(FAKE_SSH)
     rsh.chmod(0o755)
-    monkeypatch.setattr(launcher, "is_local", lambda h: h == "here")
+    monkeypatch.setattr(launch_hosts, "is_local", lambda h: h == "here")
     monkeypatch.setattr(launcher, "_launch", lambda *a: pytest.fail("launched despite the host's problem"))
     monkeypatch.setattr(launcher, "find_mpiexec", lambda: "mpiexec")
     if cwd:

@@ -7,9 +7,13 @@ collectives as first-class operations, launched with ``tessera-run`` / ``mpirun`
     from tessera_rt import dist, op, graph, runtime as rt
     grads = ts.grad(loss_fn)(W)
 """
+# the layers bottom up; each upper one plugs into the ones below as it is imported (autodiff
+# into dist.hooks, op into autodiff's VJP table and traced values' operators, moe into op)
 from . import backend, dtypes, runtime
-from . import dist, kernels, op
-from . import autodiff, graph, nn, optim, profiler
+from . import kernels
+from . import dist
+from . import autodiff
+from . import op, graph, nn, optim, profiler
 from . import moe
 from .inference import KVCache as _KVCache, Llama as _Llama
 from .pipeline import Pipeline as _Pipeline

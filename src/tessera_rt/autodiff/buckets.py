@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,8 +59,14 @@ _POOL_DEPTH = 3                                 # buffers kept per bucket; beyon
 
 
 def set_grad_bucket_mb(mb: float | None) -> None:
-    """Set the gradient bucket cap in MiB for the process (0: one all-reduce per parameter;
-    None: back to ``$TESSERA_GRAD_BUCKET_MB`` or the default)."""
+    """Set the gradient bucket cap for the process.
+
+    Parameters
+    ----------
+    mb : float or None
+        The cap in MiB (0: one all-reduce per parameter; None: back to
+        ``$TESSERA_GRAD_BUCKET_MB`` or the default).
+    """
     _CAP[:] = [] if mb is None else [_check_mb(mb, "set_grad_bucket_mb")]
 
 
@@ -86,8 +93,20 @@ def _check_mb(mb, where: str) -> float:
 def grad_bucket_bytes(mb: float | None = None, model_bytes: int = 0) -> int:
     """The bucket cap in bytes: ``mb`` if given, else ``set_grad_bucket_mb``'s, else the
     environment's ``TESSERA_GRAD_BUCKET_MB``, else the default: ``DEFAULT_BUCKET_MB``, at
-    most ``model_bytes / MIN_BUCKETS`` (the global bytes of the parameters that may need a
-    reduction) but not below ``MIN_BUCKET_BYTES``."""
+    most ``model_bytes / MIN_BUCKETS`` but not below ``MIN_BUCKET_BYTES``.
+
+    Parameters
+    ----------
+    mb : float or None
+        The cap in MiB (None: the process's, the environment's or the default).
+    model_bytes : int
+        The global bytes of the parameters that may need a reduction (sizes the default).
+
+    Returns
+    -------
+    int
+        The cap in bytes (0: no buckets).
+    """
     if mb is None:
         if _CAP:
             mb = _CAP[0]
@@ -104,11 +123,26 @@ def grad_bucket_bytes(mb: float | None = None, model_bytes: int = 0) -> int:
     return cap
 
 
-def largest_shard(shape, layout, mesh) -> int:
-    """Elements of the largest shard of a ``shape`` tensor with ``layout`` on ``mesh`` (the
-    same number on every rank; a dim split over axes of k ranks in all has parts of at most
-    ceil(n / k)).  Cached: the finisher asks for every gradient inside the backward's window,
-    and ``mesh.size`` costs a NumPy product per axis."""
+def largest_shard(shape: tuple, layout: Any, mesh: Any) -> int:
+    """Elements of the largest shard of a ``shape`` tensor with ``layout`` on ``mesh`` (a dim
+    split over axes of k ranks in all has parts of at most ceil(n / k)).  Cached: the finisher
+    asks for every gradient inside the backward's window, and ``mesh.size`` costs a NumPy
+    product per axis.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The global shape.
+    layout : Layout
+        The tensor's layout.
+    mesh : Mesh
+        Its mesh.
+
+    Returns
+    -------
+    int
+        The element count, the same on every rank.
+    """
     key = (tuple(shape), layout, mesh)
     n = _SHARDS.get(key)
     if n is None:
@@ -141,9 +175,17 @@ class _Bucket:
 class GradBuckets:
     """One backward's buckets.  ``add`` takes a finished gradient's local array and its
     reduction; ``flush`` issues what is still open; ``results`` yields (leaf, reduced local
-    array) once every all-reduce is done."""
+    array) once every all-reduce is done.
 
-    def __init__(self, cap_bytes: int, issue):
+    Parameters
+    ----------
+    cap_bytes : int
+        A bucket's size.
+    issue : callable
+        ``issue(local, mesh, axis, out) -> Work``: starts one bucket's async all-reduce.
+    """
+
+    def __init__(self, cap_bytes: int, issue: Callable):
         self.cap = cap_bytes
         self._issue = issue              # issue(local, mesh, axis, out) -> Work
         self._open: dict = {}            # key -> _Bucket

@@ -25,9 +25,9 @@ from ..dist import collectives as C
 from ..dist.dispatch import compute_region
 from ..dist.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.layout import Layout
-from .tape import differentiable, vjp_rule
+from ..dist.hooks import vjp_rule
 
-__all__ = ["redistribute", "full_tensor", "to_local"]
+__all__: list[str] = []          # rules only: they register on import (autodiff imports this module)
 
 
 def _strip(lay: Layout) -> Layout:
@@ -43,22 +43,6 @@ def _none(args, first):
 
 
 # --------------------------------------------------------------------------- DTensor access
-
-@differentiable("redistribute")
-def redistribute(x, layout):
-    """``x.redistribute(layout)`` as a traced op."""
-    return x.redistribute(layout)
-
-
-@differentiable("full_tensor")
-def full_tensor(x):
-    return x.full_tensor()
-
-
-@differentiable("to_local")
-def to_local(x):
-    return x.to_local()
-
 
 @vjp_rule("redistribute")
 def _redistribute(g, out, args, kw, needs):

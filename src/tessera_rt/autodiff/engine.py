@@ -8,9 +8,9 @@
 A DTensor parameter's gradient comes back in the parameter's layout.  When a parameter's
 gradient is complete (every op that read it has been swept) and only pending sums stand
 between it and that layout (data-parallel replicas, tensor-parallel partial products),
-it goes into a gradient bucket (``buckets``: DDP's flat buckets, one async all-reduce per
-full bucket on the ``grad_reduce`` stream role), so the reduction overlaps the rest of the
-backward pass; the sweep waits for them all at the end.
+it goes into a gradient bucket (``finish``, ``buckets``: DDP's flat buckets, one async
+all-reduce per full bucket on the ``grad_reduce`` stream role), so the reduction overlaps the
+rest of the backward pass; the sweep waits for them all at the end.  Pytrees: ``pytree``.
 """
 from __future__ import annotations
 
@@ -19,69 +19,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, _op, no_grad, vjp_rule
+from ..backend import get_backend
+from ..dist.dtensor import DTensor, full, zeros
+from .buckets import grad_bucket_bytes
+from .finish import GRAD_ROLE, Finisher, reduce_grads
+from .pytree import tree_flatten, tree_unflatten
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, detach, no_grad, ops, vjp_rule
 
-__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
+__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads"]
-
-GRAD_ROLE = "grad_reduce"
-_RULES_LOADED = []
-
-
-def _load_rules() -> None:
-    if not _RULES_LOADED:
-        from . import dist_vjps, vjps    # noqa: F401  (register the VJP table)
-        _RULES_LOADED.append(True)
-
-
-# --------------------------------------------------------------------------- pytrees
-
-def tree_flatten(tree, path: str = "") -> tuple[list, list, Any]:
-    """(leaves, their paths, structure); dicts, lists and tuples are nodes, None is empty."""
-    leaves: list = []
-    paths: list = []
-
-    def walk(t, p):
-        if isinstance(t, dict):
-            return ("d", tuple((k, walk(v, f"{p}[{k!r}]")) for k, v in t.items()))
-        if isinstance(t, (list, tuple)) and type(t) in (list, tuple):
-            return ("l" if type(t) is list else "t", tuple(walk(v, f"{p}[{i}]") for i, v in enumerate(t)))
-        if t is None:
-            return ("n",)
-        leaves.append(t)
-        paths.append(p)
-        return ("x",)
-    return leaves, paths, walk(tree, path)
-
-
-def tree_unflatten(struct, leaves) -> Any:
-    it = iter(leaves)
-
-    def build(s):
-        kind = s[0]
-        if kind == "x":
-            return next(it)
-        if kind == "n":
-            return None
-        if kind == "d":
-            return {k: build(v) for k, v in s[1]}
-        seq = [build(v) for v in s[1]]
-        return seq if kind == "l" else tuple(seq)
-    return build(struct)
-
-
-_MODS: dict = {}
-
-
-def _dtensor_type():
-    # a function-level import costs a trip through the import machinery on every call; the
-    # finisher calls this once per gradient inside the backward's window
-    t = _MODS.get("DTensor")
-    if t is None:
-        from ..dist.dtensor import DTensor as t
-        _MODS["DTensor"] = t
-    return t
 
 
 def _check_param(value, path: str, fn_name: str) -> None:
@@ -99,27 +45,24 @@ def _check_param(value, path: str, fn_name: str) -> None:
 # --------------------------------------------------------------------------- the sweep
 
 def _zeros_like(x):
-    if type(x) is _dtensor_type():
-        from ..dist.dtensor import zeros
+    if type(x) is DTensor:
         return zeros(x.shape, layout=x.layout.with_partial(()), mesh=x.mesh, dtype=x.dtype)
-    from ..backend import get_backend
     return get_backend().xp.zeros_like(x)
 
 
 def _add(a, b):
-    return _op().add(a, b)               # tape's cached module, not an import per call
+    return ops().add(a, b)               # the op layer's add (registered with the tape)
 
 
 def _add_into(acc, ct) -> bool:
     """``acc += ct`` in place when the sum keeps acc's shape, dtype and layout (a pending sum
     adds piecewise); False (nothing done) otherwise."""
-    dt = _dtensor_type()
-    if type(acc) is dt:
-        if type(ct) is not dt or ct.layout != acc.layout or ct.mesh is not acc.mesh or \
+    if type(acc) is DTensor:
+        if type(ct) is not DTensor or ct.layout != acc.layout or ct.mesh is not acc.mesh or \
                 any(o != "sum" for _, o in acc.layout.partial):
             return False
         acc, ct = acc.to_local(), ct.to_local()
-    elif type(ct) is dt or not hasattr(ct, "shape"):
+    elif type(ct) is DTensor or not hasattr(ct, "shape"):
         return False
     if acc.shape != ct.shape or acc.dtype != ct.dtype or type(acc) is not type(ct):
         return False
@@ -127,9 +70,20 @@ def _add_into(acc, ct) -> bool:
     return True
 
 
-def backward(tape: Tape, out: Var, seed) -> None:
-    """Sweep ``tape`` backwards from ``out`` (cotangent ``seed``).  Runs with no tape
-    active, so the VJP rules' own ops are not recorded."""
+def backward(tape: Tape, out: Var, seed: Any) -> None:
+    """Sweep ``tape`` backwards from ``out``, leaving each traced value's cotangent in its
+    ``grad`` (and finishing leaves through their ``finish`` hook).  Runs with no tape active,
+    so the VJP rules' own ops are not recorded.
+
+    Parameters
+    ----------
+    tape : Tape
+        The recorded ops.
+    out : Var
+        The traced value the sweep starts from.
+    seed : array or DTensor
+        ``out``'s cotangent (``out.grad`` is set to it).
+    """
     # The loop's Python is time the gradient all-reduces issued during the sweep do not
     # run under any op, so the globals it reads are bound to locals once per sweep.
     rules, effects, add, add_into = VJPS, EFFECT_OPS, _add, _add_into
@@ -176,102 +130,17 @@ def _release(parents) -> None:
             p.finish(p)
 
 
-def _issue_reduce(local, mesh, axis, out=None):
-    """The async all-reduce of a gradient's (or a bucket's) pending sum on ``GRAD_ROLE``."""
-    rt, dc = _MODS.get("rt"), _MODS.get("dc")
-    if dc is None:                       # imported once (this runs once per bucket, in the backward)
-        from .. import runtime as rt
-        from ..dist import dtensor_collectives as dc
-        _MODS["rt"], _MODS["dc"] = rt, dc
-    if GRAD_ROLE not in rt.stream_map():
-        rt.set_stream_map({GRAD_ROLE: rt.stream_map()["tp_collective"]})
-    return dc.all_reduce(local, axis=axis, mesh=mesh, out=out, async_op=True, role=GRAD_ROLE)
-
-
-class _Finisher:
-    """Brings each DTensor leaf's gradient into the leaf's layout and dtype; pending sums
-    over mesh axes go into a gradient bucket the moment the gradient is complete, and a full
-    bucket becomes one async all-reduce (``buckets``; cap 0: one all-reduce per gradient)."""
-
-    def __init__(self, bucket_mb: float | None = None):
-        self.pending: list = []
-        self.bucket_mb = bucket_mb
-        self.buckets = None
-
-    def plan(self, params) -> None:
-        """Size the buckets for ``params`` (the differentiated values): the default cap
-        depends on their DTensors' global bytes, the same number on every rank."""
-        DT = _dtensor_type()
-        total = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in params if type(p) is DT)
-        cap = grad_bucket_bytes(self.bucket_mb, total)
-        self.buckets = GradBuckets(cap, _issue_reduce) if cap > 0 else None
-
-    def __call__(self, leaf: Var) -> None:
-        g, p = leaf.grad, leaf.value
-        if g is None:
-            return
-        DT = _dtensor_type()
-        if type(p) is not DT:
-            if type(g) is DT:
-                g = g.full_tensor()
-            if getattr(g, "dtype", None) != p.dtype or getattr(g, "shape", None) != p.shape:
-                from ..backend import get_backend
-                g = get_backend().xp.asarray(g, dtype=p.dtype).reshape(p.shape)
-            if not getattr(g.flags, "writeable", True):   # CuPy flags have no writeable
-                g = g.copy()                     # a broadcast view (the gradient of a sum)
-            leaf.grad = g
-            return
-        if type(g) is not DT:
-            raise TypeError(f"ts.grad: the gradient of DTensor argument {leaf.name} came back as a "
-                            f"{type(g).__name__}; a VJP rule lost the layout")
-        if g.dtype != p.dtype:
-            g = g.astype(p.dtype)
-        want = p.layout
-        lay = g.layout
-        if lay == want:
-            leaf.grad = g
-            return
-        sums = [a for a, o in lay.partial if o == "sum"]
-        if lay.dims == want.dims and not want.partial and len(sums) == len(lay.partial) and sums:
-            axis = sums[0] if len(sums) == 1 else tuple(sums)
-            if self.buckets is not None:
-                self.buckets.add(leaf, g.to_local(), g.mesh, axis, largest_shard(g.shape, lay, g.mesh))
-            else:
-                self.pending.append((leaf, _issue_reduce(g.to_local(), g.mesh, axis)))
-            leaf.grad = None
-            return
-        leaf.grad = g.redistribute(want)
-
-    def flush(self) -> None:
-        """Issue the buckets still open (their gradients are all in)."""
-        if self.buckets is not None:
-            self.buckets.flush()
-
-    def wait(self) -> None:
-        from ..dist.dtensor import DTensor, meta_of
-        done = [(leaf, work.wait()) for leaf, work in self.pending]
-        if self.buckets is not None:
-            done += self.buckets.results()
-        for leaf, local in done:
-            p = leaf.value
-            leaf.grad = DTensor._wrap(local, meta_of(p.layout, p.shape, local.dtype, p.mesh))
-        self.pending.clear()
-
-
 def _seed(value, what: str):
-    DT = _dtensor_type()
-    if type(value) is DT:
+    if type(value) is DTensor:
         if value.shape != ():
             raise ValueError(f"{what}: the function returned a DTensor of shape {list(value.shape)} "
                              f"({value.layout!r}); ts.grad needs a scalar loss: reduce it (op.sum / op.mean), "
                              "or use ts.vjp(fn, *args) and pass a cotangent of that shape")
-        from ..dist.dtensor import full
         return full((), 1.0, mesh=value.mesh, dtype=value.dtype)
     shape = tuple(getattr(value, "shape", ()))
     if shape != () or not _is_float_value(value):
         raise ValueError(f"{what}: the function returned {_describe(value)}; ts.grad needs a scalar float "
                          "loss: reduce it (op.sum / op.mean), or use ts.vjp(fn, *args) and pass a cotangent")
-    from ..backend import get_backend
     xp = get_backend().xp
     return xp.ones((), dtype=getattr(value, "dtype", np.float32))
 
@@ -291,7 +160,6 @@ def _describe(v) -> str:
 
 def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True, bucket_mb: float | None = None):
     """Run ``fn`` with the leaves of ``args[argnums]`` traced; returns the pieces of a pullback."""
-    _load_rules()
     if STATE.tape is not None:
         raise NotImplementedError(f"ts.grad({fn_name}) inside another ts.grad: higher-order gradients are "
                                   "not supported; compute the inner gradient outside, or use ts.checkpoint")
@@ -300,7 +168,7 @@ def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True
         if not -len(args) <= n < len(args):
             raise ValueError(f"ts.grad({fn_name}): argnums={argnums} but the function got {len(args)} arguments")
     tape = Tape()
-    finisher = _Finisher(bucket_mb)
+    finisher = Finisher(bucket_mb)
     args = list(args)
     leaf_groups = []
     for n in nums:
@@ -349,13 +217,33 @@ def _collect(tape, finisher, leaf_groups, single, allow_unused: bool, fn_name: s
     return results[0] if single else tuple(results)
 
 
-def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False,
-                   bucket_mb: float | None = None):
+def value_and_grad(fn: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+                   allow_unused: bool = False, bucket_mb: float | None = None) -> Callable:
     """``(loss, grads)`` of a function returning a scalar loss (or ``(loss, aux)`` with
-    ``has_aux``).  ``grads`` mirrors ``args[argnums]`` (pytrees of arrays / DTensors); a
-    DTensor's gradient has the DTensor's layout.  ``bucket_mb``: the gradient bucket cap for
-    the pending sums' all-reduces (``autodiff.buckets``; None: ``$TESSERA_GRAD_BUCKET_MB`` or
-    the default, 0: one all-reduce per parameter)."""
+    ``has_aux``).
+
+    Parameters
+    ----------
+    fn : callable
+        Returns a scalar float loss (an array or a DTensor of shape ``()``).
+    argnums : int or tuple of int
+        Which arguments to differentiate; each may be a pytree of arrays / DTensors.
+    has_aux : bool
+        ``fn`` returns ``(loss, aux)``; ``aux`` comes back detached beside the loss.
+    allow_unused : bool
+        A parameter that does not reach the loss gets zeros (else an error names it).
+    bucket_mb : float or None
+        The gradient bucket cap for the pending sums' all-reduces, in MiB (``autodiff.buckets``;
+        None: ``set_grad_bucket_mb``'s, ``$TESSERA_GRAD_BUCKET_MB`` or the default; 0: one
+        all-reduce per parameter).
+
+    Returns
+    -------
+    callable
+        Takes ``fn``'s arguments and returns ``(loss, grads)`` (``((loss, aux), grads)`` with
+        ``has_aux``); ``grads`` mirrors ``args[argnums]`` (a tuple of them for a tuple
+        ``argnums``), a DTensor's gradient in the DTensor's layout.
+    """
     name = getattr(fn, "__name__", "fn")
     if bucket_mb is not None:
         grad_bucket_bytes(bucket_mb)             # a bad cap fails here, not in the backward
@@ -369,7 +257,6 @@ def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unus
                 raise ValueError(f"ts.value_and_grad({name}, has_aux=True): the function must return "
                                  f"(loss, aux), got {type(out).__name__}")
             out, aux = out
-            from .tape import detach
             aux = detach(aux)
         if type(out) is not Var:
             what = f"ts.grad({name})"
@@ -384,9 +271,29 @@ def value_and_grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unus
     return wrapped
 
 
-def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool = False,
-         bucket_mb: float | None = None):
-    """The gradient of a scalar-valued ``fn`` with respect to ``args[argnums]``."""
+def grad(fn: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False, allow_unused: bool = False,
+         bucket_mb: float | None = None) -> Callable:
+    """The gradient of a scalar-valued ``fn`` with respect to ``args[argnums]``.
+
+    Parameters
+    ----------
+    fn : callable
+        Returns a scalar float loss (or ``(loss, aux)`` with ``has_aux``).
+    argnums : int or tuple of int
+        Which arguments to differentiate (pytrees of arrays / DTensors).
+    has_aux : bool
+        ``fn`` returns ``(loss, aux)``; the result is then ``(grads, aux)``.
+    allow_unused : bool
+        A parameter that does not reach the loss gets zeros (else an error names it).
+    bucket_mb : float or None
+        The gradient bucket cap in MiB (see ``value_and_grad``).
+
+    Returns
+    -------
+    callable
+        Takes ``fn``'s arguments and returns the gradients (``(grads, aux)`` with ``has_aux``),
+        shaped like ``args[argnums]``.
+    """
     vg = value_and_grad(fn, argnums, has_aux=has_aux, allow_unused=allow_unused, bucket_mb=bucket_mb)
     if has_aux:
         @functools.wraps(fn)
@@ -401,14 +308,31 @@ def grad(fn: Callable, argnums=0, *, has_aux: bool = False, allow_unused: bool =
     return wrapped_plain
 
 
-def vjp(fn: Callable, *args, allow_unused: bool = True, reduce: bool = True):
-    """``(out, pullback)``: ``pullback(cotangent)`` gives the gradient of ``<out, cotangent>``
-    with respect to every argument (a tuple, one pytree per argument).  ``fn`` may return a
-    tuple: ``pullback`` then takes a tuple of cotangents, one per output (None: zero), and
-    sweeps once for their sum (a pipeline stage seeds its activation and its own loss term
-    together).  ``reduce=False`` leaves DTensor gradients raw (pending sums over dp/tp not
-    yet all-reduced), for callers that accumulate several pullbacks and reduce once
-    (``reduce_grads``)."""
+def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True) -> tuple[Any, Callable]:
+    """``fn(*args)`` and its pullback: ``pullback(cotangent)`` gives the gradient of
+    ``<out, cotangent>`` with respect to every argument (a tuple, one pytree per argument).
+
+    ``fn`` may return a tuple: ``pullback`` then takes a tuple of cotangents, one per output
+    (None: zero), and sweeps once for their sum (a pipeline stage seeds its activation and its
+    own loss term together).  The pullback runs once.
+
+    Parameters
+    ----------
+    fn : callable
+        The function; its output may be any shape.
+    *args
+        Its arguments (pytrees of arrays / DTensors), all differentiated.
+    allow_unused : bool
+        An argument that does not reach the output gets zeros (else an error names it).
+    reduce : bool
+        False leaves DTensor gradients raw (pending sums over dp/tp not yet all-reduced), for
+        callers that accumulate several pullbacks and reduce once (``reduce_grads``).
+
+    Returns
+    -------
+    tuple of (Any, callable)
+        ``fn``'s output (plain values) and the pullback.
+    """
     name = getattr(fn, "__name__", "fn")
     tape, finisher, out, groups, _ = _trace(fn, args, tuple(range(len(args))), name, reduce)
     used = [False]
@@ -438,49 +362,23 @@ def vjp(fn: Callable, *args, allow_unused: bool = True, reduce: bool = True):
     return (values if many else values[0]), pullback
 
 
-class _Leaf:
-    __slots__ = ("value", "grad", "name")
-
-    def __init__(self, value, grad, name):
-        self.value, self.grad, self.name = value, grad, name
-
-
-class _Reduction:
-    """Handle of ``reduce_grads``: ``wait()`` returns the gradients in their parameters' layouts."""
-
-    def __init__(self, leaves, finisher, struct):
-        self._leaves, self._finisher, self._struct = leaves, finisher, struct
-
-    def wait(self):
-        self._finisher.wait()
-        return tree_unflatten(self._struct, [leaf.grad for leaf in self._leaves])
-
-
-def reduce_grads(params, grads) -> _Reduction:
-    """Start bringing raw gradients (from ``vjp(..., reduce=False)``, possibly summed over
-    micro-batches) into their parameters' layouts: the pending sums go out in gradient
-    buckets (async all-reduces on the ``grad_reduce`` role), issued now; ``wait()`` on the
-    handle returns the finished pytree (the same mechanism ``ts.grad`` uses)."""
-    ps, paths, struct = tree_flatten(params)
-    gs = tree_flatten(grads)[0]
-    if len(gs) != len(ps):
-        raise ValueError(f"reduce_grads: {len(gs)} gradients for {len(ps)} parameters")
-    finisher = _Finisher()
-    finisher.plan(ps)
-    leaves = [_Leaf(p, g, path) for p, g, path in zip(ps, gs, paths)]
-    for leaf in leaves:
-        finisher(leaf)
-    finisher.flush()
-    return _Reduction(leaves, finisher, struct)
-
-
 # --------------------------------------------------------------------------- checkpoint
 
-def checkpoint(fn: Callable):
+def checkpoint(fn: Callable) -> Callable:
     """Activation rematerialization (seed 000 §3.5): the forward keeps only ``fn``'s inputs;
     the backward runs ``fn`` again to rebuild its activations and sweeps them at once.
-    Traced values must come in as arguments (pytrees are fine), not from closures; ``fn``
-    returns one array or DTensor."""
+
+    Parameters
+    ----------
+    fn : callable
+        The block; traced values must come in as arguments (pytrees are fine), not from
+        closures, and it returns one array or DTensor.
+
+    Returns
+    -------
+    callable
+        ``fn`` with rematerialized activations (outside ``ts.grad`` it is ``fn``).
+    """
     name = getattr(fn, "__name__", "fn")
 
     @functools.wraps(fn)

@@ -14,6 +14,10 @@ dispatcher picks the gradient's layouts and collectives).
 The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
 autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
 distributed core records on the tape without importing autodiff.
+
+The op layer sits above: a traced value's operators (``x + y``, ``x @ w``, ``x.sum()``) call
+the namespace ``tessera_rt.op`` registers here on import (``register_ops``), and its VJP rules
+register into the same table; this module never imports op.
 """
 from __future__ import annotations
 
@@ -23,35 +27,53 @@ from typing import Any, Callable
 import numpy as np
 
 from ..dist import dtensor_collectives as _dtc_routes
+from ..dist.collectives import Work
 from ..dist.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
 from ..dist.hooks import TRACE as STATE
 
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
-    "EFFECT_OPS", "SOURCE_OPS",
+    "EFFECT_OPS", "SOURCE_OPS", "register_ops", "ops",
 ]
 
 
 class Tape:
-    """The ops recorded by one ``ts.grad`` call, in program order (a topological order)."""
+    """The ops recorded by one ``ts.grad`` call, in program order (a topological order):
+    ``nodes`` (the Vars), ``recording`` (False inside ``no_grad``).  Takes no parameters."""
 
     __slots__ = ("nodes", "recording", "parent")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.nodes: list[Var] = []
         self.recording = True
         self.parent: Tape | None = None
 
 
 class Var:
-    """A traced value: ``value`` plus how it was made (``op``, plain ``args``/``kw``, parents)."""
+    """A traced value: ``value`` plus how it was made (``op``, plain ``args``/``kw``, parents).
+
+    Parameters
+    ----------
+    value : Any
+        The plain value (an array, a DTensor, a scalar).
+    tape : Tape
+        The trace it belongs to.
+    op : str or None
+        The op that made it (None: a leaf, one of the differentiated arguments).
+    args : tuple
+        The op's plain positional arguments (its VJP rule's residuals).
+    kw : dict or None
+        The op's keyword arguments.
+    parents : tuple
+        ``(argument position, Var)`` of each traced argument.
+    """
 
     __slots__ = ("value", "tape", "op", "args", "kw", "parents", "grad", "uses", "leaf", "name", "finish")
     __array_ufunc__ = None               # ndarray (op) Var -> Var's reflected operator
     __array_priority__ = 1000
     __hash__ = object.__hash__
 
-    def __init__(self, value, tape: Tape, op: str | None = None, args: tuple = (), kw: dict | None = None,
+    def __init__(self, value: Any, tape: Tape, op: str | None = None, args: tuple = (), kw: dict | None = None,
                  parents: tuple = ()):
         self.value = value
         self.tape = tape
@@ -88,74 +110,133 @@ class Var:
                         "branch on ts.detach(x) instead")
 
     # operators: all go through op.* (whose hooks record) -------------------------
-    def __add__(self, o): return _op().add(self, o)
-    def __radd__(self, o): return _op().add(o, self)
-    def __sub__(self, o): return _op().sub(self, o)
-    def __rsub__(self, o): return _op().sub(o, self)
-    def __mul__(self, o): return _op().mul(self, o)
-    def __rmul__(self, o): return _op().mul(o, self)
-    def __truediv__(self, o): return _op().div(self, o)
-    def __rtruediv__(self, o): return _op().div(o, self)
-    def __pow__(self, o): return _op().pow(self, o)
-    def __rpow__(self, o): return _op().pow(o, self)
-    def __matmul__(self, o): return _op().matmul(self, o)
-    def __rmatmul__(self, o): return _op().matmul(o, self)
-    def __neg__(self): return _op().neg(self)
+    def __add__(self, o): return _ops.add(self, o)
+    def __radd__(self, o): return _ops.add(o, self)
+    def __sub__(self, o): return _ops.sub(self, o)
+    def __rsub__(self, o): return _ops.sub(o, self)
+    def __mul__(self, o): return _ops.mul(self, o)
+    def __rmul__(self, o): return _ops.mul(o, self)
+    def __truediv__(self, o): return _ops.div(self, o)
+    def __rtruediv__(self, o): return _ops.div(o, self)
+    def __pow__(self, o): return _ops.pow(self, o)
+    def __rpow__(self, o): return _ops.pow(o, self)
+    def __matmul__(self, o): return _ops.matmul(self, o)
+    def __rmatmul__(self, o): return _ops.matmul(o, self)
+    def __neg__(self): return _ops.neg(self)
     def __pos__(self): return self
-    def __abs__(self): return _op().abs(self)
-    def __lt__(self, o): return _op().less(self, o)
-    def __le__(self, o): return _op().less_equal(self, o)
-    def __gt__(self, o): return _op().greater(self, o)
-    def __ge__(self, o): return _op().greater_equal(self, o)
-    def __eq__(self, o): return _op().equal(self, o)           # type: ignore[override]
-    def __ne__(self, o): return _op().not_equal(self, o)       # type: ignore[override]
-    def __getitem__(self, index): return _op().getitem(self, index)
+    def __abs__(self): return _ops.abs(self)
+    def __lt__(self, o): return _ops.less(self, o)
+    def __le__(self, o): return _ops.less_equal(self, o)
+    def __gt__(self, o): return _ops.greater(self, o)
+    def __ge__(self, o): return _ops.greater_equal(self, o)
+    def __eq__(self, o): return _ops.equal(self, o)           # type: ignore[override]
+    def __ne__(self, o): return _ops.not_equal(self, o)       # type: ignore[override]
+    def __getitem__(self, index): return _ops.getitem(self, index)
 
-    def sum(self, axis=None, keepdims: bool = False): return _op().sum(self, axis, keepdims)
-    def mean(self, axis=None, keepdims: bool = False): return _op().mean(self, axis, keepdims)
-    def max(self, axis=None, keepdims: bool = False): return _op().max(self, axis, keepdims)
-    def min(self, axis=None, keepdims: bool = False): return _op().min(self, axis, keepdims)
-    def astype(self, dtype): return _op().astype(self, dtype)
+    def sum(self, axis=None, keepdims: bool = False): return _ops.sum(self, axis, keepdims)
+    def mean(self, axis=None, keepdims: bool = False): return _ops.mean(self, axis, keepdims)
+    def max(self, axis=None, keepdims: bool = False): return _ops.max(self, axis, keepdims)
+    def min(self, axis=None, keepdims: bool = False): return _ops.min(self, axis, keepdims)
+    def astype(self, dtype): return _ops.astype(self, dtype)
 
     def transpose(self, *axes):
-        return _op().transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int)
+        return _ops.transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int)
                                else (axes or None))
 
     @property
-    def T(self): return _op().transpose(self, None)              # noqa: N802
+    def T(self): return _ops.transpose(self, None)              # noqa: N802
 
     def reshape(self, *shape):
-        return _op().reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        return _ops.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
-    def redistribute(self, layout): return _dtc().redistribute(self, layout)
-    def full_tensor(self): return _dtc().full_tensor(self)
-    def to_local(self): return _dtc().to_local(self)
-
-
-_MODS: dict[str, Any] = {}
+    def redistribute(self, layout): return _redistribute(self, layout)
+    def full_tensor(self): return _full_tensor(self)
+    def to_local(self): return _to_local(self)
 
 
-def _op():
-    m = _MODS.get("op")
-    if m is None:
-        from .. import op as m
-        _MODS["op"] = m
-    return m
+# --------------------------------------------------------------------------- Var's operators
+
+class _NoOps:
+    """What Var's operators call until the op layer registers itself."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"a traced value's operator (op.{name}) is tessera_rt.op's, which is not imported: "
+                           "import tessera_rt (or tessera_rt.op) before differentiating")
 
 
-def _dtc():
-    m = _MODS.get("dtc")
-    if m is None:
-        from . import dist_vjps as m
-        _MODS["dtc"] = m
-    return m
+_ops: Any = _NoOps()        # the op layer's namespace (op.add, op.sum, ...), set by register_ops
+
+
+def register_ops(namespace: Any) -> None:
+    """Give traced values their operators: ``x + y``, ``x @ w``, ``x.sum()``, ... call
+    ``namespace.add``, ``namespace.matmul``, ``namespace.sum``, ... (``tessera_rt.op`` registers
+    its ops module when it is imported; autodiff sits below op and does not import it).
+
+    Parameters
+    ----------
+    namespace : module or object
+        Has the op entry points by name (``add``, ``sub``, ``mul``, ``div``, ``pow``, ``matmul``,
+        ``neg``, ``abs``, the comparisons, ``getitem``, the reductions, ``astype``,
+        ``transpose``, ``reshape``), each wrapped with ``differentiable``.
+    """
+    global _ops
+    _ops = namespace
+
+
+def ops() -> Any:
+    """The namespace traced values' operators call (see ``register_ops``).
+
+    Returns
+    -------
+    module or object
+        ``tessera_rt.op``'s ops once op is imported; before that, an object whose every
+        attribute raises a RuntimeError saying what to import.
+    """
+    return _ops
+
+
+# DTensor access as traced ops (Var.redistribute / full_tensor / to_local); their VJP rules
+# are in dist_vjps, which autodiff's __init__ imports
+
+@differentiable("redistribute")
+def _redistribute(x, layout):
+    return x.redistribute(layout)
+
+
+@differentiable("full_tensor")
+def _full_tensor(x):
+    return x.full_tensor()
+
+
+@differentiable("to_local")
+def _to_local(x):
+    return x.to_local()
 
 
 def current_tape() -> Tape | None:
+    """The tape ``ts.grad`` records on now.
+
+    Returns
+    -------
+    Tape or None
+        None outside ``ts.grad`` / ``ts.vjp``.
+    """
     return STATE.tape
 
 
-def is_traced(x) -> bool:
+def is_traced(x: Any) -> bool:
+    """Whether ``x`` is a traced value (inside ``ts.grad``, one that depends on the arguments).
+
+    Parameters
+    ----------
+    x : Any
+        Any value.
+
+    Returns
+    -------
+    bool
+        True for a ``Var``.
+    """
     return type(x) is Var
 
 
@@ -250,7 +331,6 @@ def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: 
 
 def _completed(result):
     """The handle a traced ``async_op=True`` collective returns (it ran at once)."""
-    from ..dist.collectives import Work    # lazy: dist imports this module
     return Work.completed(result)
 
 
@@ -288,21 +368,22 @@ def _foreign(name: str, a: Var, tape: Tape) -> None:
 
 class no_grad:
     """Inside the block ops on traced values run on their plain values and record nothing
-    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator."""
+    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator:
+    ``@no_grad()``.  Takes no parameters."""
 
-    def __enter__(self):
+    def __enter__(self) -> "no_grad":
         self._tape = STATE.tape
         self._rec = self._tape.recording if self._tape is not None else None
         if self._tape is not None:
             self._tape.recording = False
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         if self._tape is not None:
             self._tape.recording = self._rec
         return None
 
-    def __call__(self, fn):
+    def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapped(*a, **k):
             with no_grad():
@@ -310,8 +391,19 @@ class no_grad:
         return wrapped
 
 
-def detach(x):
-    """The plain value of ``x`` (no gradient flows through it); works on pytrees."""
+def detach(x: Any) -> Any:
+    """The plain value of ``x``: no gradient flows through it.
+
+    Parameters
+    ----------
+    x : Any
+        A traced value, a plain one, or a pytree (lists, tuples, dicts) of them.
+
+    Returns
+    -------
+    Any
+        ``x`` with every traced value replaced by its plain value.
+    """
     if type(x) is Var:
         return x.value
     if isinstance(x, (list, tuple)):

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import kernels as _kernels
-from .autodiff.tape import differentiable
-from .backend import get_backend
-from .dist import dispatch as _d
-from .dist.dtensor import DTensor
-from .dist.rules import _unary_table
-from .kernels.numerics import NumericPolicy, numeric
+from .. import kernels as _kernels
+from ..autodiff.tape import differentiable
+from ..backend import get_backend
+from ..dist import dispatch as _d
+from ..dist.dtensor import DTensor
+from ..dist.rules import _unary_table
+from ..kernels.numerics import NumericPolicy, numeric
 
 __all__ = [
     "numeric", "NumericPolicy", "matmul", "softmax", "layernorm", "rmsnorm",
@@ -242,7 +242,7 @@ def astype(x: Any, dtype: Any) -> Any:
     array or DTensor
         A converted copy with the same layout.
     """
-    from .dtypes import resolve_dtype
+    from ..dtypes import resolve_dtype
     if _is_dt(x):
         return x.astype(dtype)
     return x.astype(resolve_dtype(dtype))

@@ -10,16 +10,17 @@ of low-precision values are recomputed in f32, as the forward kernels do.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from .. import op
+from . import ops as op
 from ..backend import get_backend
 from ..dist.dtensor import DTensor
 from ..kernels import cpu_fused
 from ..kernels.mlp import _check_pair as check_pair
 from ..kernels.numerics import result_dtype
-from .tape import _kind, vjp_rule
+from ..autodiff.tape import _kind, vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
 
@@ -45,8 +46,8 @@ def _as(x, like):
     return op.astype(x, dt)
 
 
-def sum_to(g, shape: tuple):
-    """Undo NumPy broadcasting: sum ``g`` down to ``shape``."""
+def sum_to(g: Any, shape: tuple) -> Any:
+    """Undo NumPy broadcasting: sum the cotangent ``g`` down to its operand's ``shape``."""
     gs = _shape(g)
     shape = tuple(shape)
     if gs == shape:
@@ -60,9 +61,9 @@ def sum_to(g, shape: tuple):
     return g
 
 
-def broadcast_like(g, x):
-    """``g`` broadcast to ``x``'s shape (a DTensor takes ``x``'s sharding, without its
-    pending reductions)."""
+def broadcast_like(g: Any, x: Any) -> Any:
+    """The cotangent ``g`` of a reduction broadcast to its operand ``x``'s shape (a DTensor takes
+    ``x``'s sharding, without its pending reductions)."""
     if _shape(g) == _shape(x):
         return g
     if type(x) is DTensor:

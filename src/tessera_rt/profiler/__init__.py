@@ -43,17 +43,26 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import defaultdict
+from typing import Any, Callable
 
-from ._format import human_bytes
-from .dist.dispatch import compute_region
-from .dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from ..dist.dispatch import compute_region
+from ..dist.dtensor import DTensor
+from ..dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from ..dist.process_group import world
+from ..dist.shard import local_shape
+from .report import ProfileReport, overlap_ratio
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
            "count_copy", "bytes_copied"]
 
 def active_profiles() -> list:
-    """The profiles recording now (innermost last)."""
+    """The profiles recording now.
+
+    Returns
+    -------
+    list of Profile
+        Innermost last.
+    """
     return [p for p in SEAM.op_watchers if isinstance(p, Profile)]
 
 
@@ -157,7 +166,13 @@ _NVTX_HOOK = _NvtxOnly()
 
 
 def enable_nvtx(on: bool = True) -> None:
-    """Emit an NVTX range for every op and collective (no table, no trace)."""
+    """Emit an NVTX range for every op and collective, without profiling (no table, no trace).
+
+    Parameters
+    ----------
+    on : bool
+        True starts the ranges, False stops them.
+    """
     for lst in (SEAM.watchers, SEAM.op_watchers):
         if on and _NVTX_HOOK not in lst:
             lst.append(_NVTX_HOOK)
@@ -189,39 +204,7 @@ class _Region:
                             "async": False})
 
 
-# --------------------------------------------------------------------------- intervals
-
-def _union(iv: list) -> list:
-    out: list = []
-    for a, b in sorted(iv):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def overlap_ratio(collective: list, compute: list) -> float | None:
-    """|union(collective) ∩ union(compute)| / |union(collective)| (None with no collectives)."""
-    cu, pu = _union(collective), _union(compute)
-    total = sum(b - a for a, b in cu)
-    if total <= 0:
-        return None
-    hidden, j = 0.0, 0
-    for a, b in cu:
-        while j < len(pu) and pu[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(pu) and pu[k][0] < b:
-            hidden += max(0.0, min(b, pu[k][1]) - max(a, pu[k][0]))
-            k += 1
-    return hidden / total
-
-
 _clock = time.perf_counter
-_DT: list = []                  # [DTensor], imported on the first profile (dist imports this module's users)
 
 
 def _op_info(dec, args, out) -> tuple:
@@ -230,19 +213,33 @@ def _op_info(dec, args, out) -> tuple:
     pieces' sizes.  Bytes: the output's and every DTensor argument's local piece."""
     k = 0
     if dec.op == "matmul":
-        from .dist.shard import local_shape
         a = args[0]
         tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
         k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
-    nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is _DT[0])
+    nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is DTensor)
     return (_op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"),
             k * out._local.size, nbytes)
 
 
 # --------------------------------------------------------------------------- the profile
 
-class Profile:
-    """Records ops and collectives while active; see the module doc."""
+class Profile(ProfileReport):
+    """Records ops and collectives while active (``with Profile(): ...``); see the module doc.
+
+    Parameters
+    ----------
+    trace : str or None
+        Write the Chrome/Perfetto trace of every rank here (rank 0, at exit).
+    nvtx : bool
+        Emit NVTX ranges too, when a tool collects them.
+    print_table : bool
+        Print the table at exit (rank 0); False is ``table=None``.
+    name : str
+        Shown in the table's title.
+    table : str or None
+        "short" (the top ops, a line per mesh axis), "full" (a row per op, layout and shape)
+        or None (print nothing).
+    """
 
     def __init__(self, *, trace: str | None = None, nvtx: bool = True, print_table: bool = True, name: str = "",
                  table: str | None = "short"):
@@ -285,10 +282,6 @@ class Profile:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        from .dist.process_group import world
-        if not _DT:
-            from .dist.dtensor import DTensor
-            _DT.append(DTensor)
         w = world()
         if w.size > 1:
             w.mpi.Barrier()
@@ -299,7 +292,6 @@ class Profile:
         return self
 
     def __exit__(self, *exc) -> None:
-        from .dist.process_group import world
         if self in SEAM.watchers:
             SEAM.watchers.remove(self)
         if self in SEAM.op_watchers:
@@ -380,12 +372,33 @@ class Profile:
         self._events.append((info, start, t))
 
     def region(self, name: str) -> "_Region":
-        """Mark plain-array work as compute: ``with prof.region("mlp"): ...``."""
+        """Mark plain-array work as compute: ``with prof.region("mlp"): ...``.
+
+        Parameters
+        ----------
+        name : str
+            The region's row in the table and the trace.
+
+        Returns
+        -------
+        context manager
+            Times its block as compute.
+        """
         return _Region(self, name)
 
     def span(self, name: str, role: str, t0: float, t1: float) -> None:
-        """Add a finished span (``time.perf_counter()`` times) on its own trace row ``role``
-        (the pipeline's per-micro-batch stage timeline); in the trace only, not in the tables."""
+        """Add a finished span on a trace row of its own (the pipeline's per-micro-batch stage
+        timeline); in the trace only, not in the tables.
+
+        Parameters
+        ----------
+        name : str
+            The span's name.
+        role : str
+            Its trace row.
+        t0, t1 : float
+            Its start and end, ``time.perf_counter()`` times.
+        """
         self._events.append({"name": name, "cat": "pipeline", "role": role, "t0": t0 - self._epoch,
                             "t1": t1 - self._epoch, "bytes": 0, "busbytes": 0, "flops": 0,
                             "key": ("pipeline", name, role, ""), "async": False})
@@ -396,136 +409,47 @@ class Profile:
         """This rank's collective time hidden under compute, over all its collective time."""
         return overlap_ratio(self.collective, self.compute)
 
-    def rows(self, events: list | None = None) -> list[dict]:
-        """One row per (kind, op, layout/axis, shape): calls, total/mean seconds, bytes, rates."""
-        events = self.events if events is None else events
-        agg: dict = defaultdict(lambda: {"calls": 0, "time": 0.0, "bytes": 0, "busbytes": 0, "flops": 0})
-        for e in events:
-            if e["cat"] == "pipeline":     # stage timeline spans enclose the ops: trace rows only
-                continue
-            dur = e["t1"] - e["t0"]
-            if e["cat"] == "op":           # own time: minus the blocking collectives it issued
-                dur -= sum(c["t1"] - c["t0"] for c in events if c["cat"] == "collective" and not c["async"]
-                           and e["t0"] <= c["t0"] and c["t1"] <= e["t1"])
-            r = agg[e["key"]]
-            r["calls"] += 1
-            r["time"] += max(dur, 0.0)
-            r["bytes"] += e["bytes"]
-            r["busbytes"] += e["busbytes"]
-            r["flops"] += e["flops"]
-        out = []
-        for key, r in agg.items():
-            kind, op, where, shape = key
-            t = r["time"]
-            rate = (f"{r['flops'] / t / 1e12:.3f} TFLOP/s" if r["flops"] and t > 0 else
-                    f"{r['busbytes'] / t / 1e9:.2f} GB/s" if r["busbytes"] and t > 0 else "-")
-            out.append({"kind": kind, "op": op, "layout": where, "shape": shape, "calls": r["calls"],
-                        "total_s": t, "mean_s": t / r["calls"], "bytes": r["bytes"], "achieved": rate})
-        out.sort(key=lambda r: -r["total_s"])
-        return out
-
-    def table(self, full: bool = False, top: int = 8) -> str:
-        """The summary (``full=False``: the ``top`` ops, a line per mesh axis, the spread over
-        ranks) or the full per-(op, layout, shape) table; rank 0 sees every rank after exit."""
-        if not full:
-            return self._short_table(top)
-        head = f"{'op':<16} {'layout/axis':<24} {'shape':<16} {'calls':>6} {'total ms':>10} {'mean us':>10} " \
-               f"{'bytes':>12} {'achieved':>16}"
-        lines = [f"tessera profile{' ' + self.name if self.name else ''} -- rank 0", head, "-" * len(head)]
-        for r in self.rows(self.all_events[0] if self.all_events else None):
-            lines.append(f"{r['op']:<16} {r['layout'][:24]:<24} {r['shape'][:16]:<16} {r['calls']:>6} "
-                         f"{r['total_s'] * 1e3:>10.3f} {r['mean_s'] * 1e6:>10.1f} {r['bytes']:>12} {r['achieved']:>16}")
-        if self.all_events and len(self.all_events) > 1:
-            per = [{(r["kind"], r["op"], r["layout"], r["shape"]): r for r in self.rows(ev)} for ev in self.all_events]
-            keys = list(dict.fromkeys(k for p in per for k in p))
-            lines += ["", f"across {len(per)} ranks (total ms: min / mean / max; calls on the busiest rank)",
-                      f"{'op':<16} {'layout/axis':<24} {'shape':<16} {'calls':>6} {'min':>9} {'mean':>9} {'max':>9}"]
-            for k in keys:
-                ts = [p[k]["total_s"] * 1e3 if k in p else 0.0 for p in per]
-                calls = max(p[k]["calls"] if k in p else 0 for p in per)
-                lines.append(f"{k[1]:<16} {k[2][:24]:<24} {k[3][:16]:<16} {calls:>6} {min(ts):>9.3f} "
-                             f"{sum(ts) / len(ts):>9.3f} {max(ts):>9.3f}")
-        lines += self._overlap_lines("\n")
-        return "\n".join(lines)
-
-    def _short_table(self, top: int) -> str:
-        rows = self.rows(self.all_events[0] if self.all_events else None)
-        ops: dict = defaultdict(lambda: [0, 0.0])                            # op -> calls, seconds
-        axes: dict = defaultdict(lambda: [0, 0.0, 0, defaultdict(int)])     # axis -> calls, s, bytes, {op: calls}
-        for r in rows:
-            if r["kind"] == "collective":
-                a = axes[r["layout"]]
-                a[0] += r["calls"]
-                a[1] += r["total_s"]
-                a[2] += r["bytes"]
-                a[3][r["op"]] += r["calls"]
-            else:
-                o = ops[r["op"]]
-                o[0] += r["calls"]
-                o[1] += r["total_s"]
-        total = sum(o[1] for o in ops.values()) + sum(a[1] for a in axes.values())
-        name = f" {self.name}" if self.name else ""
-        lines = [f"tessera profile{name} -- rank 0: {total * 1e3:.1f} ms in {len(ops)} ops and "
-                 f"{sum(a[0] for a in axes.values())} collectives (full table: profile(..., table='full') "
-                 "or TESSERA_PROFILE_TABLE=full)"]
-        ranked = sorted(ops.items(), key=lambda kv: -kv[1][1])
-        if ranked:
-            lines.append(f"  {'top ops':<22} {'calls':>6} {'total ms':>10} {'share':>6}")
-            for op, (calls, t) in ranked[:top]:
-                lines.append(f"  {op[:22]:<22} {calls:>6} {t * 1e3:>10.3f} {t / total if total else 0:>6.0%}")
-            if len(ranked) > top:
-                rest = sum(v[1] for _, v in ranked[top:])
-                lines.append(f"  {f'({len(ranked) - top} more ops)':<22} {'':>6} {rest * 1e3:>10.3f} "
-                             f"{rest / total if total else 0:>6.0%}")
-        for axis, (calls, t, nbytes, kinds) in sorted(axes.items(), key=lambda kv: -kv[1][1]):
-            what = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-            lines.append(f"  axis {axis:<17} {calls:>6} {t * 1e3:>10.3f} {t / total if total else 0:>6.0%}  "
-                         f"{human_bytes(nbytes)}: {what}")
-        if self.all_events and len(self.all_events) > 1:
-            per = [sum(r["total_s"] for r in self.rows(ev)) * 1e3 for ev in self.all_events]
-            lines.append(f"  measured time over {len(per)} ranks: min {min(per):.1f} / mean "
-                         f"{sum(per) / len(per):.1f} / max {max(per):.1f} ms")
-        if self.bytes_copied:
-            lines.append(f"  layout copies for kernels (rank 0): {human_bytes(self.bytes_copied)}")
-        lines += self._overlap_lines("  ")
-        return "\n".join(lines)
-
-    def _overlap_lines(self, prefix: str) -> list[str]:
-        ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]
-        if not ov:
-            return []
-        return [f"{prefix}overlap ratio (collective time hidden under compute): min {min(ov):.2f}, "
-                f"mean {sum(ov) / len(ov):.2f} over {len(ov)} rank(s) (goal >= 0.6)"]
-
-    def chrome_trace(self) -> dict:
-        """The Chrome/Perfetto trace of every rank (rank 0, after exit) or of this rank."""
-        per_rank = self.all_events if self.all_events is not None else [self.events]
-        roles = ["compute", "tp_collective", "a2a", "io"]
-        ev = []
-        for rank, events in enumerate(per_rank):
-            ev.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-            used = list(dict.fromkeys(roles + [e["role"] for e in events]))
-            for tid, role in enumerate(used):
-                ev.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": role}})
-            for e in events:
-                ev.append({"ph": "X", "name": e["name"], "cat": e["cat"], "pid": rank, "tid": used.index(e["role"]),
-                           "ts": e["t0"] * 1e6, "dur": max(0.0, (e["t1"] - e["t0"]) * 1e6),
-                           "args": {"bytes": e["bytes"], "flops": e["flops"], "async": e["async"]}})
-        return {"traceEvents": ev, "displayTimeUnit": "ms",
-                "otherData": {"producer": "tessera_rt.profiler", "overlap_ratio": self.rank_overlaps}}
-
     def write_chrome_trace(self, path: str) -> None:
+        """Write ``chrome_trace()`` as JSON (atomically: a reader never sees half a file).
+
+        Parameters
+        ----------
+        path : str
+            The file.
+        """
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(self.chrome_trace(), f)
         os.replace(tmp, path)
 
 
-def profile(step_fn=None, *args, trace: str | None = None, nvtx: bool = True, print_table: bool = True,
-            name: str = "", table: str | None = "short", **kwargs):
+def profile(step_fn: Callable | None = None, *args: Any, trace: str | None = None, nvtx: bool = True,
+            print_table: bool = True, name: str = "", table: str | None = "short", **kwargs: Any) -> Profile:
     """``profile(step_fn, *args)`` runs ``step_fn(*args)`` under a :class:`Profile` and returns
     it (``.result`` holds what step_fn returned); ``with profile(): ...`` profiles a block.
-    ``table``: "short" (default), "full" or None (see the module doc)."""
+
+    Parameters
+    ----------
+    step_fn : callable or None
+        What to run (None: return the Profile, for a ``with`` block).
+    *args, **kwargs
+        Its arguments.
+    trace : str or None
+        Write the merged Chrome/Perfetto trace here.
+    nvtx : bool
+        Emit NVTX ranges too, when a tool collects them.
+    print_table : bool
+        Print the table at the end (rank 0).
+    name : str
+        The table's title (default: ``step_fn``'s name).
+    table : str or None
+        "short" (default), "full" or None (see the module doc).
+
+    Returns
+    -------
+    Profile
+        The profile (its tables, trace and ``result``).
+    """
     p = Profile(trace=trace, nvtx=nvtx, print_table=print_table, name=name or getattr(step_fn, "__name__", ""),
                 table=table)
     if step_fn is None:

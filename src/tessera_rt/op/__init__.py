@@ -1,0 +1,20 @@
+"""tessera_rt.op: the public op namespace (seed 000 §4.1).
+
+Every op takes DTensors or plain arrays (see ``tessera_rt.op.ops``).
+
+    from tessera_rt import op
+    Y = op.matmul(X, W, tile_shape=(128, 128, 64))
+    P = op.softmax(S, axis=-1)
+
+The op layer sits above autodiff: ``ops`` holds the entry points (each wrapped with
+``differentiable``, so ``ts.grad`` records it) and ``vjps`` their VJP rules, written with
+``op.*``. Importing this package plugs both into autodiff: the rules into its VJP table, and
+the entry points as the operators of traced values (``x + y`` inside ``ts.grad``).
+"""
+from ..autodiff import register_ops
+from . import ops
+from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
+from .ops import __all__, register_moe  # noqa: F401
+from . import vjps  # noqa: F401  (registers the VJP rules of the ops above)
+
+register_ops(ops)   # traced values' operators (x + y, x.sum(), ...) are these ops
