@@ -310,6 +310,13 @@ class Profile(ProfileReport):
 
     # hooks: collectives ------------------------------------------------------
     def before(self, call) -> None:
+        """Watcher hook: a collective is about to be issued (``hooks.SEAM.watchers``).
+
+        Parameters
+        ----------
+        call : dist's Call record
+            The collective's record (op, role, bytes, group); this hook may set attributes on it.
+        """
         t = time.perf_counter() - self._epoch
         if self._stack and not call.async_op:
             cur = self._stack[-1]
@@ -324,6 +331,13 @@ class Profile(ProfileReport):
                     nv.push(_coll_name(call), call.role)
 
     def after(self, call) -> None:
+        """Watcher hook: the collective of :meth:`before` has been issued (or completed).
+
+        Parameters
+        ----------
+        call : dist's Call record
+            The same record :meth:`before` saw.
+        """
         p = call.prof
         if not isinstance(p, list):
             return
@@ -349,6 +363,15 @@ class Profile(ProfileReport):
 
     # hooks: ops ---------------------------------------------------------------
     def op_begin(self, dec, args) -> None:
+        """Op-watcher hook: a DTensor op's dispatch begins (``hooks.SEAM.op_watchers``).
+
+        Parameters
+        ----------
+        dec : Decision
+            The dispatcher's decision for the op (its name and layouts).
+        args : tuple
+            The op's arguments.
+        """
         t = _clock() - self._epoch
         self._stack.append([t, t])
         if self.nvtx:
@@ -357,6 +380,17 @@ class Profile(ProfileReport):
                 nv.push(_op_name(dec), "compute")
 
     def op_end(self, dec, args, out) -> None:
+        """Op-watcher hook: the op of :meth:`op_begin` has returned.
+
+        Parameters
+        ----------
+        dec : Decision
+            The dispatcher's decision for the op.
+        args : tuple
+            The op's arguments.
+        out : object
+            The op's result.
+        """
         t = _clock() - self._epoch
         cursor, start = self._stack.pop()
         self.compute.append((cursor, t))
