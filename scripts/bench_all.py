@@ -251,22 +251,24 @@ def render_vs_torch(outputs, ctx) -> str:
 
 
 def render_train(outputs, ctx) -> str:
-    """train.py's summary line per command: median step and final loss."""
+    """train.py's summary line per command: median step and final loss, and the whole job's wall
+    time (a checkpoint save happens between steps, outside train.py's step times)."""
     rows = []
-    for cmd, out in zip(ctx.cmds, outputs):
+    for cmd, out, wall in zip(ctx.cmds, outputs, ctx.walls):
         m = re.search(r"final loss (\S+) after \d+ steps; median step ([\d.]+) ms on (\d+) ranks", out)
         if not m:
             raise ValueError(f"no 'final loss ... median step' line in the output of {cmd.shown(False)}")
-        rows.append([cmd.label, m.group(3), m.group(2), m.group(1)])
-    return as_md(["run", "ranks", "median ms/step", "final loss"], rows)
+        rows.append([cmd.label, m.group(3), m.group(2), f"{wall:.1f}", m.group(1)])
+    return as_md(["run", "ranks", "median ms/step", "job s (start-up included)", "final loss"], rows)
 
 
 # ---------------------------------------------------------------- topics
 
-def _train(label, ranks, *mesh, extra=("--no-checkpoint",)):
+def _train(label, ranks, *mesh, steps=40, extra=("--no-checkpoint",)):
     """train.py on a mesh; its run directory (checkpoints) is a temporary one."""
     tail = ["--no-plot", "--run-dir", "{tmp}", *extra]
-    return Cmd("train.py", [*mesh, "--steps", "40", *tail], [*mesh, "--steps", "3", *tail], ranks=ranks, label=label)
+    return Cmd("train.py", [*mesh, "--steps", str(steps), *tail], [*mesh, "--steps", "3", *tail], ranks=ranks,
+               label=label)
 
 
 TOPICS = [
@@ -323,12 +325,13 @@ TOPICS = [
             ["--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "128", "--vocab", "256",
              "--prompt", "8", "--new", "2", "--repeats", "1", "--batches", "1"], ranks=1)]),
     Topic("checkpoints", "Checkpoint saves during training", [
-        _train("dp=2, no checkpoint", 2, "--dp", "2"),
-        _train("dp=2, asynchronous save every 5 steps", 2, "--dp", "2", extra=("--save-every", "5")),
-        _train("dp=2, synchronous save every 5 steps", 2, "--dp", "2", extra=("--save-every", "5", "--sync-save"))],
-        render=render_train,
-        note="train.py dp=2, 40 steps: no checkpoint, an asynchronous save every 5 steps (the default), a "
-             "synchronous one."),
+        _train("dp=2, no checkpoint", 2, "--dp", "2", steps=60),
+        _train("dp=2, asynchronous save every 10 steps", 2, "--dp", "2", steps=60, extra=("--save-every", "10")),
+        _train("dp=2, synchronous save every 10 steps", 2, "--dp", "2", steps=60,
+               extra=("--save-every", "10", "--sync-save"))], render=render_train,
+        note="train.py dp=2, 60 steps: no checkpoint, an asynchronous save every 10 steps (the default) and a "
+             "synchronous one.  A save runs between steps, so the job's wall time shows its cost, the median step "
+             "does not."),
     Topic("planner", "The planner: predictions checked against train.py", [
         Cmd("validate_plan.py", [], ["--steps", "2", "--configs", "dp2"], timeout=900)]),
 ]
@@ -365,7 +368,7 @@ def replace_block(text: str, key: str, title: str, body: str) -> str:
 
 class Ctx:
     def __init__(self, topic: Topic, img_dir: Path):
-        self.topic, self.img_dir, self.json, self.cmds = topic, img_dir, [], []
+        self.topic, self.img_dir, self.json, self.cmds, self.walls = topic, img_dir, [], [], []
 
     def ranks_of(self, i: int) -> int:
         return self.cmds[i].ranks or 1
@@ -404,6 +407,7 @@ def run_topic(topic: Topic, quick: bool, img_dir: Path, env: dict, cache: dict) 
         if key not in cache:                  # bench_dtensor feeds two topics: run it once
             with tempfile.TemporaryDirectory() as tmp:
                 jpath = os.path.join(tmp, "out.json") if cmd.json_out else None
+                t_cmd = time.time()
                 try:
                     p = subprocess.run(cmd.argv(quick, jpath, os.path.join(tmp, "run")), cwd=ROOT, env=env,
                                        capture_output=True, text=True, timeout=cmd.timeout)
@@ -412,13 +416,14 @@ def run_topic(topic: Topic, quick: bool, img_dir: Path, env: dict, cache: dict) 
                     rc, out = "timeout", (e.stdout or b"").decode(errors="replace")
                     err = f"timed out after {cmd.timeout} s"
                 data = json.load(open(jpath)) if jpath and rc == 0 and os.path.exists(jpath) else None
-            cache[key] = (rc, out, err, data)
-        rc, out, err, data = cache[key]
+            cache[key] = (rc, out, err, data, time.time() - t_cmd)
+        rc, out, err, data, wall = cache[key]
         if rc != 0:
             return None, took(t0, cpu0), f"`{cmd.shown(quick)}` exited {rc}:\n{(err or out)[-2000:]}"
         outputs.append(out)
         ctx.json.append(data)
         ctx.cmds.append(cmd)
+        ctx.walls.append(wall)
     try:
         body = (topic.render or markdown_or_text)(outputs, ctx)
     except Exception as e:                    # a script changed its output: say which topic and why
