@@ -14,7 +14,7 @@ Layers, lowest first; an arrow may point to the same or a lower layer only:
   6 inference, plan, launcher
   7 the package root tessera_rt                       (assembles everything)
 An upper layer plugs into a lower one through a registry the lower one owns and the upper
-one fills on import (e.g. ``dist.hooks``), never by the lower one importing it.
+one fills on import (e.g. ``dist.comm.hooks``), never by the lower one importing it.
 
 ALLOWED lists today's remaining upward arrows and ALLOWED_CIRCLES the circles left without
 them. The goal of issue 29 is both lists empty: the test fails on any arrow or circle not
@@ -61,8 +61,8 @@ ALLOWED_CIRCLES = [
 
 
 def modules(src: Path = SRC) -> dict:
-    """{dotted name: file}: every .py module, and every C extension (``dist/_hot.c`` is
-    ``tessera_rt.dist._hot``: ``from . import _hot`` imports it, not its package)."""
+    """{dotted name: file}: every .py module, and every C extension (``dist/comm/_hot.c`` is
+    ``tessera_rt.dist.comm._hot``: ``from . import _hot`` imports it, not its package)."""
     out = {}
     for p in sorted((src / PKG).rglob("*.py")) + sorted((src / PKG).rglob("*.c")):
         parts = list(p.relative_to(src).with_suffix("").parts)
@@ -204,7 +204,7 @@ def private_writes(src: Path = SRC) -> list:
     """(module, line, target) of each write to another package module's private global: an
     assignment to ``mod._name`` (or an item of it) or a mutating call on it, ``mod`` being a
     package module imported by name.  Such a write is a hidden protocol between the two;
-    the seam (dist.hooks) and registries are the explicit form (issue 29)."""
+    the seam (dist.comm.hooks) and registries are the explicit form (issue 29)."""
     mods = modules(src)
     out = []
     for name, path in mods.items():
@@ -240,7 +240,7 @@ def private_writes(src: Path = SRC) -> list:
 
 def test_no_module_writes_another_modules_private_globals():
     bad = private_writes()
-    assert not bad, ("module(s) write another module's private globals (fill a slot of dist.hooks.SEAM or "
+    assert not bad, ("module(s) write another module's private globals (fill a slot of dist.comm.hooks.SEAM or "
                      "call a registration function of the lower module instead):\n"
                      + "\n".join(f"  {m}:{line}: {t}" for m, line, t in bad))
 
@@ -248,7 +248,7 @@ def test_no_module_writes_another_modules_private_globals():
 def test_dist_works_without_the_layers_above():
     # The distributed core imported without the package root (which imports every layer):
     # nothing above dist is imported, DTensor ops and collectives work, and autodiff imported
-    # afterwards plugs in (dist.hooks) and differentiates through them.
+    # afterwards plugs in (dist.comm.hooks) and differentiates through them.
     code = """
 import importlib.util, sys, types
 import numpy as np

@@ -46,8 +46,8 @@ import time
 from collections import defaultdict
 
 from ._format import human_bytes
-from .dist.dispatch import compute_region
-from .dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from .dist.tensor.dispatch import compute_region
+from .dist.comm.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
            "count_copy", "bytes_copied"]
@@ -230,7 +230,7 @@ def _op_info(dec, args, out) -> tuple:
     pieces' sizes.  Bytes: the output's and every DTensor argument's local piece."""
     k = 0
     if dec.op == "matmul":
-        from .dist.shard import local_shape
+        from .dist.tensor.shard import local_shape
         a = args[0]
         tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
         k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
@@ -285,9 +285,9 @@ class Profile:
 
     # lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        from .dist.process_group import world
+        from .dist.comm.process_group import world
         if not _DT:
-            from .dist.dtensor import DTensor
+            from .dist.tensor.dtensor import DTensor
             _DT.append(DTensor)
         w = world()
         if w.size > 1:
@@ -299,7 +299,7 @@ class Profile:
         return self
 
     def __exit__(self, *exc) -> None:
-        from .dist.process_group import world
+        from .dist.comm.process_group import world
         if self in SEAM.watchers:
             SEAM.watchers.remove(self)
         if self in SEAM.op_watchers:

@@ -210,7 +210,7 @@ def test_a_workers_exception_surfaces_at_the_next_wait_with_its_traceback(world)
 
 @cpu_only
 def test_the_watchdog_sees_the_caller_blocked_on_a_worker(world):
-    from tessera_rt.dist import watchdog
+    from tessera_rt.dist.checks import watchdog
     tp = rt.stream("tp_collective")
     gate, seen = threading.Event(), []
     tp.submit(lambda: gate.wait(5))

@@ -79,7 +79,7 @@ def _dtensor_type():
     # finisher calls this once per gradient inside the backward's window
     t = _MODS.get("DTensor")
     if t is None:
-        from ..dist.dtensor import DTensor as t
+        from ..dist.tensor.dtensor import DTensor as t
         _MODS["DTensor"] = t
     return t
 
@@ -100,7 +100,7 @@ def _check_param(value, path: str, fn_name: str) -> None:
 
 def _zeros_like(x):
     if type(x) is _dtensor_type():
-        from ..dist.dtensor import zeros
+        from ..dist.tensor.dtensor import zeros
         return zeros(x.shape, layout=x.layout.with_partial(()), mesh=x.mesh, dtype=x.dtype)
     from ..backend import get_backend
     return get_backend().xp.zeros_like(x)
@@ -181,7 +181,7 @@ def _issue_reduce(local, mesh, axis, out=None):
     rt, dc = _MODS.get("rt"), _MODS.get("dc")
     if dc is None:                       # imported once (this runs once per bucket, in the backward)
         from .. import runtime as rt
-        from ..dist import dtensor_collectives as dc
+        from ..dist.tensor import dtensor_collectives as dc
         _MODS["rt"], _MODS["dc"] = rt, dc
     if GRAD_ROLE not in rt.stream_map():
         rt.set_stream_map({GRAD_ROLE: rt.stream_map()["tp_collective"]})
@@ -248,7 +248,7 @@ class _Finisher:
             self.buckets.flush()
 
     def wait(self) -> None:
-        from ..dist.dtensor import DTensor, meta_of
+        from ..dist.tensor.dtensor import DTensor, meta_of
         done = [(leaf, work.wait()) for leaf, work in self.pending]
         if self.buckets is not None:
             done += self.buckets.results()
@@ -265,7 +265,7 @@ def _seed(value, what: str):
             raise ValueError(f"{what}: the function returned a DTensor of shape {list(value.shape)} "
                              f"({value.layout!r}); ts.grad needs a scalar loss: reduce it (op.sum / op.mean), "
                              "or use ts.vjp(fn, *args) and pass a cotangent of that shape")
-        from ..dist.dtensor import full
+        from ..dist.tensor.dtensor import full
         return full((), 1.0, mesh=value.mesh, dtype=value.dtype)
     shape = tuple(getattr(value, "shape", ()))
     if shape != () or not _is_float_value(value):

@@ -11,8 +11,8 @@ sweep walks the tape backwards and calls the op's VJP rule from ``VJPS`` (keyed 
 name; rules are written with ``op.*``, so one rule serves arrays and DTensors and the
 dispatcher picks the gradient's layouts and collectives).
 
-The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
-autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
+The hook itself (``differentiable``) and the slots it reads live in ``dist.comm.hooks``, below
+autodiff: this module fills them on import (``STATE`` is ``dist.comm.hooks.TRACE``), so the
 distributed core records on the tape without importing autodiff.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..dist import dtensor_collectives as _dtc_routes
-from ..dist.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
-from ..dist.hooks import TRACE as STATE
+from ..dist.tensor import dtensor_collectives as _dtc_routes
+from ..dist.comm.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
+from ..dist.comm.hooks import TRACE as STATE
 
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
@@ -250,7 +250,7 @@ def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: 
 
 def _completed(result):
     """The handle a traced ``async_op=True`` collective returns (it ran at once)."""
-    from ..dist.collectives import Work    # lazy: dist imports this module
+    from ..dist.comm.collectives import Work    # lazy: dist imports this module
     return Work.completed(result)
 
 
@@ -321,7 +321,7 @@ def detach(x):
     return x
 
 
-# plug into the distributed core (dist.hooks): ops wrapped by ``differentiable`` record here,
+# plug into the distributed core (dist.comm.hooks): ops wrapped by ``differentiable`` record here,
 # DTensor operators leave traced operands to Var's reflected operators, and the collectives
 # route traced values to their hooked DTensor versions
 STATE.record = _call

@@ -32,38 +32,38 @@ import types
 
 import numpy as np
 
-from .hooks import TRACE as _TRACE
-from .hooks import differentiable
-from ..backend import get_backend
-from ..dtypes import dtype_name, resolve_dtype
-from . import collectives as C
+from ..comm.hooks import TRACE as _TRACE
+from ..comm.hooks import differentiable
+from ...backend import get_backend
+from ...dtypes import dtype_name, resolve_dtype
+from ..comm import collectives as C
 from .layout import REPLICATE, Layout, as_layout
-from .mesh import Mesh, current_mesh
-from .process_group import world
+from ..comm.mesh import Mesh, current_mesh
+from ..comm.process_group import world
 from .cost import on_change
 from .redistribute import Plan, _fast_run, plan_redistribute
 from .shard import local_offsets, local_shape, local_shape_at
 
 # What DTensor's operators and NumPy protocols call, from the modules above this one (they
-# make DTensors, so they import it): ``dist.dispatch`` registers the op entry points
-# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.interop`` the NumPy,
+# make DTensors, so they import it): ``dist.tensor.dispatch`` registers the op entry points
+# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.tensor.interop`` the NumPy,
 # pickle and ``distribute`` helpers, each on import (dist/__init__ imports both).
 _d = types.SimpleNamespace()
 _io = types.SimpleNamespace()
 
 
 def use_dispatcher(**ops) -> None:
-    """``dist.dispatch``'s op entry points, which DTensor's operators call."""
+    """``dist.tensor.dispatch``'s op entry points, which DTensor's operators call."""
     vars(_d).update(ops)
 
 
 def _unpickle(*args):
-    """Rebuild a pickled DTensor (``dist.interop``'s; this is the name pickles refer to)."""
+    """Rebuild a pickled DTensor (``dist.tensor.interop``'s; this is the name pickles refer to)."""
     return _io.unpickle(*args)
 
 
 def use_interop(**parts) -> None:
-    """``dist.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
+    """``dist.tensor.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
     meshes, unpickle, as_global), which DTensor's NumPy/pickle protocols call."""
     vars(_io).update(parts)
 

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 from .mpi import MPI, MPI_ERROR
 
-from ..dtypes import dtype_name
+from ...dtypes import dtype_name
 
 __all__ = [
     "Communicator", "MpiCommunicator", "NcclCommunicator", "HostStagedCommunicator",

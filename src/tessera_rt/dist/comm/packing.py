@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..backend import get_backend
+from ...backend import get_backend
 
 __all__: list = []     # internal to dist
 

@@ -18,7 +18,7 @@ from typing import Iterable
 import numpy as np
 from .mpi import MPI
 
-from .comm import Communicator, make_communicator
+from .communicators import Communicator, make_communicator
 from .process_group import world
 
 __all__ = ["Mesh", "mesh", "AxisGroup", "current_mesh", "set_mesh"]

@@ -35,16 +35,16 @@ import threading
 import time
 import traceback
 
-from .mpi import MPI
+from ..comm.mpi import MPI
 
-from ..dtypes import dtype_name
+from ...dtypes import dtype_name
 from . import consistency
-from .comm import NCCL_COMMS
+from ..comm.communicators import NCCL_COMMS
 try:
-    from . import _hot                  # the collectives' C path: its call in progress (pending)
+    from ..comm import _hot                  # the collectives' C path: its call in progress (pending)
 except ImportError:
     _hot = None
-from .hooks import SEAM, is_internal
+from ..comm.hooks import PKG_DIR, SEAM, is_internal
 
 __all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status"]
 
@@ -53,14 +53,13 @@ _REQ, _REP, _BYE, _PROBE, _PROBE_REP = 7701, 7702, 7703, 7705, 7706
 # the early comparison: first after this long in one call, then this often; a peer's wait
 # counts once it is this old (a rank passing through a call is not blocked in it)
 PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WAIT_FILES = {os.path.join(_PKG_DIR, "dist", "comm.py"), os.path.join(_PKG_DIR, "dist", "mesh.py")}
+_WAIT_FILES = {os.path.join(PKG_DIR, "dist", "comm", "communicators.py"), os.path.join(PKG_DIR, "dist", "comm", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
                ("collectives.py", "_issue"), ("collectives.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
-# a planned blocking CPU collective calls mpi4py from its own frame (dist/plans.py), or from
+# a planned blocking CPU collective calls mpi4py from its own frame (dist/comm/plans.py), or from
 # its runner (run_all_reduce, ...: dist.ccl's library path too)
 _WAIT_FUNCS |= {("collectives.py", f) for op in _COLLECTIVES for f in (op, f"run_{op}")}
 # ... or from a compiled redistribution plan's step, or dist.ccl's library reduce-scatter
@@ -98,7 +97,7 @@ def _main_frame():
 
 def _hot_pending():
     """(call number, plan, x) of the collective the main thread is in through the C path
-    (dist/_hot.c: from its check to the end of its MPI call), which leaves no Python frame
+    (dist/comm/_hot.c: from its check to the end of its MPI call), which leaves no Python frame
     of its own, or None."""
     got = _hot.pending() if _hot is not None else None
     if got is None or got[3] != threading.main_thread().ident:
@@ -120,7 +119,7 @@ def _frame_summary(frame, limit: int = 4) -> str:
     if frame is None:
         return "(no main thread frame)"
     stack = traceback.extract_stack(frame)
-    user = [s for s in stack if not s.filename.startswith((_PKG_DIR, "<frozen"))] or stack
+    user = [s for s in stack if not s.filename.startswith((PKG_DIR, "<frozen"))] or stack
     lines = [f"{os.path.basename(s.filename)}:{s.lineno} in {s.name}: {(s.line or '').strip()}" for s in user[-limit:]]
     return " <- ".join(reversed(lines))
 
@@ -176,7 +175,7 @@ def _note_of_main() -> str:
 def status(blocked_for: float | None = None) -> dict:
     """What this rank is doing now: pending collective (or main-thread stack), its recent calls
     and its flight recorder."""
-    from .process_group import world
+    from ..comm.process_group import world
     cfg, format_call = _RECORDER[0]
     frame = _main_frame()
     now = time.monotonic()
@@ -362,7 +361,7 @@ class _Watchdog:
             return
         cls.stop()
         try:
-            from .process_group import world
+            from ..comm.process_group import world
             me, n = world().rank, world().size
             note = ("finished", consistency.recent_calls())
             reqs = [comm.isend(note, dest=r, tag=_BYE) for r in range(n) if r != me]

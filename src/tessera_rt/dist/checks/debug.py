@@ -14,7 +14,7 @@
   same collectives in the same order, each on its own group, so the check runs over the
   whole mesh and cannot deadlock when ranks call collectives of different groups.
   ``send``/``recv`` (pipeline stages) are not checked and do not count in the sequence.
-* **Default checks** (``dist.consistency``): without any debug mode, each collective's signature
+* **Default checks** (``dist.checks.consistency``): without any debug mode, each collective's signature
   is verified within its group when it is new and every 1024th call (< 1 us per call).
 * **Watchdog** (on by default at world size > 1; ``TESSERA_TIMEOUT`` seconds, default 300,
   0 turns it off): a daemon thread per rank samples the main thread's stack; when the main
@@ -37,11 +37,11 @@ from collections import deque
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ...dtypes import dtype_name
 from . import consistency
 from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
-from .hooks import SEAM
-from .process_group import on_init
+from ..comm.hooks import SEAM
+from ..comm.process_group import on_init
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
@@ -248,7 +248,7 @@ _RECORDER = _Recorder()
 def _check_comm(mesh):
     st = _CHECK_COMMS.get(mesh)
     if st is None:
-        from .process_group import world
+        from ..comm.process_group import world
         base = world().mpi if mesh is None else mesh._mpi
         st = _CHECK_COMMS[mesh] = [base.Dup(), 0]
     return st
@@ -308,7 +308,7 @@ def _ranks_str(rs) -> str:
 
 
 def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
-    from .process_group import world
+    from ..comm.process_group import world
     where = "the world" if call.mesh is None else repr(call.mesh)
     # mesh position -> world rank
     wranks = list(range(len(everyone))) if call.mesh is None else list(call.mesh.devices)

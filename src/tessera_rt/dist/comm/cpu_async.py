@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from .. import runtime as rt
+from ... import runtime as rt
 
 __all__ = ["P2P", "start_on_worker"]
 

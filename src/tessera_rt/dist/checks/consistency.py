@@ -40,9 +40,9 @@ from collections import deque
 
 import numpy as np
 
-from ..dtypes import dtype_name
-from .hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
-from .hooks import user_frame as _user_frame
+from ...dtypes import dtype_name
+from ..comm.hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
+from ..comm.hooks import user_frame as _user_frame
 
 __all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
@@ -306,7 +306,7 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _intern
     return None
 
 
-ALONE = ()      # a plan's ``site`` over a group of one: check_plan (and dist/_hot.c) skip it
+ALONE = ()      # a plan's ``site`` over a group of one: check_plan (and dist/comm/_hot.c) skip it
 
 
 def check_plan(p, depth: int = 2, _c=_cfg) -> None:
@@ -429,7 +429,7 @@ def _verify(st: _GroupState, seq: int, key) -> None:
         st.seen.add(key)
         return
     descs = st.comm.allgather(d)
-    from .process_group import world
+    from ..comm.process_group import world
     where = f"in group {list(g.ranks)} (mesh axis {g.name!r}, call #{seq} on it)"
     raise CollectiveMismatchError(mismatch_message(
         world().rank, where, descs, list(g.ranks),
@@ -437,7 +437,7 @@ def _verify(st: _GroupState, seq: int, key) -> None:
         "(look for rank-dependent branches, dtypes or shapes at those lines)."))
 
 
-# what the C path (dist/_hot.c) runs of this check, through SEAM.agreement
+# what the C path (dist/comm/_hot.c) runs of this check, through SEAM.agreement
 _AGREEMENT = Agreement(_RING, _verify, _cfg, check_plan)
 
 
@@ -467,7 +467,7 @@ def open_p2p_headers(world) -> None:
 
 
 def p2p_send_header(g, shape, dt, extra, site: str) -> None:
-    from .process_group import world
+    from ..comm.process_group import world
     comm = _P2P[0]
     if comm is None:
         return
@@ -486,7 +486,7 @@ def p2p_post_header(g, extra):
 
 def p2p_check_header(req, g, shape, dt, extra, site: str) -> None:
     """The sender's header must match the receive buffer, else raise naming both sides."""
-    from .process_group import world
+    from ..comm.process_group import world
     if req is None:
         return
     sdt, sshape, ssite, srank = req.wait()

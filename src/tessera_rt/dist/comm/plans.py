@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from .. import runtime as rt
-from ..dtypes import dtype_name
-from .comm import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
-from .consistency import ALONE, group_state, sig
+from ... import runtime as rt
+from ...dtypes import dtype_name
+from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
+from ..checks.consistency import ALONE, group_state, sig
 from .mesh import AxisGroup
 from .packing import _even, _pack, with_dim
 from .process_group import world
@@ -28,7 +28,7 @@ __all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
 _MADE = [0]
-_CLEARS = [0]              # times the table was emptied: dist/_hot.c's memo of its last plan checks it
+_CLEARS = [0]              # times the table was emptied: dist/comm/_hot.c's memo of its last plan checks it
 
 
 def plan(key: tuple, build: Callable[[], Any]):
@@ -154,7 +154,7 @@ class Plan:
         self.site = ALONE if g.size == 1 else None
         for k, v in kw.items():
             setattr(self, k, v)
-        # what dist/_hot.c reads for a direct call (one attribute instead of seven), or None:
+        # what dist/comm/_hot.c reads for a direct call (one attribute instead of seven), or None:
         # the raw MPI call takes this rank's input (packed first if ``pack``) and the output
         direct = self.fn is not None and not self.exchange and self.flat
         self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype, self.pack) if direct else None

@@ -1,7 +1,7 @@
 """Slots the distributed core's hot paths read and the checkers fill (issue 29's seam).
 
 The core never imports upward, and no module writes another's globals: whatever watches or
-checks the hot paths plugs in by filling a slot of ``SEAM`` (one object; ``dist/_hot.c``
+checks the hot paths plugs in by filling a slot of ``SEAM`` (one object; ``dist/comm/_hot.c``
 reads the same one):
 
 * ``check`` / ``check_plan`` / ``check_run``: the cross-rank agreement check for a call,
@@ -117,7 +117,7 @@ def note(text: str):
 
 # --------------------------------------------------------------------------- the user's call site
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
+PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../tessera_rt
 _INTERNAL: dict = {}              # code object -> True if it belongs to tessera_rt (or mpi4py, runpy)
 caller = sys._getframe            # the frame ``depth`` calls up (the check's remembered-site test)
 known_internal = _INTERNAL.get    # code -> is_internal(code), or None before it was looked at
@@ -127,7 +127,7 @@ def is_internal(code) -> bool:
     v = _INTERNAL.get(code)
     if v is None:
         f = code.co_filename
-        v = _INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
+        v = _INTERNAL[code] = f.startswith(PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
     return v
 
 

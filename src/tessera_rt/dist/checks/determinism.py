@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import get_backend
-from ..kernels.numerics import register_mode_switch
-from .hooks import SEAM
-from .plans import backend
+from ...backend import get_backend
+from ...kernels.numerics import register_mode_switch
+from ..comm.hooks import SEAM
+from ..comm.plans import backend
 
 __all__ = ["deterministic", "set_deterministic", "is_deterministic", "tree_sum", "matmul", "reduce_sum",
            "active", "FIXED_ORDER"]

@@ -27,8 +27,8 @@ from typing import Sequence
 
 from .mpi import MPI, MPI_ERROR
 
-from .. import runtime as rt
-from ..backend import CpuWorkerStream
+from ... import runtime as rt
+from ...backend import CpuWorkerStream
 from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
 from .packing import _unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
@@ -47,14 +47,14 @@ __all__ = [
 
 # --------------------------------------------------------------------------- handles
 
-# What the hot paths read from the seam (dist.hooks): the agreement check (SEAM.check, and
+# What the hot paths read from the seam (dist.comm.hooks): the agreement check (SEAM.check, and
 # SEAM.check_plan for a planned call; None when off or replaced by TESSERA_DEBUG=collectives),
 # called before any data moves, and the watchers (the same list as SEAM.watchers).  An async
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
 _HOOKS = _SEAM.watchers
 _plan_get = _PLANS.get
-_IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/mpi.py)
+_IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/comm/mpi.py)
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
@@ -152,7 +152,7 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
     if _HOOKS and x is not None and axis not in mesh._groups:
         # making a group is collective over its members: check before, or a rank that
         # issues another collective would leave its peers waiting here, unchecked
-        from .debug import precheck
+        from ..checks.debug import precheck
         precheck(op, mesh, axis, x)
     return mesh.group(axis)
 
@@ -220,7 +220,7 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
         for h in tuple(_HOOKS):
             h.before(call)                            # may raise (a desync): after() still runs
         if det is not None and _SEAM.det:
-            from .determinism import FIXED_ORDER
+            from ..checks.determinism import FIXED_ORDER
             r = FIXED_ORDER[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
             if async_op:
                 r = Work.completed(r)
@@ -264,7 +264,7 @@ def _after(call) -> None:
 # also runs the agreement check (it reads the user's call site three frames up: the check,
 # the prologue, the collective).  On the blocking CPU path ``p.fn`` is the raw mpi4py call,
 # after the role's worker (if any) has run what it was given before.  A repeat call on a
-# NumPy array takes the same steps in C (dist/_hot.c, below).
+# NumPy array takes the same steps in C (dist/comm/_hot.c, below).
 
 _NO_OUT = object()        # prologue: the collective makes its output itself (all_to_all)
 _X_OUT = object()         # prologue: the collective writes x in place (broadcast)
@@ -534,20 +534,20 @@ def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_col
     return _issue(role, async_op, comm.barrier, (), None)
 
 
-from .debug import Call as _Call  # noqa: E402  (debug imports this module lazily)
+from ..checks.debug import Call as _Call  # noqa: E402  (debug imports this module lazily)
 
 
 # --------------------------------------------------------------------------- the C path
 #
 # A plan hit on a plain array with mesh= given, no hooks and a raw MPI call to make runs the
-# steps above in C (dist/_hot.c): same order, same plan dict, the check's remembered-site
+# steps above in C (dist/comm/_hot.c): same order, same plan dict, the check's remembered-site
 # path; everything else is handed to the Python function before anything happens.  Each
 # spec lists what follows (op, id(group), type, shape, dtype) in that collective's plan key
 # above (the C side builds the same key) and the parameters that must be None there.
 # TESSERA_HOT=0 keeps the Python functions (and so does a build without a C compiler).
 
 def _load_hot():
-    """dist/_hot.c, set up with the tables it reads live (the plan table, the routes, the seam,
+    """dist/comm/_hot.c, set up with the tables it reads live (the plan table, the routes, the seam,
     the role streams, the mesh stacks), or None (TESSERA_HOT=0, or no compiler at build)."""
     import os
     if os.environ.get("TESSERA_HOT", "1").strip().lower() in ("0", "off", "false", "no"):
