@@ -7,7 +7,13 @@ import is still a dependency). ``from pkg import name`` is an arrow to the submo
 Layers, lowest first; an arrow may point to the same or a lower layer only:
   0 backend, cpu_streams, dtypes, _format, runtime     (the backend-level base)
   1 kernels
-  2 dist and everything under it                      (the distributed core)
+  2 dist, in floors of its own (each subpackage's __init__ says what it owns):
+    2a dist.comm        MPI, process group, communicators, meshes, the seam, collectives
+    2b dist.checks      the checkers that plug into the seam from above
+    2c dist.tensor      layouts, DTensor, dispatch and rules, redistribution
+    2d dist.ccl         topology-aware collectives
+    2e dist.checkpoint  distributed checkpoints
+    2f dist             the package itself (assembles the floors)
   3 autodiff
   4 op, nn, optim, profiler, graph
   5 moe, pipeline
@@ -34,6 +40,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["backend", "cpu_streams", "dtypes", "_format", "runtime"],
     ["kernels"],
+    ["dist.comm"],
+    ["dist.checks"],
+    ["dist.tensor"],
+    ["dist.ccl"],
+    ["dist.checkpoint"],
     ["dist"],
     ["autodiff"],
     ["op", "nn", "optim", "profiler", "graph"],
@@ -106,12 +117,18 @@ def import_graph(src: Path = SRC) -> dict:
     return edges
 
 
+_LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
 def layer(module: str) -> int:
+    """The layer of a module: that of the longest name in LAYERS it starts with
+    (``dist.comm.mesh`` is in ``dist.comm``, ``dist`` itself in ``dist``)."""
     parts = module.split(".")
     if len(parts) == 1:
         return len(LAYERS)          # the package root sits on top
-    for i, names in enumerate(LAYERS):
-        if parts[1] in names:
+    for k in range(len(parts), 1, -1):
+        i = _LAYER_OF.get(".".join(parts[1:k]))
+        if i is not None:
             return i
     raise AssertionError(f"{module} is in no layer: add its top-level name to LAYERS in {__file__}")
 
@@ -298,3 +315,13 @@ def test_scanner_sees_lazy_and_relative_imports(tmp_path):
     assert circles(e) == [["dist.a", "dist.b"]]
     (pkg / "dist" / "d.py").write_text("from . import b as B\nB._x = 1\nB._seen.append(2)\nB.public = 3\n")
     assert private_writes(tmp_path) == [("dist.d", 2, "B._x"), ("dist.d", 3, "B._seen.append")]
+
+
+def test_dist_floors_are_layers():
+    # inside dist an arrow points down the floors too: the collectives (dist.comm) never
+    # import a checker or the DTensor layer; a checker plugs into dist.comm.hooks instead
+    c, k, t = (f"{PKG}.dist.{s}.m" for s in ("comm", "checks", "tensor"))
+    assert layer(f"{PKG}.dist.comm") == layer(c) < layer(k) < layer(t) < layer(f"{PKG}.dist.ccl.line") \
+        < layer(f"{PKG}.dist.checkpoint.files") < layer(f"{PKG}.dist") < layer(f"{PKG}.autodiff")
+    assert upward_arrows({c: {k, t}, k: {c}, t: {c, k}}) == {("dist.comm.m", "dist.checks.m"),
+                                                           ("dist.comm.m", "dist.tensor.m")}

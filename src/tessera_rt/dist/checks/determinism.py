@@ -221,4 +221,6 @@ def _reduce_scatter_fixed(g, send, flat, counts, op: str, result, role: str, iss
     return result
 
 
-FIXED_ORDER = {"all_reduce": _all_reduce_fixed, "reduce_scatter": _reduce_scatter_fixed}
+# the collectives find them in the seam (their hooked path, while ``SEAM.det`` is on)
+FIXED_ORDER = SEAM.fixed_order
+FIXED_ORDER.update(all_reduce=_all_reduce_fixed, reduce_scatter=_reduce_scatter_fixed)

@@ -29,6 +29,7 @@ from .mpi import MPI, MPI_ERROR
 
 from ... import runtime as rt
 from ...backend import CpuWorkerStream
+from .calls import Call as _Call
 from .cpu_async import P2P, start_on_worker
 from .mesh import AxisGroup, current_mesh
 from .packing import _unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
@@ -149,10 +150,10 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
         axis = tuple(axis)
     if not mesh.is_member:
         mesh._require_member(op)
-    if _HOOKS and x is not None and axis not in mesh._groups:
+    precheck = _SEAM.precheck
+    if precheck is not None and x is not None and axis not in mesh._groups:
         # making a group is collective over its members: check before, or a rank that
         # issues another collective would leave its peers waiting here, unchecked
-        from ..checks.debug import precheck
         precheck(op, mesh, axis, x)
     return mesh.group(axis)
 
@@ -220,8 +221,7 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
         for h in tuple(_HOOKS):
             h.before(call)                            # may raise (a desync): after() still runs
         if det is not None and _SEAM.det:
-            from ..checks.determinism import FIXED_ORDER
-            r = FIXED_ORDER[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
+            r = _SEAM.fixed_order[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
             if async_op:
                 r = Work.completed(r)
         else:
@@ -532,9 +532,6 @@ def barrier(axis=None, *, mesh=None, async_op: bool = False, role: str = "tp_col
     if _HOOKS:
         return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
     return _issue(role, async_op, comm.barrier, (), None)
-
-
-from ..checks.debug import Call as _Call  # noqa: E402  (debug imports this module lazily)
 
 
 # --------------------------------------------------------------------------- the C path

@@ -12,7 +12,11 @@ reads the same one):
 * ``watchers``: everything that watches collectives (``trace_collectives``, ``debug``'s flight
   recorder, the profiler, deterministic reductions' mark): a collective with nothing
   watching pays one list check.  ``op_watchers``: the profiler's per-op hooks (``dispatch``).
-* ``det``: ``[compensated]`` while deterministic reductions are on (``determinism``), else [].
+* ``det``: ``[compensated]`` while deterministic reductions are on (``determinism``), else [];
+  ``fixed_order``: op -> the fixed-order reduction the collectives run then (``determinism``
+  fills it on import).
+* ``precheck``: the desync check a collective runs before it makes a mesh group's
+  communicator (collective too); ``debug`` fills it while ``TESSERA_DEBUG=collectives`` is on.
 * ``moving``: the ``check_meta`` of the redistribution plan whose steps run now (``Plan.run``
   sets it around its step loop), so the check names the DTensor moved.
 * ``notes``: what the main thread waits for, pushed by a layer above (``note(...)``: the
@@ -88,7 +92,7 @@ class Agreement:
 class Seam:
     """The one object the hot paths read (see the module docstring for each slot)."""
     __slots__ = ("check", "check_plan", "check_run", "agreement", "metas", "watchers", "op_watchers", "det",
-                 "moving", "notes", "trace")
+                 "moving", "notes", "trace", "fixed_order", "precheck")
 
     def __init__(self):
         self.check = self.check_plan = self.check_run = self.agreement = self.metas = None
@@ -98,6 +102,8 @@ class Seam:
         self.moving = None
         self.notes: list = []          # (thread ident, text), innermost last
         self.trace = TRACE
+        self.fixed_order: dict = {}
+        self.precheck: Callable | None = None
 
 
 SEAM = Seam()

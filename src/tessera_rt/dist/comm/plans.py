@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ... import runtime as rt
 from ...dtypes import dtype_name
 from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
-from ..checks.consistency import ALONE, group_state, sig
+from .calls import ALONE, group_state, sig
 from .mesh import AxisGroup
 from .packing import _even, _pack, with_dim
 from .process_group import world
