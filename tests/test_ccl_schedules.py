@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tessera_rt.dist.ccl.line import _bounds, schedule
-from tessera_rt.dist.comm.communicators import _displs
+from tessera_rt.dist.comm.interface import _displs
 
 
 def simulate(kind, n, algo, counts, rng):

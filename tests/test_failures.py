@@ -140,7 +140,7 @@ def test_the_watchdog_sees_a_hang_inside_the_c_path_and_not_a_loop_of_quick_call
         import time
         import numpy as np
         from tessera_rt import dist
-        from tessera_rt.dist import collectives as C
+        from tessera_rt.dist.comm import collectives as C
         w = dist.init(timeout=1.5)
         mesh = dist.Mesh(axes=["x"], shape=(w.size,))
         x = np.ones(64, np.float32)

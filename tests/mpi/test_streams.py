@@ -217,7 +217,7 @@ def test_the_watchdog_sees_the_caller_blocked_on_a_worker(world):
 
     def probe():
         time.sleep(0.1)
-        seen.append(watchdog._in_collective(watchdog._main_frame()))
+        seen.append(watchdog.in_collective(watchdog.main_frame()))
         gate.set()
 
     t = threading.Thread(target=probe)

@@ -26,7 +26,7 @@ from ... import runtime as rt
 from ...dtypes import dtype_name
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
-from ..comm.communicators import REDUCE_OPS, _displs as _offsets
+from ..comm.interface import REDUCE_OPS, _displs as _offsets
 from ..tensor.shard import split_sizes
 from . import buffers
 from ..comm.mesh import current_mesh

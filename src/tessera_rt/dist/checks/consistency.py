@@ -42,7 +42,7 @@ import numpy as np
 from ...dtypes import dtype_name
 from ..comm.hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
 from ..comm.hooks import user_frame as _user_frame
-from ..comm.calls import ALONE, GroupState, Sig, group_key, group_seqs, group_state, sig  # noqa: F401
+from ..comm.calls import ALONE, GroupState, Sig, group_state, sig
 
 __all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",

@@ -132,9 +132,9 @@ def configure(debug=None, timeout=None, world=None) -> None:
     elif _RECORDER in watchers:
         watchers.remove(_RECORDER)
     if world is not None and _cfg.timeout > 0 and world.size > 1:
-        _Watchdog.start(world)
+        Watchdog.start(world)
     elif _cfg.timeout <= 0:
-        _Watchdog.stop()
+        Watchdog.stop()
 
 
 def flight_records() -> list[Call]:
@@ -298,7 +298,8 @@ def call_seq(everyone) -> str:
 
 # --------------------------------------------------------------------------- the watchdog (own module)
 
-from .watchdog import WATCHDOG_EXIT_CODE, _Watchdog, attach_recorder, register_nccl, status  # noqa: E402,F401
+from .watchdog import WATCHDOG_EXIT_CODE, attach_recorder, register_nccl, status  # noqa: E402,F401
+from .watchdog_thread import Watchdog  # noqa: E402
 
 attach_recorder(_cfg, format_call)
 on_init(configure)              # dist.init sets the modes (process_group does not import debug)

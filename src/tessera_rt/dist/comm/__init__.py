@@ -1,12 +1,14 @@
 """tessera_rt.dist.comm: moving bytes between ranks, the lowest floor of the distributed core.
 
 It owns the MPI import (``mpi``), the process group (``process_group``), the communicator
-kinds (``communicators``: MPI, host-staged, NCCL), named meshes and their axis groups
-(``mesh``), the seam every checker and tracer plugs into (``hooks.SEAM``), the per-call
-collective plans (``plans``), the collectives on arrays (``collectives``) with their C
-plan-hit path (``_hot``, built from ``_hot.c``), the collectives' trace records (``trace``),
-buffer packing (``packing``), the CPU async progress (``cpu_async``) and the one-rank exit
-of scripts (``script``).
+interface (``interface``) and its kinds (``communicators``: MPI and host-staged, and
+``make_communicator``, which picks one; ``nccl``), named meshes and their axis groups
+(``mesh``), the seam every checker and tracer plugs into (``hooks.SEAM``), what a call is to
+the layers above (``calls``: the ``Call`` record, signatures, group call states), the
+per-call collective plans (``plans``), the collectives on arrays (``collectives``) with
+their C plan-hit path (``c_path`` loads ``_hot``, built from ``_hot.c``), the collectives'
+trace records (``trace``), buffer packing (``packing``), the CPU async progress
+(``cpu_async``) and the one-rank exit of scripts (``script``).
 
 It may import the backend-level base (``backend``, ``runtime``, ``dtypes``, ...) and
 ``kernels``, and nothing else of tessera_rt: not ``dist.checks``, ``dist.tensor``,

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from ... import runtime as rt
 from ...dtypes import dtype_name
-from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
+from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
+from .interface import REDUCE_OPS
 from .calls import ALONE, group_state, sig
 from .mesh import AxisGroup
 from .packing import _even, _pack, with_dim
@@ -334,3 +335,38 @@ def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, 
                     lambda: reduce_scatter_plan(g, x, args["op"], args["dim"], sizes, tag, role, async_op))
     return plan(("all_gather", id(g), cls, shape, dt, args["dim"], sizes, tag, role, async_op),
                 lambda: all_gather_plan(g, x, args["dim"], sizes, tag, role, async_op))
+
+
+# --------------------------------------------------------------------------- what the collectives share
+
+_plan_get = _PLANS.get
+
+
+def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
+    """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
+    array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
+    try:
+        key = (name, id(g), x.__class__, x.shape, x.dtype) + args
+        p = _plan_get(key)
+    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
+        key = p = None
+    if p is None:
+        p = keep(key, build(g, x, *args))
+    return p
+
+
+def bad_out(p: Plan, x, out):
+    _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
+
+
+def untaggable(op: str, x, tag) -> None:
+    if tag is not None:
+        raise ValueError(f"rank {world().rank}: dist.{op}(tag={tag!r}) on a {type(x).__name__}: the tag applies to "
+                         "arrays (a DTensor's collectives come from its redistribution plan); pass x.to_local() "
+                         "or leave tag out")
+
+
+def check_peer(op, g, x, peer, name):
+    if not 0 <= peer < g.size or peer == g.index:
+        raise ValueError(f"{where(op, g, x)}: {name}={peer} must be another position in the group "
+                         f"(0..{g.size - 1}, this rank is {g.index})")

@@ -19,7 +19,8 @@ from .mpi import MPI
 from ... import backend as backend_mod
 from ... import runtime
 from ...backend import Backend, get_backend
-from .communicators import Communicator, make_communicator
+from .communicators import make_communicator
+from .interface import Communicator
 from .hooks import PKG_DIR
 
 __all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort"]
