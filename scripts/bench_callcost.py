@@ -5,7 +5,7 @@
 
 At one rank the communication is nearly free, so what shows is tessera_rt's work per call
 (plan lookup, output allocation, the agreement check; a group of one has nothing to check).
-Repeat calls take the collectives' C path (dist/_hot.c); ``TESSERA_HOT=0`` measures the
+Repeat calls take the collectives' C path (dist/comm/_hot.c); ``TESSERA_HOT=0`` measures the
 Python functions instead.  The ``_out`` cases pass a
 persistent ``out=`` (as the raw calls do), so no output is allocated.  Each case: 5000 warm-up calls,
 then the minimum over 25 x 2000 calls of each side, interleaved, and the median of the 25

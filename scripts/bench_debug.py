@@ -4,7 +4,7 @@
 
 Modes (each measured in the same run, interleaved, median of reps, slowest rank):
 raw mpi4py Allreduce; tessera_rt all_reduce as it runs by default (the cross-rank signature
-check of ``dist.consistency`` on; the watchdog thread samples and costs the call nothing);
+check of ``dist.checks.consistency`` on; the watchdog thread samples and costs the call nothing);
 the same with the check off (TESSERA_CHECK=0); the check alone, no MPI call; the flight
 recorder; desync checks
 (TESSERA_DEBUG=collectives); the profiler; NVTX ranges only; deterministic (fixed-order)
@@ -45,7 +45,8 @@ def main() -> None:
     mpi = MPI.COMM_WORLD
     has = hasattr(dist, "debug")
     modes = {"raw mpi4py Allreduce": (None, lambda: mpi.Allreduce(x, out))}
-    from tessera_rt.dist import collectives as C, consistency
+    from tessera_rt.dist.comm import collectives as C
+    from tessera_rt.dist.checks import consistency
     g = C.world_group()
     modes["tessera all_reduce, default"] = ("off", lambda: dist.all_reduce(x))
     modes["tessera all_reduce, check off"] = ("nocheck", lambda: dist.all_reduce(x))

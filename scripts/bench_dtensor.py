@@ -210,9 +210,9 @@ def run_moves(n, sizes, calls):
     direct all_to_all, and as the cost model chooses (after), interleaved in one run; and a
     matmul whose operand layouts conflict, decided by the old rule (larger operand wins) and
     by the model.  2x2 mesh at 4 ranks, 1-D otherwise."""
-    from tessera_rt.dist import cost
-    from tessera_rt.dist.layout import Layout
-    from tessera_rt.dist.redistribute import plan_redistribute
+    from tessera_rt.dist.tensor import cost
+    from tessera_rt.dist.tensor.layout import Layout
+    from tessera_rt.dist.tensor.redistribute import plan_redistribute
     shape2 = {"x": 2, "y": 2} if n == 4 else {"x": n, "y": 1}
     mesh = dist.Mesh(axes=["x", "y"], shape=shape2)
     cases = [("swap", Layout((("x",), ("y",))), Layout((("y",), ("x",)))),
@@ -250,7 +250,7 @@ def run_moves(n, sizes, calls):
 
 
 def cost_model_name() -> str:
-    from tessera_rt.dist import cost
+    from tessera_rt.dist.tensor import cost
     return cost.get_cost_model().name
 
 

@@ -31,7 +31,7 @@ from mpi4py import MPI  # noqa: E402
 
 import tessera_rt as ts  # noqa: E402
 from tessera_rt import dist, op  # noqa: E402
-from tessera_rt.dist.shard import split_offsets, split_sizes  # noqa: E402
+from tessera_rt.dist.tensor.shard import split_offsets, split_sizes  # noqa: E402
 
 
 def _silu_parts(h):

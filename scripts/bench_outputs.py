@@ -7,7 +7,7 @@ after it pays for its page faults.
 """
 import argparse, time, statistics, numpy as np
 import tessera_rt as ts
-from tessera_rt.dist.mpi import MPI
+from tessera_rt.dist.comm.mpi import MPI
 from tessera_rt import dist
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("mib", nargs="?", type=float, default=8.0, help="message size in MiB (default 8)")

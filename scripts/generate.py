@@ -162,5 +162,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tessera_rt.dist.script import exit_once
+    from tessera_rt.dist.comm.script import exit_once
     sys.exit(exit_once(main))

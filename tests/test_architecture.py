@@ -7,14 +7,20 @@ import is still a dependency). ``from pkg import name`` is an arrow to the submo
 Layers, lowest first; an arrow may point to the same or a lower layer only:
   0 backend, cpu_streams, dtypes, _format, runtime     (the backend-level base)
   1 kernels
-  2 dist and everything under it                      (the distributed core)
+  2 dist, in floors of its own (each subpackage's __init__ says what it owns):
+    2a dist.comm        MPI, process group, communicators, meshes, the seam, collectives
+    2b dist.checks      the checkers that plug into the seam from above
+    2c dist.tensor      layouts, DTensor, dispatch and rules, redistribution
+    2d dist.ccl         topology-aware collectives
+    2e dist.checkpoint  distributed checkpoints
+    2f dist             the package itself (assembles the floors)
   3 autodiff
   4 op, nn, optim, profiler, graph
   5 moe, pipeline
   6 inference, plan, launcher (+ launch_hosts)
   7 the package root tessera_rt                       (assembles everything)
 An upper layer plugs into a lower one through a registry the lower one owns and the upper
-one fills on import (e.g. ``dist.hooks``), never by the lower one importing it.
+one fills on import (e.g. ``dist.comm.hooks``), never by the lower one importing it.
 
 ALLOWED lists today's remaining upward arrows and ALLOWED_CIRCLES the circles left without
 them. The goal of issue 29 is both lists empty: the test fails on any arrow or circle not
@@ -34,6 +40,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["backend", "cpu_streams", "dtypes", "_format", "runtime"],
     ["kernels"],
+    ["dist.comm"],
+    ["dist.checks"],
+    ["dist.tensor"],
+    ["dist.ccl"],
+    ["dist.checkpoint"],
     ["dist"],
     ["autodiff"],
     ["op", "nn", "optim", "profiler", "graph"],
@@ -53,8 +64,8 @@ ALLOWED_CIRCLES: list = []
 
 
 def modules(src: Path = SRC) -> dict:
-    """{dotted name: file}: every .py module, and every C extension (``dist/_hot.c`` is
-    ``tessera_rt.dist._hot``: ``from . import _hot`` imports it, not its package)."""
+    """{dotted name: file}: every .py module, and every C extension (``dist/comm/_hot.c`` is
+    ``tessera_rt.dist.comm._hot``: ``from . import _hot`` imports it, not its package)."""
     out = {}
     for p in sorted((src / PKG).rglob("*.py")) + sorted((src / PKG).rglob("*.c")):
         parts = list(p.relative_to(src).with_suffix("").parts)
@@ -98,12 +109,18 @@ def import_graph(src: Path = SRC) -> dict:
     return edges
 
 
+_LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
 def layer(module: str) -> int:
+    """The layer of a module: that of the longest name in LAYERS it starts with
+    (``dist.comm.mesh`` is in ``dist.comm``, ``dist`` itself in ``dist``)."""
     parts = module.split(".")
     if len(parts) == 1:
         return len(LAYERS)          # the package root sits on top
-    for i, names in enumerate(LAYERS):
-        if parts[1] in names:
+    for k in range(len(parts), 1, -1):
+        i = _LAYER_OF.get(".".join(parts[1:k]))
+        if i is not None:
             return i
     raise AssertionError(f"{module} is in no layer: add its top-level name to LAYERS in {__file__}")
 
@@ -196,7 +213,7 @@ def private_writes(src: Path = SRC) -> list:
     """(module, line, target) of each write to another package module's private global: an
     assignment to ``mod._name`` (or an item of it) or a mutating call on it, ``mod`` being a
     package module imported by name.  Such a write is a hidden protocol between the two;
-    the seam (dist.hooks) and registries are the explicit form (issue 29)."""
+    the seam (dist.comm.hooks) and registries are the explicit form (issue 29)."""
     mods = modules(src)
     out = []
     for name, path in mods.items():
@@ -232,7 +249,7 @@ def private_writes(src: Path = SRC) -> list:
 
 def test_no_module_writes_another_modules_private_globals():
     bad = private_writes()
-    assert not bad, ("module(s) write another module's private globals (fill a slot of dist.hooks.SEAM or "
+    assert not bad, ("module(s) write another module's private globals (fill a slot of dist.comm.hooks.SEAM or "
                      "call a registration function of the lower module instead):\n"
                      + "\n".join(f"  {m}:{line}: {t}" for m, line, t in bad))
 
@@ -240,7 +257,7 @@ def test_no_module_writes_another_modules_private_globals():
 def test_dist_works_without_the_layers_above():
     # The distributed core imported without the package root (which imports every layer):
     # nothing above dist is imported, DTensor ops and collectives work, and autodiff imported
-    # afterwards plugs in (dist.hooks) and differentiates through them.
+    # afterwards plugs in (dist.comm.hooks) and differentiates through them.
     code = """
 import importlib.util, sys, types
 import numpy as np
@@ -291,3 +308,13 @@ def test_scanner_sees_lazy_and_relative_imports(tmp_path):
     assert circles(e) == [["dist.a", "dist.b"]]
     (pkg / "dist" / "d.py").write_text("from . import b as B\nB._x = 1\nB._seen.append(2)\nB.public = 3\n")
     assert private_writes(tmp_path) == [("dist.d", 2, "B._x"), ("dist.d", 3, "B._seen.append")]
+
+
+def test_dist_floors_are_layers():
+    # inside dist an arrow points down the floors too: the collectives (dist.comm) never
+    # import a checker or the DTensor layer; a checker plugs into dist.comm.hooks instead
+    c, k, t = (f"{PKG}.dist.{s}.m" for s in ("comm", "checks", "tensor"))
+    assert layer(f"{PKG}.dist.comm") == layer(c) < layer(k) < layer(t) < layer(f"{PKG}.dist.ccl.line") \
+        < layer(f"{PKG}.dist.checkpoint.files") < layer(f"{PKG}.dist") < layer(f"{PKG}.autodiff")
+    assert upward_arrows({c: {k, t}, k: {c}, t: {c, k}}) == {("dist.comm.m", "dist.checks.m"),
+                                                           ("dist.comm.m", "dist.tensor.m")}

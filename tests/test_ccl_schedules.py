@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tessera_rt.dist.ccl.line import _bounds, schedule
-from tessera_rt.dist.comm import _displs
+from tessera_rt.dist.comm.interface import _displs
 
 
 def simulate(kind, n, algo, counts, rng):
@@ -60,7 +60,7 @@ def test_schedules_reduce_and_gather(kind, n, algo):
 
 
 def test_comm_algo_reaches_nccl_as_nccl_algo(monkeypatch):
-    from tessera_rt.dist import comm
+    from tessera_rt.dist.comm import communicators as comm
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     monkeypatch.setenv("TESSERA_COMM_ALGO", "tree")
     comm._nccl_algo_hint()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tessera_rt import dist
-from tessera_rt.dist import dtensor
+from tessera_rt.dist.tensor import dtensor
 
 
 @pytest.fixture

@@ -133,14 +133,14 @@ def test_the_watchdog_reports_without_the_recorder_from_the_stack(tmp_path):
 
 
 def test_the_watchdog_sees_a_hang_inside_the_c_path_and_not_a_loop_of_quick_calls(tmp_path):
-    # the repeat all_reduce runs in dist/_hot.c, which leaves no Python frame of its own: the
+    # the repeat all_reduce runs in dist/comm/_hot.c, which leaves no Python frame of its own: the
     # watchdog must still see rank 0 waiting there, and must not mistake the 3 s loop of quick
     # calls before it (one caller frame throughout) for a hang with TESSERA_TIMEOUT=1.5
     s = _script(tmp_path, "hang_hot.py", """
         import time
         import numpy as np
         from tessera_rt import dist
-        from tessera_rt.dist import collectives as C
+        from tessera_rt.dist.comm import collectives as C
         w = dist.init(timeout=1.5)
         mesh = dist.Mesh(axes=["x"], shape=(w.size,))
         x = np.ones(64, np.float32)
@@ -180,7 +180,7 @@ def test_a_healthy_job_with_the_watchdog_on_exits_zero_promptly(tmp_path):
 
 
 def test_the_default_timeout_ends_a_hung_job_in_minutes(monkeypatch):
-    from tessera_rt.dist import debug
+    from tessera_rt.dist.checks import debug
     monkeypatch.delenv("TESSERA_TIMEOUT", raising=False)
     debug.configure()
     assert 60 <= debug.watchdog_timeout() <= 300

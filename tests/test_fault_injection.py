@@ -217,7 +217,7 @@ def test_ranks_making_different_axis_groups_end_the_job_in_seconds(tmp_path):
 
 
 def test_the_early_comparison_finds_blocked_ranks_only():
-    from tessera_rt.dist.watchdog import disagreement
+    from tessera_rt.dist.checks.watchdog import disagreement
     g, h = ((0, 1, 2), "x"), ((1, 2), "y")
 
     def waiting(gkey, n, phase, shape, seqs=None):

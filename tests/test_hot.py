@@ -1,4 +1,4 @@
-"""The plain collectives' C path (dist/_hot.c) on one process: built, wrapping the Python
+"""The plain collectives' C path (dist/comm/_hot.c) on one process: built, wrapping the Python
 functions faithfully, building the same plan keys (a repeat call is a hit for every argument
 form the Python function caches), and leaving errors to Python.  Multi-rank behaviour:
 tests/mpi/test_collectives.py (results against NumPy at 1-4 ranks), tests/test_failures.py
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tessera_rt import dist
-from tessera_rt.dist import collectives as C
+from tessera_rt.dist.comm import collectives as C
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ def line():
 def test_the_extension_is_built_and_reads_numpy_arrays_directly():
     if os.environ.get("TESSERA_HOT", "1") in ("0", "off", "false", "no"):
         pytest.skip("TESSERA_HOT=0 keeps the Python collectives")
-    assert C._hot is not None, "tessera_rt.dist._hot did not build: run `pip install -e .` with a C compiler"
+    assert C._hot is not None, "tessera_rt.dist.comm._hot did not build: run `pip install -e .` with a C compiler"
     assert C._HOT_ARRAY_FIELDS, "the NumPy array layout check failed: the C path reads arrays through attributes"
 
 
@@ -131,10 +131,10 @@ def test_a_view_keeps_its_output_from_being_reused(line):
 
 
 def test_the_collectives_read_their_check_from_the_seam(line):
-    # The agreement check every collective runs is the seam's slot (dist.hooks.SEAM), which the
+    # The agreement check every collective runs is the seam's slot (dist.comm.hooks.SEAM), which the
     # checkers fill: no module global of collectives holds it, and the C path hands a call to
     # Python while the slot holds a check other than the agreement check it runs itself.
-    from tessera_rt.dist.hooks import SEAM
+    from tessera_rt.dist.comm.hooks import SEAM
     for gone in ("_check", "_check_sig", "_DET"):
         assert not hasattr(C, gone), gone
     x = np.ones(4, np.float32)
@@ -159,7 +159,8 @@ def test_the_collectives_read_their_check_from_the_seam(line):
 
 def test_a_wait_is_named_to_the_watchdog_through_the_seam():
     # a layer above dist names what the main thread waits for with hooks.note (no frame locals)
-    from tessera_rt.dist import hooks, watchdog
+    from tessera_rt.dist.comm import hooks
+    from tessera_rt.dist.checks import watchdog
     assert watchdog._note_of_main() == ""
     with hooks.note("pipeline stage 1 waits for micro-batch 0"):
         with hooks.note("the inner wait"):

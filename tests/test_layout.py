@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera_rt import dist
-from tessera_rt.dist.layout import Layout, LayoutError
-from tessera_rt.dist.redistribute import plan_redistribute
-from tessera_rt.dist.shard import dim_extent, split_offsets, split_sizes
+from tessera_rt.dist.tensor.layout import Layout, LayoutError
+from tessera_rt.dist.tensor.redistribute import plan_redistribute
+from tessera_rt.dist.tensor.shard import dim_extent, split_offsets, split_sizes
 
 
 class GridMesh:

@@ -70,7 +70,8 @@ def test_default_check_notes_each_ops_dtensors_without_a_hook():
     """The agreement check notes the global shape/layout of each DTensor op's arguments for
     the next collective's signature, inline in the dispatcher (a profiler-style hook cost
     ~3 us an op); turned off, nothing is noted."""
-    from tessera_rt.dist import consistency, dispatch
+    from tessera_rt.dist.checks import consistency
+    from tessera_rt.dist.tensor import dispatch
     mesh = dist.Mesh(axes=["tp"], shape={"tp": 1})
     x = dist.distribute(np.ones((4, 3), np.float32), layout=dist.ShardSpec((1,), ("tp",)), mesh=mesh)
     consistency._cfg.metas = {}

@@ -29,6 +29,9 @@ def test_the_wheel_holds_the_license_the_type_marker_and_every_subpackage(tmp_pa
         sorted(n for n in names if "dist-info" in n)
     packages = {str(d.relative_to(ROOT / "src")) for d in (ROOT / "src" / "tessera_rt").rglob("__init__.py")}
     assert packages <= names, packages - names
+    # the collectives' C path, built from dist/comm/_hot.c, sits beside the module that loads it
+    assert any(n.startswith("tessera_rt/dist/comm/_hot.") and n.endswith((".so", ".pyd")) for n in names), \
+        sorted(n for n in names if "_hot" in n)
 
 
 @pytest.mark.timeout(120)

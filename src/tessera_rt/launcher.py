@@ -4,7 +4,7 @@ Runs the MPI launcher that belongs to the MPI mpi4py loaded (an ``mpiexec`` from
 would give every rank world size 1), as ``mpiexec -n N python -m tessera_rt.launcher --rank
 script.py``: each rank runs the script under a hook that ends the whole job on an uncaught
 exception, with one traceback per job (the first failing rank's, without launcher or runpy
-frames, the other failing ranks summarized in one line; ``dist.process_group.report_failure``).
+frames, the other failing ranks summarized in one line; ``dist.comm.process_group.report_failure``).
 
 * Signals: SIGTERM, SIGINT and SIGHUP sent to tessera-run are forwarded to mpiexec, which
   ends every rank; if tessera-run itself is SIGKILLed, the kernel sends mpiexec SIGTERM
@@ -351,7 +351,7 @@ def _rank_main(argv: list[str]) -> None:
         atexit.register(sys.stdout.flush)
         atexit.register(sys.stderr.flush)
     if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
-        from tessera_rt.dist import process_group
+        from tessera_rt.dist.comm import process_group
         process_group._install_excepthook(rank)
     sys.argv = list(argv)
     try:

@@ -28,8 +28,8 @@ import numpy as np
 
 from . import op
 from .autodiff import checkpoint, detach, no_grad
-from .dist.dtensor import DTensor, distribute
-from .dist.layout import ShardSpec
+from .dist.tensor.dtensor import DTensor, distribute
+from .dist.tensor.layout import ShardSpec
 from .dtypes import resolve_dtype
 
 __all__ = [

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import op
 from .autodiff.engine import tree_flatten, tree_unflatten
-from .dist.dtensor import DTensor
+from .dist.tensor.dtensor import DTensor
 from .dtypes import dtype_name
 from .kernels._common import array_module
 
@@ -54,7 +54,7 @@ def _f32(x):
 
 def _zeros(x):
     if type(x) is DTensor:
-        from .dist.dtensor import zeros
+        from .dist.tensor.dtensor import zeros
         return zeros(x.shape, layout=x.layout, mesh=x.mesh, dtype="float32")
     return array_module(x).zeros(x.shape, _F32)
 
@@ -62,7 +62,7 @@ def _zeros(x):
 def _agree(values: list, mesh, op_name: str) -> float:
     """Sum (or max) 0-d values kept on the device, then reduce them over every axis of
     ``mesh`` in one all-reduce of one float64: one host sync, however many leaves."""
-    from .dist import dtensor_collectives as dc
+    from .dist.tensor import dtensor_collectives as dc
     xp = array_module(*values)
     buf = xp.stack([xp.asarray(v, dtype=np.float64) for v in values])
     buf = (buf.sum() if op_name == "sum" else buf.max()).reshape(1)
@@ -459,7 +459,7 @@ def non_finite_leaves(tree: Any) -> list[str]:
 
 
 def _rank():
-    from .dist.process_group import is_initialized, world
+    from .dist.comm.process_group import is_initialized, world
     return world().rank if is_initialized() else None
 
 

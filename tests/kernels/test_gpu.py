@@ -346,7 +346,7 @@ def test_ordering_events_skip_timing_and_timed_ones_time():
 def test_nccl_refuses_tags_it_cannot_honour():
     from mpi4py import MPI
     from tessera_rt import runtime as rt
-    from tessera_rt.dist.comm import NcclCommunicator
+    from tessera_rt.dist.comm.nccl import NcclCommunicator
     comm = NcclCommunicator(MPI.COMM_SELF)
     with pytest.raises(ValueError, match="no message tags"):
         comm.send(cp.zeros(4, np.float32), 0, tag=7, stream=rt.stream("compute"))

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import tessera_rt as ts
 from tessera_rt import dist, op
-from tessera_rt.dist.layout import Layout
+from tessera_rt.dist.tensor.layout import Layout
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()

@@ -11,7 +11,7 @@ import pytest
 import tessera_rt as ts
 from tessera_rt import dist
 from tessera_rt.dist import ccl
-from tessera_rt.dist.shard import split_sizes
+from tessera_rt.dist.tensor.shard import split_sizes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -264,11 +264,11 @@ def test_a_dropped_result_gives_its_set_back(world, algo, per_rank):
 
 
 def test_library_path_runs_the_plain_collectives_plan(world):
-    """The library path and the plain collective share one plan (one table, dist/plans.py):
+    """The library path and the plain collective share one plan (one table, dist/comm/plans.py):
     with a buffer_key its result is the plain call's, call after call, with no array allocated."""
     import tracemalloc
 
-    from tessera_rt.dist import plans
+    from tessera_rt.dist.comm import plans
     mesh = meshes(world)[0][0]
     x = xp.asarray(data(world.rank, (4096 * world.size,), np.int32).astype(np.float32))    # exact sums
     want = [host(dist.all_reduce(x, "x", mesh=mesh)), host(dist.reduce_scatter(x, "x", dim=0, mesh=mesh)),

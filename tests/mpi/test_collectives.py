@@ -264,7 +264,7 @@ def _cases(n):
 def test_cached_plans_give_fresh_results(line, world):
     """A repeated call (its plan cached) gives what the first did, for new data each time,
     and builds no plan; each case's reference is computed on the full data with NumPy."""
-    from tessera_rt.dist import plans
+    from tessera_rt.dist.comm import plans
     n, me = world.size, world.rank
     for name, shape, dtype, call, ref in _cases(n):
         for salt in range(3):
@@ -279,7 +279,7 @@ def test_cached_plans_give_fresh_results(line, world):
 @pytest.mark.timeout(60)
 def test_changed_arguments_make_new_plans(line, world):
     """A new shape, dtype, dim or sizes is a new plan: nothing stale from the last one."""
-    from tessera_rt.dist import plans
+    from tessera_rt.dist.comm import plans
     n, me = world.size, world.rank
     calls = [((2 * n, 3), np.float32, 0, None), ((4 * n, 3), np.float32, 0, None), ((4 * n, 3), np.float64, 0, None),
              ((3, 2 * n), np.float64, 1, None), ((3, 2 * n), np.float64, -1, None),
@@ -354,10 +354,10 @@ def test_all_to_all_tag(line, world):
         dist.all_to_all(D, "x", tag="ring")
 
 
-# --------------------------------------------------------------------------- the C path (dist/_hot.c)
+# --------------------------------------------------------------------------- the C path (dist/comm/_hot.c)
 
-from tessera_rt.dist import collectives as C  # noqa: E402
-from tessera_rt.dist.plans import clear_plans, plans_made  # noqa: E402
+from tessera_rt.dist.comm import collectives as C  # noqa: E402
+from tessera_rt.dist.comm.plans import clear_plans, plans_made  # noqa: E402
 
 ON_CPU = not BACKEND.is_gpu
 
@@ -386,7 +386,7 @@ def _hot_cases(world, line):
 @pytest.mark.timeout(60)
 def test_repeat_calls_take_the_c_path_with_the_python_result(world, line):
     if C._hot is None:
-        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+        pytest.skip("dist.comm._hot is not built (tests/test_hot.py fails for that)")
     for name, call, want in _hot_cases(world, line):
         fn = getattr(C, name)
         for how in ({"mesh": line}, {}):            # mesh= given, then the current mesh
@@ -402,7 +402,7 @@ def test_repeat_calls_take_the_c_path_with_the_python_result(world, line):
 @pytest.mark.timeout(60)
 def test_the_c_path_hands_everything_else_to_python(world, line):
     if C._hot is None:
-        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+        pytest.skip("dist.comm._hot is not built (tests/test_hot.py fails for that)")
     x = rank_data(world.rank, (4, 6), np.float32, 3)
     want = sum(host_data(k, (4, 6), np.float32, 3) for k in range(world.size))
     dist.all_reduce(x, "x", mesh=line)

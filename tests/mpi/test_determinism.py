@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tessera_rt import dist, get_backend, op
-from tessera_rt.dist import determinism as det
+from tessera_rt.dist.checks import determinism as det
 
 
 def _h(a) -> str:

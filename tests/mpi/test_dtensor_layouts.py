@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from tessera_rt import dist
-from tessera_rt.dist import consistency
-from tessera_rt.dist.layout import Layout, LayoutError
-from tessera_rt.dist.redistribute import plan_redistribute
+from tessera_rt.dist.checks import consistency
+from tessera_rt.dist.tensor.layout import Layout, LayoutError
+from tessera_rt.dist.tensor.redistribute import plan_redistribute
 from tessera_rt.dtypes import dtype_name
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -290,7 +290,7 @@ def test_hypothesis_round_trips(world, seed):
 
 # --------------------------------------------------------------------------- compiled plans
 # A repeated redistribute with nothing watching collectives runs the plan's compiled form
-# (dist/compiled_plan.py); the tests above run under trace_collectives, i.e. the steps.
+# (dist/tensor/compiled_plan.py); the tests above run under trace_collectives, i.e. the steps.
 
 def _last_check():
     ring = consistency._cfg.ring          # the checks' ring (the watchdog's history)
@@ -404,7 +404,7 @@ def test_compiled_plans_keep_the_agreement_check(world):
 def test_strided_all_to_all_without_pack(world, monkeypatch):
     """Equal parts along an inner dim go out as MPI derived datatypes, read in place (above
     compiled_plan.STRIDED_MIN_BYTES; lowered here so small shapes take that path)."""
-    from tessera_rt.dist import compiled_plan
+    from tessera_rt.dist.tensor import compiled_plan
     monkeypatch.setattr(compiled_plan, "STRIDED_MIN_BYTES", 0)
     mesh = get_mesh("1d")
     S = {d: Layout(tuple(("tp",) if i == d else () for i in range(3))) for d in range(3)}
@@ -442,7 +442,7 @@ def test_compiled_outputs_never_share_memory_with_live_results(world):
 def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
     """Pack and receive scratch is kept per compiled step on CPU ranks until the budget is
     spent, then comes from the pool: the results are the same either way."""
-    from tessera_rt.dist import compiled_plan
+    from tessera_rt.dist.tensor import compiled_plan
     if budget is not None:
         monkeypatch.setattr(compiled_plan, "SCRATCH_BUDGET_BYTES", budget)
     mesh = get_mesh("1d")
@@ -455,7 +455,7 @@ def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
 def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world):
     """Equal parts of a dtype MPI reduces go straight to mpi4py (as the array collectives'
     direct path); avg, uneven parts and GPU communicators take collectives._issue."""
-    from tessera_rt.dist import compiled_plan
+    from tessera_rt.dist.tensor import compiled_plan
     g = get_mesh("1d").group("tp")
     from tessera_rt.backend import get_backend
     f32, direct = np.dtype(np.float32), not get_backend().is_gpu
@@ -469,12 +469,12 @@ def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world
 
 def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
     """From the second run at one call site, DTensor.redistribute and Plan.run take the
-    compiled plan's C path (dist/_hot.c: guard, the check's remembered site, the compiled
+    compiled plan's C path (dist/comm/_hot.c: guard, the check's remembered site, the compiled
     function); results match; a rank that disagrees later at that site is still caught by the
     sampled check (every run here) on every rank, and the ranks go on in step."""
-    from tessera_rt.dist import collectives as C
+    from tessera_rt.dist.comm import collectives as C
     if C._hot is None:
-        pytest.skip("dist._hot is not built (tests/test_hot.py fails for that)")
+        pytest.skip("dist.comm._hot is not built (tests/test_hot.py fails for that)")
     mesh = get_mesh("1d")
     S0, S1, R = (dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",)),
                  dist.ReplicateSpec())
@@ -510,7 +510,7 @@ def test_redistribute_into_a_kept_output(world, kind):
     """``redistribute(dst, out=Y)`` writes the result into Y's own piece (no new buffer), for
     every layout pair (compiled and C paths from the second run, local steps last, nothing to
     do), and equals the plain call; Y's piece keeps its address."""
-    from tessera_rt.dist import collectives as C
+    from tessera_rt.dist.comm import collectives as C
     mesh = get_mesh(kind)
     shape = (5, 3) if kind != "1d" else (7, 4)
     g = global_array(shape)

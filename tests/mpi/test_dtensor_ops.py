@@ -7,7 +7,7 @@ import pytest
 
 from tessera_rt import dist, op
 from tessera_rt.backend import get_backend, register_kernel
-from tessera_rt.dist.layout import Layout
+from tessera_rt.dist.tensor.layout import Layout
 
 from test_dtensor_layouts import MESH_KINDS, SIZE, all_layouts, get_mesh, global_array, make_local
 

@@ -5,7 +5,7 @@ from mpi4py import MPI
 
 import tessera_rt as ts
 from tessera_rt import dist
-from tessera_rt.dist.comm import HostStagedCommunicator, MpiCommunicator
+from tessera_rt.dist.comm.communicators import HostStagedCommunicator, MpiCommunicator
 
 
 def test_default_devices_follow_topology_order(world):

@@ -3,7 +3,7 @@ import numpy as np
 
 import tessera_rt as ts
 from tessera_rt import dist, op
-from tessera_rt.dist.determinism import tree_sum
+from tessera_rt.dist.checks.determinism import tree_sum
 
 
 def test_numeric_policy_as_a_scope(world):

@@ -14,9 +14,9 @@ import pytest
 from mpi4py import MPI
 
 from tessera_rt import dist
-from tessera_rt.dist import cost, dispatch
-from tessera_rt.dist.layout import Layout
-from tessera_rt.dist.redistribute import plan_redistribute
+from tessera_rt.dist.tensor import cost, dispatch
+from tessera_rt.dist.tensor.layout import Layout
+from tessera_rt.dist.tensor.redistribute import plan_redistribute
 
 SIZE = MPI.COMM_WORLD.Get_size()
 pytestmark = pytest.mark.timeout(120)

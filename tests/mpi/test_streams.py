@@ -210,14 +210,14 @@ def test_a_workers_exception_surfaces_at_the_next_wait_with_its_traceback(world)
 
 @cpu_only
 def test_the_watchdog_sees_the_caller_blocked_on_a_worker(world):
-    from tessera_rt.dist import watchdog
+    from tessera_rt.dist.checks import watchdog
     tp = rt.stream("tp_collective")
     gate, seen = threading.Event(), []
     tp.submit(lambda: gate.wait(5))
 
     def probe():
         time.sleep(0.1)
-        seen.append(watchdog._in_collective(watchdog._main_frame()))
+        seen.append(watchdog.in_collective(watchdog.main_frame()))
         gate.set()
 
     t = threading.Thread(target=probe)

@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..backend import get_backend
-from ..dist import collectives as C
-from ..dist.dispatch import compute_region
-from ..dist.dtensor import DTensor, distribute, from_local, meta_of
-from ..dist.layout import Layout
-from ..dist.hooks import vjp_rule
+from ..dist.comm import collectives as C
+from ..dist.tensor.dispatch import compute_region
+from ..dist.tensor.dtensor import DTensor, distribute, from_local, meta_of
+from ..dist.tensor.layout import Layout
+from ..dist.comm.hooks import vjp_rule
 
 __all__: list[str] = []          # rules only: they register on import (autodiff imports this module)
 
@@ -207,7 +207,7 @@ def _fa_forward(fn, vals, kw):
     causal, scale, policy = _fa_params(kw)
     kern = get_backend().kernel("flash_attention")
     if type(q) is DTensor:
-        from ..dist import dispatch
+        from ..dist.tensor import dispatch
         dec = dispatch.explain("flash_attention", (causal, scale, policy), (q, k, v))
         locs = [a.to_local() if p is None else p.run(a.to_local()) for a, p in zip((q, k, v), dec.plans)]
         with compute_region("flash_attention"):         # (outside the dispatcher: tell the profiler)

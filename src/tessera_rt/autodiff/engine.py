@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backend import get_backend
-from ..dist.dtensor import DTensor, full, zeros
+from ..dist.tensor.dtensor import DTensor, full, zeros
 from .buckets import grad_bucket_bytes
 from .finish import GRAD_ROLE, Finisher, reduce_grads
 from .pytree import tree_flatten, tree_unflatten

@@ -15,8 +15,8 @@ import numpy as np
 
 from .. import runtime as rt
 from ..backend import get_backend
-from ..dist import dtensor_collectives as dc
-from ..dist.dtensor import DTensor, meta_of
+from ..dist.tensor import dtensor_collectives as dc
+from ..dist.tensor.dtensor import DTensor, meta_of
 from .buckets import GradBuckets, grad_bucket_bytes, largest_shard
 from .pytree import tree_flatten, tree_unflatten
 

@@ -11,8 +11,8 @@ sweep walks the tape backwards and calls the op's VJP rule from ``VJPS`` (keyed 
 name; rules are written with ``op.*``, so one rule serves arrays and DTensors and the
 dispatcher picks the gradient's layouts and collectives).
 
-The hook itself (``differentiable``) and the slots it reads live in ``dist.hooks``, below
-autodiff: this module fills them on import (``STATE`` is ``dist.hooks.TRACE``), so the
+The hook itself (``differentiable``) and the slots it reads live in ``dist.comm.hooks``, below
+autodiff: this module fills them on import (``STATE`` is ``dist.comm.hooks.TRACE``), so the
 distributed core records on the tape without importing autodiff.
 
 The op layer sits above: a traced value's operators (``x + y``, ``x @ w``, ``x.sum()``) call
@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..dist import dtensor_collectives as _dtc_routes
-from ..dist.collectives import Work
-from ..dist.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
-from ..dist.hooks import TRACE as STATE
+from ..dist.tensor import dtensor_collectives as _dtc_routes
+from ..dist.comm.collectives import Work
+from ..dist.comm.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
+from ..dist.comm.hooks import TRACE as STATE
 from .var import Tape, Var, current_tape, is_traced, ops, register_ops
 
 __all__ = [
@@ -211,7 +211,7 @@ def detach(x: Any) -> Any:
     return x
 
 
-# plug into the distributed core (dist.hooks): ops wrapped by ``differentiable`` record here,
+# plug into the distributed core (dist.comm.hooks): ops wrapped by ``differentiable`` record here,
 # DTensor operators leave traced operands to Var's reflected operators, and the collectives
 # route traced values to their hooked DTensor versions
 STATE.record = _call

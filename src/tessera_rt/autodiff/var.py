@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dist.hooks import TRACE as STATE
-from ..dist.hooks import differentiable
+from ..dist.comm.hooks import TRACE as STATE
+from ..dist.comm.hooks import differentiable
 
 __all__ = ["Var", "Tape", "register_ops", "ops", "current_tape", "is_traced"]
 

@@ -10,25 +10,26 @@
 The collectives here take arrays or DTensors: an array is communicated as it is; a DTensor
 (routed to ``dtensor_collectives``) becomes a layout change run by the redistribution planner.
 """
-from .collectives import (
+from .comm.collectives import (
     CollectiveRecord, Work, all_gather, all_reduce, all_to_all, barrier, broadcast, bus_factor,
     reduce_scatter, trace_collectives, world_group,
 )
-from .dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
-from .dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
-from . import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
-from .layout import (
+from .tensor.dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
+from .tensor.dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
+from .tensor import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
+from .tensor.layout import (
     Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
 )
-from .mesh import AxisGroup, Mesh, current_mesh, mesh, set_mesh
-from .process_group import World, abort, get_rank, get_world_size, init, is_initialized, world
-from .redistribute import Plan, Step, plan_redistribute
-from .rules import RuleError, register_rule
-from .shard import local_shape, local_slices, split_offsets, split_sizes
-from . import cost, debug
+from .comm.mesh import AxisGroup, Mesh, current_mesh, mesh, set_mesh
+from .comm.process_group import World, abort, get_rank, get_world_size, init, is_initialized, world
+from .tensor.redistribute import Plan, Step, plan_redistribute
+from .tensor.rules import RuleError, register_rule
+from .tensor.shard import local_shape, local_slices, split_offsets, split_sizes
+from .tensor import cost
+from .checks import debug
 from .checkpoint import CheckpointError, async_save, load, save
-from .debug import CollectiveMismatchError, flight_records
-from .determinism import deterministic, is_deterministic, set_deterministic
+from .checks.debug import CollectiveMismatchError, flight_records
+from .checks.determinism import deterministic, is_deterministic, set_deterministic
 
 __all__ = [
     "init", "world", "World", "is_initialized", "get_rank", "get_world_size", "abort",

@@ -161,7 +161,7 @@ def _dp_of(model) -> tuple[int, int]:
 def _gather_dp(model, outs: list, max_new_tokens: int) -> list[list[int]]:
     """Every replica's generated ids on every rank: one all_reduce(max) of a -1-padded table
     (each prompt's row is filled by exactly one dp replica)."""
-    from ..dist import collectives as C
+    from ..dist.comm import collectives as C
     table = np.full((len(outs), max_new_tokens), -1, np.int64)
     for i, o in enumerate(outs):
         table[i, :len(o)] = o

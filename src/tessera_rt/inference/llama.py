@@ -22,8 +22,8 @@ import numpy as np
 
 from .. import op
 from ..backend import get_backend
-from ..dist import collectives as C
-from ..dist.shard import split_offsets, split_sizes
+from ..dist.comm import collectives as C
+from ..dist.tensor.shard import split_offsets, split_sizes
 from ..dtypes import resolve_dtype
 from .checkpoint import CheckpointReader, LlamaConfig, rope_inv_freq
 

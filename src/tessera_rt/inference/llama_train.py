@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from .. import op
-from ..dist.dtensor import DTensor, distribute
-from ..dist.layout import ShardSpec
+from ..dist.tensor.dtensor import DTensor, distribute
+from ..dist.tensor.layout import ShardSpec
 from ..nn import Embedding, Linear, Module, RMSNorm, SwiGLUMLP, TransformerBlock, cross_entropy
 
 __all__ = ["LlamaLM", "RopeAttention", "export_hf", "load_run", "rotate_half_matrix", "run_checkpoint"]

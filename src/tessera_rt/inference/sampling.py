@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..backend import get_backend
-from ..dist import collectives as C
+from ..dist.comm import collectives as C
 from ..dist.ccl.buffers import take
 from .decode import upload
 

@@ -37,12 +37,12 @@ _SCALES = (None, "per_tensor", "per_channel")
 
 _SCOPES: list = []      # the deterministic() contexts of nested ``with policy:`` blocks
 # The mode ``with policy:`` switches belongs to the distributed core, above the kernels:
-# dist.determinism puts its ``deterministic`` context class here when it is imported.
+# dist.checks.determinism puts its ``deterministic`` context class here when it is imported.
 _MODE_SWITCH: list = []
 
 
 def register_mode_switch(context) -> None:
-    """``context(policy)``: what ``with policy:`` enters (dist.determinism's ``deterministic``)."""
+    """``context(policy)``: what ``with policy:`` enters (dist.checks.determinism's ``deterministic``)."""
     _MODE_SWITCH[:] = [context]
 
 

@@ -35,8 +35,8 @@ import numpy as np
 
 from ..autodiff.tape import differentiable, vjp_rule
 from ..backend import get_backend
-from ..dist.dtensor import DTensor, meta_of
-from ..dist.shard import dim_extent
+from ..dist.tensor.dtensor import DTensor, meta_of
+from ..dist.tensor.shard import dim_extent
 from .experts import ExpertActs, swiglu_experts, swiglu_experts_backward
 from .routing import Route, capacity, route
 from .staging import A2AStream, Clock

@@ -22,11 +22,11 @@ import numpy as np
 from .. import op
 from ..autodiff.tape import Var, detach
 from ..backend import get_backend
-from ..dist import collectives as C
-from ..dist.dtensor import DTensor, distribute, from_local
-from ..dist.layout import ShardSpec
-from ..dist.process_group import world
-from ..dist.shard import dim_extent
+from ..dist.comm import collectives as C
+from ..dist.tensor.dtensor import DTensor, distribute, from_local
+from ..dist.tensor.layout import ShardSpec
+from ..dist.comm.process_group import world
+from ..dist.tensor.shard import dim_extent
 from ..dtypes import resolve_dtype
 from .dispatch import TokenDispatcher, moe_ffn
 from .routing import expert_ranges, gate_noise, remote_mask
@@ -302,7 +302,7 @@ class MoE:
         tuple
             ``(logits, penalty)``.
         """
-        from ..dist.determinism import is_deterministic
+        from ..dist.checks.determinism import is_deterministic
         dt = "float64" if np.dtype(detach(x).dtype) == np.float64 else "float32"
         logits = op.matmul(op.astype(x, dt), op.astype(params["gate"], dt))
         lv = detach(logits)

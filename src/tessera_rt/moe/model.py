@@ -7,7 +7,7 @@ Tokens ``(B, S, d)`` with the batch sharded over dp and ep together are flattene
 """
 from __future__ import annotations
 
-from ..dist.layout import ShardSpec
+from ..dist.tensor.layout import ShardSpec
 from ..nn import register_part
 from .layer import MoE
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dist.shard import split_offsets, split_sizes
+from ..dist.tensor.shard import split_offsets, split_sizes
 
 __all__ = ["Route", "capacity", "expert_ranges", "route", "topk", "gate_noise", "remote_mask"]
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import runtime as rt
 from ..backend import get_backend
-from ..dist.dtensor import DTensor
+from ..dist.tensor.dtensor import DTensor
 
 __all__ = ["ExpertTiers", "LayerTiers", "register_prefetch", "TIERS", "POLICIES"]
 

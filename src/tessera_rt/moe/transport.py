@@ -20,7 +20,7 @@ import abc
 import numpy as np
 
 from ..backend import get_backend
-from ..dist import collectives as C
+from ..dist.comm import collectives as C
 
 __all__ = ["Transport", "AllToAll", "to_wire", "from_wire"]
 

@@ -20,9 +20,9 @@ from typing import Any
 from .. import kernels as _kernels
 from ..autodiff.tape import differentiable
 from ..backend import get_backend
-from ..dist import dispatch as _d
-from ..dist.dtensor import DTensor
-from ..dist.rules import _unary_table
+from ..dist.tensor import dispatch as _d
+from ..dist.tensor.dtensor import DTensor
+from ..dist.tensor.rules import _unary_table
 from ..kernels.numerics import NumericPolicy, numeric
 
 __all__ = [

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import ops as op
 from ..backend import get_backend
-from ..dist.dtensor import DTensor
+from ..dist.tensor.dtensor import DTensor
 from ..kernels import cpu_fused
 from ..kernels.mlp import _check_pair as check_pair
 from ..kernels.numerics import result_dtype
@@ -67,7 +67,7 @@ def broadcast_like(g: Any, x: Any) -> Any:
     if _shape(g) == _shape(x):
         return g
     if type(x) is DTensor:
-        from ..dist.dtensor import zeros
+        from ..dist.tensor.dtensor import zeros
         return op.add(zeros(x.shape, layout=x.layout.with_partial(()), mesh=x.mesh, dtype=g.dtype), g)
     xp = get_backend().xp
     return xp.broadcast_to(g, _shape(x))
@@ -381,7 +381,7 @@ def _swiglu_forward(fn, vals, kw):
     x, w1, w3 = vals
     policy = kw.get("policy")
     if type(x) is DTensor or type(w1) is DTensor or type(w3) is DTensor:
-        from ..dist import dispatch
+        from ..dist.tensor import dispatch
         h1, h3 = dispatch.matmul(x, w1, None, policy), dispatch.matmul(x, w3, None, policy)
         return dispatch.binary("mul", dispatch.unary("silu", h1), h3), (h1, h3)
     if _host(x, w1, w3):

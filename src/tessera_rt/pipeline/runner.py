@@ -36,13 +36,13 @@ import numpy as np
 
 from .. import runtime as rt
 from ..autodiff import reduce_grads, vjp
-from ..dist import collectives as C
-from ..dist import dtensor_collectives as DC
-from ..dist.dtensor import DTensor, full, zeros
-from ..dist.hooks import note
-from ..dist.layout import as_layout
-from ..dist.process_group import world
-from ..dist.shard import split_sizes
+from ..dist.comm import collectives as C
+from ..dist.tensor import dtensor_collectives as DC
+from ..dist.tensor.dtensor import DTensor, full, zeros
+from ..dist.comm.hooks import note
+from ..dist.tensor.layout import as_layout
+from ..dist.comm.process_group import world
+from ..dist.tensor.shard import split_sizes
 from .schedules import check_link_order, layout_problems, schedule_for
 from .stats import PipelineStats, record_spans
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..dist.mesh import Mesh
+from ..dist.comm.mesh import Mesh
 from ..nn import register_part
 
 __all__ = ["StagePlan", "split_layers", "stage_meshes"]

@@ -185,7 +185,7 @@ def _block_step(mesh, d: int, hidden: int, tokens: tuple):
     profiler's: forward, backward and the tape's own ops)."""
     from .. import nn, op
     from ..autodiff import value_and_grad
-    from ..dist import dtensor
+    from ..dist.tensor import dtensor
     from ..profiler import Profile
     block = nn.TransformerBlock(d, 4, hidden, mesh=mesh, tp_axis="__replicated__")
     params = block.init(0)
@@ -293,7 +293,7 @@ def measure_collectives(mesh, axes, reps: int = 20, sizes=SIZES) -> dict:
 def _op_chain(mesh, k: int):
     """k tiny ops on a replicated DTensor: the work a step does between two collectives."""
     from .. import op
-    from ..dist import dtensor
+    from ..dist.tensor import dtensor
     z = dtensor.distribute(np.ones((2, 2), np.float32), layout=None, mesh=mesh)
 
     def run():

@@ -12,7 +12,7 @@ __all__ = ["local_bytes", "traced_activation_bytes"]
 
 
 def _arrays(x):
-    from ..dist.dtensor import DTensor
+    from ..dist.tensor.dtensor import DTensor
     if type(x) is DTensor:
         x = x.to_local()
     if isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__"):

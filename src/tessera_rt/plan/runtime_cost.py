@@ -12,7 +12,7 @@ behind the program's back).
 """
 from __future__ import annotations
 
-from ..dist import cost as _cost
+from ..dist.tensor import cost as _cost
 from .specs import Cluster, get_cluster, local_cluster_path
 from .timing import collective_time
 

@@ -45,11 +45,11 @@ import os
 import time
 from typing import Any, Callable
 
-from ..dist.dispatch import compute_region
-from ..dist.dtensor import DTensor
-from ..dist.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
-from ..dist.process_group import world
-from ..dist.shard import local_shape
+from ..dist.tensor.dispatch import compute_region
+from ..dist.tensor.dtensor import DTensor
+from ..dist.comm.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
+from ..dist.comm.process_group import world
+from ..dist.tensor.shard import local_shape
 from .report import ProfileReport, overlap_ratio
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",

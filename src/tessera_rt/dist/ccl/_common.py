@@ -11,10 +11,10 @@ import bisect
 import os
 from typing import Any, Callable
 
-from .. import collectives as C
-from ..plans import clear_plans, plan
-from ..mesh import AxisGroup, Mesh, current_mesh
-from ..process_group import world
+from ..comm import collectives as C
+from ..comm.plans import clear_plans, plan
+from ..comm.mesh import AxisGroup, Mesh, current_mesh
+from ..comm.process_group import world
 
 __all__ = [
     "ALGOS", "resolve", "where", "choose_algo", "algo_table", "set_algo_table", "DEFAULT_TABLE",
@@ -97,7 +97,7 @@ def reset_algo_override() -> None:
     clear_plans()
 
 
-TAGS = C.TAGS          # one list of hints, the plain collectives' (dist.collectives)
+TAGS = C.TAGS          # one list of hints, the plain collectives' (dist.comm.collectives)
 
 
 def choose_algo(op: str, algo: str, nbytes: int, where_: Callable[[], str], tag: str | None = None) -> str:
@@ -162,5 +162,5 @@ def check_array(op: str, g: AxisGroup, x: Any):
 # Per-call plans: everything a ccl op works out from its arguments alone (the group, the
 # normalized dim and part sizes, the algorithm, buffer shapes, this rank's message program,
 # and for the library path the plain collective's own plan) keyed by those arguments, in the
-# one table the plain collectives use (dist/plans.py), so a repeated call does one lookup.
+# one table the plain collectives use (dist/comm/plans.py), so a repeated call does one lookup.
 # A plan is built only when every check passed, so a bad call never reaches the cache.

@@ -21,11 +21,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from .. import consistency
+from ..checks import consistency
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
-from ..plans import clear_plans
-from ..process_group import world
+from ..comm.plans import clear_plans
+from ..comm.process_group import world
 
 __all__ = ["persistent_buffers", "clear_persistent_buffers", "allocations", "take", "entry", "cycle", "NUM_BUFFERS"]
 

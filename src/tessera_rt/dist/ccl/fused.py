@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ...kernels.mlp import dual_reads_x_once
-from .. import collectives as C
+from ..comm import collectives as C
 from . import buffers
 from ._common import check_array, resolve, where
 from .line import line_all_gather, line_reduce_scatter

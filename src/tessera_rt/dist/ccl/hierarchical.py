@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..mesh import Mesh, current_mesh
-from ..process_group import world
-from ..shard import split_sizes
+from ..comm.mesh import Mesh, current_mesh
+from ..comm.process_group import world
+from ..tensor.shard import split_sizes
 from ._common import check_array
 from .line import line_all_gather, line_all_reduce, line_reduce_scatter
 

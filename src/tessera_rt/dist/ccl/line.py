@@ -24,13 +24,13 @@ from typing import Any, Callable, Sequence
 
 from ... import runtime as rt
 from ...dtypes import dtype_name
-from .. import collectives as C
-from ..hooks import SEAM
-from ..comm import REDUCE_OPS, _displs as _offsets
-from ..shard import split_sizes
+from ..comm import collectives as C
+from ..comm.hooks import SEAM
+from ..comm.interface import REDUCE_OPS, _displs as _offsets
+from ..tensor.shard import split_sizes
 from . import buffers
-from ..mesh import current_mesh
-from ..plans import _PLANS, keep, planned
+from ..comm.mesh import current_mesh
+from ..comm.plans import _PLANS, keep, planned
 from ._common import check_array, choose_algo, resolve, where
 
 __all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer", "compile_steps",

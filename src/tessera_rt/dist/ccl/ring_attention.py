@@ -23,9 +23,9 @@ import numpy as np
 
 from ... import runtime as rt
 from ...backend import get_backend
-from .. import collectives as C
-from ..hooks import SEAM, differentiable, vjp_rule
-from ..shard import split_offsets, split_sizes
+from ..comm import collectives as C
+from ..comm.hooks import SEAM, differentiable, vjp_rule
+from ..tensor.shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 
 __all__ = ["ring_attention", "sequence_positions", "shard_sequence"]

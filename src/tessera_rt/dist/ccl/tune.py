@@ -14,9 +14,9 @@ import time
 from typing import Sequence
 
 import numpy as np
-from ..mpi import MPI
+from ..comm.mpi import MPI
 
-from .. import collectives as C
+from ..comm import collectives as C
 from ._common import resolve, set_algo_table
 from .buffers import clear_persistent_buffers
 from .line import line_all_gather, line_all_reduce, line_reduce_scatter

@@ -16,10 +16,10 @@ import numpy as np
 
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
-from ..dtensor import DTensor, from_local
-from ..layout import Layout
-from ..process_group import world
-from ..shard import local_offsets, local_shape
+from ..tensor.dtensor import DTensor, from_local
+from ..tensor.layout import Layout
+from ..comm.process_group import world
+from ..tensor.shard import local_offsets, local_shape
 from .files import _leftovers, _Reader, _remove, read_index
 from .saving import wait_pending
 from .format import CheckpointError, _all_or_raise, _describe, _flatten, _from_disk, _like_shape, _unflatten

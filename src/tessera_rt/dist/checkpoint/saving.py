@@ -28,7 +28,7 @@ import os
 import sys
 
 from ... import runtime as rt
-from ..process_group import world
+from ..comm.process_group import world
 from .files import SaveInfo
 from .format import CheckpointError, _fname
 from .writer import _agree, _commit, _prepare, _Save, _share, _write, _write_index

@@ -16,9 +16,9 @@ import numpy as np
 from ... import runtime as rt
 from ...backend import get_backend
 from ...dtypes import dtype_name
-from ..dtensor import DTensor
-from ..layout import Layout
-from ..shard import local_offsets, local_shape
+from ..tensor.dtensor import DTensor
+from ..tensor.layout import Layout
+from ..tensor.shard import local_offsets, local_shape
 from . import files
 from .files import SaveInfo, _committed, _encode_file, _fsync_dir, _leftovers, _left_note, _remove
 from .format import (

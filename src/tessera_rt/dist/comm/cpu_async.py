@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 
-from .. import runtime as rt
+from ... import runtime as rt
+from ...backend import CpuWorkerStream
 
-__all__ = ["P2P", "start_on_worker"]
+__all__ = ["P2P", "after_role_worker", "start_on_worker"]
 
 # Sends and receives stay non-blocking MPI requests issued by the caller (on its
 # communicator, tracked by the role's stream): on a worker, a blocking recv would hold the
@@ -52,3 +53,15 @@ def start_on_worker(stream, role: str, method, args: tuple):
             stream.wait_event(compute.record())        # requests compute still owes
         stream.submit(lambda: _progress(fn(*args, blocking=False)))
     return stream.record()
+
+
+_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
+
+
+def after_role_worker(role: str) -> None:
+    """Before a blocking CPU call goes straight to MPI on the caller's thread: let the role's
+    worker finish what it was given first (stream order).  The plain collectives' direct
+    paths repeat these lines inline (see the note above ``all_reduce``)."""
+    s = _ROLE_STREAMS.get(role)
+    if s.__class__ is CpuWorkerStream and s._done != s._issued:
+        s.wait_tasks()

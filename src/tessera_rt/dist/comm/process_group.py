@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 from .mpi import MPI
 
-from .. import backend as backend_mod
-from .. import runtime
-from ..backend import Backend, get_backend
-from .comm import Communicator, make_communicator
+from ... import backend as backend_mod
+from ... import runtime
+from ...backend import Backend, get_backend
+from .communicators import make_communicator
+from .interface import Communicator
+from .hooks import PKG_DIR
 
 __all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort"]
 
@@ -224,8 +226,7 @@ def format_failure(etype, value, tb) -> str:
 
 
 def _where(tb) -> str:
-    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))))] or traceback.extract_tb(tb)
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(PKG_DIR)] or traceback.extract_tb(tb)
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
 
 

@@ -72,7 +72,7 @@ class CollectiveRecord:
 TAGS = ("tree", "ring")
 
 
-# Everything that watches collectives is one entry of the seam's list (dist.hooks), so a
+# Everything that watches collectives is one entry of the seam's list (dist.comm.hooks), so a
 # collective with nothing watching pays one list check.
 _HOOKS = SEAM.watchers
 

@@ -34,15 +34,15 @@ into a larger buffer, is several times the 1 us budget; a set lookup is ~0.2 us.
 from __future__ import annotations
 
 import os
-import weakref
 import zlib
 from collections import deque
 
 import numpy as np
 
-from ..dtypes import dtype_name
-from .hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
-from .hooks import user_frame as _user_frame
+from ...dtypes import dtype_name
+from ..comm.hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
+from ..comm.hooks import user_frame as _user_frame
+from ..comm.calls import ALONE, GroupState, Sig, group_state, sig
 
 __all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
@@ -195,81 +195,16 @@ def configure(on: bool) -> None:
     SEAM.metas = _cfg if on else None
 
 
-class _GroupState:
-    """Per-group: the calls this group has verified and how many calls it has issued."""
-    __slots__ = ("seq", "seen", "comm", "g", "__weakref__")
-
-    def __init__(self, g):
-        self.seq, self.seen, self.comm, self.g = 0, set(), None, g
-
-
-_STATES: "weakref.WeakSet" = weakref.WeakSet()      # every group's state, for group_seqs
-
-
-def _state(g) -> _GroupState:
-    st = g.__dict__.get("_consistency")
-    if st is None:
-        st = _GroupState(g)
-        object.__setattr__(g, "_consistency", st)      # AxisGroup is frozen; this is bookkeeping
-        _STATES.add(st)
-    return st
-
-
-def group_key(g) -> tuple:
-    """A group as the ranks name it to each other: (world ranks, mesh axis)."""
-    return tuple(g.ranks), g.name
-
-
-def group_seqs() -> dict:
-    """How many calls this rank has issued on each of its groups: {group_key: count} (read by
-    the watchdog's thread while the main thread waits)."""
-    for _ in range(3):
-        try:
-            return {group_key(st.g): st.seq for st in list(_STATES)}
-        except RuntimeError:                # the set changed while it was copied: again
-            continue
-    return {}
-
-
-class Sig:
-    """One collective signature (op, dtype, shape compared within the group, arguments),
-    interned by ``sig``: equal signatures are one object, so the verified-call key
-    (code, line, sig, meta) hashes by identity, cheaply, while still meaning the content (a
-    plan rebuilt after eviction, or a call that reached the same signature another way,
-    finds its key verified exactly when its peers do)."""
-    __slots__ = ("op", "dtype", "shape", "extra")
-
-    def __init__(self, op, dtype, shape, extra):
-        self.op, self.dtype, self.shape, self.extra = op, dtype, shape, extra
-
-
-_SIGS: dict = {}
-
-
-def sig(op: str, dtype, shape, extra) -> Sig:
-    """The interned signature of a collective (see ``Sig``)."""
-    k = (op, dtype, tuple(shape), extra)
-    s = _SIGS.get(k)
-    if s is None:
-        s = _SIGS[k] = Sig(*k)
-    return s
-
-
-def group_state(g) -> "_GroupState":
-    """The group's check state (call count, verified keys), made on first use."""
-    return g.__dict__.get("_consistency") or _state(g)
-
-
 def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     """Called by a collective before it moves data, from the frame of the function the user
     called (its caller is the call site); collectives with a cached plan call ``check_sig``.
     ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``Plan.run``
     (which calls this for each of its collectives, so no ``Plan.run`` frame lies between
     here and the user to read it from)."""
-    check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3, plan_meta)
+    check_sig(g.__dict__.get("_consistency") or group_state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
 
-def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=_cfg):
+def check_sig(st: "GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=_cfg):
     """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
@@ -304,9 +239,6 @@ def check_sig(st: "_GroupState", s: Sig, depth: int = 2, plan_meta=None, _intern
         return None
     _verify(st, seq, key)
     return None
-
-
-ALONE = ()      # a plan's ``site`` over a group of one: check_plan (and dist/_hot.c) skip it
 
 
 def check_plan(p, depth: int = 2, _c=_cfg) -> None:
@@ -356,7 +288,7 @@ def check_run(plan, checks, _c=_cfg) -> None:
     fresh = not _c.metas
     meta = plan.check_meta
     for op, g, dtype, shape, extra in checks:
-        check_sig(g.__dict__.get("_consistency") or _state(g), sig(op, dtype, shape, extra), 3, meta)
+        check_sig(g.__dict__.get("_consistency") or group_state(g), sig(op, dtype, shape, extra), 3, meta)
     plan._verified = _remember(plan, checks) if fresh else None
 
 
@@ -371,7 +303,7 @@ def _remember(plan, checks):
     meta = None if plan.check_meta is None else (plan.check_meta, None)
     keys = tuple((st, (f.f_code, f.f_lasti, sig(op, dtype, shape, extra), meta))
                  for op, g, dtype, shape, extra in checks
-                 if (st := g.__dict__.get("_consistency") or _state(g)).g.size > 1)
+                 if (st := g.__dict__.get("_consistency") or group_state(g)).g.size > 1)
     return depth - 1, f.f_code, f.f_lasti, keys      # (depth from check_run's own frame)
 
 
@@ -409,7 +341,7 @@ def _desc(st, seq, key) -> tuple:
             site_at(code, at), extra, meta)
 
 
-def _verify(st: _GroupState, seq: int, key) -> None:
+def _verify(st: GroupState, seq: int, key) -> None:
     """Exchange the signature's hash within the group; raise on every member if they differ."""
     g = st.g
     if g.size == 1:
@@ -429,7 +361,7 @@ def _verify(st: _GroupState, seq: int, key) -> None:
         st.seen.add(key)
         return
     descs = st.comm.allgather(d)
-    from .process_group import world
+    from ..comm.process_group import world
     where = f"in group {list(g.ranks)} (mesh axis {g.name!r}, call #{seq} on it)"
     raise CollectiveMismatchError(mismatch_message(
         world().rank, where, descs, list(g.ranks),
@@ -437,7 +369,7 @@ def _verify(st: _GroupState, seq: int, key) -> None:
         "(look for rank-dependent branches, dtypes or shapes at those lines)."))
 
 
-# what the C path (dist/_hot.c) runs of this check, through SEAM.agreement
+# what the C path (dist/comm/_hot.c) runs of this check, through SEAM.agreement
 _AGREEMENT = Agreement(_RING, _verify, _cfg, check_plan)
 
 
@@ -467,7 +399,7 @@ def open_p2p_headers(world) -> None:
 
 
 def p2p_send_header(g, shape, dt, extra, site: str) -> None:
-    from .process_group import world
+    from ..comm.process_group import world
     comm = _P2P[0]
     if comm is None:
         return
@@ -486,7 +418,7 @@ def p2p_post_header(g, extra):
 
 def p2p_check_header(req, g, shape, dt, extra, site: str) -> None:
     """The sender's header must match the receive buffer, else raise naming both sides."""
-    from .process_group import world
+    from ..comm.process_group import world
     if req is None:
         return
     sdt, sshape, ssite, srank = req.wait()

@@ -7,7 +7,7 @@ the local pieces.  Rules never look at data and never communicate, so the same i
 the same decision on every rank, a bad input raises the same error on every rank before
 any collective, and the dispatcher caches the decision.
 
-Elementwise ops, unary math and matmul share one solver (``dist.solve``): every tensor dim
+Elementwise ops, unary math and matmul share one solver (``dist.tensor.solve``): every tensor dim
 carries a label (an output dim, or matmul's contracted ``k``); per mesh axis one operand's
 use wins (the cheapest by the cost model, the largest operand's on ties), the others follow
 it by a free local slice or give theirs up, and a pending reduction survives where the op
@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..backend import get_backend
-from . import determinism as _det
-from .hooks import count_copy
+from ...backend import get_backend
+from ..checks import determinism as _det
+from ..comm.hooks import count_copy
 from .layout import Layout
-from .process_group import world
+from ..comm.process_group import world
 from .shard import dim_extents_all, local_shape
 from .solve import solve
 

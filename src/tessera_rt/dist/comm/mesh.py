@@ -18,7 +18,8 @@ from typing import Iterable
 import numpy as np
 from .mpi import MPI
 
-from .comm import Communicator, make_communicator
+from .communicators import make_communicator
+from .interface import Communicator
 from .process_group import world
 
 __all__ = ["Mesh", "mesh", "AxisGroup", "current_mesh", "set_mesh"]

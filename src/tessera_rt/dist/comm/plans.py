@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from .. import runtime as rt
-from ..dtypes import dtype_name
-from .comm import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, REDUCE_OPS, MpiCommunicator
-from .consistency import ALONE, group_state, sig
+from ... import runtime as rt
+from ...dtypes import dtype_name
+from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
+from .interface import REDUCE_OPS
+from .calls import ALONE, group_state, sig
 from .mesh import AxisGroup
 from .packing import _even, _pack, with_dim
 from .process_group import world
@@ -28,7 +29,7 @@ __all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
 _MADE = [0]
-_CLEARS = [0]              # times the table was emptied: dist/_hot.c's memo of its last plan checks it
+_CLEARS = [0]              # times the table was emptied: dist/comm/_hot.c's memo of its last plan checks it
 
 
 def plan(key: tuple, build: Callable[[], Any]):
@@ -154,7 +155,7 @@ class Plan:
         self.site = ALONE if g.size == 1 else None
         for k, v in kw.items():
             setattr(self, k, v)
-        # what dist/_hot.c reads for a direct call (one attribute instead of seven), or None:
+        # what dist/comm/_hot.c reads for a direct call (one attribute instead of seven), or None:
         # the raw MPI call takes this rank's input (packed first if ``pack``) and the output
         direct = self.fn is not None and not self.exchange and self.flat
         self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype, self.pack) if direct else None
@@ -334,3 +335,38 @@ def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, 
                     lambda: reduce_scatter_plan(g, x, args["op"], args["dim"], sizes, tag, role, async_op))
     return plan(("all_gather", id(g), cls, shape, dt, args["dim"], sizes, tag, role, async_op),
                 lambda: all_gather_plan(g, x, args["dim"], sizes, tag, role, async_op))
+
+
+# --------------------------------------------------------------------------- what the collectives share
+
+_plan_get = _PLANS.get
+
+
+def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
+    """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
+    array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
+    try:
+        key = (name, id(g), x.__class__, x.shape, x.dtype) + args
+        p = _plan_get(key)
+    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
+        key = p = None
+    if p is None:
+        p = keep(key, build(g, x, *args))
+    return p
+
+
+def bad_out(p: Plan, x, out):
+    _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
+
+
+def untaggable(op: str, x, tag) -> None:
+    if tag is not None:
+        raise ValueError(f"rank {world().rank}: dist.{op}(tag={tag!r}) on a {type(x).__name__}: the tag applies to "
+                         "arrays (a DTensor's collectives come from its redistribution plan); pass x.to_local() "
+                         "or leave tag out")
+
+
+def check_peer(op, g, x, peer, name):
+    if not 0 <= peer < g.size or peer == g.index:
+        raise ValueError(f"{where(op, g, x)}: {name}={peer} must be another position in the group "
+                         f"(0..{g.size - 1}, this rank is {g.index})")

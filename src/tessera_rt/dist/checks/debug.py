@@ -14,7 +14,7 @@
   same collectives in the same order, each on its own group, so the check runs over the
   whole mesh and cannot deadlock when ranks call collectives of different groups.
   ``send``/``recv`` (pipeline stages) are not checked and do not count in the sequence.
-* **Default checks** (``dist.consistency``): without any debug mode, each collective's signature
+* **Default checks** (``dist.checks.consistency``): without any debug mode, each collective's signature
   is verified within its group when it is new and every 1024th call (< 1 us per call).
 * **Watchdog** (on by default at world size > 1; ``TESSERA_TIMEOUT`` seconds, default 300,
   0 turns it off): a daemon thread per rank samples the main thread's stack; when the main
@@ -37,11 +37,11 @@ from collections import deque
 
 import numpy as np
 
-from ..dtypes import dtype_name
 from . import consistency
 from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
-from .hooks import SEAM
-from .process_group import on_init
+from ..comm.calls import Call
+from ..comm.hooks import SEAM
+from ..comm.process_group import on_init
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
@@ -49,51 +49,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 300.0      # ends a hung job in minutes; raise it for long first collectives
-
-
-# --------------------------------------------------------------------------- the record of one call
-
-class Call:
-    """One collective as issued on this rank (what hooks, the recorder and profiler see)."""
-
-    __slots__ = ("seq", "op", "group", "shape", "_dt", "site", "t0", "t1", "async_op", "role", "nbytes", "mesh",
-                 "gshape", "extra", "waiting", "prof", "nvtx", "meta", "hdr", "ran", "tag")
-
-    def __init__(self, op, g, x, nbytes, mesh, gshape, extra, role, async_op):
-        self.op, self.group, self.nbytes, self.mesh, self.gshape, self.extra = op, g, nbytes, mesh, gshape, extra
-        if x is not None:
-            self.shape, self._dt = x.shape, x.dtype
-        else:
-            self.shape, self._dt = (), None
-        self.role, self.async_op = role, async_op
-        self.seq = -1
-        self.site = ""
-        self.t0 = self.t1 = 0.0
-        self.waiting = False
-        self.prof = self.nvtx = self.meta = self.hdr = self.ran = None
-        self.tag = ""                  # the tree/ring hint, when the call carried one
-
-    axis = property(lambda self: self.group.name)
-    group_size = property(lambda self: self.group.size)
-    ranks = property(lambda self: self.group.ranks)
-
-    @property
-    def dtype(self) -> str:
-        dt = self._dt
-        if dt is None:
-            return ""
-        name = _DT_NAMES.get(dt)
-        if name is None:
-            name = _DT_NAMES[dt] = dtype_name(dt)
-        return name
-
-    def describe(self) -> str:
-        dt = f" {self.dtype}[{','.join(map(str, self.shape))}]" if self.dtype else ""
-        return f"{self.op}({self.axis}){dt}" + (f" at {self.site}" if self.site else "")
-
-    def __repr__(self) -> str:
-        state = ("pending" if not self.t1 else f"done in {(self.t1 - self.t0) * 1e3:.3f} ms")
-        return f"#{self.seq} {self.describe()} [{state}]"
 
 
 def format_call(c: Call, now: float | None = None) -> str:
@@ -119,7 +74,6 @@ class _Cfg:
 
 
 _cfg = _Cfg()
-_DT_NAMES: dict = {}
 _CHECK_COMMS: dict = {}               # mesh (or None: world) -> [dup communicator, sequence]
 
 
@@ -168,6 +122,7 @@ def configure(debug=None, timeout=None, world=None) -> None:
             raise ValueError(f"TESSERA_TIMEOUT={env!r} is not a number of seconds (0 turns the watchdog off)") from None
     _cfg.timeout = float(timeout)
     consistency.configure(not _cfg.desync)        # the full check replaces the default one
+    SEAM.precheck = precheck if _cfg.desync else None
     if world is not None and world.size > 1:
         consistency.open_p2p_headers(world)        # send/recv headers in debug mode (init: collective)
     watchers = SEAM.watchers
@@ -177,9 +132,9 @@ def configure(debug=None, timeout=None, world=None) -> None:
     elif _RECORDER in watchers:
         watchers.remove(_RECORDER)
     if world is not None and _cfg.timeout > 0 and world.size > 1:
-        _Watchdog.start(world)
+        Watchdog.start(world)
     elif _cfg.timeout <= 0:
-        _Watchdog.stop()
+        Watchdog.stop()
 
 
 def flight_records() -> list[Call]:
@@ -255,7 +210,7 @@ _RECORDER = _Recorder()
 def _check_comm(mesh):
     st = _CHECK_COMMS.get(mesh)
     if st is None:
-        from .process_group import world
+        from ..comm.process_group import world
         base = world().mpi if mesh is None else mesh._mpi
         st = _CHECK_COMMS[mesh] = [base.Dup(), 0]
     return st
@@ -269,8 +224,9 @@ class _NewGroup:
 
 
 def precheck(op: str, mesh, axis, x) -> None:
-    """The check before a mesh group's communicator is made (that is collective too)."""
-    if not _cfg.desync or op in ("send", "recv"):
+    """The check before a mesh group's communicator is made (that is collective too): the
+    collectives call it through ``SEAM.precheck`` while the desync check is on."""
+    if op in ("send", "recv"):
         return
     call = Call(op, _NewGroup(mesh, axis), x if hasattr(x, "dtype") else None, 0, mesh, None, "<new group>",
                 "", False)
@@ -315,7 +271,7 @@ def _ranks_str(rs) -> str:
 
 
 def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
-    from .process_group import world
+    from ..comm.process_group import world
     where = "the world" if call.mesh is None else repr(call.mesh)
     # mesh position -> world rank
     wranks = list(range(len(everyone))) if call.mesh is None else list(call.mesh.devices)
@@ -349,7 +305,8 @@ def call_seq(everyone) -> str:
 
 # --------------------------------------------------------------------------- the watchdog (own module)
 
-from .watchdog import WATCHDOG_EXIT_CODE, _Watchdog, attach_recorder, register_nccl, status  # noqa: E402,F401
+from .watchdog import WATCHDOG_EXIT_CODE, attach_recorder, register_nccl, status  # noqa: E402,F401
+from .watchdog_thread import Watchdog  # noqa: E402
 
 attach_recorder(_cfg, format_call)
 on_init(configure)              # dist.init sets the modes (process_group does not import debug)

@@ -1,7 +1,7 @@
 """Slots the distributed core's hot paths read and the checkers fill (issue 29's seam).
 
 The core never imports upward, and no module writes another's globals: whatever watches or
-checks the hot paths plugs in by filling a slot of ``SEAM`` (one object; ``dist/_hot.c``
+checks the hot paths plugs in by filling a slot of ``SEAM`` (one object; ``dist/comm/_hot.c``
 reads the same one):
 
 * ``check`` / ``check_plan`` / ``check_run``: the cross-rank agreement check for a call,
@@ -12,7 +12,11 @@ reads the same one):
 * ``watchers``: everything that watches collectives (``trace_collectives``, ``debug``'s flight
   recorder, the profiler, deterministic reductions' mark): a collective with nothing
   watching pays one list check.  ``op_watchers``: the profiler's per-op hooks (``dispatch``).
-* ``det``: ``[compensated]`` while deterministic reductions are on (``determinism``), else [].
+* ``det``: ``[compensated]`` while deterministic reductions are on (``determinism``), else [];
+  ``fixed_order``: op -> the fixed-order reduction the collectives run then (``determinism``
+  fills it on import).
+* ``precheck``: the desync check a collective runs before it makes a mesh group's
+  communicator (collective too); ``debug`` fills it while ``TESSERA_DEBUG=collectives`` is on.
 * ``moving``: the ``check_meta`` of the redistribution plan whose steps run now (``Plan.run``
   sets it around its step loop), so the check names the DTensor moved.
 * ``notes``: what the main thread waits for, pushed by a layer above (``note(...)``: the
@@ -88,7 +92,7 @@ class Agreement:
 class Seam:
     """The one object the hot paths read (see the module docstring for each slot)."""
     __slots__ = ("check", "check_plan", "check_run", "agreement", "metas", "watchers", "op_watchers", "det",
-                 "moving", "notes", "trace")
+                 "moving", "notes", "trace", "fixed_order", "precheck")
 
     def __init__(self):
         self.check = self.check_plan = self.check_run = self.agreement = self.metas = None
@@ -98,6 +102,8 @@ class Seam:
         self.moving = None
         self.notes: list = []          # (thread ident, text), innermost last
         self.trace = TRACE
+        self.fixed_order: dict = {}
+        self.precheck: Callable | None = None
 
 
 SEAM = Seam()
@@ -117,7 +123,7 @@ def note(text: str):
 
 # --------------------------------------------------------------------------- the user's call site
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # .../tessera_rt
+PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../tessera_rt
 _INTERNAL: dict = {}              # code object -> True if it belongs to tessera_rt (or mpi4py, runpy)
 caller = sys._getframe            # the frame ``depth`` calls up (the check's remembered-site test)
 known_internal = _INTERNAL.get    # code -> is_internal(code), or None before it was looked at
@@ -127,7 +133,7 @@ def is_internal(code) -> bool:
     v = _INTERNAL.get(code)
     if v is None:
         f = code.co_filename
-        v = _INTERNAL[code] = f.startswith(_PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
+        v = _INTERNAL[code] = f.startswith(PKG_DIR) or f.startswith("<frozen") or "/mpi4py/" in f
     return v
 
 

@@ -27,14 +27,16 @@ from typing import Sequence
 
 from .mpi import MPI, MPI_ERROR
 
-from .. import runtime as rt
-from ..backend import CpuWorkerStream
-from .cpu_async import P2P, start_on_worker
+from ... import runtime as rt
+from ...backend import CpuWorkerStream
+from .calls import Call as _Call
+from . import c_path
+from .cpu_async import P2P, after_role_worker, start_on_worker
 from .mesh import AxisGroup, current_mesh
-from .packing import _unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
-from .plans import (_PLANS, Plan, backend, check_array, check_sizes, norm_dim, _out,  # noqa: F401
-                    _tagged, _tup, where, all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, keep,
-                    reduce_scatter_plan)
+from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
+from .plans import (Plan, backend, check_array, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
+                    all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
+from .plans import bad_out as _bad_out, check_peer as _peer, untaggable as _untaggable
 from .process_group import world
 from .hooks import SEAM as _SEAM
 from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
@@ -47,14 +49,13 @@ __all__ = [
 
 # --------------------------------------------------------------------------- handles
 
-# What the hot paths read from the seam (dist.hooks): the agreement check (SEAM.check, and
+# What the hot paths read from the seam (dist.comm.hooks): the agreement check (SEAM.check, and
 # SEAM.check_plan for a planned call; None when off or replaced by TESSERA_DEBUG=collectives),
 # called before any data moves, and the watchers (the same list as SEAM.watchers).  An async
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
 _HOOKS = _SEAM.watchers
-_plan_get = _PLANS.get
-_IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/mpi.py)
+_IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/comm/mpi.py)
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
@@ -182,24 +183,15 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
         axis = tuple(axis)
     if not mesh.is_member:
         mesh._require_member(op)
-    if _HOOKS and x is not None and axis not in mesh._groups:
+    precheck = _SEAM.precheck
+    if precheck is not None and x is not None and axis not in mesh._groups:
         # making a group is collective over its members: check before, or a rank that
         # issues another collective would leave its peers waiting here, unchecked
-        from .debug import precheck
         precheck(op, mesh, axis, x)
     return mesh.group(axis)
 
 
 _ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
-
-
-def after_role_worker(role: str) -> None:
-    """Before a blocking CPU call goes straight to MPI on the caller's thread: let the role's
-    worker finish what it was given first (stream order).  The plain collectives' direct
-    paths repeat these lines inline (see the note above ``all_reduce``)."""
-    s = _ROLE_STREAMS.get(role)
-    if s.__class__ is CpuWorkerStream and s._done != s._issued:
-        s.wait_tasks()
 
 
 def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
@@ -253,8 +245,7 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
         for h in tuple(_HOOKS):
             h.before(call)                            # may raise (a desync): after() still runs
         if det is not None and _SEAM.det:
-            from .determinism import FIXED_ORDER
-            r = FIXED_ORDER[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
+            r = _SEAM.fixed_order[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
             if async_op:
                 r = Work.completed(r)
         else:
@@ -276,13 +267,6 @@ def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None
     return _hooked(info, role, async_op, method, args, result, then, tag=tag)
 
 
-def _untaggable(op: str, x, tag) -> None:
-    if tag is not None:
-        raise ValueError(f"rank {world().rank}: dist.{op}(tag={tag!r}) on a {type(x).__name__}: the tag applies to "
-                         "arrays (a DTensor's collectives come from its redistribution plan); pass x.to_local() "
-                         "or leave tag out")
-
-
 def _after(call) -> None:
     for h in reversed(_HOOKS):
         if hasattr(h, "after"):
@@ -297,23 +281,10 @@ def _after(call) -> None:
 # also runs the agreement check (it reads the user's call site three frames up: the check,
 # the prologue, the collective).  On the blocking CPU path ``p.fn`` is the raw mpi4py call,
 # after the role's worker (if any) has run what it was given before.  A repeat call on a
-# NumPy array takes the same steps in C (dist/_hot.c, below).
+# NumPy array takes the same steps in C (dist/comm/_hot.c, set up by c_path.py).
 
 _NO_OUT = object()        # prologue: the collective makes its output itself (all_to_all)
 _X_OUT = object()         # prologue: the collective writes x in place (broadcast)
-
-
-def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
-    """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
-    array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
-    try:
-        key = (name, id(g), x.__class__, x.shape, x.dtype) + args
-        p = _plan_get(key)
-    except (AttributeError, TypeError):          # not an array / unhashable: the builder says what
-        key = p = None
-    if p is None:
-        p = keep(key, build(g, x, *args))
-    return p
 
 
 def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
@@ -337,10 +308,6 @@ def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
     if check is not None:
         check(p, 3)
     return p, x, out
-
-
-def _bad_out(p: Plan, x, out):
-    _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
 
 
 def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, mesh: Mesh | None = None,
@@ -514,13 +481,6 @@ def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int
     return out
 
 
-def _then_unpack(p: Plan, recv, out):
-    """What runs once the flat ``recv`` has arrived: lay it out along ``p.dim`` into ``out``.
-    (Made here, not as a closure in the collective: captured names become cells, which
-    every call of the collective would pay for, on its direct path too.)"""
-    return lambda: _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)
-
-
 def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
     info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
@@ -653,12 +613,6 @@ def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int
     return _issue(role, async_op, p.comm.broadcast, (x, root), x)
 
 
-def _peer(op, g, x, peer, name):
-    if not 0 <= peer < g.size or peer == g.index:
-        raise ValueError(f"{where(op, g, x)}: {name}={peer} must be another position in the group "
-                         f"(0..{g.size - 1}, this rank is {g.index})")
-
-
 def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
@@ -715,54 +669,13 @@ def barrier(axis: str | tuple[str, ...] | None = None, *, mesh: Mesh | None = No
     return _issue(role, async_op, comm.barrier, (), None)
 
 
-from .debug import Call as _Call  # noqa: E402  (debug imports this module lazily)
-
-
-# --------------------------------------------------------------------------- the C path
-#
-# A plan hit on a plain array with mesh= given, no hooks and a raw MPI call to make runs the
-# steps above in C (dist/_hot.c): same order, same plan dict, the check's remembered-site
-# path; everything else is handed to the Python function before anything happens.  Each
-# spec lists what follows (op, id(group), type, shape, dtype) in that collective's plan key
-# above (the C side builds the same key) and the parameters that must be None there.
-# TESSERA_HOT=0 keeps the Python functions (and so does a build without a C compiler).
-
-def _load_hot():
-    """dist/_hot.c, set up with the tables it reads live (the plan table, the routes, the seam,
-    the role streams, the mesh stacks), or None (TESSERA_HOT=0, or no compiler at build)."""
-    import os
-    if os.environ.get("TESSERA_HOT", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None, False
-    try:
-        from . import _hot
-    except ImportError:
-        return None, False
-    import numpy as np
-    from .mesh import mesh_stacks
-    from .plans import _CLEARS
-    probe = np.zeros((3, 4), np.int16)[:, ::2]       # setup checks the array fields it reads on this
-    fields = _hot.setup(_PLANS, _CLEARS, _ROUTES, _SEAM, _ROLE_STREAMS, CpuWorkerStream, _IN_PLACE, *mesh_stacks(),
-                        _WORLD_GROUP, np.ndarray, probe, probe.shape, probe.dtype)
-    return _hot, fields
-
+# --------------------------------------------------------------------------- the C path (c_path.py)
 
 # _HOT_ARRAY_FIELDS: whether the C path reads NumPy arrays' fields directly (setup's layout check)
-_hot, _HOT_ARRAY_FIELDS = _load_hot()
-
-
-def _c_path(fn, key: tuple, none: tuple = ()):
-    """``fn`` with its repeat path in C: ``key`` lists what follows (op, id(group), type, shape,
-    dtype) in its plan key (``prologue``'s args; the C side builds the same key), ``none`` the
-    parameters that must be None there.  ``fn`` itself without the extension."""
-    if _hot is None:
-        return fn
-    import functools
-    return functools.update_wrapper(_hot.Collective(getattr(_hot, fn.__name__.upper()), fn, key, none), fn)
-
-
-all_reduce = _c_path(all_reduce, ("op", "tag", "role", "async_op"))
-reduce_scatter = _c_path(reduce_scatter, ("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",))
-all_gather = _c_path(all_gather, ("dim", "sizes", "tag", "role", "async_op"), ("sizes",))
-all_to_all = _c_path(all_to_all, ("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is not None", "tag",
-                                  "role", "async_op"), ("split_sizes", "recv_sizes"))
-broadcast = _c_path(broadcast, ("root", "tag", "role", "async_op"))
+_hot, _HOT_ARRAY_FIELDS = c_path.load(_ROUTES, _WORLD_GROUP, _IN_PLACE)
+all_reduce = c_path.wrap(_hot, all_reduce, ("op", "tag", "role", "async_op"))
+reduce_scatter = c_path.wrap(_hot, reduce_scatter, ("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_gather = c_path.wrap(_hot, all_gather, ("dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_to_all = c_path.wrap(_hot, all_to_all, ("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is not None",
+                                            "tag", "role", "async_op"), ("split_sizes", "recv_sizes"))
+broadcast = c_path.wrap(_hot, broadcast, ("root", "tag", "role", "async_op"))

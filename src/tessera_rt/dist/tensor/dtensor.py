@@ -32,38 +32,40 @@ import types
 
 import numpy as np
 
-from .hooks import TRACE as _TRACE
-from .hooks import differentiable
-from ..backend import get_backend
-from ..dtypes import dtype_name, resolve_dtype
-from . import collectives as C
+from ..comm.hooks import TRACE as _TRACE
+from ..comm.hooks import differentiable
+from ...backend import get_backend
+from ...dtypes import dtype_name, resolve_dtype
+from ..comm import collectives as C
 from .layout import REPLICATE, Layout, as_layout
-from .mesh import Mesh, current_mesh
-from .process_group import world
+from ..comm.mesh import Mesh, current_mesh
+from ..comm.process_group import world
 from .cost import on_change
 from .redistribute import Plan, _fast_run, plan_redistribute
-from .shard import local_offsets, local_shape, local_shape_at
+from .rng import counter_values
+from .pieces import check_pieces as _check_pieces
+from .shard import local_offsets, local_shape
 
 # What DTensor's operators and NumPy protocols call, from the modules above this one (they
-# make DTensors, so they import it): ``dist.dispatch`` registers the op entry points
-# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.interop`` the NumPy,
+# make DTensors, so they import it): ``dist.tensor.dispatch`` registers the op entry points
+# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.tensor.interop`` the NumPy,
 # pickle and ``distribute`` helpers, each on import (dist/__init__ imports both).
 _d = types.SimpleNamespace()
 _io = types.SimpleNamespace()
 
 
 def use_dispatcher(**ops) -> None:
-    """``dist.dispatch``'s op entry points, which DTensor's operators call."""
+    """``dist.tensor.dispatch``'s op entry points, which DTensor's operators call."""
     vars(_d).update(ops)
 
 
 def _unpickle(*args):
-    """Rebuild a pickled DTensor (``dist.interop``'s; this is the name pickles refer to)."""
+    """Rebuild a pickled DTensor (``dist.tensor.interop``'s; this is the name pickles refer to)."""
     return _io.unpickle(*args)
 
 
 def use_interop(**parts) -> None:
-    """``dist.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
+    """``dist.tensor.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
     meshes, unpickle, as_global), which DTensor's NumPy/pickle protocols call."""
     vars(_io).update(parts)
 
@@ -71,9 +73,6 @@ __all__ = [
     "DTensor", "TensorMeta", "meta_of", "tensor", "zeros", "ones", "full", "distribute", "from_local",
     "rand", "randn",
 ]
-
-_MAX_DIMS = 16
-
 
 class TensorMeta:
     """Interned (layout, global shape, dtype, mesh): compared and hashed by identity, so a
@@ -678,67 +677,7 @@ def from_local(local: object, layout: object = None, mesh: Mesh | None = None,
     return DTensor._wrap(local, meta_of(lay, shape, local.dtype, mesh))
 
 
-def _check_pieces(lshape, dtype, layout, mesh: Mesh, shape):
-    if len(lshape) > _MAX_DIMS:
-        raise ValueError(f"rank {world().rank}: dist.from_local supports up to {_MAX_DIMS} dims")
-    info = np.full(2 + _MAX_DIMS, -1, np.int64)
-    info[0], info[1] = len(lshape), np.dtype(dtype).num
-    info[2:2 + len(lshape)] = lshape
-    every = C.all_gather(info, mesh.axes, mesh=mesh).reshape(-1, 2 + _MAX_DIMS)
-    positions = list(np.ndindex(*mesh.sizes))
-    ranks = [int(mesh.device_grid[p]) for p in positions]
-    shapes = [tuple(int(s) for s in row[2:2 + int(row[0])]) for row in every]
-    where = f"rank {world().rank}: dist.from_local(layout={layout!r}, mesh={mesh!r}, shape={shape})"
-    if len({int(row[0]) for row in every}) > 1 or len({int(row[1]) for row in every}) > 1:
-        mine = np.dtype(dtype)
-        desc = ", ".join(f"rank {r}: {len(s)} dims{'' if int(row[1]) == mine.num else ', another dtype'}"
-                         for r, s, row in zip(ranks, shapes, every))
-        raise ValueError(f"{where}: the ranks' local pieces differ in ndim or dtype ({desc}; this rank has "
-                         f"{dtype_name(mine)}); every rank must pass a piece with the same number of dims "
-                         "and the same dtype")
-    ndim = len(shapes[0])
-    if shape is None:
-        probe = as_layout(layout, (0,) * ndim, mesh)
-        shape = []
-        for d, axes in enumerate(probe.dims):
-            if not axes:
-                shape.append(shapes[0][d])
-                continue
-            idx = [mesh.axis_index(a) for a in axes]
-            seen = {}
-            for p, s in zip(positions, shapes):
-                seen.setdefault(tuple(p[i] for i in idx), s[d])
-            shape.append(sum(seen.values()))
-        shape = tuple(shape)
-    if len(shape) != ndim:
-        raise ValueError(f"{where}: the local pieces have {ndim} dims but shape has {len(shape)}")
-    lay = as_layout(layout, shape, mesh)
-    bad = [(r, s, local_shape_at(shape, lay, mesh, p)) for r, s, p in zip(ranks, shapes, positions)
-           if s != local_shape_at(shape, lay, mesh, p)]
-    if bad:
-        desc = "; ".join(f"rank {r} has {s}, expected {e}" for r, s, e in bad[:8])
-        raise ValueError(f"{where}: the local pieces do not make up global shape {shape} under {lay!r} "
-                         f"(uneven split: the first L % n ranks of an axis get one extra): {desc}. "
-                         "Pass each rank its piece, or give the right shape=")
-    return shape
-
-
-# --------------------------------------------------------------------------- random
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(z):
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def _uniform(xp, flat, seed: int, stream: int):
-    key = _mix(np.uint64((seed * 2 + stream) & 0xFFFFFFFFFFFFFFFF) + _GOLDEN)
-    bits = _mix(flat * _GOLDEN + key)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
+# --------------------------------------------------------------------------- random (rng.py)
 
 def _random(kind: str, shape, layout, mesh, seed: int, dtype) -> DTensor:
     mesh = _mesh(mesh, f"dist.{kind}")
@@ -747,18 +686,7 @@ def _random(kind: str, shape, layout, mesh, seed: int, dtype) -> DTensor:
     dt = resolve_dtype(dtype)
     xp = get_backend().xp
     offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)
-    flat = xp.zeros(sizes, dtype=np.uint64)
-    stride = 1
-    for d in range(len(shape) - 1, -1, -1):
-        idx = xp.arange(offs[d], offs[d] + sizes[d], dtype=np.uint64) * np.uint64(stride)
-        flat += idx.reshape((-1,) + (1,) * (len(shape) - 1 - d))
-        stride *= shape[d]
-    with np.errstate(over="ignore"):
-        if kind == "rand":
-            vals = _uniform(xp, flat, seed, 0)
-        else:
-            u1, u2 = _uniform(xp, flat, seed, 0), _uniform(xp, flat, seed, 1)
-            vals = xp.sqrt(-2.0 * xp.log1p(-u1)) * xp.cos(2.0 * np.pi * u2)
+    vals = counter_values(xp, kind, shape, offs, sizes, seed)
     local = xp.ascontiguousarray(vals.astype(dt))
     return DTensor._wrap(_partialize(local, lay, mesh), meta_of(lay, shape, dt, mesh))
 

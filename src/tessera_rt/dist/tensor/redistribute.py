@@ -33,8 +33,8 @@ from functools import lru_cache
 from itertools import product
 from typing import Callable
 
-from . import collectives as C
-from .hooks import SEAM
+from ..comm import collectives as C
+from ..comm.hooks import SEAM
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
@@ -153,7 +153,7 @@ class Plan:
         ex = self._exec
         if ex is None:
             ex = self._compile(x)
-        elif _fast_run is not None:              # this path in C (dist/_hot.c), or NotImplemented
+        elif _fast_run is not None:              # this path in C (dist/comm/_hot.c), or NotImplemented
             # (1: this frame, as check_run counts)
             res = _fast_run(self, x, 1) if out is None else _fast_run(self, x, 1, out)
             if res is not NotImplemented:
@@ -385,7 +385,7 @@ class _Planner:
         def run(x):
             if not xp_zero:
                 return x
-            from ..backend import get_backend
+            from ...backend import get_backend
             return get_backend().xp.zeros_like(x)
         self._do("partialize", a, f"op={op}" + (", zeros here" if xp_zero else ""), run,
                  lambda: self.cur.partial.__setitem__(a, op))
@@ -523,7 +523,7 @@ def _direct_step(shape, src: Layout, dst: Layout, mesh, itemsize: int) -> Step |
     axis = ",".join(group)
 
     def run(x):
-        from ..backend import get_backend
+        from ...backend import get_backend
         xp = get_backend().xp
         buf = xp.empty(sum(send_counts), x.dtype)
         at = 0
@@ -587,7 +587,7 @@ def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype:
     Plan
         The plan (cached per shape, layouts, mesh and dtype).
     """
-    from ..dtypes import dtype_name
+    from ...dtypes import dtype_name
     import numpy as np
     dt = np.dtype(dtype)
     return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt), direct)

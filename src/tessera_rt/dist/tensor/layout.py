@@ -288,7 +288,7 @@ def _validate(layout: Layout, shape: tuple, mesh, what: str) -> Layout:
 
 
 def _validate_uncached(layout: Layout, shape: tuple, mesh, what: str) -> None:
-    from .process_group import world
+    from ..comm.process_group import world
     where = f"rank {world().rank}: {what} {layout!r} for shape {shape} on mesh {_mesh_desc(mesh)}"
     if len(layout.dims) != len(shape):
         raise LayoutError(f"{where}: the layout has {len(layout.dims)} dims but the tensor has {len(shape)}")

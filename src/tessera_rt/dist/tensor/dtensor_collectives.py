@@ -21,11 +21,11 @@ Every function is differentiable (``ts.grad``); the VJP rules live in
 """
 from __future__ import annotations
 
-from .hooks import differentiable
-from . import collectives as C
+from ..comm.hooks import differentiable
+from ..comm import collectives as C
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
-from .process_group import world
+from ..comm.process_group import world
 from .redistribute import plan_redistribute
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv"]

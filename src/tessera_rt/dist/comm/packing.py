@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..backend import get_backend
+from ...backend import get_backend
 
 __all__: list = []     # internal to dist
 
@@ -59,3 +59,10 @@ def _unpack(flat, shape: tuple, dim: int, sizes, even: bool, out):
 
 def _even(sizes) -> bool:
     return min(sizes) == max(sizes)
+
+
+def then_unpack(p, recv, out):
+    """What runs once the flat ``recv`` has arrived: lay it out along ``p.dim`` into ``out``.
+    (Made here, not as a closure in the collective: captured names become cells, which
+    every call of the collective would pay for, on its direct path too.)"""
+    return lambda: _unpack(recv, p.shape, p.dim, p.sizes, p.even, out)

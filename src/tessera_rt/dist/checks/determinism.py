@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import get_backend
-from ..kernels.numerics import register_mode_switch
-from .hooks import SEAM
-from .plans import backend
+from ...backend import get_backend
+from ...kernels.numerics import register_mode_switch
+from ..comm.hooks import SEAM
+from ..comm.plans import backend
 
 __all__ = ["deterministic", "set_deterministic", "is_deterministic", "tree_sum", "matmul", "reduce_sum",
            "active", "FIXED_ORDER"]
@@ -244,4 +244,6 @@ def _reduce_scatter_fixed(g, send, flat, counts, op: str, result, role: str, iss
     return result
 
 
-FIXED_ORDER = {"all_reduce": _all_reduce_fixed, "reduce_scatter": _reduce_scatter_fixed}
+# the collectives find them in the seam (their hooked path, while ``SEAM.det`` is on)
+FIXED_ORDER = SEAM.fixed_order
+FIXED_ORDER.update(all_reduce=_all_reduce_fixed, reduce_scatter=_reduce_scatter_fixed)

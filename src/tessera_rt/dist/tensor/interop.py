@@ -7,13 +7,13 @@ import weakref
 
 import numpy as np
 
-from ..backend import get_backend
-from ..dtypes import dtype_name, resolve_dtype
+from ...backend import get_backend
+from ...dtypes import dtype_name, resolve_dtype
 from . import dispatch as _d
 from .dtensor import DTensor, meta_of, use_interop
 from .layout import Layout
-from .mesh import current_mesh
-from .process_group import world
+from ..comm.mesh import current_mesh
+from ..comm.process_group import world
 
 __all__: list[str] = []
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from .trace import bus_factor
+from ..comm.trace import bus_factor
 
 __all__ = ["CostModel", "AlphaBeta", "set_cost_model", "get_cost_model", "on_change", "step_time",
            "plan_time", "collective_time"]

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_backend
-from .hooks import SEAM as _SEAM
+from ...backend import get_backend
+from ..comm.hooks import SEAM as _SEAM
 from .dtensor import DTensor, TensorMeta, meta_of, use_dispatcher
-from .process_group import world
-from . import determinism
+from ..comm.process_group import world
+from ..checks import determinism
 from .cost import on_change
 from .redistribute import plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind

@@ -28,11 +28,11 @@ import functools
 import math
 from typing import Callable
 
-from . import collectives as C
-from ..backend import mapped_empty
-from .comm import _MPI_OPS
-from .plans import _direct as _mpi_direct
-from .packing import with_dim
+from ..comm import collectives as C
+from ...backend import mapped_empty
+from ..comm.communicators import _MPI_OPS
+from ..comm.plans import _direct as _mpi_direct
+from ..comm.packing import with_dim
 from .shard import local_shape
 
 __all__ = ["compile_plan"]

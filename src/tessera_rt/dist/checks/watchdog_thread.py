@@ -1,0 +1,298 @@
+"""The watchdog's thread (see ``watchdog``): it samples the main thread, probes the other
+ranks' watchdogs once a wait grows old, collects every rank's ``status`` into one report and
+ends the job (``Watchdog.start`` / ``stop``, called by ``debug.configure``).  Ranks talk over
+a duplicate of the world communicator that the watchdog threads alone serve."""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+
+from ..comm.mpi import MPI
+
+from . import consistency
+from ..comm.calls import group_seqs
+from ..comm.nccl import NCCL_COMMS
+from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, WATCHDOG_EXIT_CODE, disagreement, divergence, hot_pending,
+                       in_collective, main_frame, recorder_config, status, wait_state)
+
+__all__ = ["Watchdog"]
+
+_REQ, _REP, _BYE, _PROBE, _PROBE_REP = 7701, 7702, 7703, 7705, 7706
+
+
+def _mismatch_report(rank: int, gkey, members: dict, waited: float) -> str:
+    """The agreement check's error for ranks found blocked in different calls of a group."""
+    ranks, axis = gkey
+    n = min(w[1] for w in members.values())
+    phases = {}
+    for r, w in sorted(members.items()):
+        phases.setdefault(w[2], []).append(r)
+    how = "; ".join(f"{consistency._ranks_str(rs)} {_PHASES[p]}" for p, rs in phases.items())
+    where = f"in group {list(ranks)} (mesh axis {axis!r}, call #{n} on it)"
+    msg = consistency.mismatch_message(
+        rank, where, [w[3] for w in members.values()], list(members),
+        "Every rank of a group must pass the same op, dtype, shape and layout at the same point "
+        "(look for rank-dependent branches, dtypes or shapes at those lines). "
+        f"Found after {waited:.0f} s of waiting: {how}, and none of them can go on.")
+    return f"[rank {rank}] CollectiveMismatchError; ending the job:\nCollectiveMismatchError: {msg}\n"
+
+
+_PHASES = {"check": "in its agreement check (a call new to it, or the check's every-1024th sample)",
+           "call": "in the collective", "new group": "making its group's communicator (a first call on that group)"}
+
+
+class Watchdog:
+    _thread: threading.Thread | None = None
+    _stop = threading.Event()
+    _comm = None
+    _asked_by: int | None = None          # a rank that is collecting the report
+    _asked_at = 0.0
+    _since: float | None = None           # when the main thread's current wait began (None: not waiting)
+    _ident = None                         # which wait that is (frame id, C path call number)
+    _round = 0                            # this rank's probes, to drop late answers to old ones
+    _found = None                         # what the last probe found (reported when the next agrees)
+    _finished: dict = {}                  # rank -> its last calls, from its goodbye
+
+    @classmethod
+    def start(cls, world) -> None:
+        if cls._thread is not None:
+            return
+        if cls._comm is None:
+            cls._comm = world.mpi.Dup()          # collective: init runs on every rank
+        cls._stop.clear()
+        cls._thread = threading.Thread(target=cls._loop, args=(world.rank, world.size), name="tessera-watchdog",
+                                       daemon=True)
+        cls._thread.start()
+
+    @classmethod
+    def stop(cls) -> None:
+        t = cls._thread
+        if t is not None:
+            cls._stop.set()
+            t.join(timeout=5)
+            cls._thread = None
+
+    @classmethod
+    def goodbye(cls) -> None:
+        """At a normal exit: tell the other ranks' watchdogs this rank finished (and its last calls)."""
+        comm = cls._comm
+        if cls._thread is None or comm is None:
+            return
+        cls.stop()
+        try:
+            from ..comm.process_group import world
+            me, n = world().rank, world().size
+            note = ("finished", consistency.recent_calls())
+            reqs = [comm.isend(note, dest=r, tag=_BYE) for r in range(n) if r != me]
+            deadline = time.monotonic() + 1.0          # small messages go eagerly; never hang at exit
+            while reqs and time.monotonic() < deadline:
+                reqs = [q for q in reqs if not q.Test()]
+                if reqs:
+                    time.sleep(0.001)
+            for q in reqs:
+                q.Cancel()
+        except Exception:
+            pass
+
+    @classmethod
+    def _serve(cls, rank: int) -> bool:
+        """Answer status requests; True if a lower rank is collecting a report (it prints)."""
+        comm = cls._comm
+        st = MPI.Status()
+        lower = False
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQ, status=st):
+            src = st.Get_source()
+            comm.recv(source=src, tag=_REQ)
+            cls._asked_by, cls._asked_at = src, time.monotonic()
+            lower |= src < rank
+            comm.send(status(), dest=src, tag=_REP)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROBE, status=st):
+            src = st.Get_source()
+            n = comm.recv(source=src, tag=_PROBE)
+            comm.send((n, cls._answer()), dest=src, tag=_PROBE_REP)
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_BYE, status=st):
+            cls._finished[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_BYE)[1]
+        return lower
+
+    @staticmethod
+    def _wait_ident(f):
+        hot = hot_pending()
+        return id(f), None if hot is None else hot[0]
+
+    @classmethod
+    def _answer(cls) -> dict:
+        """This rank's side of a probe: what its main thread waits in, and for how long."""
+        since, f = cls._since, main_frame()
+        w = None
+        if since is not None and in_collective(f) and cls._wait_ident(f) == cls._ident:
+            w = wait_state(f)
+        return {"wait": w, "waited": 0.0 if w is None else time.monotonic() - since, "seqs": group_seqs()}
+
+    @classmethod
+    def _loop(cls, rank: int, size: int) -> None:
+        frame, since, probe_at = None, 0.0, 0.0
+        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        while not cls._stop.is_set():
+            timeout = recorder_config().timeout
+            cls._stop.wait(min(0.2, max(0.02, timeout / 20)))
+            if timeout <= 0 or cls._stop.is_set():
+                frame = None                 # (a held frame keeps its locals, buffers included)
+                continue
+            try:
+                if threaded:
+                    cls._serve(rank)
+                f = main_frame()
+                if not in_collective(f):
+                    frame = cls._since = None
+                    continue
+                now = time.monotonic()
+                # the C path runs in the caller's frame: a loop of quick collectives keeps
+                # that frame, so its call count tells one long wait from many short ones
+                hot = hot_pending()
+                f = (f, None if hot is None else hot[0])
+                if frame is None or f[0] is not frame[0] or f[1] != frame[1]:
+                    frame, since = f, now
+                    cls._since, cls._ident, cls._found, probe_at = now, (id(f[0]), f[1]), None, now + PROBE_AFTER_S
+                    continue
+                # another rank is already reporting: leave it the report (unless it went quiet)
+                if cls._asked_by is not None and now - cls._asked_at < 10.0:
+                    continue
+                if now - since >= timeout:
+                    cls._fire(rank, size, now - since, threaded)
+                elif threaded and now >= probe_at and consistency._cfg.on:
+                    probe_at = now + PROBE_EVERY_S
+                    cls._probe(rank, size, f[0], now - since)
+            except Exception as e:          # the watchdog must never take the job down by itself
+                sys.stderr.write(f"[tessera watchdog rank {rank}] internal error: {e!r}\n")
+            finally:
+                f = None
+
+    @classmethod
+    def _fire(cls, rank: int, size: int, waited: float, threaded: bool) -> None:
+        comm = cls._comm
+        mine = status(waited)
+        reports = {rank: mine}
+        finished = cls._finished
+        if threaded and size > 1:
+            for r in range(size):
+                if r != rank:
+                    comm.isend(("status", rank), dest=r, tag=_REQ)
+            deadline = time.monotonic() + 3.0
+            st = MPI.Status()
+            while len(reports) + len(finished) < size and time.monotonic() < deadline:
+                if cls._serve(rank):
+                    return cls._yield()                          # a lower rank reports
+                if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REP, status=st):
+                    reports[st.Get_source()] = comm.recv(source=st.Get_source(), tag=_REP)
+                else:
+                    time.sleep(0.01)
+            cls._serve(rank)                                     # (the goodbyes that came meanwhile)
+            time.sleep(0.2)                                      # a lower rank firing at the same time wins
+            if cls._serve(rank):
+                return cls._yield()
+        cls._end(cls._report(rank, size, waited, mine, reports, finished), WATCHDOG_EXIT_CODE)
+
+    @staticmethod
+    def _end(report: str, code: int) -> None:
+        """Print the one report of the job and end every rank."""
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        for c in list(NCCL_COMMS):
+            try:
+                c.abort()
+            except Exception:
+                pass
+        time.sleep(0.3)          # let mpiexec forward the report before the abort kills the pipes
+        MPI.COMM_WORLD.Abort(code)
+
+    @classmethod
+    def _probe(cls, rank: int, size: int, frame, waited: float) -> None:
+        """The early comparison (module docstring): ask every rank what it waits in; end the
+        job when two probes in a row find the same disagreement."""
+        mine = wait_state(frame)
+        if mine is None or size < 2:
+            return
+        comm = cls._comm
+        cls._round += 1
+        for r in range(size):
+            if r != rank:
+                comm.isend(cls._round, dest=r, tag=_PROBE)
+        states = {rank: {"wait": mine, "waited": waited, "seqs": group_seqs()}}
+        deadline = time.monotonic() + 1.5
+        st = MPI.Status()
+        while len(states) + len(cls._finished) < size and time.monotonic() < deadline:
+            if cls._serve(rank):
+                return                                   # a lower rank collects the watchdog's report
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_PROBE_REP, status=st):
+                n, answer = comm.recv(source=st.Get_source(), tag=_PROBE_REP)
+                if n == cls._round:
+                    states[st.Get_source()] = answer
+            else:
+                time.sleep(0.01)
+        found = disagreement(states, cls._finished)
+        if found is None or found != cls._found:
+            cls._found = found
+            return
+        gkey, members, blocked = found
+        if rank != min(blocked):
+            # the lowest blocked rank reports; if it has not ended the job in a while, report here
+            end = time.monotonic() + 2 * PROBE_EVERY_S + 2.0
+            while time.monotonic() < end:
+                cls._serve(rank)
+                time.sleep(0.05)
+        if cls._wait_ident(main_frame()) != cls._ident:
+            return                                       # this rank's call completed after all
+        cls._end(_mismatch_report(rank, gkey, members, waited), 1)
+
+    @classmethod
+    def _yield(cls) -> None:
+        """Another rank prints the report and aborts; keep answering it, abort late if it does not."""
+        end = time.monotonic() + 30.0
+        while time.monotonic() < end:
+            cls._serve(10 ** 9)
+            time.sleep(0.05)
+        MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)
+
+    @staticmethod
+    def _report(rank, size, waited, mine, reports, finished) -> str:
+        cfg = recorder_config()
+        lines = [f"[tessera watchdog] rank {rank}: {mine['what'] or 'a collective'} has not completed "
+                 f"after {waited:.1f} s (TESSERA_TIMEOUT={cfg.timeout:g}); ending the job "
+                 f"(exit code {WATCHDOG_EXIT_CODE}).", "  what every rank is doing:"]
+        for r in range(size):
+            rep = reports.get(r)
+            if rep is None and r in finished:
+                lines.append(f"    rank {r}: finished normally (exited the program; it no longer takes part)")
+            elif rep is None:
+                lines.append(f"    rank {r}: DEAD or unresponsive: no answer within 3 s (the process died, or "
+                             "its main thread holds the GIL)")
+            elif rep["pending"]:
+                lines.append(f"    rank {r} ({rep['host']}): {rep['pending']}")
+            else:
+                lines.append(f"    rank {r} ({rep['host']}): not in a collective; main thread at {rep['stack']}")
+        histories = {r: rep["calls"] for r, rep in reports.items()}
+        histories.update(finished)
+        div = divergence(histories)
+        if div:
+            lines.append("  the ranks' collective calls diverged first at:")
+            lines += [f"    {d}" for d in div]
+        waits: dict = {}
+        for r, rep in reports.items():
+            if rep["what"]:
+                waits.setdefault(rep["what"], []).append(r)
+        if len(waits) > 1:
+            lines.append("  they wait in different calls: " + "; ".join(
+                f"{consistency._ranks_str(sorted(rs))} {w}" for w, rs in sorted(waits.items(), key=lambda kv: len(kv[1]))))
+        if any(rep["flight"] for rep in reports.values()):
+            lines.append(f"  flight recorder (last {cfg.ring.maxlen} collectives per rank, oldest first):")
+            for r in sorted(reports):
+                lines.append(f"    rank {r}:")
+                lines += [f"      {c}" for c in reports[r]["flight"]] or ["      (none)"]
+        lines.append("  To find the first call where the ranks disagree as it happens, rerun with "
+                     "TESSERA_DEBUG=collectives (checks every collective mesh-wide, ~+20 us each).")
+        return "\n".join(lines) + "\n"
+
+
+atexit.register(Watchdog.goodbye)

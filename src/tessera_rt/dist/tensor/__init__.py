@@ -1,0 +1,15 @@
+"""tessera_rt.dist.tensor: DTensors, their layouts and how a layout changes.
+
+It owns layouts and placements (``layout``), shard arithmetic (``shard``), the DTensor
+(``dtensor``; ``pieces`` checks ``from_local``'s pieces, ``rng`` makes ``rand``/``randn``'s
+values) and its NumPy interop (``interop``), the op dispatcher (``dispatch``) with the
+sharding rules it runs (``rules``, registered in one table) and the layout solver
+(``solve``), the redistribution planner (``redistribute``) and its compiled form
+(``compiled_plan``), the collectives on DTensors (``dtensor_collectives``) and the cost
+model redistribution choices are priced with (``cost``).
+
+It may import ``dist.comm``, ``dist.checks`` and the layers below dist (``backend``,
+``runtime``, ``dtypes``, ``kernels``); not ``dist.ccl`` or ``dist.checkpoint``, and
+nothing above dist: autodiff plugs in through ``dist.comm.hooks`` (``differentiable``,
+``vjp_rule``).  ``tests/test_architecture.py`` enforces the order.
+"""
