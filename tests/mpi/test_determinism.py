@@ -112,6 +112,20 @@ def test_deterministic_sum_and_mean_do_not_depend_on_the_layout(world):
                 assert g.dtype == w_.dtype and np.array_equal(g, w_), spec
 
 
+def test_deterministic_pending_sums_reduce_scatter_along_the_leading_dim(world):
+    """A pending sum of a 2-D tensor redistributed to rows (a reduce_scatter along dim 0) takes
+    the fixed order and equals the rank-order sum of the pieces (it raised a broadcast error)."""
+    mesh = dist.Mesh(axes=["x"], shape={"x": world.size})
+    every = np.random.default_rng(9).standard_normal((world.size, 2 * world.size + 1, 3)).astype(np.float32)
+    pending = dist.Layout(((), ()), (("x", "sum"),))
+    X = dist.from_local(every[world.rank].copy(), layout=pending, mesh=mesh, shape=every.shape[1:])
+    rows = dist.ShardSpec(partition=(0,), mesh_axes=("x",))
+    with dist.deterministic():
+        Y = X.redistribute(rows)
+    want = det.tree_sum(every, 0)
+    assert np.array_equal(Y.to_local(), want[dist.local_slices(want.shape, Y.layout, mesh)])
+
+
 def test_tree_sum_kernels():
     x = np.arange(1, 12, dtype=np.float64)
     assert det.tree_sum(x) == 66.0

@@ -289,8 +289,8 @@ def test_hypothesis_round_trips(world, seed):
 
 
 # --------------------------------------------------------------------------- compiled plans
-# A repeated redistribute with nothing watching collectives runs the plan's compiled form
-# (dist/tensor/compiled_plan.py); the tests above run under trace_collectives, i.e. the steps.
+# Every run of a plan takes its compiled form (dist/tensor/compiled_plan.py), watched or not; a repeat
+# with nothing watching runs it from C (dist/comm/_hot.c).
 
 def _last_check():
     ring = consistency._cfg.ring          # the checks' ring (the watchdog's history)
@@ -316,7 +316,7 @@ def check_compiled(g, src, dst, mesh, runs: int = 2):
         check_result(Y, g, src, dst, mesh, plan, i)
     if plan.collectives:
         assert plan._exec, plan                  # the repeat ran compiled
-    with dist.trace_collectives() as log:        # something watching: the steps, recorded
+    with dist.trace_collectives() as log:        # something watching: the same form, recorded
         Y = X.redistribute(dst)
     assert [r.op for r in log.records] == list(plan.collectives)
     check_result(Y, g, src, dst, mesh, plan, runs)
@@ -350,6 +350,86 @@ def test_compiled_plans_3d_and_direct(world, kind):
         for _ in range(2):
             np.testing.assert_array_equal(plan.run(x), g[dist.local_slices(g.shape, dst, mesh)],
                                           err_msg=f"{src!r} -> {dst!r}\n{plan}")
+
+
+def _steps_by_hand(plan, x):
+    """``plan``'s steps as the array collectives, one call each (what ``Plan.run`` ran while
+    something watched collectives before it had one executor): the reference for its records."""
+    mesh = plan.mesh
+
+    def given(sizes):
+        return None if len(set(sizes)) == 1 else list(sizes)
+    for s in plan.steps:
+        if s.kind == "relabel":
+            continue
+        if s.spec is None:
+            x = s.local(x)
+        elif s.detail.startswith("direct"):
+            group, send, recv, send_counts, recv_counts, out_shape = s.spec
+            buf = np.concatenate([x[sl].reshape(-1) for sl, _, _ in send] + [np.empty(0, x.dtype)])
+            got = dist.all_to_all(buf, group, split_dim=0, split_sizes=list(send_counts),
+                                  recv_sizes=list(recv_counts), mesh=mesh)
+            x, at = np.empty(out_shape, x.dtype), 0
+            for sl, cnt, shp in recv:
+                x[sl] = got[at:at + cnt].reshape(shp)
+                at += cnt
+        elif s.kind == "all_reduce":
+            x = dist.all_reduce(x, s.spec[0], s.spec[1], mesh=mesh)
+        elif s.kind == "all_gather":
+            a, d, sizes = s.spec
+            x = dist.all_gather(x, a, dim=d, sizes=given(sizes), mesh=mesh)
+        elif s.kind == "reduce_scatter":
+            a, op, d, sizes = s.spec
+            x = dist.reduce_scatter(x, a, op, dim=d, sizes=given(sizes), mesh=mesh)
+        else:
+            a, d, e, split, recv = s.spec
+            x = dist.all_to_all(x, a, split_dim=e, concat_dim=d, split_sizes=list(split), recv_sizes=list(recv),
+                                mesh=mesh)
+    return x
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_watched_first_run_takes_the_compiled_form_with_the_array_collectives_records(world, kind):
+    """A plan's first run under trace_collectives takes its compiled form (one executor: the
+    plan is compiled then, on a new mesh whose groups that run makes) and the watcher gets
+    what the array collectives give it for the same steps: the same records (op, axis, group
+    size, shape, dtype, bytes) and result; the unwatched repeat gives that result too (uneven
+    pieces at 3 ranks, stepwise and one-exchange plans)."""
+    base = get_mesh(kind)
+    mesh = dist.Mesh(axes=list(base.axes), shape=dict(zip(base.axes, base.sizes)))     # no groups made yet
+    g = global_array((2 * SIZE + 1, 7), seed=5)
+    lays = all_layouts(mesh, 2)
+    for src, dst in itertools.product(lays, lays[:: 1 + len(lays) // 8]):
+        x = make_local(g, src, mesh)
+        for direct in (False, True):
+            plan = plan_redistribute(g.shape, src, dst, mesh, g.dtype, direct=direct)
+            if not plan.steps:
+                continue
+            assert plan._exec is None, plan                   # a new plan: this is its first run
+            with dist.trace_collectives() as log:
+                got = plan.run(x)
+            assert plan._exec, plan                           # the watched run compiled it
+            with dist.trace_collectives() as ref:
+                want = _steps_by_hand(plan, x)
+            assert log.records == ref.records, f"{plan}\n{log.records}\n{ref.records}"
+            np.testing.assert_array_equal(got, want, err_msg=str(plan))
+            np.testing.assert_array_equal(plan.run(x), want, err_msg=str(plan))
+            if not dst.partial:
+                np.testing.assert_array_equal(got, g[dist.local_slices(g.shape, dst, mesh)], err_msg=str(plan))
+
+
+def test_a_piece_of_the_wrong_shape_is_an_error_before_any_collective(world):
+    """A plan runs on this rank's piece of its source layout only; another shape says so on
+    the rank that passed it, before anything moves, and the plan goes on working."""
+    mesh = get_mesh("1d")
+    S0, R = Layout((("tp",), ())), Layout(((), ()))
+    plan = plan_redistribute((6, 4), S0, R, mesh, np.float64)
+    mine = dist.local_shape((6, 4), S0, mesh)
+    with pytest.raises(ValueError, match=rf"rank {world.rank}: .*piece must be a numpy array of shape "
+                                         rf"\[{mine[0]}, 4\].*got float64\[{mine[0] + 1}, 4\]"):
+        plan.run(np.zeros((mine[0] + 1, 4)))
+    g = global_array((6, 4))
+    np.testing.assert_array_equal(plan.run(g[dist.local_slices((6, 4), S0, mesh)]), g)
 
 
 def test_cached_plans_follow_shape_dtype_layout_and_mesh(world):

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any, Callable, Sequence
 
 from ... import runtime as rt
 from ...dtypes import dtype_name
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
-from ..comm.interface import REDUCE_OPS, _displs as _offsets
+from ..comm.interface import REDUCE_OPS
 from ..tensor.shard import split_sizes
 from . import buffers
 from ..comm.mesh import current_mesh
-from ..comm.plans import _PLANS, keep, planned
+from ..comm.plans import keep, lookup, planned
 from ._common import check_array, choose_algo, resolve, where
 
 __all__ = ["line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule", "Transfer", "compile_steps",
@@ -86,6 +87,11 @@ def _bounds(offs: Sequence[int], counts: Sequence[int], c: int, piece) -> tuple[
         return lo, lo + cnt
     h = (cnt + 1) // 2
     return (lo, lo + h) if piece == 0 else (lo + h, lo + cnt)
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    """Where each part starts in the flat buffer of the parts one after another."""
+    return list(accumulate(counts, initial=0))[:-1]
 
 
 def _max_piece(counts: Sequence[int], algo: str) -> int:
@@ -274,7 +280,6 @@ def _miss(key: tuple, build: Callable, buffer_key: str | None, dtype, args: tupl
     return keep(key, p)
 
 
-_get = _PLANS.get            # the plan table's lookup (a miss builds through ``_miss``)
 _cycle = buffers.cycle
 _ND: list = [None]           # the backend's array type, once known
 
@@ -367,7 +372,7 @@ def line_reduce_scatter(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, m
         x = _array(name, mesh, cluster_axis, x)
     key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, op, sizes if sizes is None else tuple(sizes),
            num_links, algo, tag, role, buffer_key)
-    p = _get(key) or _miss(key, _plan_reduce_scatter, buffer_key, x.dtype,
+    p = lookup(key) or _miss(key, _plan_reduce_scatter, buffer_key, x.dtype,
                            (name, mesh, cluster_axis, x, dim, op, sizes, num_links, algo, tag, role))
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)
@@ -478,7 +483,7 @@ def line_all_gather(x: Any, dim: int = -1, cluster_axis: int | str = 0, *, mesh:
         x = _array(name, mesh, cluster_axis, x)
     key = (name, id(mesh), cluster_axis, x.shape, x.dtype, dim, sizes if sizes is None else tuple(sizes),
            num_links, algo, tag, role, buffer_key)
-    p = _get(key) or _miss(key, _plan_all_gather, buffer_key, x.dtype,
+    p = lookup(key) or _miss(key, _plan_all_gather, buffer_key, x.dtype,
                            (name, mesh, cluster_axis, x, dim, sizes, num_links, algo, tag, role))
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)
@@ -564,7 +569,7 @@ def line_all_reduce(x: Any, cluster_axis: int | str = 0, *, mesh: Mesh | None = 
     if x.__class__ is not _ND[0] or not x.flags.c_contiguous:
         x = _array(name, mesh, cluster_axis, x)
     key = (name, id(mesh), cluster_axis, x.shape, x.dtype, op, num_links, algo, tag, role, buffer_key)
-    p = _get(key) or _miss(key, _plan_all_reduce, buffer_key, x.dtype,
+    p = lookup(key) or _miss(key, _plan_all_reduce, buffer_key, x.dtype,
                            (name, mesh, cluster_axis, x, op, num_links, algo, tag, role))
     g = p.g
     e = p.entry                  # (inline: a helper call costs ~0.05 us of the library path's budget)

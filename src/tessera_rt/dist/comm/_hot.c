@@ -652,8 +652,10 @@ static PyObject *setup(PyObject *self, PyObject *args) {
  * run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path -- its guard (the
  * compiled form's array type, dtype and shape), consistency.check_run's remembered-site
  * path, then the compiled function (given ``out``, the caller's buffer for the result, when
- * passed) -- for a plain array; NotImplemented (before anything has happened) when any of it
- * does not apply, and the caller runs Plan.run.  depth: the caller's frame as check_run
+ * passed) -- for a plain array with nothing watching collectives.  The compiled function is
+ * the plan's one executor (dist/compiled_plan.py), the same Plan.run calls: this adds no
+ * description of the steps of its own.  NotImplemented (before anything has happened) when
+ * any of it does not apply, and the caller runs Plan.run.  depth: the caller's frame as check_run
  * counts (1: Plan.run itself, 2: Plan.run's caller). */
 static PyObject *S_exec, *S_verified, *S_check;
 static unsigned long long compiled_hits;

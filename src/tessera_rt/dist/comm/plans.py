@@ -24,7 +24,7 @@ from .packing import _even, _pack, with_dim
 from .process_group import world
 from .trace import TAGS
 
-__all__ = ["Plan", "plan", "keep", "planned", "clear_plans", "plans_made"]
+__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made"]
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
@@ -37,6 +37,11 @@ def plan(key: tuple, build: Callable[[], Any]):
     bad input, and then nothing is cached)."""
     p = _PLANS.get(key)
     return keep(key, build()) if p is None else p
+
+
+# the table's lookup, bound once: the plan under a key, or None (dist.ccl's ops call it on
+# every call, where a call of ``plan`` with a closure to build would cost each call)
+lookup = _PLANS.get
 
 
 def keep(key, p):

@@ -3,43 +3,63 @@
 A ``Plan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
 and this rank's mesh position, so everything its collectives work out per call -- the
 group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is the same on
-every call.  ``compile_plan`` works it out once and returns one function per plan that does
-only what must happen per call:
+every call.  ``compile_plan`` works it out once, on the plan's first run, and returns the
+one function that runs the plan from then on, doing only what must happen per call:
 
-* the cross-rank agreement check (``consistency.check``: a set lookup in steady state) for
-  each collective, with the signature the array collective would pass, so it fires as it
-  does there; ``Plan.run`` makes them all before the first step moves data;
 * an output (NumPy's ``empty`` below 2 MiB, the pool's huge-page blocks from there up), or
   the caller's ``out`` (``DTensor.redistribute(out=...)``);
 * at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
   one (a dim other than the leading one); none where the pieces are contiguous runs;
 * one communicator call in the role's stream order (``collectives._issue``'s), the raw
-  mpi4py call where the array collective's direct path would make one (``_caller``).
+  mpi4py call where the array collective's direct path would make one (``_caller``);
+* the local steps (slices, partialize) as the plan made them.
 
-A compiled plan runs only when nothing watches collectives (``trace_collectives``, the
-profiler, ``TESSERA_DEBUG``, deterministic reductions: ``hooks.SEAM.watchers``) and the input
-is this rank's piece (shape, dtype, array type); otherwise ``Plan.run`` takes its steps
-through the array collectives, which record, check and raise as always.  Groups are never
-made here (that is collective): a plan whose groups do not exist yet runs its steps once.
+``Plan.run`` makes the agreement check for every collective (the signature the array
+collective would pass, returned here) before the first step moves data.  While something
+watches collectives (``trace_collectives``, the profiler, ``TESSERA_DEBUG``, deterministic
+reductions: ``hooks.SEAM.watchers``) each communicator call goes through the array
+collectives' watched path (``collectives._hooked``) with the record the array collective
+would give: the watchers see the same calls, and sum/avg reductions take the deterministic
+fixed order.  The groups a plan's steps need are made here when missing (collectively, on
+every rank, in step order, as the array collectives make them).
 """
 from __future__ import annotations
 
 import functools
 import math
+from collections import namedtuple
 from typing import Callable
 
 from ..comm import collectives as C
 from ...backend import mapped_empty
+from ...dtypes import dtype_name
 from ..comm.communicators import _MPI_OPS
+from ..comm.hooks import SEAM
 from ..comm.plans import _direct as _mpi_direct
 from ..comm.packing import with_dim
+from ..comm.process_group import world
 from .shard import local_shape
 
 __all__ = ["compile_plan"]
 
+# what a watcher's record reads of a collective's input (its shape and dtype; compiled
+# steps know them without the array)
+_Piece = namedtuple("_Piece", "shape dtype")
 
-def _group(mesh, axis):
-    return mesh._groups.get(axis)
+
+def _group(mesh, axis, op: str, shape: tuple, dtype):
+    """The step's group, made now if it does not exist yet, the array collectives' way
+    (``collectives._group``: making it is collective, so ``TESSERA_DEBUG=collectives`` first
+    checks that the ranks agree)."""
+    g = mesh._groups.get(axis)
+    return g if g is not None else C._group(mesh, axis, op, _Piece(shape, dtype))
+
+
+def _record(check: tuple, shape: tuple, nbytes: int, mesh) -> tuple:
+    """What the array collective hands its watchers (``collectives._hooked``'s ``info``) for a
+    step with agreement-check arguments ``check`` on an input of ``shape``."""
+    op, g, dtype, gshape, extra = check
+    return op, g, _Piece(shape, dtype), nbytes, mesh, gshape, extra
 
 
 def _parts_view(shape: tuple, dim: int, sizes) -> tuple[tuple, tuple] | None:
@@ -87,11 +107,6 @@ def _scratch(b, shape: tuple, dtype) -> Callable:
     _SCRATCH_KEPT[0] += nbytes
     buf = mapped_empty(shape, dtype)     # (huge pages from 2 MiB, as the pool's blocks)
     return lambda: buf
-
-
-def _on_gpu() -> bool:
-    """GPU buffers are left to CuPy's pool, which orders reuse against the streams."""
-    return C.backend().is_gpu
 
 
 def _pieces(shape: tuple, dim: int, sizes) -> list[tuple]:
@@ -158,21 +173,31 @@ def _counts(sizes, inner: int):
     return None if min(sizes) == max(sizes) else [s * inner for s in sizes]
 
 
-def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = None) -> Callable:
+def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = None,
+            record: tuple | None = None) -> Callable:
     """(send, recv) -> recv, after one blocking ``comm.<method>`` in ``role``'s stream order.
 
     On CPU ranks over MPI, with fixed-size parts and a dtype MPI moves (reduces) itself, this
     is the raw mpi4py call the method would make, after the role's worker has run what it
     was given (collectives._issue's CPU order): ~0.8 us a call less than going through
-    ``_issue`` and the method.  Otherwise ``_issue`` (GPU streams, staged dtypes, -v forms)."""
+    ``_issue`` and the method.  Otherwise ``_issue`` (GPU streams, staged dtypes, -v forms).
+    While something watches collectives the call is the array collective's watched one
+    (``_watched``, with ``record``)."""
     reducing = method in ("all_reduce", "reduce_scatter")
     extra = {"all_reduce": (op,), "reduce_scatter": (counts, op), "all_gather": (counts,),
              "all_to_all": tuple(counts or (None, None))}[method]
     sizes = {"all_reduce": (), "reduce_scatter": (counts,), "all_gather": (counts,), "all_to_all": extra}[method]
     fixed = all(c is None for c in sizes)            # equal parts: the fixed-size MPI call
+    m, watchers = getattr(comm, method), SEAM.watchers
+    watched = _watched(record, role, m, extra, reducing and op in ("sum", "avg"), method == "reduce_scatter")
     if not (fixed and _mpi_direct(comm, False, dtype, reducing, op)):
-        m, issue = getattr(comm, method), C._issue
-        return lambda send, recv: issue(role, False, m, (send, recv) + extra, recv)
+        issue = C._issue
+
+        def issue_call(send, recv):
+            if watchers:
+                return watched(send, recv)
+            return issue(role, False, m, (send, recv) + extra, recv)
+        return issue_call
     mpi = comm.mpi
     fn = {"all_reduce": mpi.Allreduce, "reduce_scatter": mpi.Reduce_scatter_block, "all_gather": mpi.Allgather,
           "all_to_all": mpi.Alltoall}[method]
@@ -180,74 +205,99 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
     after_worker = C.after_role_worker
 
     def raw_call(send, recv):            # (the watchdog knows this frame: it waits inside MPI)
+        if watchers:
+            return watched(send, recv)
         after_worker(role)
         fn(send, recv, *args)
         return recv
     return raw_call
 
 
+def _watched(record, role: str, method, extra: tuple, det: bool, flat: bool) -> Callable:
+    """(send, recv) -> recv through the array collectives' watched path (``collectives._hooked``:
+    the watchers' before/after around the call) with ``record``, the array collective's; ``det``:
+    a sum/avg reduction, which takes the fixed order while deterministic reductions are on;
+    ``flat``: a reduce_scatter, whose parts go flat (as ``collectives.run_reduce_scatter``)."""
+    hooked = C._hooked
+
+    def watched(send, recv):
+        out = recv
+        if flat:
+            send, recv = send.reshape(-1), recv.reshape(-1)
+        args = (send, recv) + extra
+        fixed = ((record[1],) + args + ((out,) if flat else ())) if det else None
+        return hooked(record, role, False, method, args, out, det=fixed)
+    return watched
+
+
 # --------------------------------------------------------------------------- step bodies
 # Each mirrors its array collective in ``collectives`` for an input of a known shape: the
 # same check signature, role, communicator call and counts; only the per-call work is left.
 
+def _nbytes(shape: tuple, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def _all_reduce(b, mesh, shape, dtype, spec):
     a, op = spec
-    g = _group(mesh, a)
-    if g is None:
-        return None
-    call, new_out = _caller(g.comm, "all_reduce", "tp_collective", dtype, op=op), _keeper(b, shape, dtype)
+    g = _group(mesh, a, "all_reduce", shape, dtype)
+    check = ("all_reduce", g, dtype, shape, op)
+    call = _caller(g.comm, "all_reduce", "tp_collective", dtype, op=op,
+                   record=_record(check, shape, _nbytes(shape, dtype), mesh))
+    new_out = _keeper(b, shape, dtype)
 
     def body(x, out=None):
         return call(x, new_out() if out is None else out)
-    return body, shape, ("all_reduce", g, dtype, shape, op)
+    return body, shape, check
 
 
 def _all_gather(b, mesh, shape, dtype, spec):
     a, d, sizes = spec
-    g = _group(mesh, a)
-    if g is None:
-        return None
+    g = _group(mesh, a, "all_gather", shape, dtype)
     even = min(sizes) == max(sizes)
     inner = math.prod(with_dim(shape, d, 1))
     counts = None if even else [s * inner for s in sizes]
     out_shape = with_dim(shape, d, sum(sizes))
-    check_shape = shape if even else with_dim(shape, d, -1)   # what collectives.all_gather checks
-    call, new_out = _caller(g.comm, "all_gather", "tp_collective", dtype, counts), _keeper(b, out_shape, dtype)
+    # what collectives.all_gather checks: with sizes given, lengths along d may differ
+    check = ("all_gather", g, dtype, shape if even else with_dim(shape, d, -1), d)
+    call = _caller(g.comm, "all_gather", "tp_collective", dtype, counts,
+                   record=_record(check, shape, _nbytes(out_shape, dtype), mesh))
+    new_out = _keeper(b, out_shape, dtype)
     unpack = _unpacker(b.xp, out_shape, d, sizes)
     new_recv = _scratch(b, (math.prod(out_shape),), dtype)
     if unpack is None:
         def body(x, out=None):
             return call(x, new_out() if out is None else out)
-        return body, out_shape, ("all_gather", g, dtype, check_shape, d)
+        return body, out_shape, check
 
     def body_unpack(x, out=None):
         recv = call(x, new_recv())
         out = new_out() if out is None else out
         unpack(recv, out)
         return out
-    return body_unpack, out_shape, ("all_gather", g, dtype, check_shape, d)
+    return body_unpack, out_shape, check
 
 
 def _reduce_scatter(b, mesh, shape, dtype, spec):
     a, op, d, sizes = spec
-    g = _group(mesh, a)
-    if g is None:
-        return None
+    g = _group(mesh, a, "reduce_scatter", shape, dtype)
     inner = math.prod(with_dim(shape, d, 1))
     counts = _counts(sizes, inner)
     out_shape = with_dim(shape, d, sizes[g.index])
-    call = _caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op)
+    check = ("reduce_scatter", g, dtype, shape, (op, d))
+    call = _caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op,
+                   record=_record(check, shape, _nbytes(shape, dtype), mesh))
     new_out = _keeper(b, out_shape, dtype)
     pack = _packer(b, shape, d, sizes, dtype)
 
     def body(x, out=None):
         return call(x if pack is None else pack(x), new_out() if out is None else out)
-    return body, out_shape, ("reduce_scatter", g, dtype, shape, (op, d))
+    return body, out_shape, check
 
 
-def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
+def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv, record):
     """all_to_all of an ``in_shape`` piece: parts ``split`` along ``split_dim`` go out, parts
-    of lengths ``recv`` along ``concat_dim`` come in."""
+    of lengths ``recv`` along ``concat_dim`` come in (``record``: the watchers')."""
     base = with_dim(in_shape, split_dim, split[g.index])
     out_shape = with_dim(base, concat_dim, sum(recv))
     send_counts = [math.prod(with_dim(in_shape, split_dim, s)) for s in split]
@@ -255,17 +305,11 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (send_counts, recv_counts)
     comm, issue, xp = g.comm, C._issue, b.xp
-    call = _caller(comm, "all_to_all", "a2a", dtype, (sc, rc))
+    call = _caller(comm, "all_to_all", "a2a", dtype, (sc, rc), record=record)
     pack = _packer(b, in_shape, split_dim, split, dtype)
     unpack = _unpacker(xp, out_shape, concat_dim, recv)
     new_out, new_got = _keeper(b, out_shape, dtype), _scratch(b, (math.prod(out_shape),), dtype)
     part_type = _strided_part(comm, in_shape, split_dim, split, dtype) if pack is not None and fixed else None
-    if part_type is not None and unpack is None:
-        # the parts are strided views of x: MPI reads them in place (no pack buffer)
-        def body_strided(x, out=None):
-            out = new_out() if out is None else out
-            return issue("a2a", False, comm.all_to_all_strided, (x, part_type, out), out)
-        return body_strided, out_shape
 
     def body(x, out=None):
         send = x if pack is None else pack(x)
@@ -275,7 +319,18 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv):
         out = new_out() if out is None else out
         unpack(got, out)
         return out
-    return body, out_shape
+    if part_type is None or unpack is not None:
+        return body, out_shape
+    watchers = SEAM.watchers
+
+    def body_strided(x, out=None):
+        # the parts are strided views of x: MPI reads them in place (no pack buffer); watched,
+        # the array collective's call (pack, all_to_all), as its watchers know it
+        if watchers:
+            return body(x, out)
+        out = new_out() if out is None else out
+        return issue("a2a", False, comm.all_to_all_strided, (x, part_type, out), out)
+    return body_strided, out_shape
 
 
 # Below this many bytes in this rank's piece, packing with NumPy and the plain Alltoall is
@@ -306,24 +361,24 @@ def _strided_part(comm, shape: tuple, dim: int, sizes, dtype):
 
 def _all_to_all(b, mesh, shape, dtype, spec):
     a, d, e, split, recv = spec
-    g = _group(mesh, a)
-    if g is None:
-        return None
-    masked = tuple(-1 if i in (e, d) else s for i, s in enumerate(shape))
-    body, out_shape = _exchange(b, g, dtype, shape, e, list(split), d, list(recv))
-    return body, out_shape, ("all_to_all", g, dtype, masked, (e, d))
+    g = _group(mesh, a, "all_to_all", shape, dtype)
+    check = ("all_to_all", g, dtype, tuple(-1 if i in (e, d) else s for i, s in enumerate(shape)), (e, d))
+    body, out_shape = _exchange(b, g, dtype, shape, e, list(split), d, list(recv),
+                                _record(check, shape, _nbytes(shape, dtype), mesh))
+    return body, out_shape, check
 
 
 def _direct(b, mesh, shape, dtype, spec):
     """The one-exchange step: pieces cut from boxes of x, one all_to_all(v) over the group,
     pieces written into boxes of the result (``redistribute._direct_step``)."""
     group, send, recv, send_counts, recv_counts, out_shape = spec
-    g = _group(mesh, group)
-    if g is None:
-        return None
+    packed = (sum(send_counts),)             # what goes out: the parts, one after another
+    g = _group(mesh, group, "all_to_all", packed, dtype)
+    check = ("all_to_all", g, dtype, (-1,), (0, 0))
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (list(send_counts), list(recv_counts))
-    call, xp = _caller(g.comm, "all_to_all", "a2a", dtype, (sc, rc)), b.xp
+    call = _caller(g.comm, "all_to_all", "a2a", dtype, (sc, rc), record=_record(check, packed, _nbytes(packed, dtype), mesh))
+    xp = b.xp
     new_buf, new_got = _scratch(b, (sum(send_counts),), dtype), _scratch(b, (sum(recv_counts),), dtype)
     new_out = _keeper(b, out_shape, dtype)
     sends, at = [], 0
@@ -344,34 +399,36 @@ def _direct(b, mesh, shape, dtype, spec):
         for flat, shp, sl in recvs:
             xp.copyto(out[sl], got[flat].reshape(shp))
         return out
-    return body, out_shape, ("all_to_all", g, dtype, (-1,), (0, 0))
+    return body, out_shape, check
 
 
 _COMPILERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
               "all_to_all": _all_to_all, "direct": _direct}
 
 
-def compile_plan(plan, backend, dtype):
-    """(the function running ``plan`` on this rank's piece -- ``fn(x)``, or ``fn(x, out)``
-    writing the result into ``out`` --, its input shape, the agreement check's arguments for
-    each collective), or None when a step's group does not exist yet (the steps make it,
-    collectively, on their first run)."""
+def compile_plan(plan, backend, x):
+    """(the function running ``plan`` on this rank's pieces like ``x`` -- ``fn(x)``, or
+    ``fn(x, out)`` writing the result into ``out`` --, its input shape, the agreement check's
+    arguments for each collective).  Makes the groups the steps need that do not exist yet."""
     shape = local_shape(plan.shape, plan.src, plan.mesh)
+    if not backend.is_array(x) or tuple(x.shape) != shape:
+        got = f"{dtype_name(x.dtype)}{list(x.shape)}" if backend.is_array(x) else type(x).__name__
+        raise ValueError(f"rank {world().rank}: redistributing {plan.dtype_name}{list(plan.shape)} {plan.src!r} -> "
+                         f"{plan.dst!r} on {plan.mesh!r}: this rank's piece must be a {backend.xp.__name__} array "
+                         f"of shape {list(shape)} (its part of {plan.src!r}), got {got}")
+    dtype = x.dtype
     in_shape, bodies, checks, local_last = shape, [], [], False
     for s in plan.steps:
         if s.kind == "relabel":
             continue
         if s.spec is None:                       # a local step (slice, partialize): its own body
-            bodies.append(s._run)
+            bodies.append(s.local)
             shape = local_shape(plan.shape, s.dst, plan.mesh)
             local_last = True
             continue
         local_last = False
         kind = "direct" if s.detail.startswith("direct") else s.kind
-        made = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
-        if made is None:
-            return None
-        body, shape, check = made
+        body, shape, check = _COMPILERS[kind](backend, plan.mesh, shape, dtype, s.spec)
         bodies.append(body)
         checks.append(check)
     assert shape == local_shape(plan.shape, plan.dst, plan.mesh), (plan, shape)

@@ -23,8 +23,10 @@ registered cost model (``dist.cost``) picks the cheaper of the two; ties keep th
 Each step's predicted time is part of the plan's printout.
 
 Plans are pure functions of (global shape, layouts, mesh, itemsize, cost model) and this
-rank's mesh position, so they are cached (a new cost model clears the cache); ``Plan.run``
-only issues the collectives.
+rank's mesh position, so they are cached (a new cost model clears the cache).  A plan runs
+one way (``Plan.run``): compiled once, on its first run, into communicator calls and local
+copies (``compiled_plan``), which every run takes -- watched or not; ``dist/_hot.c`` runs
+the same compiled form for a repeat.
 """
 from __future__ import annotations
 
@@ -48,14 +50,6 @@ __all__ = ["Step", "Plan", "plan_redistribute"]
 _COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
-def _identity(x):
-    return x
-
-
-def _backend():
-    return C.backend()
-
-
 class Step:
     """One step of a plan: ``kind`` over mesh ``axis``, taking layout ``src`` to ``dst``.
     The planner makes steps; they are read, not built by hand.
@@ -74,23 +68,25 @@ class Step:
         The most any rank sends.
     bytes_by_position : tuple
         What each position of the group sends.
-    run : callable
-        Runs the step on a local piece.
+    local : callable, optional
+        A local step's function on this rank's piece (slice, partialize); None for a
+        collective (its ``spec``) or a relabel.
     copy_bytes : int
         The most any rank copies locally (slices, packing).
     spec : tuple, optional
-        A collective's arguments, for the compiled plan (None: a local step).
+        A collective's arguments, which ``compiled_plan`` compiles (None: not a collective).
     """
 
-    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "_run", "copy_bytes",
+    __slots__ = ("kind", "axis", "src", "dst", "detail", "bytes_sent", "bytes_by_position", "local", "copy_bytes",
                  "spec")
 
     def __init__(self, kind: str, axis: str, src: Layout, dst: Layout, detail: str, bytes_sent: int,
-                 bytes_by_position: tuple, run: Callable, copy_bytes: int = 0, spec: tuple | None = None) -> None:
+                 bytes_by_position: tuple, local: Callable | None = None, copy_bytes: int = 0,
+                 spec: tuple | None = None) -> None:
         self.kind, self.axis, self.src, self.dst, self.detail = kind, axis, src, dst, detail
-        self.bytes_sent, self.bytes_by_position, self._run = bytes_sent, bytes_by_position, run
+        self.bytes_sent, self.bytes_by_position, self.local = bytes_sent, bytes_by_position, local
         self.copy_bytes = copy_bytes          # the most any rank copies locally (slices, packing)
-        self.spec = spec                      # a collective's arguments, for compiled_plan (None: local)
+        self.spec = spec
 
     @property
     def is_collective(self) -> bool:
@@ -134,9 +130,11 @@ class Plan:
 
     def run(self, x: object, out: object = None) -> object:
         """This rank's piece ``x`` in ``dst`` (written into ``out``, a C-contiguous array of the
-        result's local shape and dtype, when given).  A repeated run takes the compiled form
-        (compiled_plan: the communicator calls only) unless something watches collectives;
-        the agreement check then runs for every collective of the plan before the first.
+        result's local shape and dtype, when given).  Every run takes the compiled form
+        (``compiled_plan``, made on the first run; a repeat on a plain array runs it from C):
+        the agreement check for every collective of the plan before the first moves data,
+        then the steps; while something watches collectives each communicator call reports
+        to the watchers as the array collective's does.
 
         Parameters
         ----------
@@ -151,43 +149,33 @@ class Plan:
             This rank's piece in ``dst``.
         """
         ex = self._exec
-        if ex is None:
-            ex = self._compile(x)
-        elif _fast_run is not None:              # this path in C (dist/comm/_hot.c), or NotImplemented
+        if ex is not None and _fast_run is not None:     # this path in C (dist/comm/_hot.c), or NotImplemented
             # (1: this frame, as check_run counts)
             res = _fast_run(self, x, 1) if out is None else _fast_run(self, x, 1, out)
             if res is not NotImplemented:
                 return res
-        if ex and not SEAM.watchers and x.__class__ is ex[0] and x.dtype == ex[1] and x.shape == ex[2]:
-            check_run = SEAM.check_run
-            if check_run is not None:        # (the agreement check is on)
-                check_run(self, ex[4])
-            x = x if x.flags.c_contiguous else _backend().xp.ascontiguousarray(x)
-            return ex[3](x) if out is None else ex[3](x, out)
-        moving, SEAM.moving = SEAM.moving, self.check_meta      # the check names the DTensor moved
+        if not self.steps:
+            return x if out is None else _into(out, x)
+        watched = SEAM.watchers
+        if watched:                              # the watchers' records name the DTensor moved
+            moving, SEAM.moving = SEAM.moving, self.check_meta
         try:
-            for s in self.steps:
-                x = s._run(x)
+            if ex is None or x.__class__ is not ex[0] or x.dtype != ex[1] or x.shape != ex[2]:
+                ex = self._compile(x)
+            check_run = SEAM.check_run
+            if check_run is not None:            # (the agreement check is on)
+                check_run(self, ex[4])
+            x = x if x.flags.c_contiguous else C.backend().xp.ascontiguousarray(x)
+            return ex[3](x) if out is None else ex[3](x, out)
         finally:
-            SEAM.moving = moving
-        if out is not None:                      # the array collectives' result, into the caller's buffer
-            _backend().xp.copyto(out, x)
-            return out
-        return x
+            if watched:
+                SEAM.moving = moving
 
     def _compile(self, x):
-        """Compile on the first run without hooks; a step whose group does not exist yet makes
-        the steps run once more (they make it, collectively, as on every rank)."""
-        if SEAM.watchers or not self.steps:
-            return None
-        b = _backend()
-        if not b.is_array(x):
-            return None
+        """The compiled form for pieces like ``x`` (kept for the next run); makes the groups its
+        steps need that do not exist yet (collectively, as on every rank)."""
         from .compiled_plan import compile_plan
-        made = compile_plan(self, b, x.dtype)
-        if made is None:
-            return None
-        fn, in_shape, checks = made
+        fn, in_shape, checks = compile_plan(self, C.backend(), x)
         self._exec = (x.__class__, x.dtype, in_shape, fn, checks)
         return self._exec
 
@@ -252,29 +240,9 @@ def _fmt_s(t: float) -> str:
     return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
-# --------------------------------------------------------------------------- step bodies
-# Each body is one array collective along the layout's dim; the collectives pack and unpack
-# non-leading dims with one copy each and use the fixed-size MPI/NCCL calls for equal parts.
-
-def _even_or_none(sizes: tuple):
-    return None if min(sizes) == max(sizes) else list(sizes)
-
-
-def _gather_fn(a: str, d: int, sizes: tuple, mesh) -> Callable:
-    sizes_arg = _even_or_none(sizes)
-    return lambda x: C.all_gather(x, a, dim=d, sizes=sizes_arg, mesh=mesh)
-
-
-def _reduce_scatter_fn(a: str, op: str, d: int, sizes: tuple, mesh, me: int) -> Callable:
-    sizes_arg = _even_or_none(sizes)
-    return lambda x: C.reduce_scatter(x, a, op, dim=d, sizes=sizes_arg, mesh=mesh)
-
-
-def _all_to_all_fn(a: str, d: int, e: int, split: tuple, recv: tuple, mesh, me: int) -> Callable:
-    # split dim e into this axis's parts; what arrives is concatenated along dim d
-    split_arg, recv_arg = list(split), list(recv)
-    return lambda x: C.all_to_all(x, a, split_dim=e, concat_dim=d, split_sizes=split_arg,
-                                  recv_sizes=recv_arg, mesh=mesh)
+def _into(out, x):
+    C.backend().xp.copyto(out, x)
+    return out
 
 
 # --------------------------------------------------------------------------- planning
@@ -321,10 +289,10 @@ class _Planner:
             out.append(int(round(numel * self.itemsize * f)))
         return tuple(out)
 
-    def _do(self, kind: str, axis: str, detail: str, run: Callable, mutate: Callable, spec=None) -> None:
+    def _do(self, kind: str, axis: str, detail: str, mutate: Callable, spec=None, local=None) -> None:
         if kind in _COLLECTIVE_KINDS and self.mesh.size(axis) == 1:
             # an axis of size 1: every placement holds the same data, so only the label changes
-            kind, detail, run, spec = "relabel", f"{kind} over an axis of size 1: nothing moves", _identity, None
+            kind, detail, spec = "relabel", f"{kind} over an axis of size 1: nothing moves", None
         before = self.cur.layout()
         mutate()
         after = self.cur.layout()
@@ -334,19 +302,17 @@ class _Planner:
         if kind == "slice":
             copy = self.itemsize * max(math.prod(local_shape_at(self.shape, after, self.mesh, p))
                                        for p in self.positions)
-        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, run, copy, spec))
+        self.steps.append(Step(kind, axis, before, after, detail, mine, by_pos, local, copy, spec))
 
     # the five kinds of step ------------------------------------------------------
     def all_reduce(self, a: str) -> None:
-        op, mesh = self.cur.partial[a], self.mesh
-        self._do("all_reduce", a, f"op={op}",
-                 lambda x: C.all_reduce(x, a, op, mesh=mesh), lambda: self.cur.partial.pop(a), (a, op))
+        op = self.cur.partial[a]
+        self._do("all_reduce", a, f"op={op}", lambda: self.cur.partial.pop(a), (a, op))
 
     def all_gather(self, d: int) -> None:
-        a, mesh = self.cur.dims[d][-1], self.mesh
-        sizes = split_sizes(self.extent(d, self.cur.dims[d][:-1]), mesh.size(a))
-        self._do("all_gather", a, f"dim {d}, sizes {list(sizes)}", _gather_fn(a, d, sizes, mesh),
-                 lambda: self.cur.dims[d].pop(), (a, d, tuple(sizes)))
+        a = self.cur.dims[d][-1]
+        sizes = split_sizes(self.extent(d, self.cur.dims[d][:-1]), self.mesh.size(a))
+        self._do("all_gather", a, f"dim {d}, sizes {list(sizes)}", lambda: self.cur.dims[d].pop(), (a, d, tuple(sizes)))
 
     def slice(self, d: int, a: str) -> None:
         n = self.mesh.size(a)
@@ -355,29 +321,27 @@ class _Planner:
 
         def run(x):
             return x[index].copy()
-        self._do("slice", a, f"dim {d}, [{off}:{off + size}]", run, lambda: self.cur.dims[d].append(a))
+        self._do("slice", a, f"dim {d}, [{off}:{off + size}]", lambda: self.cur.dims[d].append(a), local=run)
 
     def reduce_scatter(self, d: int, a: str) -> None:
-        op, mesh = self.cur.partial[a], self.mesh
-        sizes = split_sizes(self.extent(d, self.cur.dims[d]), mesh.size(a))
+        op = self.cur.partial[a]
+        sizes = split_sizes(self.extent(d, self.cur.dims[d]), self.mesh.size(a))
 
         def mutate():
             self.cur.partial.pop(a)
             self.cur.dims[d].append(a)
-        self._do("reduce_scatter", a, f"op={op}, dim {d}, sizes {list(sizes)}",
-                 _reduce_scatter_fn(a, op, d, sizes, mesh, self.coords[a]), mutate, (a, op, d, tuple(sizes)))
+        self._do("reduce_scatter", a, f"op={op}, dim {d}, sizes {list(sizes)}", mutate, (a, op, d, tuple(sizes)))
 
     def all_to_all(self, d: int, e: int) -> None:
-        a, mesh = self.cur.dims[d][-1], self.mesh
-        n = mesh.size(a)
+        a = self.cur.dims[d][-1]
+        n = self.mesh.size(a)
         split = split_sizes(self.extent(e, self.cur.dims[e]), n)
         recv = split_sizes(self.extent(d, self.cur.dims[d][:-1]), n)
 
         def mutate():
             self.cur.dims[d].pop()
             self.cur.dims[e].append(a)
-        self._do("all_to_all", a, f"dim {d} -> {e}", _all_to_all_fn(a, d, e, split, recv, mesh, self.coords[a]),
-                 mutate, (a, d, e, tuple(split), tuple(recv)))
+        self._do("all_to_all", a, f"dim {d} -> {e}", mutate, (a, d, e, tuple(split), tuple(recv)))
 
     def partialize(self, a: str, op: str) -> None:
         xp_zero = op == "sum" and self.coords[a] != 0
@@ -387,8 +351,8 @@ class _Planner:
                 return x
             from ...backend import get_backend
             return get_backend().xp.zeros_like(x)
-        self._do("partialize", a, f"op={op}" + (", zeros here" if xp_zero else ""), run,
-                 lambda: self.cur.partial.__setitem__(a, op))
+        self._do("partialize", a, f"op={op}" + (", zeros here" if xp_zero else ""),
+                 lambda: self.cur.partial.__setitem__(a, op), local=run)
 
     # the plan --------------------------------------------------------------------
     def prefix_len(self, d: int) -> int:
@@ -522,25 +486,9 @@ def _direct_step(shape, src: Layout, dst: Layout, mesh, itemsize: int) -> Step |
     out_shape = tuple(n for _, n in dst_base)
     axis = ",".join(group)
 
-    def run(x):
-        from ...backend import get_backend
-        xp = get_backend().xp
-        buf = xp.empty(sum(send_counts), x.dtype)
-        at = 0
-        for sl, cnt, shp in send:
-            buf[at:at + cnt].reshape(shp)[...] = x[sl]
-            at += cnt
-        got = C.all_to_all(buf, group, split_dim=0, split_sizes=send_counts, recv_sizes=recv_counts, mesh=mesh)
-        out = xp.empty(out_shape, x.dtype)
-        at = 0
-        for sl, cnt, shp in recv:
-            out[sl] = got[at:at + cnt].reshape(shp)
-            at += cnt
-        return out
     mine = by_pos[list(product(*(range(s) for s in mesh.sizes))).index(tuple(me[a] for a in mesh.axes))]
     return Step("all_to_all", axis, src, dst, f"direct: dims {changed} over ({axis}) in one exchange",
-                mine, tuple(by_pos), run, 2 * most,
-                (group, send, recv, tuple(send_counts), tuple(recv_counts), out_shape))
+                mine, tuple(by_pos), None, 2 * most, (group, send, recv, tuple(send_counts), tuple(recv_counts), out_shape))
 
 
 @lru_cache(maxsize=4096)
