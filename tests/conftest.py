@@ -13,11 +13,13 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 LAUNCH_TIMEOUT_S = 240
 
-# tests/mpi/ runs under mpiexec, launched by tests/test_mpi_suites.py at 1-4 ranks;
-# tests/cudasim/ runs in a process with NUMBA_ENABLE_CUDASIM=1 (tests/test_cudasim_suite.py);
-# tests/mpi_cuda/ runs under mpiexec with the CuPy stand-in (tests/test_gpu_path_standin.py,
-# tests/test_cupy_standin.py); tests/gpu_emu/ holds the stand-in and the emulation harness.
-collect_ignore = ["mpi", "cudasim", "mpi_cuda", "gpu_emu"]
+# One folder per capability.  Its test_*.py files run in this process; its mpi_*.py files are
+# multi-rank suites (every rank runs the same tests), run under mpiexec at the rank counts
+# tests/test_mpi_suites.py launches, never collected by a plain run (pytest collects
+# test_*.py).  tests/kernels/sim_tile_kernels.py runs in a process with
+# NUMBA_ENABLE_CUDASIM=1 (tests/kernels/test_cudasim_suite.py); tests/gpu_emu/ holds the
+# CuPy/NCCL stand-in and the emulation harness.
+collect_ignore = ["gpu_emu"]
 
 
 def gpu_available() -> bool:
@@ -28,10 +30,10 @@ def gpu_available() -> bool:
         return False
 
 
-# Decided when this file is imported, before any test module is: tests/test_cupy_standin.py
-# and tests/test_cuda_emu.py put the stand-in on sys.path during collection, and its
+# Decided when this file is imported, before any test module is: tests/gpu/test_cupy_standin.py
+# and tests/gpu/test_cuda_emu.py put the stand-in on sys.path during collection, and its
 # `cupy` must not make this process look like a GPU machine.  A process started with the
-# stand-in on PYTHONPATH (tests/test_gpu_path_standin.py, tests/test_gpu_machine.py) runs the
+# stand-in on PYTHONPATH (tests/gpu/test_gpu_path_standin.py, tests/test_gpu_machine.py) runs the
 # gpu-marked tests on it, emulated.
 GPU_AT_START = gpu_available()
 # Every test runs on the backend it was written for, whatever the machine: the tests are
@@ -39,17 +41,20 @@ GPU_AT_START = gpu_available()
 # TESSERA_DEVICE (an unset one picks cuda where CuPy sees a GPU).  Subprocesses and mpiexec
 # launches inherit it; the fixture below switches to cuda for the gpu-marked tests.
 # A rank of a multi-rank suite (this file is loaded there too) keeps the device its launch
-# chose: tests/mpi on cpu, tests/mpi_cuda and tests/test_gpu_suites.py's launches on cuda.
+# chose: cpu, or cuda for the stand-in's and tests/gpu/test_gpu_suites.py's launches.
 UNDER_MPIEXEC = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
 if not UNDER_MPIEXEC:
     os.environ["TESSERA_DEVICE"] = "cpu"
+else:
+    # a rank of a multi-rank suite: ranks kept in step, a failing rank aborts the job
+    from rank_hooks import _in_step, pytest_runtest_makereport, world  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
-    if any("gpu" in item.keywords for item in items) and not GPU_AT_START:
+    if not GPU_AT_START and any(item.get_closest_marker("gpu") for item in items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy: runs on the GPU machine (pytest -m gpu)")
         for item in items:
-            if "gpu" in item.keywords:
+            if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
 
 
@@ -78,9 +83,9 @@ def _backend_written_for(request):
     yield
 
 
-# The multi-rank suites written against the backend's array module (tests/mpi): they run on the
-# cuda backend too, on the GPU machine (tests/test_gpu_suites.py) and on the stand-in.
-BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
+# The multi-rank suites written against the backend's array module: they run on the cuda
+# backend too, on the GPU machine (tests/gpu/test_gpu_suites.py) and on the stand-in.
+BACKEND_AGNOSTIC = [f"collectives/mpi_{n}.py" for n in ("collectives", "mesh_and_comm", "numeric_scope", "streams")]
 
 
 # The strict CuPy/NCCL stand-in (tests/gpu_emu/cupy) and the CUDA emulation harness
@@ -118,14 +123,11 @@ EXPECTED_RANK_SKIP = re.compile(
     r"got empty parameter set")
 
 
-def run_mpi_suite(suite, nranks: int, device: str | None = None, env: dict | None = None,
-                  folder: str = "mpi") -> None:
-    """Run tests/<folder>/<suite> (a file name, or a list run in one launch) under mpiexec;
-    fail with the job's output if it fails or hangs.  ``device`` defaults to the one the
-    folder is written for (tests/mpi: cpu, tests/mpi_cuda: cuda), on a GPU machine too;
-    ``env`` adds variables (e.g. ``standin_env()``, which also sets the device)."""
-    device = device or ("cuda" if folder == "mpi_cuda" else "cpu")
-    where = ROOT / "tests" / folder
+def run_mpi_suite(suite, nranks: int, device: str = "cpu", env: dict | None = None) -> None:
+    """Run tests/<suite> (a path under tests/ such as "moe/mpi_moe.py", or a list run in one
+    launch) under mpiexec; fail with the job's output if it fails or hangs.  ``env`` adds
+    variables (e.g. ``standin_env()``, which also sets the device)."""
+    where = ROOT / "tests"
     files = [str(where / s) for s in ([suite] if isinstance(suite, str) else suite)]
     # the hypothesis and anyio pytest plugins cost ~1.2 s of CPU per rank at start-up and no
     # multi-rank test needs them (@given runs without the plugin); 10 ranks per suite, 2 cores
