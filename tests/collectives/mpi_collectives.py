@@ -2,7 +2,7 @@
 process with NumPy on the full data every rank can build for itself.
 
 Backend-agnostic: under TESSERA_DEVICE=cuda the same tests run on CuPy arrays (NCCL at one
-rank per GPU, the host-staged path when ranks share a GPU); see tests/gpu/test_gpu_suites.py.
+rank per GPU, the host-staged path when ranks share a GPU); see BACKEND_AGNOSTIC in tests/multirank.py.
 """
 import ml_dtypes
 import numpy as np

@@ -1,5 +1,5 @@
 """The CuPy stand-in (tests/gpu_emu/cupy): strictness, the pool, the stream-order tracker,
-RawModule launches, and NCCL over MPI at 2 and 3 ranks (tests/gpu/mpi_nccl_standin.py, under mpiexec)."""
+RawModule launches, and NCCL over MPI at 2 and 3 ranks (tests/gpu/mpi_nccl_standin.py, launched by tests/multirank.py)."""
 import gc
 import os
 import shlex
@@ -378,15 +378,3 @@ def test_bounds_are_the_requested_size_not_the_pools_rounding():
         k((2,), (64,), (np.float32(2.0), x, y, np.int32(100)))
 
 
-# --------------------------------------------------------------------------- NCCL over MPI
-
-def run_standin_mpi(nranks: int) -> None:
-    """tests/gpu/mpi_nccl_standin.py under mpiexec with the stand-in as ``cupy``."""
-    from conftest import run_mpi_suite, standin_env
-    run_mpi_suite("gpu/mpi_nccl_standin.py", nranks, env=standin_env(devices=nranks))
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_nccl_standin_over_mpi(nranks):
-    run_standin_mpi(nranks)

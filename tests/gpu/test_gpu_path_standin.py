@@ -12,22 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BACKEND_AGNOSTIC, LAUNCH_TIMEOUT_S, ROOT, mpi_env, run_mpi_suite, standin_env
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-@pytest.mark.parametrize("nranks,devices", [(1, 1), (2, 2), (3, 3), (4, 4), (2, 1), (3, 1)],
-                         ids=["1-nccl", "2-nccl", "3-nccl", "4-nccl", "2-host-staged", "3-host-staged"])
-def test_backend_agnostic_suites_on_the_standin(nranks, devices):
-    run_mpi_suite(BACKEND_AGNOSTIC, nranks, env=standin_env(devices))
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_gpu_path_suite(nranks):
-    run_mpi_suite("gpu/mpi_gpu_path.py", nranks, env=standin_env(nranks))
+from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, standin_env
 
 
 def _final_loss(extra_env: dict, dtype: str) -> float:

@@ -206,12 +206,6 @@ def test_bad_params_and_tokens():
         m(p, tokens(d=8))
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(300)
-def test_gpu_path_on_the_standin():
-    """The cuda backend's MoE path (CuPy calls, the FP8 RawKernels) at 2 ranks on the stand-in."""
-    from conftest import run_mpi_suite, standin_env
-    run_mpi_suite("moe/mpi_moe_gpu_path.py", 2, env=standin_env(2))
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 8])
