@@ -43,19 +43,21 @@ else:
 
 
 def pytest_collect_file(file_path, parent):
-    if not UNDER_MPIEXEC and file_path.suffix == ".py" and file_path.name.startswith("mpi_"):
+    # a file named on the command line comes through pytest_pycollect_makemodule instead
+    if (not UNDER_MPIEXEC and file_path.suffix == ".py" and file_path.name.startswith("mpi_")
+            and not parent.session.isinitpath(file_path)):
         return MpiSuite.from_parent(parent, path=file_path)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    # here an mpi_*.py file is its launches, never imported: its tests run in the ranks
+    if not UNDER_MPIEXEC and module_path.name.startswith("mpi_"):
+        return MpiSuite.from_parent(parent, path=module_path)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     if not UNDER_MPIEXEC:
-        # an mpi_*.py file named on the command line is also collected as a module: its tests
-        # run in the ranks of its launches, not here
-        single = [i for i in items if i.path.name.startswith("mpi_") and not isinstance(i, MpiLaunch)]
-        if single:
-            config.hook.pytest_deselected(items=single)
-            items[:] = [i for i in items if i not in single]
         group_timeouts(items)
     if not GPU_AT_START and any(item.get_closest_marker("gpu") for item in items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy: runs on the GPU machine (pytest -m gpu)")

@@ -4,13 +4,16 @@ Every rank of a launch runs the same tests under mpiexec (tests/rank_hooks.py ke
 step and aborts the job on the first failure).  A plain pytest run collects each mpi_*.py
 file as one item per launch it needs (LAUNCHES: the CPU at 1-4 ranks unless listed), e.g.
 ``tests/moe/mpi_moe.py::cpu-3``.  Launches are grouped to save the start-up every launch
-pays (mpiexec, the interpreter, pytest and imports, on every rank): the first item of a kind
-and rank count to run launches every selected file of that kind and rank count at once, and
-each file's item then reports that file's own outcome from rank 0's JUnit report: its
+pays (mpiexec, the interpreter, pytest and imports, on every rank): the first item of a
+folder, kind and rank count to run launches every selected file of that folder, kind and rank
+count at once, and each file's item then reports that file's own outcome from rank 0's JUnit report: its
 failures, and its skips, which must be about the rank count or device (EXPECTED_RANK_SKIP;
 a suite whose tests all skip for another reason fails).  A failing file aborts the launch;
 the files after it run again without it, so each item says what its own file did.
-TESSERA_MPI_GROUP=file launches each file on its own (to time or debug one suite).
+TESSERA_MPI_GROUP=file launches each file on its own (to time or debug one suite);
+TESSERA_MPI_GROUP=all groups across folders (fewer launches; not the default while a suite
+still depends on the files before it: mpi_dtensor_layouts.py's agreement test after the
+autodiff, checkpoint and collectives suites at 2 ranks).
 """
 import os
 import re
@@ -194,7 +197,8 @@ class MpiLaunch(pytest.Item):
             self.add_marker(pytest.mark.gpu)
 
     def group_key(self):
-        return (self.how, self.rel) if os.environ.get("TESSERA_MPI_GROUP") == "file" else (self.how,)
+        group = os.environ.get("TESSERA_MPI_GROUP", "folder")
+        return (self.how,) + {"file": (self.rel,), "all": ()}.get(group, (self.rel.split("/")[0],))
 
     def runtest(self):
         cache = self.session.stash.setdefault(_RESULTS, {})
@@ -218,7 +222,7 @@ class MpiLaunch(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, f"{self.rel} under mpiexec ({self.how.name})"
+        return self.path, 0, f"{self.rel} under mpiexec ({self.how.name})"
 
 
 _RESULTS = pytest.StashKey[dict]()
