@@ -21,6 +21,14 @@ def comm():
     return make_comm(WORLD)
 
 
+@pytest.fixture(autouse=True)
+def _on_the_null_stream():
+    # the tests make their arrays on the null stream; a suite before this one in the same
+    # launch leaves the runtime's compute stream current (tessera_rt.runtime.reset)
+    with cupy.cuda.Stream.null:
+        yield
+
+
 @pytest.fixture
 def stream():
     # a blocking stream: ordered after the null stream, where the test's arrays are made
