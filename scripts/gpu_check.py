@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_EMU = ROOT / "tests" / "gpu_emu"
 NO_GPU = ("NO GPU: running on the CuPy stand-in and the CUDA emulation harness "
           "(figures are not GPU figures)")
-# final-loss agreement of train.py on the two backends (as tests/test_gpu_path_standin.py)
+# final-loss agreement of train.py on the two backends (as tests/gpu/test_gpu_path_standin.py)
 TRAIN_RTOL = {"float32": 1e-4, "fp16": 2e-3}
 # the quick run's single-process gpu tests: each launcher kind, the backend switch, the streams
 QUICK_TESTS = ("matmul_cuda_default or swiglu_dual_gemm or row_kernels and 256-float16 or "
@@ -171,7 +171,7 @@ def gpu_test_files() -> list[str]:
     """The suite's files that hold gpu-marked tests (collecting only these keeps the optional
     test dependencies, hypothesis or transformers, out of the way)."""
     return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
-                  if f.parent.name not in ("gpu_emu", "mpi", "mpi_cuda", "cudasim") and "mark.gpu" in f.read_text())
+                  if "gpu_emu" not in f.parts and "mark.gpu" in f.read_text())
 
 
 def mpiexec(python: str) -> str | None:
@@ -296,7 +296,10 @@ def part_multirank(run: Run, limit: float, log: Path) -> list[dict]:
     if mpiexec(run.python) is None:
         raise PartFailed([], "no mpiexec beside this Python or on PATH: install tessera_rt[mpich]")
     ranks = "2 ranks" if run.quick else "1, 2 and 4 ranks"
-    args = ["-m", "gpu and mpi", "tests/test_gpu_suites.py"] + (["-k", "test_suites_on_gpu and 2"] if run.quick else [])
+    # the gpu launches of the multi-rank suites (tests/multirank.py: the backend-agnostic ones),
+    # one item per file and launch; the files are not imported here
+    suites = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("*/mpi_*.py"))
+    args = ["-m", "gpu and mpi", *suites] + (["-k", "gpu-2"] if run.quick else [])
     return pytest_part(run, limit, log, args, lambda passed, failed, skipped: row(
         f"multi-rank suites (collectives, mesh, numeric scope, streams) at {ranks} on one "
         f"{'emulated GPU' if run.emulated else 'GPU'}", f"{passed} launches passed, {failed} failed",

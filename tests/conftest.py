@@ -1,23 +1,17 @@
 import os
-import re
-import shlex
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-# the venv's own mpiexec: one from another MPI would give every rank size 1
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
-LAUNCH_TIMEOUT_S = 240
+# the multi-rank launcher and the environments of the processes tests start
+from multirank import (EXPECTED_RANK_SKIP, GPU_EMU, LAUNCH_TIMEOUT_S, MPIEXEC, ROOT, MpiLaunch,  # noqa: F401
+                       MpiSuite, group_timeouts, mpi_env, standin_env)
 
-# tests/mpi/ runs under mpiexec, launched by tests/test_mpi_suites.py at 1-4 ranks;
-# tests/cudasim/ runs in a process with NUMBA_ENABLE_CUDASIM=1 (tests/test_cudasim_suite.py);
-# tests/mpi_cuda/ runs under mpiexec with the CuPy stand-in (tests/test_gpu_path_standin.py,
-# tests/test_cupy_standin.py); tests/gpu_emu/ holds the stand-in and the emulation harness.
-collect_ignore = ["mpi", "cudasim", "mpi_cuda", "gpu_emu"]
+# One folder per capability.  Its test_*.py files run in this process; its mpi_*.py files are
+# multi-rank suites (every rank runs the same tests), collected as their mpiexec launches
+# (tests/multirank.py).  tests/kernels/sim_tile_kernels.py runs in a process with
+# NUMBA_ENABLE_CUDASIM=1 (tests/kernels/test_cudasim_suite.py); tests/gpu_emu/ holds the
+# CuPy/NCCL stand-in and the emulation harness.
+collect_ignore = ["gpu_emu"]
 
 
 def gpu_available() -> bool:
@@ -28,10 +22,10 @@ def gpu_available() -> bool:
         return False
 
 
-# Decided when this file is imported, before any test module is: tests/test_cupy_standin.py
-# and tests/test_cuda_emu.py put the stand-in on sys.path during collection, and its
+# Decided when this file is imported, before any test module is: tests/gpu/test_cupy_standin.py
+# and tests/gpu/test_cuda_emu.py put the stand-in on sys.path during collection, and its
 # `cupy` must not make this process look like a GPU machine.  A process started with the
-# stand-in on PYTHONPATH (tests/test_gpu_path_standin.py, tests/test_gpu_machine.py) runs the
+# stand-in on PYTHONPATH (tests/gpu/test_gpu_path_standin.py, tests/test_gpu_machine.py) runs the
 # gpu-marked tests on it, emulated.
 GPU_AT_START = gpu_available()
 # Every test runs on the backend it was written for, whatever the machine: the tests are
@@ -39,17 +33,36 @@ GPU_AT_START = gpu_available()
 # TESSERA_DEVICE (an unset one picks cuda where CuPy sees a GPU).  Subprocesses and mpiexec
 # launches inherit it; the fixture below switches to cuda for the gpu-marked tests.
 # A rank of a multi-rank suite (this file is loaded there too) keeps the device its launch
-# chose: tests/mpi on cpu, tests/mpi_cuda and tests/test_gpu_suites.py's launches on cuda.
+# chose (tests/multirank.py: cpu, or cuda on the stand-in or the GPU machine).
 UNDER_MPIEXEC = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
 if not UNDER_MPIEXEC:
     os.environ["TESSERA_DEVICE"] = "cpu"
+else:
+    # a rank of a multi-rank suite: ranks kept in step, a failing rank aborts the job
+    from rank_hooks import _in_step, pytest_runtest_makereport, world  # noqa: F401
 
 
+def pytest_collect_file(file_path, parent):
+    # a file named on the command line comes through pytest_pycollect_makemodule instead
+    if (not UNDER_MPIEXEC and file_path.suffix == ".py" and file_path.name.startswith("mpi_")
+            and not parent.session.isinitpath(file_path)):
+        return MpiSuite.from_parent(parent, path=file_path)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    # here an mpi_*.py file is its launches, never imported: its tests run in the ranks
+    if not UNDER_MPIEXEC and module_path.name.startswith("mpi_"):
+        return MpiSuite.from_parent(parent, path=module_path)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    if any("gpu" in item.keywords for item in items) and not GPU_AT_START:
+    if not UNDER_MPIEXEC:
+        group_timeouts(items)
+    if not GPU_AT_START and any(item.get_closest_marker("gpu") for item in items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy: runs on the GPU machine (pytest -m gpu)")
         for item in items:
-            if "gpu" in item.keywords:
+            if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
 
 
@@ -77,74 +90,3 @@ def _backend_written_for(request):
         use_backend(want)
     yield
 
-
-# The multi-rank suites written against the backend's array module (tests/mpi): they run on the
-# cuda backend too, on the GPU machine (tests/test_gpu_suites.py) and on the stand-in.
-BACKEND_AGNOSTIC = ["test_collectives.py", "test_mesh_and_comm.py", "test_numeric_scope.py", "test_streams.py"]
-
-
-# The strict CuPy/NCCL stand-in (tests/gpu_emu/cupy) and the CUDA emulation harness
-# (tests/gpu_emu/cuda_emu): a process with this on its path runs the cuda backend on the CPU.
-GPU_EMU = ROOT / "tests" / "gpu_emu"
-
-
-def standin_env(devices: int = 1) -> dict:
-    """Environment for a process that runs TESSERA_DEVICE=cuda on the stand-in, with
-    ``devices`` emulated GPUs (ranks on distinct devices use NCCL, shared ones host staging)."""
-    path = os.pathsep.join(p for p in (str(GPU_EMU), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "TESSERA_DEVICE": "cuda", "TESSERA_STANDIN_DEVICES": str(devices)}
-
-
-def mpi_env(nranks: int, device: str = "cpu", extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    # where mpiexec is Open MPI's (a machine image's), it refuses root and more ranks than
-    # cores unless told; MPICH ignores these
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    env["NUMBA_NUM_THREADS"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env["TESSERA_DEVICE"] = device
-    env.update(extra or {})
-    return env
-
-
-# skip reasons that depend on the launch's rank count or device, which each launch expects
-EXPECTED_RANK_SKIP = re.compile(
-    r"needs (2|two|3) ranks|needs stages|needs two stages|ranks? (to disagree|outside the mesh)|a ring needs|"
-    r"group of one|several ranks|one ep position|even rank count|2x2 mesh|sharded contraction|"
-    r"CPU worker threads themselves|"
-    # a parametrization built from the rank count can be empty at some sizes
-    r"got empty parameter set")
-
-
-def run_mpi_suite(suite, nranks: int, device: str | None = None, env: dict | None = None,
-                  folder: str = "mpi") -> None:
-    """Run tests/<folder>/<suite> (a file name, or a list run in one launch) under mpiexec;
-    fail with the job's output if it fails or hangs.  ``device`` defaults to the one the
-    folder is written for (tests/mpi: cpu, tests/mpi_cuda: cuda), on a GPU machine too;
-    ``env`` adds variables (e.g. ``standin_env()``, which also sets the device)."""
-    device = device or ("cuda" if folder == "mpi_cuda" else "cpu")
-    where = ROOT / "tests" / folder
-    files = [str(where / s) for s in ([suite] if isinstance(suite, str) else suite)]
-    # the hypothesis and anyio pytest plugins cost ~1.2 s of CPU per rank at start-up and no
-    # multi-rank test needs them (@given runs without the plugin); 10 ranks per suite, 2 cores
-    pytest_cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "--tb=short", "-p", "no:cacheprovider",
-                             "-p", "no:hypothesispytest", "-p", "no:anyio", "--rootdir", str(where), *files])
-    # only rank 0 prints progress (MPICH sets PMI_RANK, Open MPI OMPI_COMM_WORLD_RANK)
-    quiet = 'if [ "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}" != 0 ]; then exec >/dev/null; fi; exec '
-    cmd = ["timeout", "-k", "5", str(LAUNCH_TIMEOUT_S), MPIEXEC, "-n", str(nranks),
-           "sh", "-c", quiet + pytest_cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(nranks, device, env), capture_output=True, text=True)
-    if env and env.get("TESSERA_DEVICE"):
-        device = f"{env['TESSERA_DEVICE']} (stand-in)" if "TESSERA_STANDIN_DEVICES" in env else env["TESSERA_DEVICE"]
-    assert proc.returncode == 0, (
-        f"{suite} at {nranks} ranks on {device} exited {proc.returncode}"
-        f"{' (timed out)' if proc.returncode == 124 else ''}\n--- stdout\n{proc.stdout[-6000:]}"
-        f"\n--- stderr\n{proc.stderr[-6000:]}")
-    # a suite whose tests skip for a reason other than the rank count would pass on its exit
-    # code alone (every test skipped is exit 0): rank 0's skips must all be expected ones
-    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED [")]
-    unexpected = [line for line in skipped if not EXPECTED_RANK_SKIP.search(line)]
-    assert not unexpected, (f"{suite} at {nranks} ranks on {device}: skips that are not about the rank "
-                            f"count (fix the environment or the test):\n" + "\n".join(unexpected))

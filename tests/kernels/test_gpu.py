@@ -190,7 +190,7 @@ def test_fp8_dequantize_bits_matches_cpu(fmt):
 
 
 @pytest.mark.skipif(EMULATED, reason="Numba tile kernels need the CUDA driver; on the CPU they run in "
-                    "Numba's simulator (tests/cudasim)")
+                    "Numba's simulator (tests/kernels/sim_tile_kernels.py)")
 def test_tile_saxpy_on_gpu(monkeypatch):
     from numba.cuda.cudadrv import driver
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile

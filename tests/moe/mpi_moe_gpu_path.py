@@ -1,0 +1,85 @@
+"""op.moe on the cuda backend's Python, on the CPU (launched by tests/moe/test_moe.py): the strict
+CuPy/NCCL stand-in as ``cupy`` and the FP8 RawKernels in the CUDA emulation harness.  Nothing
+here runs on a GPU.  The output and gradients equal the NumPy dense reference / CPU path."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tessera_rt as ts
+from tessera_rt import dist, op
+from tessera_rt import runtime as rt
+from tessera_rt.backend import get_backend
+from tessera_rt.moe import dense_reference
+
+SIZE = MPI.COMM_WORLD.Get_size()
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("cf, fp8", [(None, False), (1.0, False), (None, True)])
+def test_moe_on_the_standin(cf, fp8):
+    b = get_backend()
+    assert b.is_gpu
+    dist.init()
+    mesh = dist.Mesh(axes=["ep"], shape={"ep": SIZE})
+    rows = dist.ShardSpec(partition=("row",), mesh_axes=("ep",))
+    m = op.moe(num_experts=5, top_k=2, capacity_factor=cf, d_model=32, d_ff=24, mesh=mesh, quantize_fp8=fp8)
+    p = m.init(0)
+    xg = np.random.default_rng(1).standard_normal((22, 32)).astype(np.float32)
+    X = dist.distribute(b.xp.asarray(xg), layout=rows, mesh=mesh)
+    P = m.shard(p)
+    y, aux = m(P, X)
+    yr, load, dropped = dense_reference(p, xg, 2, cf, sources=SIZE)
+    got = b.to_host(y.full_tensor())
+    if fp8:
+        assert np.linalg.norm(got - yr) / np.linalg.norm(yr) < 0.06
+    else:
+        np.testing.assert_allclose(got, yr, rtol=1e-5, atol=2e-5)
+    np.testing.assert_array_equal(aux["load"], load)
+    assert aux["dropped"] == dropped
+    g = ts.grad(lambda w, x: op.sum(m(w, x)[0]), argnums=(0, 1))(P, X)
+    assert isinstance(g[0]["w1"].to_local(), b.xp.ndarray) and g[1].shape == (22, 32)
+
+
+def _tiered_pair(budget):
+    """A plain and a tiered layer on an ep mesh over all ranks, their sharded parameters."""
+    dist.init()
+    mesh = dist.Mesh(axes=["ep"], shape={"ep": SIZE})
+    plain, tiered = (op.moe(num_experts=4 * SIZE, top_k=1, d_model=16, d_ff=24, mesh=mesh) for _ in range(2))
+    tiers = rt.register_prefetch(tiered, window=1, budget=budget)
+    return mesh, plain, tiered, tiers, plain.shard(plain.init(0))
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_expert_tiers_on_the_standin(budget):
+    # the pinned host tier (cupyx.empty_pinned) and the io-stream fetches and prefetches: the
+    # same outputs as the layer without tiers, with experts evicted and fetched again
+    b = get_backend()
+    mesh, plain, tiered, tiers, P = _tiered_pair(budget)
+    rows = dist.ShardSpec(partition=("row",), mesh_axes=("ep",))
+    for step in range(3):
+        xg = np.random.default_rng(step).standard_normal((8 * SIZE, 16)).astype(np.float32)
+        X = dist.distribute(b.xp.asarray(xg), layout=rows, mesh=mesh)
+        np.testing.assert_array_equal(b.to_host(tiered(P, X)[0].full_tensor()),
+                                      b.to_host(plain(P, X)[0].full_tensor()))
+    st = tiers.stats()
+    assert st["misses"] > 0 and len(st["resident"]) <= budget
+    assert all(b.xp.cuda.pinned_memory.is_pinned(h) for h in tiered.prefetch.host.values())
+
+
+def test_expert_fetch_waits_for_compute_before_reusing_a_block():
+    # gather without the routing's host sync: expert 0's blocks, read by compute's stack,
+    # are evicted back to io's arena, and fetching expert 2 gets them on io; io must wait for
+    # compute first (the stand-in reports the pool reuse race otherwise)
+    b = get_backend()
+    _, _, tiered, tiers, P = _tiered_pair(budget=1)
+    w = (P["w1"], P["w3"], P["w2"])
+    host = [b.to_host(t.to_local()) for t in w]     # (host syncs only before and after the loop)
+    lt = tiered.prefetch
+    got = []
+    for e in range(3):
+        got.append(lt.gather(np.array([e]), *w))    # stacked on compute from the cached experts
+        lt.observe(np.zeros(lt.nle))                # evicts beyond the budget of one
+    assert tiers.stats()["misses"] == 3 and tiers.stats()["resident"] == [(0, 2)]
+    for e, stacked in enumerate(got):
+        for g, h in zip(stacked, host):
+            np.testing.assert_array_equal(b.to_host(g), h[e:e + 1])
