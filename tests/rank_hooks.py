@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 import tessera_rt as ts
-from tessera_rt.dist import consistency
+from tessera_rt.dist.checks import consistency
+from tessera_rt.dist.comm import calls
 
 RANK = MPI.COMM_WORLD.Get_rank()
 
@@ -33,7 +34,7 @@ def _checks_in_step() -> None:
     count; a test whose ranks issue different collectives on purpose (tests/debug/mpi_debug.py)
     leaves the counts apart, and a later test in the same launch then has one rank verify
     alone: it waits in the check's Allgather for peers that never come (a hang)."""
-    for st in list(consistency._STATES):
+    for st in list(calls._STATES):
         st.seq = 0
     consistency._cfg.metas = {}
 

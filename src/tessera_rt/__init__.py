@@ -8,7 +8,7 @@ collectives as first-class operations, launched with ``tessera-run`` / ``mpirun`
     grads = ts.grad(loss_fn)(W)
 """
 # the layers bottom up; each upper one plugs into the ones below as it is imported (autodiff
-# into dist.hooks, op into autodiff's VJP table and traced values' operators, moe into op)
+# into dist.comm.hooks, op into autodiff's VJP table and traced values' operators, moe into op)
 from . import backend, dtypes, runtime
 from . import kernels
 from . import dist

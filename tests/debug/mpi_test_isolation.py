@@ -6,17 +6,17 @@ import numpy as np
 from mpi4py import MPI
 
 from tessera_rt import dist
-from tessera_rt.dist import consistency
+from tessera_rt.dist.comm import calls
 
 
 def test_a_test_may_leave_the_ranks_call_counts_apart(world):
     dist.all_reduce(np.ones(2))                      # the world group's check state exists
-    for st in list(consistency._STATES):
+    for st in list(calls._STATES):
         st.seq += MPI.COMM_WORLD.Get_rank()          # rank r issued r calls more
 
 
 def test_the_next_test_starts_with_every_groups_call_count_equal_on_its_ranks(world):
-    mine = consistency.group_seqs()
+    mine = calls.group_seqs()
     every = MPI.COMM_WORLD.allgather(mine)
     for key, n in mine.items():
         counts = {r: seqs[key] for r, seqs in enumerate(every) if key in seqs and r in key[0]}

@@ -128,7 +128,7 @@ def _layer_act_elems(m: ModelSpec, tp: int, moe: bool) -> float:
         # so the runtime gathers them to full width for the attention (3 d more; the shards
         # stay on the tape too) and runs it on every head: its output and the head-merging
         # reshape (2 of the d/tp terms) and the per-head term are full width (tessera_rt's
-        # nn.Attention at tp=3 with 4 heads, traced in tests/mpi/test_plan.py)
+        # nn.Attention at tp=3 with 4 heads, traced in tests/plan/mpi_plan.py)
         e = (rep + 3 + 2) * m.d_model + (sh_d - 2) * _ceil_div(m.d_model, tp) + sh_h * m.n_heads
     else:
         e = rep * m.d_model + sh_d * m.d_model / tp + sh_h * m.n_heads / tp

@@ -1,6 +1,6 @@
 """Seed 004's fused CCL ops: a double matmul with a reduce-scatter, a reduce-scatter that
 makes QKV heads, and an all-gather that concatenates heads.  Each equals its unfused
-composition (tests/mpi/test_ccl.py checks it)."""
+composition (tests/collectives/mpi_ccl.py checks it)."""
 from __future__ import annotations
 
 from typing import Any, Sequence

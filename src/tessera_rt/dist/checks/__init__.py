@@ -9,5 +9,5 @@ imported; the collectives never import a checker.
 
 It may import ``dist.comm`` and the layers below dist (``backend``, ``runtime``,
 ``dtypes``, ``kernels``); not ``dist.tensor``, ``dist.ccl`` or ``dist.checkpoint``.
-``tests/test_architecture.py`` enforces the order.
+``tests/package/test_architecture.py`` enforces the order.
 """

@@ -15,5 +15,5 @@ It may import the backend-level base (``backend``, ``runtime``, ``dtypes``, ...)
 ``dist.ccl`` or ``dist.checkpoint``, which sit above it.  What those add to a collective
 (the agreement check, debug records, determinism, the watchdog's notes, DTensor routes)
 reaches it through the slots of ``hooks.SEAM`` and the registries here that they fill on
-import.  ``tests/test_architecture.py`` enforces the order.
+import.  ``tests/package/test_architecture.py`` enforces the order.
 """

@@ -328,7 +328,7 @@ def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
 def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> Plan:
     """The plan (the same table entry) the plain collective ``name`` uses for these arguments:
     ``dist.ccl``'s library path runs it with ``collectives.run_<op>``.  The keys are the ones
-    the collectives build inline (kept in step by tests/mpi/test_ccl.py)."""
+    the collectives build inline (kept in step by tests/collectives/mpi_ccl.py)."""
     cls, shape, dt = x.__class__, x.shape, x.dtype
     if name == "all_reduce":
         return plan(("all_reduce", id(g), cls, shape, dt, args["op"], tag, role, async_op),

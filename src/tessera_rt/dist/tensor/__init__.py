@@ -11,5 +11,5 @@ model redistribution choices are priced with (``cost``).
 It may import ``dist.comm``, ``dist.checks`` and the layers below dist (``backend``,
 ``runtime``, ``dtypes``, ``kernels``); not ``dist.ccl`` or ``dist.checkpoint``, and
 nothing above dist: autodiff plugs in through ``dist.comm.hooks`` (``differentiable``,
-``vjp_rule``).  ``tests/test_architecture.py`` enforces the order.
+``vjp_rule``).  ``tests/package/test_architecture.py`` enforces the order.
 """
