@@ -110,7 +110,7 @@ class Var:
     def __ne__(self, o): return _ops.not_equal(self, o)       # type: ignore[override]
     def __getitem__(self, index): return _ops.getitem(self, index)
 
-    def sum(self, axis=None, keepdims: bool = False) -> "Var":
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
         """The sum over ``axis`` (``op.sum``), traced.
 
         Parameters
@@ -127,7 +127,7 @@ class Var:
         """
         return _ops.sum(self, axis, keepdims)
 
-    def mean(self, axis=None, keepdims: bool = False) -> "Var":
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
         """The mean over ``axis`` (``op.mean``), traced.
 
         Parameters
@@ -144,7 +144,7 @@ class Var:
         """
         return _ops.mean(self, axis, keepdims)
 
-    def max(self, axis=None, keepdims: bool = False) -> "Var":
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
         """The maximum over ``axis`` (``op.max``), traced.
 
         Parameters
@@ -161,7 +161,7 @@ class Var:
         """
         return _ops.max(self, axis, keepdims)
 
-    def min(self, axis=None, keepdims: bool = False) -> "Var":
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
         """The minimum over ``axis`` (``op.min``), traced.
 
         Parameters
@@ -178,7 +178,7 @@ class Var:
         """
         return _ops.min(self, axis, keepdims)
 
-    def astype(self, dtype) -> "Var":
+    def astype(self, dtype: Any) -> "Var":
         """This value converted to ``dtype`` (``op.astype``), traced.
 
         Parameters
@@ -227,7 +227,7 @@ class Var:
         """
         return _ops.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
-    def redistribute(self, layout) -> "Var":
+    def redistribute(self, layout: Any) -> "Var":
         """The traced DTensor in another layout (``DTensor.redistribute``; its VJP moves the
         gradient back).
 

@@ -309,7 +309,7 @@ class Profile(ProfileReport):
                 print(self.table(full=self.table_kind == "full"), flush=True)
 
     # hooks: collectives ------------------------------------------------------
-    def before(self, call) -> None:
+    def before(self, call: Any) -> None:
         """Watcher hook: a collective is about to be issued (``hooks.SEAM.watchers``).
 
         Parameters
@@ -330,7 +330,7 @@ class Profile(ProfileReport):
                 else:
                     nv.push(_coll_name(call), call.role)
 
-    def after(self, call) -> None:
+    def after(self, call: Any) -> None:
         """Watcher hook: the collective of :meth:`before` has been issued (or completed).
 
         Parameters
@@ -362,7 +362,7 @@ class Profile(ProfileReport):
                             "async": call.async_op})
 
     # hooks: ops ---------------------------------------------------------------
-    def op_begin(self, dec, args) -> None:
+    def op_begin(self, dec: Any, args: tuple) -> None:
         """Op-watcher hook: a DTensor op's dispatch begins (``hooks.SEAM.op_watchers``).
 
         Parameters
@@ -379,7 +379,7 @@ class Profile(ProfileReport):
             if nv is not None:
                 nv.push(_op_name(dec), "compute")
 
-    def op_end(self, dec, args, out) -> None:
+    def op_end(self, dec: Any, args: tuple, out: Any) -> None:
         """Op-watcher hook: the op of :meth:`op_begin` has returned.
 
         Parameters

@@ -70,11 +70,24 @@ _COPIED = [0]           # always counted: an add per layout copy, nothing where 
 
 
 def count_copy(nbytes: int) -> None:
+    """Count a copy made only to change an array's memory layout (a contiguity copy).
+
+    Parameters
+    ----------
+    nbytes : int
+        The bytes copied.
+    """
     _COPIED[0] += int(nbytes)
 
 
 def bytes_copied() -> int:
-    """Bytes copied for layout since the process started (see ``count_copy``)."""
+    """Bytes copied for layout since the process started (see ``count_copy``).
+
+    Returns
+    -------
+    int
+        The running total; a regression in the hot paths shows as a larger difference.
+    """
     return _COPIED[0]
 
 
@@ -153,10 +166,22 @@ def user_frame(depth: int, lasti: bool = False):
     return None, 0
 
 
-def differentiable(name: str, argnames: tuple[str, ...] = ()):
+def differentiable(name: str, argnames: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Wrap a public op entry point so that, under ``ts.grad``, autodiff records it.
-    ``argnames``: keyword names of differentiable arguments that may also be passed by
-    keyword (autodiff moves them to their position)."""
+
+    Parameters
+    ----------
+    name : str
+        The op's name: the key of its VJP rule (``vjp_rule``).
+    argnames : tuple of str
+        Keyword names of differentiable arguments that may also be passed by keyword
+        (autodiff moves them to their position).
+
+    Returns
+    -------
+    callable
+        A decorator; outside ``ts.grad`` the wrapped op costs one attribute read more.
+    """
     def deco(fn):
         @functools.wraps(fn)
         def hooked(*args, **kw):
@@ -175,15 +200,31 @@ SOURCE_OPS: set[str] = set()         # ops recorded whenever a trace records, tr
 FORWARDS: dict[str, Callable] = {}   # op name -> forward(fn, args, kw) -> (result, saved residual)
 
 
-def vjp_rule(*names: str, effect: bool = False, source: bool = False, forward: Callable | None = None):
-    """Register ``rule(g, out, args, kw, needs)`` for ops ``names``: ``args`` are the plain
-    positional arguments, ``out`` the plain result, ``needs[i]`` whether argument i wants a
-    cotangent; returns one cotangent (or None) per positional argument.  ``forward(fn, args,
-    kw)``, if given, runs the op when traced and returns ``(result, saved)``; the rule finds
-    ``saved`` in ``kw["_saved"]`` (flash attention keeps its logsumexp this way).
-    ``effect``: the rule runs even when no cotangent reached the op (a peer waits for its
-    message); ``source``: recorded even when no argument is traced (a recv's data comes
-    from a peer)."""
+def vjp_rule(*names: str, effect: bool = False, source: bool = False,
+             forward: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Register ``rule(g, out, args, kw, needs)`` as the VJP of ops ``names``.
+
+    The rule gets ``args`` (the plain positional arguments), ``out`` (the plain result) and
+    ``needs`` (``needs[i]``: whether argument i wants a cotangent), and returns one cotangent
+    (or None) per positional argument.
+
+    Parameters
+    ----------
+    *names : str
+        The op names the rule serves.
+    effect : bool
+        The rule runs even when no cotangent reached the op (a peer waits for its message).
+    source : bool
+        The op is recorded even when no argument is traced (a recv's data comes from a peer).
+    forward : callable, optional
+        ``forward(fn, args, kw) -> (result, saved)`` runs the op when traced; the rule finds
+        ``saved`` in ``kw["_saved"]`` (flash attention keeps its logsumexp this way).
+
+    Returns
+    -------
+    callable
+        A decorator that registers the rule and returns it unchanged.
+    """
     def put(fn):
         for n in names:
             VJPS[n] = fn

@@ -185,11 +185,21 @@ def explain(op: str, params: tuple, args: tuple) -> Decision:
     return decision(op, params, args)
 
 
-def compute_region(name: str):
-    """``region(name)`` in every profile recording now (the ``_PROF`` hooks that have one), a
-    no-op context without one: for kernel work that runs outside the dispatcher (autodiff's
-    flash-attention rules call their kernels on the local pieces), so the profiler's tables
-    show it and the overlap ratio counts it as compute."""
+def compute_region(name: str) -> contextlib.AbstractContextManager:
+    """A context that marks kernel work outside the dispatcher as compute in every profile
+    recording now (autodiff's flash-attention rules call their kernels on the local pieces),
+    so the profiler's tables show it and the overlap ratio counts it.
+
+    Parameters
+    ----------
+    name : str
+        The region's name in the tables and the trace.
+
+    Returns
+    -------
+    context manager
+        ``region(name)`` of the recording profiles, or a no-op context when none records.
+    """
     profs = [p for p in _PROF if hasattr(p, "region")]
     if not profs:
         return contextlib.nullcontext()
