@@ -633,3 +633,27 @@ def test_redistribute_out_is_checked_before_any_collective(world):
         with pytest.raises(ValueError, match="shares memory with the input's piece"):
             Y.redistribute(S0, out=alias)
     assert log.records == []
+
+
+def test_a_plan_verified_deep_in_the_stack_runs_again_from_a_shallower_frame(world):
+    """The check remembers the site that verified a plan by its depth; a later run from a
+    shallower stack is simply another site (it raised "call stack is not deep enough")."""
+    import threading
+
+    import tessera_rt as ts
+    mesh = dist.Mesh(axes=["tp"], shape={"tp": world.size})
+    a = np.arange(4.0 * max(world.size, 2) * 4).reshape(-1, 4)
+    X = dist.distribute(a, layout=dist.ShardSpec(partition=("row",), mesh_axes=("tp",)), mesh=mesh)
+
+    def deep(n):
+        if n:
+            return deep(n - 1)
+        _, pull = ts.vjp(lambda W: W.full_tensor(), X)
+        return pull(2 * a)
+
+    (g,) = deep(20)
+    got = []                     # a new thread's stack is shallower than the remembered depth
+    t = threading.Thread(target=lambda: got.append(g.full_tensor()))
+    t.start()
+    t.join()
+    np.testing.assert_array_equal(got[0], 2 * a)
