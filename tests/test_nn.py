@@ -120,6 +120,22 @@ def test_adamw_and_clip_update_in_place_and_allocate_nothing_per_step():
     assert np.array_equal(shared, np.full(4, 3.0, np.float32))
 
 
+def test_clip_in_place_scales_disjoint_views_of_one_buffer_in_place():
+    """Gradients handed back as views of one all-reduce bucket are each their own: the clip
+    scales them in place (no new arrays, no allocation); views that overlap are copied."""
+    buf = np.arange(1, 13, dtype=np.float32)
+    g = {"a": buf[:4].reshape(2, 2), "b": buf[4:10], "c": buf[10:]}
+    expect = {k: v * (1.0 / (optim.global_norm(g) + 1e-6)) for k, v in g.items()}
+    c, _ = optim.clip_grad_norm(g, 1.0, in_place=True)
+    assert all(c[k] is g[k] for k in g), "a bucket's views were scaled into new arrays"
+    for k in g:
+        np.testing.assert_allclose(c[k], expect[k], rtol=1e-6)
+    over = np.arange(1, 7, dtype=np.float32)
+    c, n = optim.clip_grad_norm({"a": over[:4], "b": over[2:]}, 1.0, in_place=True)
+    assert c["a"] is not over[:4] and np.array_equal(over, np.arange(1, 7, dtype=np.float32))
+    np.testing.assert_allclose(c["b"], np.arange(3, 7) / n, rtol=1e-6)
+
+
 def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(monkeypatch):
     g = {"a": np.ones(3, np.float32), "b": [np.ones(2, np.float32), np.array([1.0, np.nan], np.float32)],
          "c": np.array([np.inf], np.float32)}

@@ -303,17 +303,30 @@ def clip_grad_norm(grads, max_norm: float, norm: float | None = None, error_if_n
 
 def _owned(arrays: list) -> list[bool]:
     """Which arrays can be scaled in place: writeable (not a broadcast view) and sharing no
-    buffer with another leaf (the add rule hands both operands the same cotangent), so
-    scaling one scales nothing else."""
+    memory with another leaf (the add rule hands both operands the same cotangent), so
+    scaling one scales nothing else.  NumPy views of one buffer whose bytes do not overlap
+    (the gradients of one all-reduce bucket) are each their own."""
     def root(x):
         while getattr(x, "base", None) is not None:
             x = x.base
         return id(x)
     roots = [root(x) for x in arrays]
-    count: dict = {}
-    for r in roots:
-        count[r] = count.get(r, 0) + 1
-    return [getattr(getattr(x, "flags", None), "writeable", True) and count[r] == 1 for x, r in zip(arrays, roots)]
+    groups: dict = {}
+    for i, r in enumerate(roots):
+        groups.setdefault(r, []).append(i)
+    ok = [getattr(getattr(x, "flags", None), "writeable", True) for x in arrays]
+    for idx in groups.values():
+        if len(idx) == 1:
+            continue
+        if not all(type(arrays[i]) is np.ndarray and arrays[i].flags.c_contiguous for i in idx):
+            for i in idx:                # (other arrays: the buffer is shared, leave it alone)
+                ok[i] = False
+            continue
+        spans = sorted((arrays[i].ctypes.data, arrays[i].ctypes.data + arrays[i].nbytes, i) for i in idx)
+        for (s0, e0, i), (s1, e1, j) in zip(spans, spans[1:]):
+            if s1 < e0:                  # overlapping bytes: scaling one would scale the other
+                ok[i] = ok[j] = False
+    return ok
 
 
 # --------------------------------------------------------------------------- non-finite steps
