@@ -129,6 +129,23 @@ def test_megatron_norm_and_swiglu_run_fused_on_the_pieces(world, kind):
         assert len(tp) <= 2, [(r.axis, r.shape) for r in tp]        # x's cotangent (+ the norm weight's)
 
 
+def test_a_pending_sum_over_one_rank_is_no_all_reduce(world):
+    """A gradient pending over a mesh axis of size 1 (dp=1 beside tp, as a pipeline stage's or
+    a one-rank run's mesh has it) is its sum already: no bucket copy, no all-reduce."""
+    mesh = _MESHES.get("dp1") or _MESHES.setdefault("dp1", dist.Mesh(axes=["dp", "tp"], shape={"dp": 1, "tp": SIZE}))
+    arrays = [rand(4, 6, seed=30), rand(6, 8, seed=31)]
+    lays = [Layout((("dp",), ())), Layout(((), ("tp",)))]
+
+    def f(x, w):
+        return op.sum(op.tanh(x @ w))
+    compare(f, arrays, lays, mesh)
+    dts = [dist.distribute(a, layout=lay, mesh=mesh) for a, lay in zip(arrays, lays)]
+    with dist.trace_collectives() as log:
+        g = ts.grad(f, argnums=(0, 1))(*dts)
+    assert [g[1].layout, g[0].layout] == [lays[1], lays[0]]
+    assert not [r for r in log.records if r.axis == "dp"], [(r.op, r.axis, r.shape) for r in log.records]
+
+
 @pytest.mark.parametrize("kind", meshes())
 def test_redistribute_full_tensor_local(world, kind):
     mesh = get_mesh(kind)
