@@ -359,7 +359,7 @@ def _rmsnorm_pieces(g, x, w, eps):
     if type(g) is DTensor and type(x) is DTensor and g.layout.partial and g.layout.with_partial(()) == x.layout:
         g = g.redistribute(x.layout)             # (the rows need their sums: the op chain reduces as well)
     pieces = _same_pieces(g, x)
-    if pieces is None or x.layout.dims[-1] or not pieces[1].size:
+    if pieces is None or x.layout.dims[-1]:     # (global facts only: every rank takes the same path)
         return None
     if w is not None:
         if type(w) is not DTensor or not w.layout.is_replicate or w.mesh is not x.mesh \
