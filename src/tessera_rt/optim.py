@@ -33,6 +33,7 @@ from .autodiff.engine import tree_flatten, tree_unflatten
 from .dist.tensor.dtensor import DTensor
 from .dtypes import dtype_name
 from .kernels._common import array_module
+from .kernels.cpu_fused import adamw_step
 
 __all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler", "NonFiniteError",
            "check_finite", "non_finite_leaves"]
@@ -261,13 +262,17 @@ class AdamW(Optimizer):
         # local): the out-of-place formula's operations in its order, so the same bits.
         b1, b2, lr = self.b1, self.b2, self.lr
         w, g, m, v = _local(w), _local(g), _local(self.m[i]), _local(self.v[i])
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        # on the CPU one fused pass (cpu_fused.adamw_step), the same bits as the formula below
+        if adamw_step(w, g, m, v, b1=b1, b2=b2, c1=c1, c2=c2, eps=self.eps,
+                      decay=1 - lr * self.wd if self.wd else None, lr=lr):
+            return self.masters[i]
         xp = array_module(w)
         t1, t2 = self._temps(w)
         xp.multiply(m, b1, out=m)
         xp.add(m, xp.multiply(g, 1 - b1, out=t1), out=m)                 # m = b1 m + (1 - b1) g
         xp.multiply(xp.multiply(g, g, out=t1), 1 - b2, out=t1)
         xp.add(xp.multiply(v, b2, out=v), t1, out=v)                     # v = b2 v + (1 - b2) g^2
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         xp.add(xp.sqrt(xp.multiply(v, 1.0 / c2, out=t2), out=t2), self.eps, out=t2)
         xp.divide(xp.multiply(m, 1.0 / c1, out=t1), t2, out=t1)          # the step direction
         if self.wd:
@@ -389,17 +394,30 @@ def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error
 
 def _owned(arrays: list) -> list[bool]:
     """Which arrays can be scaled in place: writeable (not a broadcast view) and sharing no
-    buffer with another leaf (the add rule hands both operands the same cotangent), so
-    scaling one scales nothing else."""
+    memory with another leaf (the add rule hands both operands the same cotangent), so
+    scaling one scales nothing else.  NumPy views of one buffer whose bytes do not overlap
+    (the gradients of one all-reduce bucket) are each their own."""
     def root(x):
         while getattr(x, "base", None) is not None:
             x = x.base
         return id(x)
     roots = [root(x) for x in arrays]
-    count: dict = {}
-    for r in roots:
-        count[r] = count.get(r, 0) + 1
-    return [getattr(getattr(x, "flags", None), "writeable", True) and count[r] == 1 for x, r in zip(arrays, roots)]
+    groups: dict = {}
+    for i, r in enumerate(roots):
+        groups.setdefault(r, []).append(i)
+    ok = [getattr(getattr(x, "flags", None), "writeable", True) for x in arrays]
+    for idx in groups.values():
+        if len(idx) == 1:
+            continue
+        if not all(type(arrays[i]) is np.ndarray and arrays[i].flags.c_contiguous for i in idx):
+            for i in idx:                # (other arrays: the buffer is shared, leave it alone)
+                ok[i] = False
+            continue
+        spans = sorted((arrays[i].ctypes.data, arrays[i].ctypes.data + arrays[i].nbytes, i) for i in idx)
+        for (s0, e0, i), (s1, e1, j) in zip(spans, spans[1:]):
+            if s1 < e0:                  # overlapping bytes: scaling one would scale the other
+                ok[i] = ok[j] = False
+    return ok
 
 
 # --------------------------------------------------------------------------- non-finite steps

@@ -88,6 +88,9 @@ class Finisher:
         sums = [a for a, o in lay.partial if o == "sum"]
         if lay.dims == want.dims and not want.partial and len(sums) == len(lay.partial) and sums:
             axis = sums[0] if len(sums) == 1 else tuple(sums)
+            if g.mesh.size(axis) == 1:           # a sum over one rank: the piece is the sum already
+                leaf.grad = DTensor._wrap(g.to_local(), meta_of(want, p.shape, g.dtype, p.mesh))
+                return
             if self.buckets is not None:
                 self.buckets.add(leaf, g.to_local(), g.mesh, axis, largest_shard(g.shape, lay, g.mesh))
             else:

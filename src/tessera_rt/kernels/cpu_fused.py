@@ -24,9 +24,9 @@ from . import mlp, norms
 from ._common import check_float, check_policy, check_stream, finish, is_cupy, widen
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
-__all__ = ["swiglu", "swiglu_forward", "swiglu_backward", "rmsnorm", "rmsnorm_backward", "layernorm",
+__all__ = ["swiglu", "swiglu_forward", "swiglu_gate", "swiglu_backward", "rmsnorm", "rmsnorm_backward", "layernorm",
            "layernorm_backward", "softmax", "softmax_backward", "softmax_cross_entropy",
-           "cross_entropy_backward", "exp_inplace", "rows"]
+           "cross_entropy_backward", "adamw_step", "exp_inplace", "rows"]
 
 # fast-math without "no NaN/inf" (masked scores are -inf) and without reciprocal tricks on
 # the statistics: reassociation lets LLVM vectorize the row sums
@@ -76,10 +76,16 @@ def swiglu_forward(x: Any, w1: Any, w3: Any, policy: NumericPolicy | None = None
     acc = accum_dtype(x.dtype, policy)
     x2 = rows(widen(x, acc))
     h1, h3 = x2 @ widen(w1, acc), x2 @ widen(w3, acc)
-    y = np.negative(h1)
-    _swiglu_fwd(h1, h3, exp_inplace(y))
     shape = tuple(x.shape[:-1]) + (w1.shape[1],)
-    return y.reshape(shape), h1.reshape(shape), h3.reshape(shape)
+    return swiglu_gate(h1, h3).reshape(shape), h1.reshape(shape), h3.reshape(shape)
+
+
+def swiglu_gate(h1: np.ndarray, h3: np.ndarray) -> np.ndarray:
+    """``silu(h1) * h3`` of the pre-activations (NumPy f32/f64 of one shape), one pass."""
+    h1r, h3r = rows(h1), rows(h3)
+    y = np.negative(h1r)
+    _swiglu_fwd(h1r, h3r, exp_inplace(y))
+    return y.reshape(h1.shape)
 
 
 def swiglu_backward(g: Any, h1: Any, h3: Any):
@@ -377,6 +383,39 @@ def cross_entropy_backward(g: Any, logits: Any, targets: Any, lse: Any):
     if p.size:
         _xent_bwd(exp_inplace(p), t, acc.type(float(g) / x2.shape[0]))
     return p.reshape(logits.shape).astype(logits.dtype, copy=False)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+@njit(cache=True, error_model="numpy")      # (numpy's: a division by zero is inf, and the loop vectorizes)
+def _adamw(w, g, m, v, b1, ob1, b2, ob2, ic1, ic2, eps, decay, lr):
+    """AdamW's in-place update in one pass, each element by NumPy's out-of-place formula's
+    operations in its order (no fast-math: no fused multiply-adds), so the same bits."""
+    for i in range(w.shape[0]):
+        gi = g[i]
+        mi = m[i] * b1 + gi * ob1
+        vi = v[i] * b2 + (gi * gi) * ob2
+        m[i], v[i] = mi, vi
+        step = (mi * ic1) / (np.sqrt(vi * ic2) + eps)
+        w[i] = w[i] * decay - step * lr
+
+
+def adamw_step(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, b1: float, b2: float,
+               c1: float, c2: float, eps: float, decay: float | None, lr: float) -> bool:
+    """AdamW on the f32 NumPy arrays ``w``, ``m``, ``v`` in place with the f32 gradient ``g``
+    (``c1``, ``c2``: the bias corrections; ``decay``: ``1 - lr * wd``, None for no weight
+    decay), one pass and no temporaries.  False (nothing done) where the arrays are not
+    contiguous f32 NumPy arrays of one shape: the caller's NumPy formula runs instead."""
+    f32 = np.float32
+    for a in (w, g, m, v):
+        if type(a) is not np.ndarray or a.dtype != f32 or not a.flags.c_contiguous or a.shape != w.shape:
+            return False
+    if not w.flags.writeable or not m.flags.writeable or not v.flags.writeable:
+        return False
+    # the scalars as NumPy rounds a Python float next to an f32 array (to f32); decay 1 is exact
+    _adamw(w.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2),
+           f32(1.0 / c1), f32(1.0 / c2), f32(eps), f32(1.0 if decay is None else decay), f32(lr))
+    return True
 
 
 for _name, _fn in (("swiglu", swiglu), ("softmax", softmax), ("layernorm", layernorm),

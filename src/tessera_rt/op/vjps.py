@@ -353,12 +353,37 @@ def _layernorm(g, out, args, kw, needs):
     return (gx, gwx, gb)[:len(args)]
 
 
+def _rmsnorm_pieces(g, x, w, eps):
+    """The fused backward on each rank's rows of DTensors (x and g alike, the normalized dim
+    whole, a replicated weight): the weight's gradient is this rank's rows' sum, pending
+    over the axes that split the rows.  None where that does not hold."""
+    if type(g) is DTensor and type(x) is DTensor and g.layout.partial and g.layout.with_partial(()) == x.layout:
+        g = g.redistribute(x.layout)             # (the rows need their sums: the op chain reduces as well)
+    pieces = _same_pieces(g, x)
+    if pieces is None or x.layout.dims[-1]:     # (global facts only: every rank takes the same path)
+        return None
+    if w is not None:
+        if type(w) is not DTensor or not w.layout.is_replicate or w.mesh is not x.mesh \
+                or type(w._local) is not np.ndarray or w.dtype != x.dtype:
+            return None
+        pieces.append(w._local)
+    from ..dist.dispatch import compute_region
+    from ..dist.dtensor import meta_of
+    with compute_region("rmsnorm_backward"):
+        gx, gw = cpu_fused.rmsnorm_backward(*pieces, eps=eps)
+    gx = DTensor._wrap(gx, x._meta)
+    if gw is not None:
+        lay = w.layout.with_partial({a: "sum" for a in x.layout.sharded_axes})
+        gw = DTensor._wrap(gw, meta_of(lay, w.shape, gw.dtype, x.mesh))
+    return gx, gw
+
+
 @vjp_rule("rmsnorm", "rmsnorm_safe")
 def _rmsnorm(g, out, args, kw, needs):
     x, w = args[0], _row_param(args, 1)
     eps = kw.get("eps", 1e-6)
-    if _host(x, w, g):
-        grads = cpu_fused.rmsnorm_backward(g, x, w, eps=eps)
+    grads = cpu_fused.rmsnorm_backward(g, x, w, eps=eps) if _host(x, w, g) else _rmsnorm_pieces(g, x, w, eps)
+    if grads is not None:
         return tuple(t if i < len(needs) and needs[i] else None for i, t in enumerate(grads))[:len(args)]
     xf, gf = _wide(x), _wide(g)
     r = op.rsqrt(op.add(op.mean(op.mul(xf, xf), axis=-1, keepdims=True), eps))
@@ -374,6 +399,26 @@ def _rmsnorm(g, out, args, kw, needs):
 
 # --------------------------------------------------------------------------- fused kernels
 
+def _same_pieces(*ts):
+    """The local NumPy pieces of DTensors that share one layout (no pending sum), mesh and
+    float dtype: an elementwise fused kernel then runs on the pieces as they are, with no
+    redistribution and no chain of dispatched ops.  None where that does not hold."""
+    meta = ts[0]._meta if type(ts[0]) is DTensor else None
+    if meta is None or meta.layout.partial or meta.dtype not in _FUSED_DTYPES:
+        return None
+    out = []
+    for t in ts:
+        m = t._meta if type(t) is DTensor else None
+        if m is None or type(t._local) is not np.ndarray or (m is not meta and (
+                m.layout != meta.layout or m.mesh is not meta.mesh or m.dtype != meta.dtype or m.shape != meta.shape)):
+            return None
+        out.append(t._local)
+    return out
+
+
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _swiglu_forward(fn, vals, kw):
     """Run swiglu keeping its pre-activations ``h1 = x @ w1``, ``h3 = x @ w3`` for the backward,
     which then recomputes neither GEMM.  Under ``ts.checkpoint`` the forward records nothing
@@ -383,7 +428,11 @@ def _swiglu_forward(fn, vals, kw):
     if type(x) is DTensor or type(w1) is DTensor or type(w3) is DTensor:
         from ..dist.tensor import dispatch
         h1, h3 = dispatch.matmul(x, w1, None, policy), dispatch.matmul(x, w3, None, policy)
-        return dispatch.binary("mul", dispatch.unary("silu", h1), h3), (h1, h3)
+        pieces = _same_pieces(h1, h3)
+        if pieces is None:
+            return dispatch.binary("mul", dispatch.unary("silu", h1), h3), (h1, h3)
+        with dispatch.compute_region("swiglu"):
+            return DTensor._wrap(cpu_fused.swiglu_gate(*pieces), h1._meta), (h1, h3)
     if _host(x, w1, w3):
         check_pair("swiglu", x, w1, w3, kw.get("stream"), policy)
         y, h1, h3 = cpu_fused.swiglu_forward(x, w1, w3, policy)
@@ -397,8 +446,13 @@ def _swiglu(g, out, args, kw, needs):
     xf, w1f, w3f, gf = _wide(x), _wide(w1), _wide(w3), _wide(g)
     saved = kw.get("_saved")
     h1, h3 = saved if saved is not None else (op.matmul(xf, w1f), op.matmul(xf, w3f))
+    pieces = None if _host(h1, h3, g) else _same_pieces(g, h1, h3)
     if _host(h1, h3, g):
         dh1, dh3 = cpu_fused.swiglu_backward(g, h1, h3)         # one fused pass
+    elif pieces is not None:                                    # the same pass on each rank's pieces
+        from ..dist.dispatch import compute_region
+        with compute_region("swiglu_backward"):
+            dh1, dh3 = (DTensor._wrap(t, h1._meta) for t in cpu_fused.swiglu_backward(*pieces))
     else:
         s = op.sigmoid(h1)
         dh3 = op.mul(gf, op.mul(h1, s))
