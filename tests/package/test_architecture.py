@@ -75,6 +75,27 @@ def modules(src: Path = SRC) -> dict:
     return out
 
 
+def missing_modules(src: Path = SRC) -> list:
+    """``(importer, module)`` for every import of a package module that does not exist (a path
+    left behind by a move: inside a function it fails only when that line runs)."""
+    mods, out = modules(src), []
+    for name, path in mods.items():
+        if path.suffix == ".c":
+            continue
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                wanted = [a.name for a in node.names if a.name.split(".")[0] == PKG]
+            elif isinstance(node, ast.ImportFrom):
+                m = (".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                     if node.level else node.module or "")
+                wanted = [m] if m.split(".")[0] == PKG else []
+            else:
+                continue
+            out += [(f"{short(name)}:{node.lineno}", short(m)) for m in wanted if m not in mods]
+    return out
+
+
 def import_graph(src: Path = SRC) -> dict:
     """{module: set of modules it imports}, full dotted names, self-imports dropped."""
     mods = modules(src)
@@ -170,6 +191,12 @@ def circles(edges: dict) -> list:
 
 def _fmt(arrows) -> str:
     return "\n".join(f"    ({a!r}, {b!r})," for a, b in sorted(arrows))
+
+
+def test_every_import_names_a_module_that_exists():
+    gone = missing_modules()
+    assert not gone, "imports of modules that do not exist (moved? update the path):\n" + "\n".join(
+        f"  {where} imports {m}" for where, m in gone)
 
 
 def test_layer_map_covers_every_module():

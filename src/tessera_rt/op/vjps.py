@@ -367,8 +367,8 @@ def _rmsnorm_pieces(g, x, w, eps):
                 or type(w._local) is not np.ndarray or w.dtype != x.dtype:
             return None
         pieces.append(w._local)
-    from ..dist.dispatch import compute_region
-    from ..dist.dtensor import meta_of
+    from ..dist.tensor.dispatch import compute_region
+    from ..dist.tensor.dtensor import meta_of
     with compute_region("rmsnorm_backward"):
         gx, gw = cpu_fused.rmsnorm_backward(*pieces, eps=eps)
     gx = DTensor._wrap(gx, x._meta)
@@ -450,7 +450,7 @@ def _swiglu(g, out, args, kw, needs):
     if _host(h1, h3, g):
         dh1, dh3 = cpu_fused.swiglu_backward(g, h1, h3)         # one fused pass
     elif pieces is not None:                                    # the same pass on each rank's pieces
-        from ..dist.dispatch import compute_region
+        from ..dist.tensor.dispatch import compute_region
         with compute_region("swiglu_backward"):
             dh1, dh3 = (DTensor._wrap(t, h1._meta) for t in cpu_fused.swiglu_backward(*pieces))
     else:
