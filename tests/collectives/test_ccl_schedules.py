@@ -5,7 +5,7 @@ sends n-1 chunks (the line's all-gather forwards every chunk both ways: more).""
 import numpy as np
 import pytest
 
-from tessera_rt.dist.ccl.line import _bounds, schedule
+from tessera_rt.dist.ccl.schedules import _bounds, schedule
 from tessera_rt.dist.comm.interface import _displs
 
 

@@ -342,7 +342,7 @@ def test_compiled_plans_3d_and_direct(world, kind):
     for src in lays:
         for dst in lays[:: max(1, len(lays) // 5)]:
             check_compiled(g, src, dst, mesh)
-    # the one-exchange plans (redistribute._direct_step), compiled
+    # the one-exchange plans (plan_steps.direct_step), compiled
     plain = [lay for lay in lays if not lay.partial]
     for src, dst in itertools.product(plain[:: 1 + len(plain) // 8], plain):
         plan = plan_redistribute(g.shape, src, dst, mesh, g.dtype, direct=True)

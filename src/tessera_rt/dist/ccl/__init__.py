@@ -16,7 +16,8 @@ from .fused import all_gather_concat, double_matmul_line_reduce_scatter, llama_r
 from .ring_attention import ring_attention, sequence_positions, shard_sequence
 from .hierarchical import hierarchical_all_reduce, host_mesh
 from .tune import tune
-from .line import line_all_gather, line_all_reduce, line_reduce_scatter, schedule
+from .line import line_all_gather, line_all_reduce, line_reduce_scatter
+from .schedules import schedule
 
 __all__ = [
     "line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule",

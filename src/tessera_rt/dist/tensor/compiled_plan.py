@@ -370,7 +370,7 @@ def _all_to_all(b, mesh, shape, dtype, spec):
 
 def _direct(b, mesh, shape, dtype, spec):
     """The one-exchange step: pieces cut from boxes of x, one all_to_all(v) over the group,
-    pieces written into boxes of the result (``redistribute._direct_step``)."""
+    pieces written into boxes of the result (``plan_steps.direct_step``)."""
     group, send, recv, send_counts, recv_counts, out_shape = spec
     packed = (sum(send_counts),)             # what goes out: the parts, one after another
     g = _group(mesh, group, "all_to_all", packed, dtype)

@@ -21,6 +21,7 @@ from ..checks import determinism
 from .cost import on_change
 from .redistribute import plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
+from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions', norms' and attention's rules)
 
 __all__ = [
     "dispatch", "binary", "unary", "reduce", "matmul", "transpose", "reshape", "softmax", "layernorm",

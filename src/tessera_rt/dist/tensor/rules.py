@@ -7,6 +7,11 @@ the local pieces.  Rules never look at data and never communicate, so the same i
 the same decision on every rank, a bad input raises the same error on every rank before
 any collective, and the dispatcher caches the decision.
 
+This module owns the registry and the rules of the ops that keep every dim: elementwise ops
+and unary math, transpose and reshape.  The rules of the ops that reduce over a dim (matmul,
+reductions, softmax and norms, attention) are in ``reduction_rules``, which ``dispatch``
+imports so they are registered whenever DTensor ops run.
+
 Elementwise ops, unary math and matmul share one solver (``dist.tensor.solve``): every tensor dim
 carries a label (an output dim, or matmul's contracted ``k``); per mesh axis one operand's
 use wins (the cheapest by the cost model, the largest operand's on ties), the others follow
@@ -21,14 +26,13 @@ from typing import Any, Callable
 import numpy as np
 
 from ...backend import get_backend
-from ..checks import determinism as _det
-from ..comm.hooks import count_copy
 from .layout import Layout
 from ..comm.process_group import world
 from .shard import dim_extents_all, local_shape
 from .solve import solve
 
-__all__ = ["Strategy", "RuleError", "RULES", "register_rule", "solve", "ScalarKind", "ConstKind"]
+__all__ = ["Strategy", "RuleError", "RULES", "register_rule", "solve", "ScalarKind", "ConstKind", "fail",
+           "array_module", "LINEAR"]
 
 
 class RuleError(ValueError):
@@ -92,16 +96,14 @@ def register_rule(*ops: str) -> Callable[[Callable[..., Strategy]], Callable[...
 
 
 def fail(op: str, metas, msg: str, cls: type = RuleError) -> Exception:
+    """The error a rule raises for ``op`` on arguments ``metas``: this rank, the call, ``msg``."""
     args = ", ".join(repr(m) for m in metas)
     return cls(f"rank {world().rank}: {op}({args}): {msg}")
 
 
-def _xp():
+def array_module():
+    """The backend's array module (NumPy or CuPy), looked up per call: the backend may change."""
     return get_backend().xp
-
-
-def _kernel(name: str):
-    return get_backend().kernel(name)
 
 
 # --------------------------------------------------------------------------- elementwise
@@ -112,7 +114,7 @@ _BINARY = {      # op -> array-module function name
     "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal",
     "eq": "equal", "ne": "not_equal",
 }
-_LINEAR = ("sum", "avg")
+LINEAR = ("sum", "avg")          # the pending reductions a linear op keeps
 
 
 def _binary_partial(op: str, dt_pos: tuple[int, ...]) -> Callable:
@@ -125,12 +127,12 @@ def _binary_partial(op: str, dt_pos: tuple[int, ...]) -> Callable:
         a, b = full
         both = len(dt_pos) == 2
         if op in ("add", "sub"):
-            return a if both and a == b and a in _LINEAR else None
+            return a if both and a == b and a in LINEAR else None
         if op == "mul":
             nz = [o for o in full if o]
-            return nz[0] if len(nz) == 1 and nz[0] in _LINEAR else None
+            return nz[0] if len(nz) == 1 and nz[0] in LINEAR else None
         if op == "div":
-            return a if a in _LINEAR and b is None else None
+            return a if a in LINEAR and b is None else None
         if op in ("maximum", "minimum"):
             want = "max" if op == "maximum" else "min"
             return want if all(o in (None, want) for o in full) and want in full else None
@@ -159,7 +161,7 @@ def binary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     targets, out = solve(operands, frozenset(), _binary_partial(op, dt_pos), tuple(range(len(out_shape))))
     it = iter(targets)
     inputs = tuple(next(it) if i in dt_pos else None for i in range(len(kinds)))
-    return Strategy(inputs, out, out_shape, getattr(_xp(), _BINARY[op]))
+    return Strategy(inputs, out, out_shape, getattr(array_module(), _BINARY[op]))
 
 
 def _unary_table(xp) -> dict[str, Callable]:
@@ -179,7 +181,7 @@ _NEG = {"sum": "sum", "avg": "avg", "max": "min", "min": "max"}
 @register_rule(*UNARY_OPS)
 def unary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     (meta,) = kinds
-    xp = _xp()
+    xp = array_module()
     if op == "astype":
         (dt,) = params
         keep = meta.dtype.kind in "fc" and np.dtype(dt).kind in "fc"
@@ -193,213 +195,6 @@ def unary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     return Strategy((target,), out, meta.shape, fn)
 
 
-# --------------------------------------------------------------------------- matmul
-
-@register_rule("matmul")
-def matmul_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
-    a, b = kinds
-    if any(isinstance(k, (ScalarKind, ConstKind)) for k in kinds):
-        raise fail(op, kinds, "both operands must be DTensors; distribute the plain array first", TypeError)
-    if a.ndim < 2 or b.ndim < 2:
-        raise fail(op, kinds, "DTensor matmul needs operands with at least 2 dims; reshape a vector "
-                   "of length k to (1, k) or (k, 1)")
-    if a.shape[-1] != b.shape[-2]:
-        raise fail(op, kinds, f"inner dims do not match: {a.shape} @ {b.shape} contracts "
-                   f"{a.shape[-1]} with {b.shape[-2]}; transpose or reshape one operand")
-    try:
-        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    except ValueError:
-        raise fail(op, kinds, f"batch dims {a.shape[:-2]} and {b.shape[:-2]} do not broadcast") from None
-    nb = len(batch)
-
-    def labels(meta, last):
-        off = nb - (meta.ndim - 2)
-        lab = tuple(("b", d + off) if s == batch[d + off] else None for d, s in enumerate(meta.shape[:-2]))
-        return lab + last
-    tile_shape, policy = params
-    det = _det.active(policy)        # fixed order: keep k whole (gathered), no pending sum
-    k = None if det else "k"
-    operands = [(a, labels(a, ("m", k))), (b, labels(b, (k, "n")))]
-
-    def partial_rule(ops):
-        nz = [o for o in ops if o]
-        return nz[0] if len(nz) == 1 and nz[0] in _LINEAR else None
-    out_labels = tuple(("b", j) for j in range(nb)) + ("m", "n")
-    targets, out = solve(operands, frozenset() if det else frozenset({"k"}), partial_rule, out_labels)
-    kw = {}
-    if tile_shape is not None:
-        kw["tile_shape"] = tile_shape
-    if policy is not None:
-        kw["policy"] = policy
-
-    def local(x, y):
-        xp = _xp()
-        if tile_shape is not None and xp is not np:      # the GPU tile kernel reads C-contiguous operands
-            return _kernel("matmul")(_contiguous(xp, x), _contiguous(xp, y), **kw)
-        if xp is np:                   # BLAS takes a transposed matrix as it is; other strides it cannot
-            x, y = _blas_operand(x), _blas_operand(y)
-        if kw or x.ndim < 3 or y.ndim != 2 or not _rows_fold(x):
-            return _kernel("matmul")(x, y, **kw)
-        # (..., m, k) @ (k, n) as one (rows, k) @ (k, n) GEMM: faster than the batched loop
-        return _kernel("matmul")(x.reshape(-1, x.shape[-1]), y).reshape(x.shape[:-1] + (y.shape[-1],))
-    if det:
-        def local(x, y):
-            return _det.matmul(x, y, policy)
-    return Strategy(tuple(targets), out, batch + (a.shape[-2], b.shape[-1]), local)
-
-
-def _contiguous(xp, x):
-    if x.flags.c_contiguous:
-        return x
-    count_copy(x.nbytes)
-    return xp.ascontiguousarray(x)
-
-
-def _blas_operand(x):
-    """``x`` if BLAS can read each of its matrices in place (unit stride along rows or along
-    columns: a plain or a transposed matrix), else a counted contiguous copy (NumPy's matmul
-    would run its slow loop without BLAS on it)."""
-    if x.size == 0 or x.flags.c_contiguous:
-        return x
-    it, (m, n), (sm, sn) = x.itemsize, x.shape[-2:], x.strides[-2:]
-    rows = (sn == it or n == 1) and sm % it == 0 and sm >= n * it       # a strided-row matrix
-    cols = (sm == it or m == 1) and sn % it == 0 and sn >= m * it       # a transposed one
-    if rows or cols:
-        return x
-    return _contiguous(np, x)
-
-
-def _rows_fold(x) -> bool:
-    """Whether ``x``'s batch dims merge with its row dim without a copy (a reshape view)."""
-    dims = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n != 1]     # size-1 dims have any stride
-    return all(s == s_in * n_in for (_, s), (n_in, s_in) in zip(dims, dims[1:]))
-
-
-# --------------------------------------------------------------------------- reductions
-
-def norm_axes(op: str, kinds, axis, ndim: int) -> tuple[int, ...]:
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = []
-    for d in axes:
-        if not -ndim <= d < max(ndim, 1) or (ndim == 0):
-            raise fail(op, kinds, f"axis {d} is out of range for a {ndim}-dim tensor")
-        out.append(int(d) % ndim)
-    if len(set(out)) != len(out):
-        raise fail(op, kinds, f"axis {axis} names a dim twice")
-    return tuple(sorted(out))
-
-
-_RED_PARTIAL = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
-_RED_KEEP = {"sum": _LINEAR, "mean": _LINEAR, "max": ("max",), "min": ("min",)}
-
-
-@register_rule("sum", "mean", "max", "min")
-def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
-    (meta,) = kinds
-    axis, keepdims = params
-    axes = norm_axes(op, kinds, axis, meta.ndim)
-    lay = meta.layout
-    partial = {a: o for a, o in lay.partial if o in _RED_KEEP[op]}
-    if op in ("sum", "mean") and _det.active():
-        return _det_reduce(meta, axes, keepdims, partial, op)
-    target = Layout(lay.dims, tuple(sorted(partial.items())))
-    out_partial = dict(partial)
-    sharded_reduced = False
-    for d in axes:
-        for a in lay.dims[d]:
-            out_partial[a] = _RED_PARTIAL[op]
-            sharded_reduced = True
-    out_dims = tuple(() if d in axes else lay.dims[d] for d in range(meta.ndim) if keepdims or d not in axes)
-    out_shape = tuple(1 if d in axes else s for d, s in enumerate(meta.shape) if keepdims or d not in axes)
-    out = Layout(out_dims, tuple(sorted(out_partial.items())))
-    xp, ax = _xp(), axes
-    if op in ("sum", "mean"):
-        n = int(np.prod([meta.shape[d] for d in axes])) if op == "mean" else 1
-        if op == "mean" and n == 0:
-            raise fail(op, kinds, "mean over an empty dim")
-        # the array's method: the same reduction as xp.sum without NumPy's function wrapper
-        # (~1.2 us a call)
-        fn = ((lambda x: x.sum(axis=ax, keepdims=keepdims)) if op == "sum" else
-              (lambda x: x.sum(axis=ax, keepdims=keepdims) / n))
-    else:
-        red = xp.max if op == "max" else xp.min
-        if sharded_reduced:
-            # a rank may hold an empty piece of a reduced dim: start from the op's identity
-            dt = meta.dtype
-            big = np.inf if dt.kind == "f" else np.iinfo(dt).max if dt.kind in "iu" else True
-            ident = (-big if op == "max" else big) if dt.kind != "b" else (op == "min")
-            # (not ``initial=``: CuPy's max/min lack it)
-            def fn(x):
-                if x.size:
-                    return red(x, axis=ax, keepdims=keepdims)
-                shape = tuple(1 if d in ax else n for d, n in enumerate(x.shape) if keepdims or d not in ax)
-                return xp.full(shape, ident, dtype=x.dtype)
-        else:
-            fn = lambda x: red(x, axis=ax, keepdims=keepdims)                   # noqa: E731
-    return Strategy((target,), out, out_shape, fn)
-
-
-def _det_reduce(meta, axes, keepdims: bool, partial: dict, op: str) -> Strategy:
-    """Fixed-order sum/mean: the reduced dims are gathered, then summed in global order."""
-    lay = meta.layout
-    target = Layout(tuple(() if d in axes else lay.dims[d] for d in range(meta.ndim)), tuple(sorted(partial.items())))
-    out_dims = tuple(() if d in axes else lay.dims[d] for d in range(meta.ndim) if keepdims or d not in axes)
-    out_shape = tuple(1 if d in axes else s for d, s in enumerate(meta.shape) if keepdims or d not in axes)
-    n = int(np.prod([meta.shape[d] for d in axes])) if op == "mean" else 0
-    return Strategy((target,), Layout(out_dims, target.partial), out_shape,
-                    lambda x: _det.reduce_sum(x, axes, keepdims, mean_of=n))
-
-
-# --------------------------------------------------------------------------- softmax and norms
-
-def _free_dim_target(meta, d: int) -> Layout:
-    """The layout with dim d unsharded and no pending reduction: its axes and pending
-    reductions move to the largest other dim (one all_to_all / reduce_scatter each), or
-    are gathered / all-reduced when there is no other dim."""
-    lay = meta.layout
-    others = [e for e in range(meta.ndim) if e != d]
-    moving = list(lay.dims[d]) + [a for a, _ in lay.partial]
-    dims = [list(x) for x in lay.dims]
-    dims[d] = []
-    if others and moving:
-        e = max(others, key=lambda e: (meta.shape[e], -e))
-        dims[e] += moving
-    return Layout(tuple(tuple(x) for x in dims), ())
-
-
-@register_rule("softmax", "layernorm", "rmsnorm")
-def norm_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
-    meta, *extra = kinds
-    if isinstance(meta, (ScalarKind, ConstKind)):
-        raise fail(op, kinds, "the input must be a DTensor")
-    if meta.ndim == 0:
-        raise fail(op, kinds, "needs at least one dim")
-    if op == "softmax":
-        (axis, policy) = params
-        d = norm_axes(op, kinds, axis, meta.ndim)[0]
-    else:
-        (eps, policy) = params
-        d = meta.ndim - 1
-    for k in extra:
-        shp = k.shape if not isinstance(k, ConstKind) else k.shape
-        if shp is not None and tuple(shp) != (meta.shape[-1],):
-            raise fail(op, kinds, f"weight/bias must have shape ({meta.shape[-1]},), got {tuple(shp)}")
-        if not isinstance(k, (ConstKind, ScalarKind)) and k.mesh != meta.mesh:
-            raise fail(op, kinds, "weight/bias live on another mesh")
-    target = _free_dim_target(meta, d)
-    inputs = (target,) + tuple(None if isinstance(k, (ConstKind, ScalarKind)) else Layout(((),)) for k in extra)
-    kw: dict = {} if policy is None else {"policy": policy}
-    if op == "softmax":
-        def local(x):
-            return _kernel("softmax")(x, axis=d, **kw)
-    else:
-        def local(x, *wb):
-            return _kernel(op)(x, *wb, eps=eps, **kw)
-    return Strategy(inputs, target, meta.shape, local)
-
-
 # --------------------------------------------------------------------------- transpose, reshape
 
 @register_rule("transpose")
@@ -411,7 +206,7 @@ def transpose_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         raise fail(op, kinds, f"axes {params[0]} are not a permutation of the {meta.ndim} dims")
     lay = meta.layout
     out = Layout(tuple(lay.dims[p] for p in perm), lay.partial)
-    xp = _xp()
+    xp = array_module()
     return Strategy((lay,), out, tuple(meta.shape[p] for p in perm), lambda x: xp.transpose(x, perm))
 
 
@@ -481,27 +276,3 @@ def _same_pieces(src, gi, dst, gj, axes, mesh) -> bool:
     r_out = int(np.prod([dst[d] for d in gj[1:]], dtype=np.int64))
     ein, eout = dim_extents_all(src[gi[0]], sizes), dim_extents_all(dst[gj[0]], sizes)
     return all(ein[c][0] * r_in == eout[c][0] * r_out and ein[c][1] * r_in == eout[c][1] * r_out for c in ein)
-
-
-# --------------------------------------------------------------------------- attention
-
-@register_rule("flash_attention")
-def attention_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
-    """q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``: batch and heads may stay sharded (each
-    rank attends with its own heads); sequence and head_dim are gathered.  q's batch/head
-    sharding wins; grouped-query attention (H != Hkv) keeps heads whole."""
-    if any(isinstance(k, (ScalarKind, ConstKind)) for k in kinds):
-        raise fail(op, kinds, "q, k and v must all be DTensors", TypeError)
-    q, k, v = kinds
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise fail(op, kinds, "q, k, v must be 4-D (batch, heads, seq, head_dim)")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise fail(op, kinds, "shapes must be q (B, H, Sq, D), k and v (B, Hkv, Sk, D) with H % Hkv == 0")
-    causal, scale, policy = params
-    heads = q.layout.dims[1] if q.shape[1] == k.shape[1] else ()
-    target = Layout((q.layout.dims[0], heads, (), ()))
-    kw: dict = {} if policy is None else {"policy": policy}
-
-    def local(x, y, z):
-        return _kernel("flash_attention")(x, y, z, causal=causal, scale=scale, **kw)
-    return Strategy((target, target, target), target, q.shape, local)
