@@ -1,8 +1,8 @@
 """tessera_rt.dist.tensor: DTensors, their layouts and how a layout changes.
 
 It owns layouts and placements (``layout``), shard arithmetic (``shard``), the DTensor
-(``dtensor``; ``pieces`` checks ``from_local``'s pieces, ``rng`` makes ``rand``/``randn``'s
-values) and its NumPy interop (``interop``), the op dispatcher (``dispatch``) with the
+type (``dtensor_type``) and its constructors (``dtensor``; ``pieces`` checks ``from_local``'s
+pieces, ``rng`` makes ``rand``/``randn``'s values) and its NumPy interop (``interop``), the op dispatcher (``dispatch``) with the
 sharding rules it runs (``rules``, registered in one table) and the layout solver
 (``solve``), the redistribution planner (``redistribute``) and its compiled form
 (``compiled_plan``), the collectives on DTensors (``dtensor_collectives``) and the cost
