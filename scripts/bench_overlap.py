@@ -196,7 +196,7 @@ class _WaitClock:
     """Time the caller spends in ``Work.wait()`` (the exposed part of async collectives)."""
 
     def __enter__(self):
-        from tessera_rt.dist.comm.collectives import Work
+        from tessera_rt.dist.comm.work import Work
         self.seconds, self._orig, clock = 0.0, Work.wait, self
 
         def wait(work):
@@ -209,7 +209,7 @@ class _WaitClock:
         return self
 
     def __exit__(self, *exc):
-        from tessera_rt.dist.comm.collectives import Work
+        from tessera_rt.dist.comm.work import Work
         Work.wait = self._orig
 
 

@@ -534,7 +534,7 @@ def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
 
 def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world):
     """Equal parts of a dtype MPI reduces go straight to mpi4py (as the array collectives'
-    direct path); avg, uneven parts and GPU communicators take collectives._issue."""
+    direct path); avg, uneven parts and GPU communicators take work._issue."""
     from tessera_rt.dist.tensor import compiled_plan
     g = get_mesh("1d").group("tp")
     from tessera_rt.backend import get_backend

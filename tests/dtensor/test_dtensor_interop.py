@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tessera_rt import dist
-from tessera_rt.dist.tensor import dtensor
+from tessera_rt.dist.tensor import dtensor_type
 
 
 @pytest.fixture
@@ -86,8 +86,8 @@ def test_pickle_and_deepcopy_rebuild_on_the_same_mesh(X, mesh):
     blob = pickle.dumps(X)
     args = X.__reduce__()[1]
     with pytest.raises(ValueError, match=r"holds rank 3's piece, so it can only be unpickled on rank 3"):
-        dtensor._unpickle(*args[:5], 3, args[6])
+        dtensor_type._unpickle(*args[:5], 3, args[6])
     other = (("ep",), (1,), (0,))                                     # no live mesh like this one
     with pytest.raises(ValueError, match=r"no live Mesh with those axes .* unpickle inside `with mesh:`"):
-        dtensor._unpickle(*args[:4], other, *args[5:])
+        dtensor_type._unpickle(*args[:4], other, *args[5:])
     assert isinstance(blob, bytes)

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..backend import get_backend
-from ..dist.comm import collectives as C
+from ..dist.comm import collectives as C, p2p
+from ..dist.comm.work import _group
 from ..dist.tensor.dispatch import compute_region
 from ..dist.tensor.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.tensor.layout import Layout
@@ -113,7 +114,7 @@ def _reduce_scatter(g, out, args, kw, needs):
         return _none(args, gx)
     gx = C.all_gather(g, axis, dim=kw.get("dim", 0), sizes=kw.get("sizes"), mesh=kw.get("mesh"))
     if rop == "avg":
-        gx = gx * (1.0 / C._group(kw.get("mesh"), axis, "reduce_scatter").size)
+        gx = gx * (1.0 / _group(kw.get("mesh"), axis, "reduce_scatter").size)
     return _none(args, gx)
 
 
@@ -152,7 +153,7 @@ def _broadcast(g, out, args, kw, needs):
         lay = x.layout.with_partial({**dict(x.layout.partial), **{a: "sum" for a in axes}})
         local = gl if at_root else xp.zeros_like(gl)
         return _none(args, DTensor._wrap(local, meta_of(lay, x.shape, local.dtype, x.mesh)))
-    grp = C._group(kw.get("mesh"), axis, "broadcast")
+    grp = _group(kw.get("mesh"), axis, "broadcast")
     total = C.all_reduce(xp.ascontiguousarray(g), axis, "sum", mesh=kw.get("mesh"))
     return _none(args, total if grp.index == root else xp.zeros_like(total))
 
@@ -168,7 +169,7 @@ def _send(g, out, args, kw, needs):
     local = x.to_local() if type(x) is DTensor else x
     buf = xp.zeros(local.shape, local.dtype)
     mesh = kw.get("mesh") if kw.get("mesh") is not None or type(x) is not DTensor else x.mesh
-    C.recv(buf, dst, **dict(_peer_kw(kw), mesh=mesh))
+    p2p.recv(buf, dst, **dict(_peer_kw(kw), mesh=mesh))
     gx = DTensor._wrap(buf, x._meta) if type(x) is DTensor else buf
     return _none(args, gx if needs and needs[0] else None)
 
@@ -185,7 +186,7 @@ def _recv(g, out, args, kw, needs):
         local = g
     local = xp.ascontiguousarray(local, dtype=out.dtype)
     mesh = kw.get("mesh") if kw.get("mesh") is not None or type(x) is not DTensor else x.mesh
-    C.send(local, src, **dict(_peer_kw(kw), mesh=mesh))
+    p2p.send(local, src, **dict(_peer_kw(kw), mesh=mesh))
     return (None,) * len(args)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..dist.tensor import dtensor_collectives as _dtc_routes
-from ..dist.comm.collectives import Work
+from ..dist.comm.work import Work
 from ..dist.comm.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
 from ..dist.comm.hooks import TRACE as STATE
 from .var import Tape, Var, current_tape, is_traced, ops, register_ops

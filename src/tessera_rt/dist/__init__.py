@@ -11,9 +11,10 @@ The collectives here take arrays or DTensors: an array is communicated as it is;
 (routed to ``dtensor_collectives``) becomes a layout change run by the redistribution planner.
 """
 from .comm.collectives import (
-    CollectiveRecord, Work, all_gather, all_reduce, all_to_all, barrier, broadcast, bus_factor,
-    reduce_scatter, trace_collectives, world_group,
+    CollectiveRecord, all_gather, all_reduce, all_to_all, broadcast, bus_factor, reduce_scatter, trace_collectives,
 )
+from .comm.p2p import barrier
+from .comm.work import Work, world_group
 from .tensor.dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
 from .tensor.dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
 from .tensor import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)

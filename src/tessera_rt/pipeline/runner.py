@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import runtime as rt
 from ..autodiff import reduce_grads, vjp
-from ..dist.comm import collectives as C
+from ..dist.comm import collectives as C, p2p
 from ..dist.tensor import dtensor_collectives as DC
 from ..dist.tensor.dtensor import DTensor, full, zeros
 from ..dist.comm.hooks import note
@@ -201,7 +201,7 @@ class Pipeline:
         smesh = self.model.mesh
         t = zeros(shape, layout=spec, mesh=smesh, dtype=dtype) if smesh is not None else _xp().zeros(shape, dtype)
         buf = t.to_local() if smesh is not None else t
-        work = C.recv(buf, src, axis=self.axis, mesh=self.mesh, async_op=True, role=ROLE)
+        work = p2p.recv(buf, src, axis=self.axis, mesh=self.mesh, async_op=True, role=ROLE)
         self._recvs[key] = (work, t)
 
     def _take(self, key):

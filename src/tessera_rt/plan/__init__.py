@@ -12,7 +12,8 @@ lends its time model to the runtime's redistribution choices through ``dist.cost
 """
 from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
 from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
-from .specs import CLUSTERS, MODELS, Cluster, ModelSpec, get_cluster, get_model, local_cluster_path
+from .cluster import CLUSTERS, Cluster, get_cluster, local_cluster_path
+from .specs import MODELS, ModelSpec, get_model
 from .timing import BUS_FACTOR, collective_time, step_time
 from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
 

@@ -229,7 +229,8 @@ def _elementwise_bw(rates: dict, block_s: float) -> float:
     import dataclasses
 
     from .memory import Layout
-    from .specs import MODELS, Cluster
+    from .cluster import Cluster
+    from .specs import MODELS
     from .timing import _mlp_ops, _roofline, compute_ops
     ref = dataclasses.replace(MODELS["char"], n_layers=1)
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
@@ -318,7 +319,7 @@ def _raw_comm(mesh, axis):
 
 def cluster_from(compute: dict, collectives: dict, *, n_gpus: int, cores: int, name: str = "local"):
     """A Cluster from measured rates (see the module doc)."""
-    from .specs import GB, Cluster
+    from .cluster import GB, Cluster
     ar = collectives.get("all_reduce", {})
     # per algorithm step and per link: a ring all_reduce over n takes 2(n-1) steps and moves
     # 2(n-1)/n of its bytes over each link, so a send (pipeline p2p, priced analytically)
@@ -349,7 +350,7 @@ def _worker(out_path: str) -> None:
 def calibrate(ranks=(2, 3, 4), path: str | None = None) -> str:
     """Measure one job per group size in ``ranks`` (and the compute rates on one rank) and
     save the `local` cluster; returns the path written."""
-    from .specs import local_cluster_path
+    from .cluster import local_cluster_path
     exe = Path(sys.executable).parent / "tessera-run"
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,8 @@ import sys
 
 from .search import GB, evaluate, recipes, search
 from .timing import duration
-from .specs import CLUSTERS, MODELS, get_cluster, get_model
+from .cluster import CLUSTERS, get_cluster
+from .specs import MODELS, get_model
 
 __all__ = ["main", "parse_mesh"]
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .specs import Cluster, ModelSpec
+from .cluster import Cluster
+from .specs import ModelSpec
 
 __all__ = ["Layout", "memory_per_gpu", "param_counts", "activation_bytes", "REMATS", "SCHEDULES"]
 

@@ -13,7 +13,7 @@ behind the program's back).
 from __future__ import annotations
 
 from ..dist.tensor import cost as _cost
-from .specs import Cluster, get_cluster, local_cluster_path
+from .cluster import Cluster, get_cluster, local_cluster_path
 from .timing import collective_time
 
 __all__ = ["ClusterCostModel", "use_calibrated", "use_builtin"]

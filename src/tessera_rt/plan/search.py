@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from ..pipeline.schedules import layout_problems
 from .memory import REMATS, Layout, memory_per_gpu
-from .specs import Cluster, ModelSpec, get_cluster, get_model
+from .cluster import Cluster, get_cluster
+from .specs import ModelSpec, get_model
 from .timing import duration, step_time
 
 __all__ = ["Candidate", "search", "evaluate", "factorizations", "RECIPES", "recipes", "GB", "runtime_problems",

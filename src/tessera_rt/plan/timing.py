@@ -17,7 +17,8 @@ import math
 
 from ..autodiff.buckets import grad_bucket_bytes
 from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
-from .specs import Cluster, ModelSpec
+from .cluster import Cluster
+from .specs import ModelSpec
 
 __all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration"]
 

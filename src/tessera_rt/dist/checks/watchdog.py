@@ -54,12 +54,14 @@ PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
 _WAIT_FILES = {os.path.join(PKG_DIR, "dist", "comm", f) for f in ("communicators.py", "nccl.py", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
-               ("collectives.py", "_issue"), ("collectives.py", "wait"), ("consistency.py", "_verify"),
+               ("work.py", "_issue"), ("work.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
+# the files that define them: dist/comm/collectives.py the five, dist/comm/p2p.py send, recv, barrier
+_COLLECTIVE_FILES = ("collectives.py", "p2p.py")
 # a planned blocking CPU collective calls mpi4py from its own frame (dist/comm/plans.py), or from
 # its runner (run_all_reduce, ...: dist.ccl's library path too)
-_WAIT_FUNCS |= {("collectives.py", f) for op in _COLLECTIVES for f in (op, f"run_{op}")}
+_WAIT_FUNCS |= {(file, f) for file in _COLLECTIVE_FILES for op in _COLLECTIVES for f in (op, f"run_{op}")}
 # ... or from a compiled redistribution plan's step, or dist.ccl's library reduce-scatter
 _WAIT_FUNCS |= {("compiled_plan.py", "raw_call"), ("line.py", "line_reduce_scatter")}
 
@@ -143,7 +145,7 @@ def _pending_from_stack(frame) -> str:
     f = frame
     while f is not None:
         name = f.f_code.co_name
-        if os.path.basename(f.f_code.co_filename) == "collectives.py" and name in _COLLECTIVES:
+        if os.path.basename(f.f_code.co_filename) in _COLLECTIVE_FILES and name in _COLLECTIVES:
             loc = f.f_locals
             g, x = loc.get("g"), loc.get("x")
             axis = g.name if g is not None else loc.get("axis") or "world"
@@ -243,7 +245,7 @@ def wait_state(frame):
             return group_key(st.g), seq, "check", consistency._desc(st, seq, loc["key"])
         if base == "mesh.py" and name == "group" and "ranks" in loc:
             making = (tuple(loc["ranks"]), ",".join(loc["self"]._axes_of(loc["axis"])))
-        elif base == "collectives.py" and name.removeprefix("run_") in _COLLECTIVES:
+        elif base in _COLLECTIVE_FILES and name.removeprefix("run_") in _COLLECTIVES:
             if name in ("send", "recv"):
                 return None
             if making is not None:          # the group's first call: its communicator is being made

@@ -27,112 +27,25 @@ from typing import Sequence
 
 from .mpi import MPI, MPI_ERROR
 
-from ... import runtime as rt
 from ...backend import CpuWorkerStream
-from .calls import Call as _Call
 from . import c_path
-from .cpu_async import P2P, after_role_worker, start_on_worker
-from .mesh import AxisGroup, current_mesh
+from .cpu_async import after_role_worker
 from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
 from .plans import (Plan, backend, check_array, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
                     all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
-from .plans import bad_out as _bad_out, check_peer as _peer, untaggable as _untaggable
-from .process_group import world
+from .plans import bad_out as _bad_out, untaggable as _untaggable
 from .hooks import SEAM as _SEAM
 from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
+# the issue path (work.py); _issue is also a compiled redistribution plan's step (dist.tensor)
+from .work import _HOOKS, _ROLE_STREAMS, _WORLD_GROUP, _group, _hooked, _issue, _run  # noqa: F401
 
 __all__ = [
-    "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
-    "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group", "route", "TAGS",
+    "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "trace_collectives", "CollectiveRecord",
+    "bus_factor", "route", "TAGS",
 ]
 
 
-# --------------------------------------------------------------------------- handles
-
-# What the hot paths read from the seam (dist.comm.hooks): the agreement check (SEAM.check, and
-# SEAM.check_plan for a planned call; None when off or replaced by TESSERA_DEBUG=collectives),
-# called before any data moves, and the watchers (the same list as SEAM.watchers).  An async
-# collective's role is part of what must agree: on CPU ranks each role's worker has its own
-# communicator, so ranks issuing one collective on different roles would never match up.
-_HOOKS = _SEAM.watchers
 _IN_PLACE = None if MPI_ERROR else MPI.IN_PLACE      # None: no MPI library (see dist/comm/mpi.py)
-
-class Work:
-    """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
-    the result.  The collectives make it (``async_op=True``); it is not made by hand.
-
-    Parameters
-    ----------
-    event : object
-        The event recorded on the collective's stream after it (None: already complete).
-    result : object
-        What ``wait()`` returns.
-    then : callable, optional
-        Run once by the first ``wait()`` (e.g. unpacking into the caller's array).
-    keep : object, optional
-        Buffers the pending collective reads or writes, kept alive until ``wait()``.
-    """
-
-    __slots__ = ("_event", "_result", "_then", "_done", "_call", "_keep")
-
-    def __init__(self, event: object, result: object, then: object = None, keep: object = None) -> None:
-        self._event = event
-        self._result = result
-        self._then = then
-        self._done = False
-        self._call = None          # set while hooks watch this collective
-        # Every buffer the pending collective reads or writes (the caller's array, the
-        # contiguous copy, the pack temporaries).  CuPy's pool hands a freed block to the
-        # next allocation on the stream it came from with no event, so dropping these
-        # before compute is ordered after the collective lets compute overwrite what NCCL
-        # is still reading on its own stream.
-        self._keep = keep
-
-    def wait(self) -> object:
-        """Order the compute stream after the collective and return its result (once done, again
-        without waiting).
-
-        Returns
-        -------
-        array or object
-            What the collective returns.
-        """
-        if not self._done:
-            call = self._call
-            if call is not None:
-                for h in _HOOKS:
-                    if hasattr(h, "wait"):
-                        h.wait(call)
-            rt.stream("compute").wait_event(self._event)
-            if self._then is not None:
-                self._result = self._then()
-                self._then = None
-            self._done = True
-            self._keep = None            # compute is ordered after the collective now
-            if call is not None:
-                self._call = None
-                call.ran = getattr(self._event, "task", None)     # when a CPU worker really ran it
-                _after(call)
-        return self._result
-
-    def is_completed(self) -> bool:
-        """Whether the collective has finished (no waiting).
-
-        Returns
-        -------
-        bool
-            True once done.
-        """
-        return self._done or self._event.query()
-
-    @classmethod
-    def completed(cls, result) -> "Work":
-        """A handle for work that already ran (the same API for every ``async_op=True`` path)."""
-        w = cls(None, result)
-        w._done = True
-        return w
-
-
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -146,131 +59,6 @@ _ROUTES: dict = {}
 def route(cls: type, handlers: dict) -> None:
     """Send collectives whose first argument is a ``cls`` to ``handlers[name]``."""
     _ROUTES[cls] = handlers
-
-
-_WORLD_GROUP: list[AxisGroup] = []
-
-
-def world_group() -> AxisGroup:
-    """The group of every rank in the job (used when no mesh and no axis are given).
-
-    Returns
-    -------
-    AxisGroup
-        All ranks, in world order.
-    """
-    if not _WORLD_GROUP:
-        w = world()
-        _WORLD_GROUP.append(AxisGroup(("world",), tuple(range(w.size)), w.rank, w.communicator()))
-    return _WORLD_GROUP[0]
-
-
-def _group(mesh, axis, op: str, x=None) -> AxisGroup:
-    if mesh is not None:
-        g = mesh._groups.get(axis)      # the hot path: a group already made
-        if g is not None:
-            return g
-    else:
-        mesh = current_mesh()
-        if mesh is None:
-            if axis is None or axis == "world":
-                return world_group()
-            raise ValueError(f"rank {world().rank}: {op}(axis={axis!r}) on an array needs a mesh: "
-                             "pass mesh=, use `with mesh:`, or call dist.set_mesh(mesh)")
-    if axis is None:
-        axis = mesh.axes[0] if mesh.ndim == 1 else mesh.axes
-    elif isinstance(axis, list):
-        axis = tuple(axis)
-    if not mesh.is_member:
-        mesh._require_member(op)
-    precheck = _SEAM.precheck
-    if precheck is not None and x is not None and axis not in mesh._groups:
-        # making a group is collective over its members: check before, or a rank that
-        # issues another collective would leave its peers waiting here, unchecked
-        precheck(op, mesh, axis, x)
-    return mesh.group(axis)
-
-
-_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
-
-
-def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
-    """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
-    on_gpu = backend().is_gpu
-    if not on_gpu:
-        stream = _ROLE_STREAMS.get(role) or rt.stream(role)
-        if not async_op:
-            # CPU, blocking: straight to MPI on the caller's communicator, after the tasks
-            # the role's worker still runs (stream order; its pending sends/recvs are MPI's
-            # already, and waiting for them here would hang a ring of irecv-then-send)
-            if type(stream) is CpuWorkerStream and stream._done != stream._issued:
-                stream.wait_tasks()
-            method(*args)
-            return then() if then is not None else result
-        if type(stream) is CpuWorkerStream:
-            if method.__name__ not in P2P:
-                work = Work(start_on_worker(stream, role, method, args), result, then, keep=args)
-                if not rt.overlaps(role):
-                    work.wait()
-                return work
-            if stream._done != stream._issued:
-                stream.wait_tasks()       # a send may read what a queued collective writes
-    stream, compute = rt.stream(role), rt.stream("compute")
-    if on_gpu and stream is not compute:
-        stream.wait_event(compute.record())          # inputs made on compute are ready
-    req = method(*args, blocking=not async_op, stream=stream)
-    if req is not None:
-        stream.enqueue(req)
-    event = stream.record()
-    if not async_op:
-        compute.wait_event(event)
-        return then() if then is not None else result
-    work = Work(event, result, then, keep=args)
-    if not rt.overlaps(role):
-        work.wait()                                  # this role may not overlap compute
-    return work
-
-
-def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None,
-            tag: str | None = None):
-    """_issue with the hooks around it.  ``info`` = (op, group, x, data bytes, mesh as given,
-    shape that must match within the group, arguments that must match mesh-wide)."""
-    op, g, x, nbytes, mesh, gshape, extra = info
-    if mesh is None and not (_WORLD_GROUP and g is _WORLD_GROUP[0]):
-        mesh = current_mesh()
-    call = _Call(op, g, x, nbytes, mesh, gshape, extra, role, async_op)
-    if tag is not None:
-        call.tag = tag
-    try:
-        for h in tuple(_HOOKS):
-            h.before(call)                            # may raise (a desync): after() still runs
-        if det is not None and _SEAM.det:
-            r = _SEAM.fixed_order[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
-            if async_op:
-                r = Work.completed(r)
-        else:
-            r = _issue(role, async_op, method, args, result, then)
-    except BaseException:
-        _after(call)
-        raise
-    if type(r) is Work and not r._done:
-        r._call = call                                 # the hooks' after() runs in wait()
-    else:
-        _after(call)
-    return r
-
-
-def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None, tag: str | None = None):
-    """_issue, or _hooked when something watches collectives (``info`` is None otherwise)."""
-    if info is None:
-        return _issue(role, async_op, method, args, result, then)
-    return _hooked(info, role, async_op, method, args, result, then, tag=tag)
-
-
-def _after(call) -> None:
-    for h in reversed(_HOOKS):
-        if hasattr(h, "after"):
-            h.after(call)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -611,62 +399,6 @@ def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int
         p.fn(x, root)
         return x
     return _issue(role, async_op, p.comm.broadcast, (x, root), x)
-
-
-def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
-         role: str = "tp_collective"):
-    """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
-    g = _group(mesh, axis, "send", x)
-    x = check_array("send", g, x)
-    _peer("send", g, x, dst, "dst")
-    comm = g.comm
-    if _HOOKS:
-        return _hooked(("send", g, x, x.nbytes, mesh, (), (dst, tag)), role, async_op, comm.send, (x, dst, tag), None)
-    return _issue(role, async_op, comm.send, (x, dst, tag,), None)
-
-
-def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
-         role: str = "tp_collective"):
-    """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
-    g = _group(mesh, axis, "recv", x)
-    if not backend().is_array(x) or not x.flags.c_contiguous:
-        raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
-                        f"{backend().xp.__name__} array, got {type(x).__name__}")
-    _peer("recv", g, x, src, "src")
-    comm = g.comm
-    if _HOOKS:
-        return _hooked(("recv", g, x, 0, mesh, (), (src, tag)), role, async_op, comm.recv, (x, src, tag), x)
-    return _issue(role, async_op, comm.recv, (x, src, tag,), x)
-
-
-def barrier(axis: str | tuple[str, ...] | None = None, *, mesh: Mesh | None = None, async_op: bool = False,
-            role: str = "tp_collective") -> Work | None:
-    """Wait until every rank of the group gets here (drains the role's stream on GPU).
-
-    Parameters
-    ----------
-    axis : str or tuple of str, optional
-        The mesh axes whose group waits; None: every rank of the mesh (or the world).
-    mesh : Mesh, optional
-        Default: the current mesh, else the world.
-    async_op : bool
-        Return a ``Work`` at once.
-    role : str
-        The stream role drained.
-
-    Returns
-    -------
-    Work or None
-        A ``Work`` with ``async_op``, else None.
-    """
-    g = _group(mesh, axis, "barrier")
-    check = _SEAM.check
-    if check is not None:
-        check("barrier", g, None, (), role if async_op else None)
-    comm = g.comm
-    if _HOOKS:
-        return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
-    return _issue(role, async_op, comm.barrier, (), None)
 
 
 # --------------------------------------------------------------------------- the C path (c_path.py)

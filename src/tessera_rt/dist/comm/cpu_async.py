@@ -1,6 +1,6 @@
 """Async collectives on a CPU role's worker stream (``backend.CpuWorkerStream``).
 
-``collectives._issue`` sends an ``async_op=True`` collective here when its role's stream has
+``work._issue`` sends an ``async_op=True`` collective here when its role's stream has
 a worker.  It runs on the role's own duplicate of the group's communicator
 (``MpiCommunicator.for_role``), so collectives of several roles in flight at once cannot
 match each other's messages.  It is started by the caller when the stream has nothing

@@ -22,7 +22,8 @@ Every function is differentiable (``ts.grad``); the VJP rules live in
 from __future__ import annotations
 
 from ..comm.hooks import differentiable
-from ..comm import collectives as C
+from ..comm import collectives as C, p2p
+from ..comm.work import Work
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
 from ..comm.process_group import world
@@ -33,7 +34,7 @@ __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcas
 
 
 def _ret(result, async_op: bool):
-    return C.Work.completed(result) if async_op else result
+    return Work.completed(result) if async_op else result
 
 
 def _axes(op: str, x: DTensor, axis, mesh) -> tuple[str, ...]:
@@ -192,7 +193,7 @@ def send(x: object, dst: int, *, axis: str | tuple[str, ...] | None = None, mesh
     if type(x) is DTensor:
         mesh = x.mesh if mesh is None else mesh
         x = x._local if x._local.flags.c_contiguous else x._local.copy()
-    return C.send(x, dst, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
+    return p2p.send(x, dst, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
 
 
 @differentiable("recv")  # autodiff hook: traced inputs record the collective
@@ -224,9 +225,9 @@ def recv(x: object, src: int, *, axis: str | tuple[str, ...] | None = None, mesh
         ``x`` filled, the new DTensor, or a ``Work`` with ``async_op``.
     """
     if type(x) is not DTensor:
-        return C.recv(x, src, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
+        return p2p.recv(x, src, axis=axis, mesh=mesh, tag=tag, async_op=async_op, role=role)
     buf = x._local.copy()
-    C.recv(buf, src, axis=axis, mesh=x.mesh if mesh is None else mesh, tag=tag, role=role)
+    p2p.recv(buf, src, axis=axis, mesh=x.mesh if mesh is None else mesh, tag=tag, role=role)
     return _ret(DTensor._wrap(buf, x._meta), async_op)
 
 

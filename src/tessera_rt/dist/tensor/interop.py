@@ -1,6 +1,6 @@
 """DTensor interop with NumPy (``__array_function__``/``__array_ufunc__``), DLPack and pickle,
-and what ``dist.distribute`` accepts; the rules are in dtensor.py's module doc.  DTensor's
-dunder methods call these; kept apart so dtensor.py stays about the tensor itself."""
+and what ``dist.distribute`` accepts; the rules are in dtensor_type.py's module doc.  DTensor's
+dunder methods call these; kept apart so dtensor_type.py stays about the tensor itself."""
 from __future__ import annotations
 
 import weakref
@@ -10,7 +10,7 @@ import numpy as np
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
 from . import dispatch as _d
-from .dtensor import DTensor, meta_of, use_interop
+from .dtensor_type import DTensor, meta_of, use_interop
 from .layout import Layout
 from ..comm.mesh import current_mesh
 from ..comm.process_group import world
