@@ -153,7 +153,7 @@ def test_loss_scaling_still_skips_a_non_finite_step_and_finite_steps_check_only_
 
     def no_pass(tree):
         raise AssertionError("a finite step searched the gradients")
-    monkeypatch.setattr(optim, "non_finite_leaves", no_pass)
+    monkeypatch.setattr(optim.finite, "non_finite_leaves", no_pass)
 
     class Scaler(optim.DynamicLossScaler):
         def __init__(self):

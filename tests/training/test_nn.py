@@ -47,7 +47,7 @@ def test_adamw_runs_one_fused_pass_per_parameter_with_the_formulas_bits(monkeypa
     for wd in (0.1, 0.0):
         got = {}
         for kernel in (fused, lambda *a, **k: False):
-            monkeypatch.setattr(optim, "adamw_step", kernel)
+            monkeypatch.setattr(optim.optimizers, "adamw_step", kernel)
             opt, p = optim.AdamW(params, lr=1e-2, weight_decay=wd), params
             for g in grads:
                 p = opt.step(p, g)
@@ -140,15 +140,15 @@ def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(
     g = {"a": np.ones(3, np.float32), "b": [np.ones(2, np.float32), np.array([1.0, np.nan], np.float32)],
          "c": np.array([np.inf], np.float32)}
     search = optim.non_finite_leaves
-    monkeypatch.setattr(optim, "_rank", lambda: None)    # the message without a world (another test may make one)
+    monkeypatch.setattr(optim.finite, "_rank", lambda: None)    # the message without a world (another test may make one)
 
     def no_pass(tree):
         raise AssertionError("a finite step searched the gradients")
-    monkeypatch.setattr(optim, "non_finite_leaves", no_pass)
+    monkeypatch.setattr(optim.finite, "non_finite_leaves", no_pass)
     optim.check_finite(loss=2.5, norm=np.float64(1e30), grads=g, step=1)     # finite: the scalars only
     with pytest.raises(AssertionError, match="searched the gradients"):
         optim.check_finite(loss=float("nan"), grads=g)
-    monkeypatch.setattr(optim, "non_finite_leaves", search)
+    monkeypatch.setattr(optim.finite, "non_finite_leaves", search)
     with pytest.raises(optim.NonFiniteError, match=r"^step 7: the loss is nan and the gradient norm is inf; the "
                        r"first non-finite gradient is \['b'\]\[1\] \(2 of 4 hold inf/nan\): stopped before this step's "
                        "update") as e:

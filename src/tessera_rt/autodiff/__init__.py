@@ -10,7 +10,7 @@
 Every public op entry point (``op.*``, DTensor operators, the DTensor-aware collectives,
 ``X.redistribute``) carries one hook (``differentiable``); VJP rules are a table keyed by
 op name (``vjp_rule``): the data-movement rules are here (``dist_vjps``), the math ops'
-rules are the op layer's (``tessera_rt.op.vjps``), which also registers the operators of
+rules are the op layer's (``tessera_rt.op.vjps``, ``vjps_nn``), which also registers the operators of
 traced values (``register_ops``); autodiff never imports op.
 
 A DTensor parameter's gradient comes back in its layout; the pending sums of finished

@@ -7,7 +7,7 @@ Every op takes DTensors or plain arrays (see ``tessera_rt.op.ops``).
     P = op.softmax(S, axis=-1)
 
 The op layer sits above autodiff: ``ops`` holds the entry points (each wrapped with
-``differentiable``, so ``ts.grad`` records it) and ``vjps`` their VJP rules, written with
+``differentiable``, so ``ts.grad`` records it) and ``vjps`` / ``vjps_nn`` their VJP rules, written with
 ``op.*``. Importing this package plugs both into autodiff: the rules into its VJP table, and
 the entry points as the operators of traced values (``x + y`` inside ``ts.grad``).
 """
@@ -15,6 +15,6 @@ from ..autodiff import register_ops
 from . import ops
 from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
 from .ops import __all__, register_moe  # noqa: F401
-from . import vjps  # noqa: F401  (registers the VJP rules of the ops above)
+from . import vjps, vjps_nn  # noqa: F401  (register the VJP rules of the ops above)
 
 register_ops(ops)   # traced values' operators (x + y, x.sum(), ...) are these ops
