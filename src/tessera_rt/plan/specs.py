@@ -300,7 +300,7 @@ MODELS: dict[str, ModelSpec] = {
                         n_experts=4096, top_k=2, capacity_factor=1.25, expert_hidden=256, seq_len=4096,
                         batch=72, notes="seed 000 §9 SR-MoE; depth 24 and expert hidden 256 assumed"),
     # scripts/train.py's defaults, as the runtime runs them: f32, learned positions, and the
-    # activation count of tessera_rt's tape, read off nn.py: every op output is kept, so a
+    # activation count of tessera_rt's tape, read off nn/blocks.py: every op output is kept, so a
     # block keeps norm1, o, add, norm2, w2, add (d each, replicated), q, k, v, attention out
     # and its reshape (d/tp), swiglu's output and the x@W1, x@W3 its backward keeps (3 f/tp)
     # and the logsumexp (heads/tp); outside: embedding, +pos, final norm (d), two one-hots,
