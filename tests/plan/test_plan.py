@@ -318,7 +318,7 @@ def test_calibration_of_the_op_mix_and_share():
     dist.init()
     mesh = dist.Mesh(axes=["dp"], shape={"dp": 1}, devices=[dist.init().rank])
     per_op, toy = measure_op_cost(mesh, reps=3)
-    assert 1e-6 < per_op < 1e-3 and toy > 100 * per_op          # ~110 ops in the toy block
+    assert 1e-6 < per_op < 1e-3 and toy > 50 * per_op           # ~70 ops in the toy block (norm and SwiGLU backward fused)
     assert 0.0 < measure_lockstep_share(seconds=0.05) <= 1.0
 
 
