@@ -16,12 +16,11 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from ..backend import register_kernel
 from . import attention
 from ._common import check_policy, check_stream, finish, is_cupy, widen
-from .cpu_fused import FM, exp_inplace
+from .cpu_fused import exp_inplace, kernel
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
 __all__ = ["flash_attention", "flash_attention_backward", "BLOCK_Q", "BLOCK_KV"]
@@ -30,7 +29,7 @@ BLOCK_Q = 128
 BLOCK_KV = 256
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _online(s, m, l, acc, has_acc, scale, causal, row0, col0):
     """Scale and mask a score block (N, G, bq, bn), fold its row max into m, rescale the
     running sum l and output acc by exp(m_old - m_new), and leave s - m_new in s."""
@@ -58,7 +57,7 @@ def _online(s, m, l, acc, has_acc, scale, causal, row0, col0):
                 m[n, g, r] = mx
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _rowsum_add(p, l):
     for n in range(p.shape[0]):
         for g in range(p.shape[1]):
@@ -69,7 +68,7 @@ def _rowsum_add(p, l):
                 l[n, g, r] = s
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _finish(acc, m, l, lse):
     """acc /= l (rows with no visible key stay 0); lse = m + log(l), -inf for those rows."""
     for n in range(acc.shape[0]):
@@ -85,7 +84,7 @@ def _finish(acc, m, l, lse):
                     lse[n, g, r] = -np.inf
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _probs_arg(s, lse, scale, causal, row0, col0):
     """s = scores * scale - lse, masked (and rows with lse = -inf) to -inf: exp(s) is P."""
     for n in range(s.shape[0]):
@@ -99,7 +98,7 @@ def _probs_arg(s, lse, scale, causal, row0, col0):
                         s[n, g, r, c] = s[n, g, r, c] * scale - z
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _dscores(p, dp, delta, scale):
     """dp = P * (dP - delta) * scale: the scaled score cotangent."""
     for n in range(p.shape[0]):
@@ -110,7 +109,7 @@ def _dscores(p, dp, delta, scale):
                     dp[n, g, r, c] = p[n, g, r, c] * (dp[n, g, r, c] - dl) * scale
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _rowdot(a, b, out):
     for i in range(a.shape[0]):
         s = a[i, 0] * 0

@@ -8,9 +8,10 @@ in the reference's accumulation dtype (f32, or f64 for f64 inputs and f64 polici
 inputs are widened once, as the references do, and the result is cast once.  Anything else
 (CuPy arrays, softmax over another axis) goes to the reference.
 
-Exponentials go through NumPy's own ``exp`` (SIMD) in place: Numba's ``exp`` is a scalar libm
-call (no SVML here) and was slower than NumPy's over the same rows.  The kernels are compiled
-on first use for the dtype they see (f32, f64) and cached on disk (``cache=True``).
+Exponentials are ``cpu_math.fast_exp`` inside the loops (vectorizable f32, so the
+exponential fuses with the arithmetic around it), or ``exp_inplace`` over a whole block.  The
+kernels are compiled on first use for the dtype they see (f32, f64) and cached on disk
+(``cache=True``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from numba import njit
 
 from ..backend import register_kernel
 from . import mlp, norms
+from .cpu_math import exp_inplace, fast_exp
 from ._common import check_float, check_policy, check_stream, finish, is_cupy, widen
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
@@ -31,12 +33,12 @@ __all__ = ["swiglu", "swiglu_forward", "swiglu_gate", "swiglu_backward", "rmsnor
 # fast-math without "no NaN/inf" (masked scores are -inf) and without reciprocal tricks on
 # the statistics: reassociation lets LLVM vectorize the row sums
 FM = {"reassoc", "contract", "nsz"}
-
-
-def exp_inplace(a: np.ndarray) -> np.ndarray:
-    """``a = exp(a)`` with NumPy's vectorized exp (overflow to inf and -inf to 0 are wanted)."""
-    with np.errstate(over="ignore", under="ignore"):
-        return np.exp(a, out=a)
+# NumPy's error model: a division by zero gives inf/nan as the references do, and no
+# per-division check keeps LLVM from vectorizing a loop (Python's raises, which costs ~4x)
+kernel = njit(cache=True, fastmath=FM, error_model="numpy")
+# loops without a reduction, around ``fast_exp``: no reassociation, which would undo its
+# two-part ln2 subtraction
+elementwise = njit(cache=True, fastmath={"contract", "nsz"}, error_model="numpy")
 
 
 def rows(a: np.ndarray) -> np.ndarray:
@@ -50,21 +52,22 @@ def _numpy(*arrays) -> bool:
 
 # --------------------------------------------------------------------------- SwiGLU
 
-@njit(cache=True, fastmath=FM)
+@elementwise
 def _swiglu_fwd(h1, h3, y):
-    """y holds exp(-h1) on entry and silu(h1) * h3 on exit."""
-    for i in range(h1.shape[0]):
-        for j in range(h1.shape[1]):
-            y[i, j] = h1[i, j] / (1 + y[i, j]) * h3[i, j]
-
-
-@njit(cache=True, fastmath=FM)
-def _swiglu_bwd(g, h1, h3, dh1, dh3):
-    """dh1 holds exp(-h1) on entry; out: d/dh1 and d/dh3 of silu(h1) * h3 against g."""
+    """y = silu(h1) * h3."""
     for i in range(h1.shape[0]):
         for j in range(h1.shape[1]):
             a = h1[i, j]
-            s = 1 / (1 + dh1[i, j])
+            y[i, j] = a / (1 + fast_exp(-a)) * h3[i, j]
+
+
+@elementwise
+def _swiglu_bwd(g, h1, h3, dh1, dh3):
+    """d/dh1 and d/dh3 of silu(h1) * h3 against g."""
+    for i in range(h1.shape[0]):
+        for j in range(h1.shape[1]):
+            a = h1[i, j]
+            s = 1 / (1 + fast_exp(-a))
             gg = g[i, j]
             dh3[i, j] = gg * a * s
             dh1[i, j] = gg * h3[i, j] * s * (1 + a * (1 - s))
@@ -83,16 +86,16 @@ def swiglu_forward(x: Any, w1: Any, w3: Any, policy: NumericPolicy | None = None
 def swiglu_gate(h1: np.ndarray, h3: np.ndarray) -> np.ndarray:
     """``silu(h1) * h3`` of the pre-activations (NumPy f32/f64 of one shape), one pass."""
     h1r, h3r = rows(h1), rows(h3)
-    y = np.negative(h1r)
-    _swiglu_fwd(h1r, h3r, exp_inplace(y))
+    y = np.empty_like(h1r)
+    _swiglu_fwd(h1r, h3r, y)
     return y.reshape(h1.shape)
 
 
 def swiglu_backward(g: Any, h1: Any, h3: Any):
     """``(dh1, dh3)``: the cotangents of the pre-activations, in their dtype."""
     h1r, h3r, gr = rows(h1), rows(h3), rows(widen(g, h1.dtype))
-    dh1, dh3 = np.negative(h1r), np.empty_like(h1r)
-    _swiglu_bwd(gr, h1r, h3r, exp_inplace(dh1), dh3)
+    dh1, dh3 = np.empty_like(h1r), np.empty_like(h1r)
+    _swiglu_bwd(gr, h1r, h3r, dh1, dh3)
     return dh1.reshape(h1.shape), dh3.reshape(h1.shape)
 
 
@@ -108,7 +111,7 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
 
 # --------------------------------------------------------------------------- norms
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _rmsnorm_fwd(x, w, eps, y):
     n = x.shape[1]
     for i in range(x.shape[0]):
@@ -120,7 +123,7 @@ def _rmsnorm_fwd(x, w, eps, y):
             y[i, j] = x[i, j] * r * w[j]
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _rmsnorm_bwd(x, w, g, eps, gx, gw):
     """gx = r*(g*w) - x * mean(g*w*x) * r^3; gw (f64) += sum over rows of g * x * r."""
     n = x.shape[1]
@@ -137,7 +140,7 @@ def _rmsnorm_bwd(x, w, g, eps, gx, gw):
             gw[j] += g[i, j] * x[i, j] * r
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _mean_rstd(x, i, eps):
     """Row i's mean and 1/sqrt(var + eps), the variance in two passes as the reference's."""
     n = x.shape[1]
@@ -152,7 +155,7 @@ def _mean_rstd(x, i, eps):
     return mean, 1 / np.sqrt(v / n + eps)
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _layernorm_fwd(x, w, b, eps, y):
     n = x.shape[1]
     for i in range(x.shape[0]):
@@ -161,7 +164,7 @@ def _layernorm_fwd(x, w, b, eps, y):
             y[i, j] = (x[i, j] - mean) * r * w[j] + b[j]
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _layernorm_bwd(x, w, g, eps, gx, gw, gb):
     """gx = r * (gw - mean(gw) - xhat * mean(gw * xhat)) with gw = g*w; gw, gb (f64) accumulate."""
     n = x.shape[1]
@@ -243,7 +246,7 @@ def layernorm_backward(g: Any, x: Any, weight: Any | None = None, bias: Any | No
 
 # --------------------------------------------------------------------------- softmax, cross-entropy
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _shift_rows(x, y, m):
     """y = x - rowmax(x), m = rowmax (a row of -inf keeps its -inf max and gives y = -inf)."""
     for i in range(x.shape[0]):
@@ -256,7 +259,7 @@ def _shift_rows(x, y, m):
             y[i, j] = x[i, j] - c
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _normalize_rows(e, lse, m):
     """e = e / rowsum(e); lse = m + log(rowsum(e))."""
     for i in range(e.shape[0]):
@@ -269,7 +272,7 @@ def _normalize_rows(e, lse, m):
         lse[i] = m[i] + np.log(s) if s > 0 else -np.inf
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _softmax_bwd(g, y, gx):
     for i in range(y.shape[0]):
         d = y[i, 0] * 0
@@ -322,7 +325,7 @@ def _pick(x, t, lse, loss):
     return -1
 
 
-@njit(cache=True, fastmath=FM)
+@kernel
 def _xent_bwd(p, t, scale):
     """p (softmax rows) becomes (p - onehot(t)) * scale."""
     for i in range(p.shape[0]):
@@ -387,7 +390,7 @@ def cross_entropy_backward(g: Any, logits: Any, targets: Any, lse: Any):
 
 # --------------------------------------------------------------------------- optimizer
 
-@njit(cache=True, error_model="numpy")      # (numpy's: a division by zero is inf, and the loop vectorizes)
+@njit(cache=True, error_model="numpy")      # no fast-math (see the doc)
 def _adamw(w, g, m, v, b1, ob1, b2, ob2, ic1, ic2, eps, decay, lr):
     """AdamW's in-place update in one pass, each element by NumPy's out-of-place formula's
     operations in its order (no fast-math: no fused multiply-adds), so the same bits."""
