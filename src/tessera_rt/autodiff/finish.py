@@ -9,6 +9,8 @@ reduction overlaps the rest of the backward pass; ``Finisher.wait`` collects the
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -58,7 +60,7 @@ class Finisher:
         params : list
             The differentiated values (arrays and DTensors).
         """
-        total = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in params if type(p) is DTensor)
+        total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params if type(p) is DTensor)
         cap = grad_bucket_bytes(self.bucket_mb, total)
         self.buckets = GradBuckets(cap, _issue_reduce) if cap > 0 else None
 

@@ -11,6 +11,8 @@ A group's communicator is made on the first collective over it, by its members o
 """
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -201,7 +203,9 @@ class Mesh:
         """
         if axis is None:
             return len(self.devices)
-        return int(np.prod([self.sizes[self.axis_index(a)] for a in self._axes_of(axis)]))
+        if isinstance(axis, str):                # the hot case (autodiff asks per gradient)
+            return self.sizes[self.axis_index(axis)]
+        return math.prod(self.sizes[self.axis_index(a)] for a in axis)
 
     def axis_index(self, axis: str) -> int:
         """The position of ``axis`` in ``axes``.
