@@ -1,6 +1,7 @@
 """The planner's memory model against the runtime on every mesh of the job: per-rank
 parameter bytes (exact) and the activation bytes a traced forward keeps (within 10%),
-for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split)."""
+for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split); and
+the tp all-reduces and MoE exchanges the time model counts, against the profiler's."""
 import dataclasses
 
 import numpy as np
@@ -89,8 +90,8 @@ def test_collective_counts_are_the_runtimes(model, axis):
     else:
         assert calls("per_layer", "all_to_all", "ep") == MOE_ALL_TO_ALLS and not calls("outside", "all_to_all", "ep")
         stats = lambda s: s == f"float64[{spec.n_experts + 4}]"          # noqa: E731
-        assert calls("per_layer", "all_reduce", "dp,ep", stats) == 1 and not calls("outside", "all_reduce", "dp,ep",
-                                                                                   stats)
+        assert calls("per_layer", "all_reduce", "dp,ep", stats) == 1
+        assert calls("outside", "all_reduce", "dp,ep", stats) == 0
 
 
 @pytest.mark.timeout(60)
