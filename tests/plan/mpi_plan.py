@@ -1,6 +1,7 @@
 """The planner's memory model against the runtime on every mesh of the job: per-rank
 parameter bytes (exact) and the activation bytes a traced forward keeps (within 10%),
-for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split)."""
+for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split); and
+the tp all-reduces and MoE exchanges the time model counts, against the profiler's."""
 import dataclasses
 
 import numpy as np
@@ -60,6 +61,37 @@ def test_moe_bytes_per_rank_match_the_model():
     assert MPI.COMM_WORLD.allreduce(local_bytes(params), op=MPI.MAX) == mem["params"]
     act = traced_activation_bytes(model.loss, model.init(0), model.batch(x), model.batch(y))
     assert MPI.COMM_WORLD.allreduce(act, op=MPI.MAX) == pytest.approx(mem["activations"], rel=0.10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(SIZE % 2, reason="tp=2 and ep=2 need an even rank count")
+@pytest.mark.parametrize("model,axis", [("char", "tp"), ("char-moe", "tp"), ("char-moe", "ep")])
+def test_collective_counts_are_the_runtimes(model, axis):
+    """The tp all-reduces and the MoE exchanges the planner prices, per block and outside, are
+    the profiler's counts of a training step over tp=2 (ep=2): the d-wide all-reduces of the
+    blocks, the embedding and the head, the vocab-parallel loss's small ones, the dispatch and
+    combine all_to_alls and the routing statistics' all-reduce."""
+    from tessera_rt.plan.measure import runtime_counts
+    from tessera_rt.plan.timing import LOSS_TP_ALL_REDUCES, MOE_ALL_TO_ALLS
+    spec = plan.get_model(model)
+    dist.init()
+    axes = ["dp", "ep", "tp"] if spec.n_experts else ["dp", "tp"]
+    shape = {**{a: 1 for a in axes}, "dp": SIZE // 2, axis: 2}
+    got = runtime_counts(spec, dist.Mesh(axes=axes, shape=shape))
+
+    def calls(where, op, on, shape=lambda s: True):
+        return sum(n for (o, a, s), n in got[f"collectives_{where}"].items() if o == op and a == on and shape(s))
+    wide = lambda s: s.split("[")[1].split(",")[2:] == [f"{spec.d_model}]"]      # noqa: E731  (batch, seq, d)
+    if axis == "tp":
+        assert calls("per_layer", "all_reduce", "tp") == calls("per_layer", "all_reduce", "tp", wide) \
+            == spec.tp_ar_per_layer
+        assert calls("outside", "all_reduce", "tp", wide) == spec.tp_ar_outside
+        assert calls("outside", "all_reduce", "tp", lambda s: not wide(s)) == LOSS_TP_ALL_REDUCES
+    else:
+        assert calls("per_layer", "all_to_all", "ep") == MOE_ALL_TO_ALLS and not calls("outside", "all_to_all", "ep")
+        stats = lambda s: s == f"float64[{spec.n_experts + 4}]"          # noqa: E731
+        assert calls("per_layer", "all_reduce", "dp,ep", stats) == 1
+        assert calls("outside", "all_reduce", "dp,ep", stats) == 0
 
 
 @pytest.mark.timeout(60)

@@ -186,7 +186,7 @@ def _block_step(mesh, d: int, hidden: int, tokens: tuple):
     from .. import nn, op
     from ..autodiff import value_and_grad
     from ..dist.tensor import dtensor
-    from ..profiler import Profile
+    from .measure import profiled_counts
     block = nn.TransformerBlock(d, 4, hidden, mesh=mesh, tp_axis="__replicated__")
     params = block.init(0)
     x = np.random.default_rng(3).standard_normal((*tokens, d)).astype(np.float32)
@@ -194,11 +194,7 @@ def _block_step(mesh, d: int, hidden: int, tokens: tuple):
         x = dtensor.distribute(x, layout=None, mesh=mesh)
     step = value_and_grad(lambda p: op.sum(block(p, x)))
     step(params)
-    if mesh is None:
-        return step, params, 0
-    with Profile(print_table=False, nvtx=False) as prof:
-        step(params)
-    return step, params, sum(1 for e in prof.events if e["cat"] == "op")
+    return step, params, profiled_counts(step, params)[0] if mesh is not None else 0
 
 
 def _median_cpu(fn, reps: int) -> float:

@@ -37,8 +37,10 @@ class ModelSpec:
     default is Megatron's count for a pre-norm SwiGLU block with flash attention and no
     sequence parallelism (norm and residual inputs replicated; q, k, v and the attention
     output sharded; w1, w3 outputs and the w2 input sharded).  ``act_outside``: the same
-    outside the blocks, as multiples of (d_model, vocab / tp, 1).  ``ops_per_layer`` (forward kernels per block) prices the fixed cost per
-    kernel launch in the time model.
+    outside the blocks, as multiples of (d_model, vocab / tp, 1).  The op counts price the
+    fixed cost per op (``Cluster.op_overhead_s``); for the runtime's models (the ``char``
+    presets) they are the profiler's counts (``plan.measure.runtime_counts``), which
+    calibration's per-op cost is measured over, and tests/plan check them against it.
 
     Parameters
     ----------
@@ -86,13 +88,14 @@ class ModelSpec:
     uneven_gathers : tuple
         Batch all_gathers when batch % dp != 0: (x d, x f per block, x vocab).
     ops_per_layer, ops_outside : int
-        Forward kernels per block and outside the blocks (the fixed cost per launch).
+        Forward ops per block and outside the blocks, as inference and a rematerialized
+        block run them (the fixed cost per op).
     bwd_ops_per_layer, bwd_ops_outside : int
-        Backward kernels per block (dgrad + wgrad per GEMM) and outside.
+        What a training step adds to them (its ops less the forward's): the backward.
     tp_ar_per_layer : int
         tp all-reduces per block, forward + backward (Megatron: 2 + 2).
     tp_ar_outside : int
-        The big ones outside the blocks (embedding, head input).
+        The d-wide ones outside the blocks (embedding, head input).
     batch : int
         Default global batch (sequences).
     notes : str
@@ -119,12 +122,14 @@ class ModelSpec:
     act_outside: tuple = (2.0, 2.0, 0.0)       # (x d, x vocab/tp, x 1) per token: embedding, head, loss
     moe_act_coeffs: tuple = ()             # MoE block: (x d, x f/tp per slot; x d, x E per token); () GShard's
     uneven_gathers: tuple = ()             # batch all_gathers when batch % dp != 0: (x d, x f per block, x vocab)
-    ops_per_layer: int = 12                # forward kernels per block
-    ops_outside: int = 8                   # forward kernels outside the blocks
-    bwd_ops_per_layer: int = 24            # backward kernels per block (dgrad + wgrad per GEMM)
+    # a fused GPU framework's kernels (Megatron-LM: 12 per block forward, dgrad + wgrad per
+    # GEMM backward), for the GPU presets; the char presets carry the runtime's own counts
+    ops_per_layer: int = 12                # forward ops per block
+    ops_outside: int = 8                   # forward ops outside the blocks
+    bwd_ops_per_layer: int = 24            # what the backward adds per block
     bwd_ops_outside: int = 16
     tp_ar_per_layer: int = 4               # tp all-reduces per block, forward + backward (Megatron: 2 + 2)
-    tp_ar_outside: int = 2                 # big ones outside the blocks (embedding, head input)
+    tp_ar_outside: int = 2                 # d-wide ones outside the blocks (embedding, head input)
     batch: int = 8                         # default global batch (sequences)
     notes: str = ""
 
@@ -305,25 +310,25 @@ MODELS: dict[str, ModelSpec] = {
     # and its reshape (d/tp), swiglu's output and the x@W1, x@W3 its backward keeps (3 f/tp)
     # and the logsumexp (heads/tp); outside: embedding, +pos, final norm (d), two one-hots,
     # logits, shifted, exp, picked (vocab/tp; train.py's loss on DTensors: the fused
-    # cross-entropy, which keeps only its logsumexp, serves plain arrays).  Kernel
-    # and all-reduce counts per step are the profiler's and dist.trace_collectives' counts
-    # of one train.py step (forward 22 ops per block, backward 95; tp: 6 all-reduces of the
-    # block's activations per block).
+    # cross-entropy, which keeps only its logsumexp, serves plain arrays).  The op and tp
+    # all-reduce counts are the profiler's (plan.measure.runtime_counts; tests/plan check
+    # them): the norms', SwiGLU's and attention's backward are each one fused kernel on the
+    # local pieces, which the profiler shows as regions, not ops.
     "char": ModelSpec("char", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                       dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 3.0, 1.0),
                       act_outside=(3.0, 6.0, 3.0), ops_per_layer=22, ops_outside=19,
-                      bwd_ops_per_layer=95, bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2,
+                      bwd_ops_per_layer=49, bwd_ops_outside=24, tp_ar_per_layer=4, tp_ar_outside=2,
                       uneven_gathers=(11, 3, 2), notes="scripts/train.py defaults"),
-    # train.py --experts 4 --capacity-factor 1.25 (top-2): the profiler counts 28 forward and 88
-    # backward ops per MoE block, 5 all_to_alls (the counts, then dispatch and combine forward
-    # and backward) and the same ops outside the blocks as "char".  Kept per block, read off
+    # train.py --experts 4 --capacity-factor 1.25 (top-2), counted as "char" is; the experts
+    # are not split over tp, so only attention's 2 + 2 tp all-reduces per block (timing.py
+    # prices the all_to_alls and the routing statistics' all-reduce).  Kept per block, read off
     # tessera_rt.moe.dispatch's saved tensors: per slot (top_k x CF, padded parts) the
     # dispatched rows (d) and h1, h3, sigmoid, silu and their product (5 f); per token the
     # combine gather (top_k d), the gate's logits and probabilities (2 E)
     "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                           dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 3.0, 1.0),
-                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=88,
-                          bwd_ops_outside=40, tp_ar_per_layer=6, tp_ar_outside=2, n_experts=4, top_k=2,
+                          act_outside=(3.0, 6.0, 3.0), ops_per_layer=28, ops_outside=19, bwd_ops_per_layer=55,
+                          bwd_ops_outside=24, tp_ar_per_layer=2, tp_ar_outside=2, n_experts=4, top_k=2,
                           capacity_factor=1.25, moe_act_coeffs=(1.0, 5.0, 2.0, 2.0),
                           notes="scripts/train.py --experts 4 --capacity-factor 1.25"),
 }

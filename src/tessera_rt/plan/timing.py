@@ -20,7 +20,7 @@ from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .cluster import Cluster
 from .specs import ModelSpec
 
-__all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration"]
+__all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration", "param_tensors"]
 
 
 def duration(seconds: float) -> str:
@@ -42,8 +42,39 @@ BUS_FACTOR = {
 }
 ALGORITHMS = ("ring", "tree", "line", "hierarchical")
 _STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send": 1}
-# tessera_rt.optim.AdamW issues 15 ops per parameter tensor, clip_grad_norm 1 (the profiler's count)
-OPT_OPS_PER_TENSOR = 16
+# Passes over each parameter tensor's local piece after the backward (outside the
+# dispatcher: the profiler counts none): AdamW's update is one fused pass on CPU ranks
+# (kernels/cpu_fused.adamw_step) and its formula's 15 array ops on other arrays (a GPU's);
+# clip_grad_norm sums the squares, then scales in place.  tests/plan count them.
+ADAMW_OPS_PER_TENSOR = {"host": 1, "device": 15}
+CLIP_OPS_PER_TENSOR = 2
+# the vocab-parallel loss's small tp all-reduces (rows of one value): max, sum of
+# exponentials and picked logit forward, one backward
+LOSS_TP_ALL_REDUCES = 4
+# all_to_alls per MoE block, training: dispatch and combine, forward and backward (the
+# capacity-padded buffers need no counts exchange first); decode runs the forward's half
+MOE_ALL_TO_ALLS = 4
+
+
+def param_tensors(m: ModelSpec, layers: int, moe_layers: int) -> int:
+    """Parameter tensors (what the optimizer steps one by one) of ``layers`` blocks, of which
+    ``moe_layers`` are MoE, and of the parts outside them.
+
+    Parameters
+    ----------
+    m : ModelSpec
+        The model.
+    layers, moe_layers : int
+        Blocks, and how many of them are MoE.
+
+    Returns
+    -------
+    int
+        Per block two norms, q, k, v, o and w1, w3, w2 (an MoE block's stacked experts) and
+        an MoE block's router; the embedding, the final norm, the head unless tied and the
+        position table if learned.
+    """
+    return layers * 9 + moe_layers + 2 + int(not m.tied_embeddings) + int(m.learned_pos)
 
 
 def _measured(cluster: Cluster, op: str, n: int):
@@ -268,10 +299,10 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     compute = per_mb * n_micro
     p = param_counts(m, lay)
     if train:
-        # AdamW: read/write params, grads, masters and moments (memory-bound), per tensor ops
-        n_tensors = layers * 9 + 3 + (1 if m.learned_pos else 0)
+        # AdamW: read/write params, grads, masters and moments (memory-bound), per tensor passes
+        passes = ADAMW_OPS_PER_TENSOR["host" if cluster.topology == "host" else "device"] + CLIP_OPS_PER_TENSOR
         opt = (p["total"] * (2 * b + 2 * 12)) / cluster.hbm_bw * slow
-        opt += n_tensors * OPT_OPS_PER_TENSOR * cluster.op_overhead_s * slow
+        opt += param_tensors(m, layers, moe_layers) * passes * cluster.op_overhead_s * slow
         if lay.offload:
             opt += p["total"] * 2 * b / (cluster.host_tier_bw or cluster.hbm_bw / 10)
         compute += opt
@@ -279,15 +310,14 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     msg = tokens * m.d_model * b
     ar, tp_algo = collective_time(cluster, "all_reduce", msg, lay.tp, span=_span(cluster, lay, "tp"))
     small, _ = collective_time(cluster, "all_reduce", 4 * tokens, lay.tp, span=_span(cluster, lay, "tp"))
-    if train:      # + the vocab-parallel loss: max, sum of exponentials, picked logit and their grads
-        tp_comm = n_micro * ((layers * m.tp_ar_per_layer + m.tp_ar_outside) * ar + 4 * small)
+    if train:      # + the vocab-parallel loss's
+        tp_comm = n_micro * ((layers * m.tp_ar_per_layer + m.tp_ar_outside) * ar + LOSS_TP_ALL_REDUCES * small)
     else:          # decode: the forward's half
         tp_comm = n_micro * ((layers * m.tp_ar_per_layer // 2 + 1) * ar)
     ep_comm, ep_algo = 0.0, "none"
     if m.n_experts and lay.ep > 1:
         a2a, ep_algo = collective_time(cluster, "all_to_all", msg * m.top_k * m.capacity_factor, lay.ep)
-        counts, _ = collective_time(cluster, "all_to_all", 4 * m.n_experts, lay.ep)     # tokens per expert first
-        ep_comm = n_micro * moe_layers * ((4 if train else 2) * a2a + counts)
+        ep_comm = n_micro * moe_layers * (MOE_ALL_TO_ALLS if train else MOE_ALL_TO_ALLS // 2) * a2a
     pp_comm = 0.0
     if lay.pp > 1:
         p2p, _ = collective_time(cluster, "send", msg, 2)
@@ -317,6 +347,10 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         # float64 over every rank and the loss read over the data ranks (the profiler's count)
         sync = (collective_time(cluster, "all_reduce", 8, lay.n)[0]
                 + collective_time(cluster, "all_reduce", 4, lay.data_ranks)[0])
+        # and in each MoE block's forward the routing statistics the loss reads (MoEAux): the
+        # experts' loads and 4 totals in float64 over the token axes, read on the host
+        sync += n_micro * moe_layers * collective_time(cluster, "all_reduce", 8 * (m.n_experts + 4),
+                                                       lay.data_ranks)[0]
     # the bubble: (pp-1) micro-batch slots idle per step (GPipe and 1F1B), / v when interleaved
     bubble = 0.0
     if lay.pp > 1:
