@@ -152,11 +152,11 @@ def main(argv=None) -> int:
               f"median of {args.repeats} alternating repeats; tp={tp} on {tp} CPU ranks, BLAS threads "
               f"{BLAS_THREADS} per rank; transformers: torch 1 thread, rank 0")
         print(f"{'batch':>5} {'prefill tok/s':>14} {'HF prefill tok/s':>17} {'decode ms/tok':>14} "
-              f"{'HF decode ms/tok':>17} {'decode ratio':>13}")
+              f"{'HF decode ms/tok':>17} {'decode HF/ts':>13}")
         for b in batches:
             (p, d), (hp, hd) = pair("ts", b), pair("hf", b)
             print(f"{b:>5} {b * args.prompt / p:>14.0f} {b * args.prompt / hp:>17.0f} {d * 1e3:>14.2f} "
-                  f"{hd * 1e3:>17.2f} " + (f"{d / hd:>12.2f}x" if hd > 0 else f"{'n/a (noise)':>13}"))
+                  f"{hd * 1e3:>17.2f} " + (f"{hd / d:>12.2f}x" if d > 0 and hd > 0 else f"{'n/a (noise)':>13}"))
         print(f"KV bytes/token/rank: {st['bytes_per_token']} (theory {theory}); hit ratio with a device budget "
               f"of a quarter of the context ({budget} of {2 * args.prompt} tokens): {st['hit_ratio']:.3f} "
               f"(full attention; bound: device pages / pages read); with window={budget - 16}: "

@@ -260,6 +260,35 @@ def test_vjp_tuple_outputs_seed_every_output_in_one_sweep():
         pull(ct)
 
 
+def test_vjp_weights_later_gives_the_input_gradient_first_and_the_same_gradients():
+    """The B/W split of a pipeline stage: the input's gradient before any weight GEMM, and the
+    weights' gradients after (a weight read by two matmuls and by an elementwise op too)."""
+    from tessera_rt.autodiff import engine
+    p = {"w1": rand(4, 5), "w2": rand(5, 4), "b": rand(4)}
+    x, ct = rand(3, 6, 4), rand(3, 6, 4)
+
+    def stage(p, h):
+        y = op.tanh(h @ p["w1"]) @ p["w2"]
+        return op.tanh(y @ p["w1"]) @ p["w2"] * p["b"] + op.sum(p["w1"]) + h
+
+    _, pull = ts.vjp(stage, p, x)
+    want_p, want_x = pull(ct)
+    calls = []
+    real = engine.VJPS["matmul"]
+    engine.VJPS["matmul"] = lambda g, out, args, kw, needs: calls.append(tuple(needs)) or real(g, out, args, kw, needs)
+    try:
+        _, pull = ts.vjp(stage, p, x)
+        grads, weights = pull(ct, weights_later=True)
+        assert grads[0] is None and (False, True) not in calls        # no weight GEMM yet
+        np.testing.assert_array_equal(grads[1], want_x)
+        got_p = weights()
+        assert calls.count((False, True)) == 4 and (True, True) not in calls
+    finally:
+        engine.VJPS["matmul"] = real
+    for k in p:
+        np.testing.assert_allclose(got_p[k], want_p[k], rtol=1e-13)
+
+
 # --------------------------------------------------------------------------- errors
 
 def test_error_non_scalar_output():

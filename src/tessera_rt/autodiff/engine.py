@@ -70,7 +70,7 @@ def _add_into(acc, ct) -> bool:
     return True
 
 
-def backward(tape: Tape, out: Var, seed: Any) -> None:
+def backward(tape: Tape, out: Var, seed: Any, later: set | None = None) -> list | None:
     """Sweep ``tape`` backwards from ``out``, leaving each traced value's cotangent in its
     ``grad`` (and finishing leaves through their ``finish`` hook).  Runs with no tape active,
     so the VJP rules' own ops are not recorded.
@@ -83,6 +83,15 @@ def backward(tape: Tape, out: Var, seed: Any) -> None:
         The traced value the sweep starts from.
     seed : array or DTensor
         ``out``'s cotangent (``out.grad`` is set to it).
+    later : set of int, optional
+        ids of leaves whose matmul weight gradients wait: a matmul whose right operand is
+        one of them computes only its left operand's cotangent now (a pipeline stage sends
+        its input's gradient before the weight GEMMs).
+
+    Returns
+    -------
+    list or None
+        With ``later``: the held work, for ``backward_weights``.
     """
     # The loop's Python is time the gradient all-reduces issued during the sweep do not
     # run under any op, so the globals it reads are bound to locals once per sweep.
@@ -91,6 +100,7 @@ def backward(tape: Tape, out: Var, seed: Any) -> None:
     # contribution adds into one in place (a rule's cotangent may alias its input or
     # another's, so a first one is never written to)
     owned: set = set()
+    held = [] if later is not None else None
     saved, STATE.tape = STATE.tape, None
     try:
         out.grad = seed
@@ -107,6 +117,11 @@ def backward(tape: Tape, out: Var, seed: Any) -> None:
             needs = [False] * len(v.args)
             for pos, _ in parents:
                 needs[pos] = True
+            if held is not None and v.op == "matmul" and parents[-1][0] == 1 and id(parents[-1][1]) in later:
+                held.append((v, g, parents[-1][1]))
+                needs[1], parents = False, parents[:-1]
+                if not parents:
+                    continue
             cts = rules[v.op](g, v.value, v.args, v.kw, needs)
             for pos, p in parents:
                 ct = cts[pos]
@@ -118,7 +133,25 @@ def backward(tape: Tape, out: Var, seed: Any) -> None:
                         p.grad = add(pg, ct)
                         owned.add(id(p.grad))
             _release(parents)
-            v.args = v.kw = None                   # drop the residuals as soon as they are used
+            if held is None or not held or held[-1][0] is not v:
+                v.args = v.kw = None               # drop the residuals as soon as they are used
+    finally:
+        STATE.tape = saved
+    return held
+
+
+def backward_weights(held: list) -> None:
+    """The weight gradients ``backward(..., later=...)`` held back, into their leaves."""
+    saved, STATE.tape = STATE.tape, None
+    try:
+        for v, g, p in held:
+            needs = [False] * len(v.args)
+            needs[1] = True
+            ct = VJPS[v.op](g, v.value, v.args, v.kw, needs)[1]
+            if ct is not None:
+                p.grad = ct if p.grad is None else _add(p.grad, ct)
+            _release(((1, p),))
+            v.args = v.kw = None
     finally:
         STATE.tape = saved
 
@@ -316,6 +349,12 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
     (None: zero), and sweeps once for their sum (a pipeline stage seeds its activation and its
     own loss term together).  The pullback runs once.
 
+    ``pullback(cotangent, weights_later=True)`` returns ``(grads, weights)`` instead: every
+    argument's gradient but the first's (``grads[0]`` is None), computed without the weight
+    GEMMs of the matmuls that read the first argument's leaves, and ``weights()``, which runs
+    those GEMMs and returns the first argument's gradient.  A pipeline stage sends its input's
+    gradient upstream between the two (the B/W split of zero-bubble pipelines).
+
     Parameters
     ----------
     fn : callable
@@ -339,7 +378,7 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
     many = type(out) is tuple
     outs = out if many else (out,)
 
-    def pullback(ct):
+    def pullback(ct, weights_later: bool = False):
         if used[0]:
             raise RuntimeError(f"ts.vjp({name}): the pullback can run once (the tape is freed as it sweeps)")
         used[0] = True
@@ -356,8 +395,16 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
                                  f"output {tuple(o.value.shape)}; pass one of the output's shape")
         for o, c in seeds:                     # the sweep starts with every output seeded
             o.grad = c if o.grad is None else _add(o.grad, c)
-        backward(tape, seeds[0][0], seeds[0][0].grad)
-        return _collect(tape, finisher, groups, False, allow_unused, name)
+        if not weights_later:
+            backward(tape, seeds[0][0], seeds[0][0].grad)
+            return _collect(tape, finisher, groups, False, allow_unused, name)
+        held = backward(tape, seeds[0][0], seeds[0][0].grad, later={id(v) for v in groups[0][0]})
+        rest = _collect(tape, finisher, groups[1:], False, allow_unused, name)
+
+        def weights():
+            backward_weights(held)
+            return _collect(tape, finisher, groups[:1], True, allow_unused, name)
+        return (None,) + rest, weights
     values = tuple(o.value if type(o) is Var else o for o in outs)
     return (values if many else values[0]), pullback
 

@@ -12,7 +12,9 @@ Each stage runs its schedule (pipeline/schedules) on its stage mesh: a forward i
 the pullback with the received output gradient.  Boundary tensors travel as non-blocking
 ``dist.send``/``dist.recv`` along ``pp`` on their own stream role (``pp``), ordered against
 compute with events by the collectives layer; a receive is posted two actions before it is
-needed, so a stage computes micro-batch i+1 while i travels.  Raw (un-reduced) gradients
+needed, so a stage computes micro-batch i+1 while i travels.  A backward sends its input's
+gradient before it computes the weight gradients of its matmuls (``vjp``'s
+``weights_later``), so the stage upstream starts its backward while those run.  Raw (un-reduced) gradients
 accumulate over micro-batches; the all-reduce of a chunk's gradients over dp/tp starts the
 moment its last backward is done and is waited for at the end of the step.
 
@@ -307,10 +309,12 @@ class Pipeline:
                     ct = self._weight(w, losses[mb])
                 else:
                     ct = (h, self._weight(w, auxes[(c, mb)])) if (c, mb) in auxes else h
-                grads = pb(ct)
-                acc[c] = _accumulate(acc[c], grads[0])
-                if vs != 0:
+                if vs != 0:                              # the input's gradient goes upstream first
+                    grads, weights = pb(ct, weights_later=True)
                     self._send(grads[1], "B", vs - 1, mb)
+                    acc[c] = _accumulate(acc[c], weights())
+                else:
+                    acc[c] = _accumulate(acc[c], pb(ct)[0])
             t1 = time.perf_counter()
             busy += t1 - t0
             spans.append((kind, c, mb, t0, t1))
