@@ -296,6 +296,10 @@ TOPICS = [
     Topic("fused", "Fused CPU kernels against the NumPy references", [
         Cmd("bench_kernels.py", ["--device", "cpu", "--fused", "--reps", "5", "--markdown"],
             ["--quick", "--device", "cpu", "--fused", "--reps", "1", "--markdown"])]),
+    Topic("gemm_libs", "GEMM library on the CPU", [
+        Cmd("bench_gemm_libs.py", ["--markdown"], ["--quick", "--markdown"])],
+        note="MKL, scipy-openblas32 and BLIS are optional (looked for on sys.path and in /tmp/blaslibs, or "
+             "`--lib-path DIR`); one that is missing is a 'not installed' row."),
     Topic("gpu_kernels", "Kernels on a GPU", [
         Cmd("bench_kernels.py", ["--device", "cuda", "--markdown"], ["--quick", "--device", "cuda", "--markdown"])],
         needs_gpu=True),

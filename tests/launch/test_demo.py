@@ -35,6 +35,21 @@ def test_bench_vs_torch_quick_checks_the_same_losses_then_times_both_sides():
     assert all(float(r.rstrip(" |").split(" | ")[-1]) > 0 for r in rows), p.stdout        # a ratio per row
 
 
+def test_bench_gemm_libs_quick_times_every_shape_and_lists_missing_libraries(tmp_path):
+    # scripts/bench_gemm_libs.py's smoke run with an empty --lib-path: MKL, scipy-openblas32 and
+    # BLIS are 'not installed' rows instead of a failure; numpy (and torch when installed) are
+    # checked against numpy and timed at all 22 shapes (training step, micro-batch, prefill)
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gemm_libs.py"), "--quick", "--markdown",
+                        "--lib-path", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [r for r in p.stdout.splitlines() if r.startswith(("| train |", "| micro-batch |", "| prefill |"))]
+    assert len(rows) == 22 and all(r.split(" | ")[4].endswith(", 1.00x") for r in rows), p.stdout
+    summary = {r.split(" | ")[0].lstrip("| "): r for r in p.stdout.splitlines() if "GEMM ms" not in r}
+    for lib in ("MKL cblas_sgemm", "scipy-openblas32 cblas_sgemm", "BLIS"):
+        assert "not installed" in summary.get(lib, ""), p.stdout
+    assert summary["numpy (bundled OpenBLAS)"].endswith("| 1.000 |"), p.stdout
+
+
 def test_bench_all_quick_rewrites_only_its_blocks_and_draws_the_plot(tmp_path):
     # scripts/bench_all.py's smoke run on a copy of BENCHMARKS.md: the collectives block is
     # regenerated (date, machine, command, the nccl-tests table, the plot beside raw MPI) and
