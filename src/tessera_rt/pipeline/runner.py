@@ -39,7 +39,6 @@ import numpy as np
 from .. import runtime as rt
 from ..autodiff import reduce_grads, vjp
 from ..dist.comm import collectives as C, p2p
-from ..dist.comm.cpu_async import poll
 from ..dist.tensor import dtensor_collectives as DC
 from ..dist.tensor.dtensor import DTensor, full, zeros
 from ..dist.comm.hooks import note
@@ -218,8 +217,6 @@ class Pipeline:
         peer = self.mesh.group(self.axis).ranks[src % self.plan.pp]
         # named in the watchdog's report if this wait hangs
         with note(f"pipeline stage {vs} waits for the {what} of micro-batch {mb} from stage {src} (rank {peer})"):
-            if not self._on_gpu:             # (MPI's wait would spin on a core the other stages may need)
-                poll(work.is_completed)
             work.wait()
         return t
 
@@ -278,8 +275,7 @@ class Pipeline:
         auxes = {}                                       # (chunk, mb) -> a non-last stage's own loss term
         peak, posted, busy = 0, 0, 0.0
         from ..backend import get_backend
-        self._on_gpu = get_backend().is_gpu
-        ahead = 0 if self._on_gpu else LOOKAHEAD
+        ahead = 0 if get_backend().is_gpu else LOOKAHEAD
         t_start = time.perf_counter()
         for i, (kind, c, mb) in enumerate(acts):
             key = (kind, c, mb)

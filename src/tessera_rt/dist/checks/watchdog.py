@@ -54,7 +54,7 @@ PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
 _WAIT_FILES = {os.path.join(PKG_DIR, "dist", "comm", f) for f in ("communicators.py", "nccl.py", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
-               ("work.py", "_issue"), ("work.py", "wait"), ("cpu_async.py", "poll"), ("consistency.py", "_verify"),
+               ("work.py", "_issue"), ("work.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
 # the files that define them: dist/comm/collectives.py the five, dist/comm/p2p.py send, recv, barrier

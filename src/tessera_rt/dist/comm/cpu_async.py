@@ -15,7 +15,7 @@ import time
 from ... import runtime as rt
 from ...backend import CpuWorkerStream
 
-__all__ = ["P2P", "after_role_worker", "start_on_worker", "poll"]
+__all__ = ["P2P", "after_role_worker", "start_on_worker"]
 
 # Sends and receives stay non-blocking MPI requests issued by the caller (on its
 # communicator, tracked by the role's stream): on a worker, a blocking recv would hold the
@@ -26,23 +26,17 @@ P2P = frozenset(("send", "recv"))
 POLL_MAX_S = 2e-4
 
 
-def poll(done) -> None:
-    """Call ``done()`` (a request's test) until it is true, without holding a core: MPI's
-    blocking waits busy-poll, which starves other ranks' compute where ranks x threads
-    exceed the cores; a short, growing sleep between tests leaves the core to them."""
-    if done():
+def _progress(req, keep=None) -> None:
+    """Drive a non-blocking MPI request to completion without holding a core: MPI's blocking
+    calls busy-poll, which starves the caller's compute where ranks x threads exceed the
+    cores; a short, growing sleep between tests leaves the core to compute.  ``keep``: the
+    buffers the request reads and writes, alive until it is done."""
+    if req is None or req.test():
         return
     delay = 2e-6
-    while not done():
+    while not req.test():
         time.sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
-
-
-def _progress(req, keep=None) -> None:
-    """Drive a non-blocking MPI request to completion (``poll``).  ``keep``: the buffers the
-    request reads and writes, alive until it is done."""
-    if req is not None:
-        poll(req.test)
 
 
 def start_on_worker(stream, role: str, method, args: tuple):
