@@ -55,22 +55,24 @@ def _numpy(*arrays) -> bool:
 @elementwise
 def _swiglu_fwd(h1, h3, y):
     """y = silu(h1) * h3."""
+    one = h1.dtype.type(1)               # (a literal 1 would make the loop compute in f64)
     for i in range(h1.shape[0]):
         for j in range(h1.shape[1]):
             a = h1[i, j]
-            y[i, j] = a / (1 + fast_exp(-a)) * h3[i, j]
+            y[i, j] = a / (one + fast_exp(-a)) * h3[i, j]
 
 
 @elementwise
 def _swiglu_bwd(g, h1, h3, dh1, dh3):
     """d/dh1 and d/dh3 of silu(h1) * h3 against g."""
+    one = h1.dtype.type(1)
     for i in range(h1.shape[0]):
         for j in range(h1.shape[1]):
             a = h1[i, j]
-            s = 1 / (1 + fast_exp(-a))
+            s = one / (one + fast_exp(-a))
             gg = g[i, j]
             dh3[i, j] = gg * a * s
-            dh1[i, j] = gg * h3[i, j] * s * (1 + a * (1 - s))
+            dh1[i, j] = gg * h3[i, j] * s * (one + a * (one - s))
 
 
 def swiglu_forward(x: Any, w1: Any, w3: Any, policy: NumericPolicy | None = None):

@@ -4,7 +4,7 @@ Numba lowers ``np.exp`` on a scalar to a libm call, which keeps LLVM from vector
 loop around it (there is no SVML here), and NumPy's own SIMD ``exp`` needs a pass of its
 own over memory.  ``fast_exp`` inside a ``@kernel`` loop is Cephes' ``expf`` written with
 plain arithmetic and one bit cast, so the loop vectorizes and the exponential fuses with
-the work around it: f32 results within 2 ulp of the exact value (NumPy's are within 1.5),
+the work around it: f32 results within 1 ulp of the correctly rounded value (NumPy's: 2),
 with NumPy's special values (exp(-inf) = 0, overflow to inf, denormals, NaN kept).  f64
 keeps ``np.exp`` (the oracle's precision).
 """
