@@ -283,6 +283,8 @@ def test_vjp_weights_later_gives_the_input_gradient_first_and_the_same_gradients
         np.testing.assert_array_equal(grads[1], want_x)
         got_p = weights()
         assert calls.count((False, True)) == 4 and (True, True) not in calls
+        with pytest.raises(RuntimeError, match="weights\\(\\) runs once"):
+            weights()
     finally:
         engine.VJPS["matmul"] = real
     for k in p:

@@ -402,7 +402,10 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
         rest = _collect(tape, finisher, groups[1:], False, allow_unused, name)
 
         def weights():
+            if held and held[0] is None:
+                raise RuntimeError(f"ts.vjp({name}): weights() runs once (it frees what it used)")
             backward_weights(held)
+            held[:] = [None]
             return _collect(tape, finisher, groups[:1], True, allow_unused, name)
         return (None,) + rest, weights
     values = tuple(o.value if type(o) is Var else o for o in outs)
