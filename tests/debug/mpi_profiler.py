@@ -135,7 +135,7 @@ class _FakeDomain:
 @pytest.fixture
 def fake_nvtx(monkeypatch):
     """The NVTX domain replaced by one that logs its calls."""
-    nv = profiler._nvtx()
+    nv = profiler.nvtx_domain()
     if nv is None:
         pytest.skip("nvtx is not installed")
     fake = _FakeDomain()

@@ -25,7 +25,7 @@ def _id(case):
 def test_source_compiles_and_fits(case):
     name, cfg, arch = case
     src = SOURCES[name]
-    ptx = nvrtc_compile(src.render(**cfg), f"{name}.cu", arch)
+    ptx = nvrtc_compile(src.render(**cfg), f"{name}.cu", arch, fast_math=src.fast_math)
     assert f".target {arch}" in ptx
     usage = ptxas_resources(ptx, arch)
     assert set(usage) == set(src.entries), f"entries {sorted(usage)} != {sorted(src.entries)}"

@@ -20,14 +20,15 @@ from typing import Any
 import numpy as np
 
 from ..backend import register_kernel
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, resolve_dtype
 from ._common import array_module, check_float, check_policy, check_stream, finish, widen
 from .norms import NORM_DTYPES
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
 __all__ = ["flash_attention", "flash_attention_backward", "check_attention", "check_attention_backward", "GPU_HEAD_DIMS"]
 
-GPU_HEAD_DIMS = (64, 128)
+GPU_HEAD_DIMS = (64, 128)          # the flash kernel's; f32 (cuBLAS GEMMs) takes any
+_GPU_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32)) | {np.dtype(resolve_dtype("bf16"))}
 
 
 def check_attention(op: str, q: Any, k: Any, v: Any, gpu: bool = False) -> tuple[int, ...]:
@@ -54,9 +55,9 @@ def check_attention(op: str, q: Any, k: Any, v: Any, gpu: bool = False) -> tuple
         if d not in GPU_HEAD_DIMS:
             raise ValueError(f"{op}: head_dim {d} is not supported by the GPU kernel; use one of "
                              f"{GPU_HEAD_DIMS} (pad the head dim) or call the CPU reference")
-        if np.dtype(q.dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
-            raise TypeError(f"{op}: the GPU kernel takes float16 (or float32, cast to half on the "
-                            f"way in), got {dtype_name(q.dtype)}")
+        if np.dtype(q.dtype) not in _GPU_DTYPES:
+            raise TypeError(f"{op}: the GPU kernels take float16, bf16 or float32 (float32 runs as f32 "
+                            f"GEMMs), got {dtype_name(q.dtype)}")
     return b, h, hkv, sq, sk, d
 
 

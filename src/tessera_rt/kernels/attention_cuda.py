@@ -12,6 +12,11 @@ the result is deterministic: ``dkdv`` (a block per 64 keys of one kv head, loopi
 the query blocks of every query head in its group, which sums grouped-query gradients in
 a fixed order) and ``dq`` (a block per 64 queries looping over key blocks), after a
 ``delta = rowsum(dO ∘ O)`` pre-pass.  head_dim is 64 or 128, fixed at compile time.
+
+The kernels compute on f16 or bf16 operands (the element type is a compile-time choice), and
+f16 and bf16 inputs run at their own type.  f32 inputs are never rounded to 16 bits unasked:
+they run as f32 GEMMs (``attention_gemm_cuda``), unless the float32 matmul precision is
+"medium", which allows bf16 (``kernels.precision``).
 """
 from __future__ import annotations
 
@@ -21,11 +26,14 @@ from typing import Any
 import numpy as np
 
 from ..backend import register_kernel
+from ..dtypes import resolve_dtype
 from ._common import check_out, check_policy, check_stream
 from .attention import check_attention, flash_attention as fa_reference, \
     flash_attention_backward as fa_bwd_reference
+from .attention_gemm_cuda import attention_f32, attention_f32_backward
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_aligned, launch_stream
+from .precision import f32_compute, note
 
 __all__ = ["render_flash", "flash_smem_bytes", "flash_attention_cuda", "flash_attention_backward_cuda",
            "FLASH_TILES"]
@@ -394,9 +402,29 @@ register_source(KernelSource(
     smem_dynamic=lambda head_dim=64, dtype="f16", kernel="ts_flash_bwd_dkdv": flash_smem_bytes(head_dim, kernel)))
 
 
-def _as_half(xp, *arrays):
-    """Contiguous f16 operands starting on a 16-byte boundary (load_rows reads ``uint4``s)."""
-    return tuple(aligned(xp.ascontiguousarray(a.astype(np.float16, copy=False)), 16) for a in arrays)
+_F32 = np.dtype(np.float32)
+_ELEM = {np.dtype(np.float16): "f16", resolve_dtype("bf16"): "bf16"}
+
+
+def _kernel_for(q: Any, d: int, policy: Any) -> str:
+    """What attention of ``q``'s dtype runs on the GPU: "f16"/"bf16" (the flash kernel at that
+    element type), "f32"/"tf32" (attention_gemm_cuda: cuBLAS GEMMs around f32 softmax), or
+    "reference" (the CuPy reference: f64, policies, head dims the flash kernel lacks).
+    f32 follows the float32 matmul precision; "medium" runs the bf16 flash kernel."""
+    dt = np.dtype(q.dtype)
+    if policy is not None:
+        return "reference"
+    if dt in _ELEM:
+        return _ELEM[dt] if d in FLASH_TILES else "reference"
+    if dt == _F32:
+        kind = f32_compute()
+        return kind if kind != "bf16" or d in FLASH_TILES else "f32"
+    return "reference"
+
+
+def _as_elem(xp, elem: np.dtype, *arrays):
+    """Contiguous ``elem`` operands starting on a 16-byte boundary (load_rows reads ``uint4``s)."""
+    return tuple(aligned(xp.ascontiguousarray(a.astype(elem, copy=False)), 16) for a in arrays)
 
 
 def _batch_slices(b: int, heads: int):
@@ -408,24 +436,31 @@ def _batch_slices(b: int, heads: int):
 def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
                          return_lse: bool = False, block_kv: int | None = None, out: Any | None = None,
                          stream: Any | None = None, policy: Any = None):
-    """GPU forward; falls back to the CuPy reference for head dims other than 64/128."""
+    """GPU forward: the flash kernel for f16/bf16 (head dim 64/128), f32 exactly through cuBLAS
+    (or TF32 / bf16 per the float32 matmul precision), the CuPy reference otherwise."""
     import cupy
     op = "flash_attention"
-    b, h, hkv, sq, sk, d = check_attention(op, q, k, v)
+    shape = check_attention(op, q, k, v)
+    b, h, hkv, sq, sk, d = shape
     check_policy(op, policy)
     check_stream(op, stream)
-    if d not in FLASH_TILES or q.dtype not in (np.float16, np.float32) or policy is not None:
+    kind = _kernel_for(q, d, policy)
+    if kind == "reference":
         with launch_stream(stream):
             return fa_reference(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                 block_kv=block_kv, out=out, policy=policy)
-    check_attention(op, q, k, v, gpu=True)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check_out(op, out, q.shape, q.dtype, xp=cupy)
-    fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype="f16"), render_flash)
+    note(op, kind)
+    if kind in ("f32", "tf32"):
+        o, lse = attention_f32(q, k, v, shape, causal=causal, scale=scale, out=out, stream=stream)
+        return (o, lse) if return_lse else o
+    elem = resolve_dtype(kind)
+    fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype=kind), render_flash)
     with launch_stream(stream):
-        qh, kh, vh = _as_half(cupy, q, k, v)
-        direct = out is not None and out.dtype == np.float16 and is_aligned(out, 4)   # o is written in pairs
-        o = out if direct else cupy.empty(q.shape, np.float16)
+        qh, kh, vh = _as_elem(cupy, elem, q, k, v)
+        direct = out is not None and out.dtype == elem and is_aligned(out, 4)   # o is written in pairs
+        o = out if direct else cupy.empty(q.shape, elem)
         lse = cupy.empty((b, h, sq), np.float32)
         for bs in _batch_slices(b, h):
             grid = ((sq + FLASH_TILES[d][0] - 1) // FLASH_TILES[d][0], (bs.stop - bs.start) * h)
@@ -434,7 +469,7 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
         if out is not None and o is not out:
             out[...] = o
             o = out
-        elif o.dtype != q.dtype:        # f32 inputs ran in f16; hand back the caller's dtype
+        elif o.dtype != q.dtype:        # f32 inputs at "medium" ran in bf16: the caller's dtype back
             o = o.astype(q.dtype)
     return (o, lse) if return_lse else o
 
@@ -442,26 +477,33 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
 def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, *,
                                   causal: bool = False, scale: float | None = None,
                                   out: tuple | None = None, stream: Any | None = None, policy: Any = None):
-    """GPU backward (delta pre-pass, dK/dV kernel, dQ kernel); deterministic, no atomics."""
+    """GPU backward (delta pre-pass, dK/dV kernel, dQ kernel; deterministic, no atomics) for
+    f16/bf16; f32 through cuBLAS as the forward; the CuPy reference otherwise."""
     import cupy
     op = "flash_attention_backward"
-    b, h, hkv, sq, sk, d = check_attention(op, q, k, v)
-    if d not in FLASH_TILES or q.dtype not in (np.float16, np.float32) or policy is not None or out is not None:
+    shape = check_attention(op, q, k, v)
+    b, h, hkv, sq, sk, d = shape
+    kind = _kernel_for(q, d, policy)
+    if kind == "reference" or out is not None:
         with launch_stream(stream):
             return fa_bwd_reference(q, k, v, o, do, lse, causal=causal, scale=scale, out=out, policy=policy)
     check_stream(op, stream)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cfg = dict(head_dim=d, dtype="f16")
+    note(op, kind)
+    if kind in ("f32", "tf32"):
+        return attention_f32_backward(q, k, v, o, do, lse, shape, causal=causal, scale=scale, stream=stream)
+    elem = resolve_dtype(kind)
+    cfg = dict(head_dim=d, dtype=kind)
     args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(scale), np.int32(bool(causal)))
     delta_fn = get_function("flash_attention", "ts_flash_bwd_delta", cfg, render_flash)
     smem_kv, smem_q = flash_smem_bytes(d, "ts_flash_bwd_dkdv"), flash_smem_bytes(d, "ts_flash_bwd_dq")
     dkdv_fn = get_function("flash_attention", "ts_flash_bwd_dkdv", cfg, render_flash, dynamic_smem=smem_kv)
     dq_fn = get_function("flash_attention", "ts_flash_bwd_dq", cfg, render_flash, dynamic_smem=smem_q)
     with launch_stream(stream):
-        qh, kh, vh, oh, doh = _as_half(cupy, q, k, v, o, do)
+        qh, kh, vh, oh, doh = _as_elem(cupy, elem, q, k, v, o, do)
         lse32 = cupy.ascontiguousarray(lse, dtype=np.float32)
         delta = cupy.empty((b, h, sq), np.float32)
-        dq, dk, dv = (cupy.empty(t.shape, np.float16) for t in (q, k, v))
+        dq, dk, dv = (cupy.empty(t.shape, elem) for t in (q, k, v))
         rows = b * h * sq
         delta_fn(((rows + 3) // 4,), (128,), (oh, doh, delta, np.int64(rows)))
         for bs in _batch_slices(b, h):     # h >= hkv: slices that fit the dq grid fit dkdv's too

@@ -81,16 +81,17 @@ _LOCK = threading.Lock()
 
 
 def nvrtc_compile(source: str, name: str = "kernel.cu", arch: str = "sm_80",
-                  options: tuple[str, ...] = ()) -> str:
-    """PTX text for ``source`` compiled by NVRTC for ``arch``'s virtual architecture."""
+                  options: tuple[str, ...] = (), fast_math: bool = True) -> str:
+    """PTX text for ``source`` compiled by NVRTC for ``arch``'s virtual architecture
+    (``fast_math``: with ``--use_fast_math``, as the launchers compile most sources)."""
     from cuda.bindings import nvrtc
 
-    key = (source, arch, options)
+    key = (source, arch, options, fast_math)
     with _LOCK:
         if key in _PTX_CACHE:
             return _PTX_CACHE[key]
     cc = arch.split("_")[-1]
-    opts = [f"--gpu-architecture=compute_{cc}", "-std=c++17", "--use_fast_math"] + list(options)
+    opts = [f"--gpu-architecture=compute_{cc}", "-std=c++17"] + (["--use_fast_math"] if fast_math else []) + list(options)
     inc = cuda_include_dir()
     if inc:
         opts.append(f"-I{inc}")
@@ -195,6 +196,7 @@ class KernelSource:
     entries: tuple[str, ...]            # extern "C" kernel names in the source
     configs: list[dict] = field(default_factory=list)
     smem_dynamic: Callable[..., int] | None = None   # config -> dynamic shared bytes at launch
+    fast_math: bool = True              # compiled with --use_fast_math (False: exact expf/logf, f32 attention)
 
 
 _SOURCES: dict[str, KernelSource] = {}
@@ -238,7 +240,7 @@ def inspect_ir(kernel: str, level: str = "source", arch: str = "sm_90", **config
     text = src.render(**cfg)
     if level in ("source", "tile"):
         return text
-    ptx = nvrtc_compile(text, f"{kernel}.cu", arch)
+    ptx = nvrtc_compile(text, f"{kernel}.cu", arch, fast_math=src.fast_math)
     if level in ("ptx", "target"):
         return ptx
     if level == "resources":

@@ -121,19 +121,21 @@ def device_key() -> tuple[int, str]:
 
 
 def get_function(name: str, entry: str, config: dict, render: Callable[..., str],
-                 dynamic_smem: int = 0):
+                 dynamic_smem: int = 0, fast_math: bool = True):
     """The compiled ``entry`` of ``render(**config)``, cached by (name, config, device).
 
     ``config`` carries the dtype and tile, so the key is the convention's
     (name, dtype, tile, device).  Kernels asking for more than 48 KiB of dynamic shared
-    memory get the opt-in attribute set once here.
+    memory get the opt-in attribute set once here.  ``fast_math=False`` compiles without
+    ``--use_fast_math`` (exact ``expf``/``logf``: the f32 attention kernels).
     """
     import cupy
     key = (name, entry, tuple(sorted(config.items())), device_key())
     with _LOCK:
         fn = _FUNCS.get(key)
         if fn is None:
-            module = cupy.RawModule(code=render(**config), options=("-std=c++17", "--use_fast_math"))
+            options = ("-std=c++17", "--use_fast_math") if fast_math else ("-std=c++17",)
+            module = cupy.RawModule(code=render(**config), options=options)
             fn = module.get_function(entry)
             _FUNCS[key] = fn
         if dynamic_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < dynamic_smem:

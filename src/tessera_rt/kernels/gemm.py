@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..backend import register_kernel
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, resolve_dtype
 from ._common import array_module, check_float, check_policy, check_stream, finish, widen
 from .numerics import FP8_DTYPES, NumericPolicy, accum_dtype, result_dtype
 
-__all__ = ["matmul", "gemm", "matmul_shapes", "check_tile_shape", "SMEM_LIMIT_BYTES"]
+__all__ = ["matmul", "gemm", "matmul_shapes", "check_tile_shape", "autocast_pair", "SMEM_LIMIT_BYTES"]
 
 # Opt-in shared memory per block on H100 (227 KiB); A100 allows 163 KiB.  Tile shapes are
 # checked against the largest so a CPU run rejects what no GPU could launch.
@@ -76,12 +76,29 @@ def _input_dtype(op: str, a: Any, b: Any) -> np.dtype:
 
 
 _PLAIN = (np.dtype(np.float32), np.dtype(np.float64))
+_HALF = frozenset((np.dtype(np.float16), np.dtype(resolve_dtype("bf16"))))
+
+
+def autocast_pair(a: Any, b: Any) -> tuple[Any, Any]:
+    """A GEMM of a 16-bit operand (f16/bf16) with an f32/f64 one computes in the 16-bit dtype:
+    the wide operand is cast down, as autocast does, and the 16-bit one (typically a weight)
+    is never widened (that would double its bytes and take the GEMM off the tensor cores).
+    Other mixes are left to NumPy's promotion."""
+    da, db = a.dtype, b.dtype
+    if da == db:
+        return a, b
+    if da in _HALF and db in _PLAIN:
+        return a, b.astype(da)
+    if db in _HALF and da in _PLAIN:
+        return a.astype(db), b
+    return a, b
 
 
 def matmul(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
            stream: Any | None = None, policy: NumericPolicy | None = None) -> Any:
     """``a @ b`` with f32 accumulation for low-precision inputs (NumPy reference).
 
+    A 16-bit operand with an f32/f64 one computes in the 16-bit dtype (``autocast_pair``).
     FP8 inputs (or an FP8 ``policy``) compute on the dequantized values and return f32
     (or the input dtype), since an FP8 result would discard the f32 accumulation.
 
@@ -118,6 +135,7 @@ def matmul(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
     check_float(op, "b", b)
     check_policy(op, policy)
     check_stream(op, stream)
+    a, b = autocast_pair(a, b)
     matmul_shapes(op, a, b)
     in_dt = _input_dtype(op, a, b)
     check_tile_shape(op, tile_shape, itemsize=max(in_dt.itemsize, 1))

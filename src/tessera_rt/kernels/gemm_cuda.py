@@ -13,19 +13,21 @@ runs when ``tile_shape`` is given or autotune picks it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from ..backend import register_kernel
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, resolve_dtype
 from ._common import check_float, check_out, check_policy, check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_aligned, launch_stream
-from .gemm import check_tile_shape, matmul as matmul_reference, matmul_shapes
+from .gemm import autocast_pair, check_tile_shape, matmul as matmul_reference, matmul_shapes
+from .precision import f32_compute, note
 
 __all__ = ["GEMM_CONFIGS", "DUAL_CONFIGS", "render_gemm", "gemm_smem_bytes", "tile_gemm", "matmul_cuda", "swiglu_cuda",
-           "dual_matmul_cuda", "tuned_matmul"]
+           "dual_matmul_cuda", "tuned_matmul", "cublas_f32_compute"]
 
 # (BM, BN, BK) -> warps (WM, WN).  Warp tiles are multiples of 16x8.
 GEMM_CONFIGS = {(128, 128, 32): (2, 4), (128, 64, 32): (2, 2), (64, 128, 32): (2, 2),
@@ -33,7 +35,13 @@ GEMM_CONFIGS = {(128, 128, 32): (2, 4), (128, 64, 32): (2, 2), (64, 128, 32): (2
 # The SwiGLU form stages two B tiles; these fit the 48 KiB of static shared memory.
 DUAL_CONFIGS = ((64, 64, 32),)   # (128, 64, 32) needs 255 registers and spills
 STATIC_SMEM_LIMIT = 48 * 1024
-_CUBLAS_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_BF16 = resolve_dtype("bf16")
+_F32 = np.dtype(np.float32)
+# cuBLAS through cupy.matmul (CuPy >= 14 for bf16): 16-bit operands on the tensor cores with
+# f32 accumulation; f32 in f32 (or TF32, see cublas_f32_compute); f64 in f64
+_CUBLAS_DTYPES = (np.dtype(np.float16), _BF16, _F32, np.dtype(np.float64))
+_TILE_DTYPES = {np.dtype(np.float16): "f16", _BF16: "bf16"}
+_SHORT = {np.dtype(np.float16): "f16", _BF16: "bf16", _F32: "f32", np.dtype(np.float64): "f64"}
 _PAD = 8  # halves of padding per smem row: keeps rows 16-byte aligned and spreads banks
 
 GEMM_SOURCE = r"""
@@ -194,10 +202,10 @@ register_source(KernelSource(
 
 def _check_gpu_operands(op: str, *arrays) -> None:
     for i, a in enumerate(arrays):
-        if np.dtype(a.dtype) != np.float16:
-            raise TypeError(f"{op}: the tensor-core kernel takes float16 operands (CuPy has no "
-                            f"bfloat16 dtype), got {dtype_name(a.dtype)} for operand {i}; cast with "
-                            ".astype('float16') or call without tile_shape to use cuBLAS")
+        if np.dtype(a.dtype) not in _TILE_DTYPES or a.dtype != arrays[0].dtype:
+            raise TypeError(f"{op}: the tensor-core kernel takes float16 or bf16 operands of one dtype, got "
+                            f"{', '.join(dtype_name(x.dtype) for x in arrays)}; cast with .astype(...) or "
+                            "call without tile_shape to use cuBLAS")
         if not a.flags.c_contiguous:
             raise ValueError(f"{op}: operand {i} of shape {tuple(a.shape)} is not C-contiguous; "
                              "pass cupy.ascontiguousarray(x)")
@@ -239,7 +247,7 @@ def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | 
     check_out(op, out, shape, out_dt, xp=cupy)
     nb = int(np.prod(batch)) if batch else 1
     a_stride, b_stride = _batch_stride(a, batch, m, k), _batch_stride(b, batch, k, n)
-    cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], dtype="f16", out_f32=out_dt == np.float32,
+    cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], dtype=_TILE_DTYPES[np.dtype(a.dtype)], out_f32=out_dt == np.float32,
                dual=b2 is not None, dual_out=dual_out)
     fn = get_function("tile_gemm", "ts_gemm", cfg, render_gemm)
     wm, wn = GEMM_CONFIGS[tile]
@@ -265,23 +273,64 @@ def tile_gemm(a: Any, b: Any, tile_shape: tuple = (128, 128, 32), *, out: Any | 
     return (c, c2) if dual_out else c
 
 
+@contextlib.contextmanager
+def cublas_f32_compute(kind: str):
+    """cupy.matmul on f32 operands computes in ``kind`` ("f32" or "tf32") inside the block.
+
+    CuPy keeps one compute type per dtype for the process (``cupy._core.set_compute_type``,
+    which ``CUPY_TF32=1`` also sets); the float32 matmul precision is tessera_rt's, so it is
+    set here around each call and put back, whatever CuPy held before."""
+    from cupy._core import _routines_linalg as linalg
+    from cupy._core import set_compute_type
+    want = linalg.COMPUTE_TYPE_TF32 if kind == "tf32" else linalg.COMPUTE_TYPE_DEFAULT
+    before = linalg.get_compute_type(_F32)
+    if before == want:
+        yield
+        return
+    set_compute_type(_F32, want)
+    try:
+        yield
+    finally:
+        set_compute_type(_F32, before)
+
+
+def _cublas(a: Any, b: Any, out: Any):
+    """cupy.matmul at the dtype's precision; f32 follows the float32 matmul precision."""
+    import cupy
+    if a.dtype != _F32:
+        note("matmul", _SHORT[np.dtype(a.dtype)])
+        return cupy.matmul(a, b, out=out)
+    kind = f32_compute()
+    note("matmul", kind)
+    if kind == "bf16":          # "medium": bf16 tensor cores, f32 accumulation, f32 back
+        c = cupy.matmul(a.astype(_BF16), b.astype(_BF16))
+        if out is None:
+            return c.astype(_F32)
+        out[...] = c
+        return out
+    with cublas_f32_compute(kind):
+        return cupy.matmul(a, b, out=out)
+
+
 def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = None,
                 stream: Any | None = None, policy: Any = None):
-    """GPU matmul: cuBLAS by default; the tile kernel when ``tile_shape`` is given for fp16."""
-    import cupy
+    """GPU matmul: cuBLAS by default (16-bit on the tensor cores, f32 per the float32 matmul
+    precision); the tile kernel when ``tile_shape`` is given for f16/bf16.  A 16-bit operand
+    with an f32 one computes in the 16-bit dtype (``gemm.autocast_pair``)."""
     check_float("matmul", "a", a)
     check_float("matmul", "b", b)
     check_policy("matmul", policy)
     check_stream("matmul", stream)
-    if tile_shape is not None and a.dtype == np.float16 and b.dtype == np.float16 and policy is None:
-        return tile_gemm(a, b, tuple(tile_shape), out=out, stream=stream, out_dtype=np.float16)
-    with launch_stream(stream):   # cuBLAS through cupy.matmul, on the caller's stream
+    with launch_stream(stream):   # casts, cuBLAS and outputs on the caller's stream
+        a, b = autocast_pair(a, b)
+        if tile_shape is not None and a.dtype == b.dtype and a.dtype in _TILE_DTYPES and policy is None:
+            note("matmul", _TILE_DTYPES[np.dtype(a.dtype)])
+            return tile_gemm(a, b, tuple(tile_shape), out=out, stream=stream, out_dtype=a.dtype)
         if policy is None and a.dtype == b.dtype and a.dtype in _CUBLAS_DTYPES:
-            # Straight to cuBLAS: for fp16 CuPy already runs the tensor cores with f32
-            # accumulation, so widening first (the reference's way) would only add two
-            # copies and turn an HGEMM into an SGEMM.
+            # Straight to cuBLAS: widening 16-bit operands first (the reference's way) would
+            # only add two copies and turn a tensor-core GEMM into an f32 SIMT one.
             matmul_shapes("matmul", a, b)
-            return cupy.matmul(a, b, out=out)
+            return _cublas(a, b, out)
         return matmul_reference(a, b, out=out, policy=policy)
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from .. import op
+from ..backend import get_backend
 from ..autodiff import detach, no_grad
-from ..dist.tensor.dtensor import distribute
+from ..dist.tensor.dtensor import DTensor, distribute
 from ..dist.tensor.layout import ShardSpec
 from .module import Module, _rng_normal
 
@@ -95,12 +96,12 @@ def vocab_iota(vocab: int, ndim: int, mesh: Mesh | None = None, tp_axis: str | N
     DTensor or array
         The ids, int32.
     """
-    key = (vocab, ndim, mesh, tp_axis)
+    key = (vocab, ndim, mesh, tp_axis, get_backend().name)     # (tests switch backends in one process)
     t = _IOTAS.get(key)
     if t is None:
         a = np.arange(vocab, dtype=np.int32).reshape((1,) * ndim + (vocab,))
         spec = ShardSpec(partition=("col",), mesh_axes=(tp_axis,)) if tp_axis else None
-        t = _IOTAS[key] = a if mesh is None else distribute(a, layout=spec, mesh=mesh)
+        t = _IOTAS[key] = get_backend().asarray(a) if mesh is None else distribute(a, layout=spec, mesh=mesh)
     return t
 
 
@@ -129,8 +130,8 @@ def one_hot(ids: Any, iota: Any, dtype: Any) -> Any:
 
 class Embedding(Module):
     """Vocab-parallel embedding: the (vocab, dim) table is sharded over tp on the vocab dim;
-    each rank looks up the ids it owns (a one-hot GEMM against its rows, exact for the small
-    vocabularies this targets) and the result is a pending sum over tp.
+    each rank gathers the rows of the ids it owns (``op.embedding``: zeros for the others)
+    and the result is a pending sum over tp.  The backward is a scatter-add into its rows.
 
     Parameters
     ----------
@@ -187,7 +188,7 @@ class Embedding(Module):
         return {"w": self._place(_rng_normal(seed, name + ".w", (self.vocab, self.dim), self.std), self.spec("row"))}
 
     def __call__(self, p: dict, ids):
-        return op.matmul(one_hot(ids, self.iota(len(ids.shape)), self.dtype), p["w"])
+        return op.embedding(ids, p["w"])
 
 
 def cross_entropy(logits: Any, targets: Any, iota: Any = None) -> Any:
@@ -211,8 +212,10 @@ def cross_entropy(logits: Any, targets: Any, iota: Any = None) -> Any:
     DTensor or array
         The scalar mean loss.
     """
-    if type(detach(logits)) is np.ndarray and type(targets) is np.ndarray:
-        return op.softmax_cross_entropy(logits, targets)       # one fused kernel on host arrays
+    if type(detach(logits)) is not DTensor and type(targets) is not DTensor:
+        return op.softmax_cross_entropy(logits, targets)       # one fused kernel, f32 statistics
+    if np.dtype(logits.dtype).itemsize < 4:
+        logits = op.astype(logits, "float32")                  # the op chain's statistics in f32
     v = logits.shape[-1]
     if iota is None:
         iota = vocab_iota(v, len(targets.shape))

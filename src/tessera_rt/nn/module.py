@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import get_backend
 from ..dist.tensor.dtensor import distribute
 from ..dist.tensor.layout import ShardSpec
 from ..dtypes import resolve_dtype
@@ -40,7 +41,7 @@ class Module:
     def _place(self, value: np.ndarray, spec) -> Any:
         value = value.astype(self.dtype)
         if self.mesh is None:
-            return value
+            return get_backend().asarray(value)       # on the device (a GPU's, or NumPy's)
         return distribute(value, layout=spec if self.tp is not None else None, mesh=self.mesh)
 
     def spec(self, kind: str) -> ShardSpec | None:

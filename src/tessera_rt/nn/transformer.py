@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import op
+from ..backend import get_backend
 from ..autodiff import checkpoint
 from ..dist.tensor.dtensor import distribute
 from ..dist.tensor.layout import ShardSpec
@@ -116,11 +117,12 @@ class Transformer(Module):
         Returns
         -------
         DTensor or array
-            The batch, sharded over dp (and ep).
+            The batch, sharded over dp (and ep); without a mesh, an int32 array on the
+            backend's device.
         """
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if self.mesh is None:
-            return tokens
+            return get_backend().asarray(tokens)       # on the device the parameters live on
         return distribute(tokens, layout=self._batch_spec(), mesh=self.mesh)
 
     def _batch_spec(self):
@@ -191,8 +193,6 @@ class Transformer(Module):
             The scalar loss.
         """
         logits = self.logits(p, tokens)
-        if np.dtype(logits.dtype).itemsize < 4:
-            logits = op.astype(logits, "float32")      # the loss in f32 for bf16/fp16 compute
         loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
         extra = self._moe_aux(range(len(self.blocks)))      # MoE blocks: the balance (and z) losses
         return loss if extra is None else op.add(loss, extra)
@@ -367,7 +367,5 @@ class Transformer(Module):
         if vs != plan.n_virtual - 1:
             return h if aux is None else (h, aux)
         logits = self.head(p["head"], self.norm(p["norm"], h))
-        if np.dtype(logits.dtype).itemsize < 4:
-            logits = op.astype(logits, "float32")
         loss = cross_entropy(logits, targets, self.embed.iota(len(targets.shape)))
         return loss if aux is None else op.add(loss, aux)

@@ -15,6 +15,10 @@ from ..autodiff import register_ops
 from . import ops
 from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
 from .ops import __all__, register_moe  # noqa: F401
+from . import nn_ops
+from .nn_ops import embedding, embedding_backward, softmax_cross_entropy  # noqa: F401
+
+__all__ = __all__ + [n for n in nn_ops.__all__ if n not in __all__]
 from . import vjps, vjps_nn  # noqa: F401  (register the VJP rules of the ops above)
 
 register_ops(ops)   # traced values' operators (x + y, x.sum(), ...) are these ops

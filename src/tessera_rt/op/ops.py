@@ -488,8 +488,9 @@ def set_router_regularizer(layer: Any, kind: str = "topology_distance", weight: 
 # --------------------------------------------------------------------------- kernels re-exported
 
 _NOT_OPS = ("NumericPolicy", "numeric", "tile", "inspect_ir", "autotune")
+_NN_OPS = ("softmax_cross_entropy",)          # op.nn_ops's, through the kernel table
 for _name in _kernels.__all__:
-    if _name not in globals():
+    if _name not in globals() and _name not in _NN_OPS:
         _fn = getattr(_kernels, _name)
         # every kernel entry point is hooked: traced inputs get the op's VJP rule (or a clear error)
         globals()[_name] = _fn if _name in _NOT_OPS else differentiable(_name)(_fn)

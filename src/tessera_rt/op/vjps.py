@@ -77,12 +77,27 @@ def _cot(g, x):
     return _as(sum_to(g, _shape(x)), x)
 
 
+def _plain(*xs) -> bool:
+    """All given values are plain arrays of the backend (NumPy, or CuPy on the GPU backend),
+    None skipped: the fused kernels of the kernel table apply to them as they are."""
+    kinds = (np.ndarray, get_backend().xp.ndarray)
+    for x in xs:
+        if x is not None and type(x) not in kinds:
+            return False
+    return True
+
+
 def _host(*xs) -> bool:
-    """All given values are NumPy arrays (None skipped): the fused CPU kernels' backward applies."""
+    """All given values are NumPy arrays (None skipped)."""
     for x in xs:
         if x is not None and type(x) is not np.ndarray:
             return False
     return True
+
+
+def fused(op: str, like):
+    """The kernel table's ``op`` for arrays like ``like`` (the fused backward kernels)."""
+    return get_backend().kernel(op, like=like)
 
 
 def _mask(cond, like):

@@ -1,5 +1,5 @@
 """VJP rules for the network ops: matmul, softmax, layernorm and RMSNorm, the fused kernels
-(swiglu, bias_act, gelu) and the fused softmax cross-entropy; written with ``op.*`` and
+(swiglu, bias_act, gelu), the embedding and the fused softmax cross-entropy; written with ``op.*`` and
 ``vjps``'s helpers, so they too differentiate plain arrays and DTensors alike."""
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import numpy as np
 
 from . import ops as op
 from ..backend import get_backend
+from ..dtypes import resolve_dtype
 from ..dist.tensor import dispatch
 from ..dist.tensor.dtensor import DTensor, meta_of
 from ..kernels import cpu_fused
 from ..kernels.mlp import _check_pair as check_pair
 from ..kernels.numerics import result_dtype
 from ..autodiff.tape import vjp_rule
-from .vjps import _as, _host, _shape, _wide, sum_to
+from .nn_ops import embedding_backward
+from .vjps import _as, _host, _plain, _shape, _wide, fused, sum_to
 
 
 # --------------------------------------------------------------------------- matmul, shapes
@@ -86,8 +88,8 @@ def _lead_sum(t, width):
 def _layernorm(g, out, args, kw, needs):
     x, w, b = args[0], _row_param(args, 1), _row_param(args, 2)
     eps = kw.get("eps", 1e-5)
-    if _host(x, w, b, g):
-        grads = cpu_fused.layernorm_backward(g, x, w, b, eps=eps)
+    if _plain(x, w, b, g):
+        grads = fused("layernorm_backward", x)(g, x, w, b, eps=eps)
         return tuple(t if i < len(needs) and needs[i] else None for i, t in enumerate(grads))[:len(args)]
     xf, gf = _wide(x), _wide(g)
     mean = op.mean(xf, axis=-1, keepdims=True)
@@ -118,11 +120,11 @@ def _rmsnorm_pieces(g, x, w, eps):
         return None
     if w is not None:
         if type(w) is not DTensor or not w.layout.is_replicate or w.mesh is not x.mesh \
-                or type(w._local) is not np.ndarray or w.dtype != x.dtype:
+                or not _plain(w._local) or w.dtype != x.dtype:
             return None
         pieces.append(w._local)
     with dispatch.compute_region("rmsnorm_backward"):
-        gx, gw = cpu_fused.rmsnorm_backward(*pieces, eps=eps)
+        gx, gw = fused("rmsnorm_backward", pieces[0])(*pieces, eps=eps)
     gx = DTensor._wrap(gx, x._meta)
     if gw is not None:
         lay = w.layout.with_partial({a: "sum" for a in x.layout.sharded_axes})
@@ -134,7 +136,7 @@ def _rmsnorm_pieces(g, x, w, eps):
 def _rmsnorm(g, out, args, kw, needs):
     x, w = args[0], _row_param(args, 1)
     eps = kw.get("eps", 1e-6)
-    grads = cpu_fused.rmsnorm_backward(g, x, w, eps=eps) if _host(x, w, g) else _rmsnorm_pieces(g, x, w, eps)
+    grads = fused("rmsnorm_backward", x)(g, x, w, eps=eps) if _plain(x, w, g) else _rmsnorm_pieces(g, x, w, eps)
     if grads is not None:
         return tuple(t if i < len(needs) and needs[i] else None for i, t in enumerate(grads))[:len(args)]
     xf, gf = _wide(x), _wide(g)
@@ -152,8 +154,8 @@ def _rmsnorm(g, out, args, kw, needs):
 # --------------------------------------------------------------------------- fused kernels
 
 def _same_pieces(*ts):
-    """The local NumPy pieces of DTensors that share one layout (no pending sum), mesh and
-    float dtype: an elementwise fused kernel then runs on the pieces as they are, with no
+    """The local pieces of DTensors that share one layout (no pending sum), mesh and float
+    dtype: an elementwise fused kernel then runs on the pieces as they are, with no
     redistribution and no chain of dispatched ops.  None where that does not hold."""
     meta = ts[0]._meta if type(ts[0]) is DTensor else None
     if meta is None or meta.layout.partial or meta.dtype not in _FUSED_DTYPES:
@@ -161,20 +163,21 @@ def _same_pieces(*ts):
     out = []
     for t in ts:
         m = t._meta if type(t) is DTensor else None
-        if m is None or type(t._local) is not np.ndarray or (m is not meta and (
+        if m is None or not _plain(t._local) or (m is not meta and (
                 m.layout != meta.layout or m.mesh is not meta.mesh or m.dtype != meta.dtype or m.shape != meta.shape)):
             return None
         out.append(t._local)
     return out
 
 
-_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_FUSED_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.float16)) + (np.dtype(resolve_dtype("bf16")),)
 
 
 def _swiglu_forward(fn, vals, kw):
     """Run swiglu keeping its pre-activations ``h1 = x @ w1``, ``h3 = x @ w3`` for the backward,
-    which then recomputes neither GEMM.  Under ``ts.checkpoint`` the forward records nothing
-    (no_grad), so a rematerialized block holds them only while its own backward runs."""
+    which then recomputes neither GEMM: two GEMMs in the operands' dtype and the fused gate.
+    Under ``ts.checkpoint`` the forward records nothing (no_grad), so a rematerialized block
+    holds them only while its own backward runs."""
     x, w1, w3 = vals
     policy = kw.get("policy")
     if type(x) is DTensor or type(w1) is DTensor or type(w3) is DTensor:
@@ -183,35 +186,40 @@ def _swiglu_forward(fn, vals, kw):
         if pieces is None:
             return dispatch.binary("mul", dispatch.unary("silu", h1), h3), (h1, h3)
         with dispatch.compute_region("swiglu"):
-            return DTensor._wrap(cpu_fused.swiglu_gate(*pieces), h1._meta), (h1, h3)
-    if _host(x, w1, w3):
-        check_pair("swiglu", x, w1, w3, kw.get("stream"), policy)
+            return DTensor._wrap(fused("swiglu_gate", pieces[0])(*pieces), h1._meta), (h1, h3)
+    check_pair("swiglu", x, w1, w3, kw.get("stream"), policy)
+    if _host(x, w1, w3):           # one pass on the CPU (16-bit inputs widened once, as the reference)
         y, h1, h3 = cpu_fused.swiglu_forward(x, w1, w3, policy)
         return y.astype(result_dtype(x.dtype, policy), copy=False), (h1, h3)
-    return fn(*vals, **kw), None                                  # (GPU kernel: the rule recomputes)
+    if policy is None and _plain(x, w1, w3):
+        h1, h3 = op.matmul(x, w1), op.matmul(x, w3)
+        return fused("swiglu_gate", h1)(h1, h3), (h1, h3)
+    return fn(*vals, **kw), None                                  # (the rule recomputes h1, h3)
 
 
 @vjp_rule("swiglu", forward=_swiglu_forward)
 def _swiglu(g, out, args, kw, needs):
+    """The gate's backward fused (``swiglu_backward``), then the four GEMMs in the compute
+    dtype: a bf16 weight is never widened (its gradient GEMMs stay on the tensor cores)."""
     x, w1, w3 = args
-    xf, w1f, w3f, gf = _wide(x), _wide(w1), _wide(w3), _wide(g)
     saved = kw.get("_saved")
-    h1, h3 = saved if saved is not None else (op.matmul(xf, w1f), op.matmul(xf, w3f))
-    pieces = None if _host(h1, h3, g) else _same_pieces(g, h1, h3)
-    if _host(h1, h3, g):
-        dh1, dh3 = cpu_fused.swiglu_backward(g, h1, h3)         # one fused pass
+    h1, h3 = saved if saved is not None else (op.matmul(x, w1), op.matmul(x, w3))
+    pieces = None if _plain(h1, h3, g) else _same_pieces(g, h1, h3)
+    if _plain(h1, h3, g):
+        dh1, dh3 = fused("swiglu_backward", h1)(g, h1, h3)      # one fused pass
     elif pieces is not None:                                    # the same pass on each rank's pieces
         with dispatch.compute_region("swiglu_backward"):
-            dh1, dh3 = (DTensor._wrap(t, h1._meta) for t in cpu_fused.swiglu_backward(*pieces))
+            dh1, dh3 = (DTensor._wrap(t, h1._meta) for t in fused("swiglu_backward", pieces[0])(*pieces))
     else:
-        s = op.sigmoid(h1)
-        dh3 = op.mul(gf, op.mul(h1, s))
-        dh1 = op.mul(op.mul(gf, h3), op.mul(s, op.add(1, op.mul(h1, op.sub(1, s)))))
+        h1f, gf = _wide(h1), _wide(g)
+        s = op.sigmoid(h1f)
+        dh3 = _as(op.mul(gf, op.mul(h1f, s)), h1)
+        dh1 = _as(op.mul(op.mul(gf, _wide(h3)), op.mul(s, op.add(1, op.mul(h1f, op.sub(1, s))))), h1)
     gx = gw1 = gw3 = None
     if needs[0]:
-        gx = _as(op.add(op.matmul(dh1, op.transpose(w1f, None)), op.matmul(dh3, op.transpose(w3f, None))), x)
+        gx = _as(op.add(op.matmul(dh1, op.transpose(w1, None)), op.matmul(dh3, op.transpose(w3, None))), x)
     d = _shape(x)[-1]
-    xt = op.transpose(op.reshape(xf, (-1, d)), None)
+    xt = op.transpose(op.reshape(x, (-1, d)), None)
     f = _shape(w1)[-1]
     if needs[1]:
         gw1 = _as(op.matmul(xt, op.reshape(dh1, (-1, f))), w1)
@@ -276,6 +284,13 @@ def _gelu(g, out, args, kw, needs):
         (None,) * (len(args) - 1)
 
 
+@vjp_rule("embedding")
+def _embedding(g, out, args, kw, needs):
+    """A scatter-add of the rows' cotangents into the table (nothing for the integer ids)."""
+    ids, table = args
+    return None, (_as(embedding_backward(g, ids, table), table) if needs[1] else None)
+
+
 def _xent_forward(fn, vals, kw):
     loss, lse = fn(*vals, **dict(kw, return_lse=True))
     return ((loss, lse) if kw.get("return_lse") else loss), lse
@@ -283,6 +298,7 @@ def _xent_forward(fn, vals, kw):
 
 @vjp_rule("softmax_cross_entropy", forward=_xent_forward)
 def _softmax_cross_entropy(g, out, args, kw, needs):
-    """(softmax - onehot) * g / rows from the logsumexp the forward kept."""
+    """(softmax - onehot) * g / rows from the logsumexp the forward kept (on a GPU ``g`` stays
+    a device scalar: no host sync)."""
     logits, targets = args
-    return cpu_fused.cross_entropy_backward(g, logits, targets, kw["_saved"]), None
+    return fused("cross_entropy_backward", logits)(g, logits, targets, kw["_saved"]), None

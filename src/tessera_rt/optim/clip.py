@@ -1,4 +1,6 @@
-"""The global gradient norm (replicas counted once, one all-reduce per mesh) and clipping by it."""
+"""The global gradient norm (replicas counted once, one all-reduce per mesh) and clipping by
+it, in multi-tensor passes (``sum_squares_multi``, ``clip_scale_multi`` of the kernel table)
+that on a GPU keep the norm and the scale on the device."""
 from __future__ import annotations
 
 import math
@@ -9,8 +11,8 @@ import numpy as np
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
 from ..dist.tensor.dtensor import DTensor
-from ..kernels._common import array_module
-from .finite import _agree, check_finite
+from ..backend import get_backend
+from .finite import _agree_on_device, check_finite
 from .optimizers import _local
 
 
@@ -24,26 +26,32 @@ def _mesh_weight(g: DTensor) -> float:
     return 1.0 / n
 
 
-_CHUNK = 1 << 20
-_SQUARES: dict = {}          # array module -> an f64 buffer of up to _CHUNK elements
-
-
-def _sum_squares(x):
-    """``sum(float64(x) ** 2)`` as a 0-d array on x's device, squared chunk by chunk into
-    one f64 buffer kept per array module (no per-call copies of x in f64)."""
-    xp = array_module(x)
-    flat = x.reshape(-1)
-    buf = _SQUARES.get(xp)
-    if buf is None or buf.size < min(flat.size, _CHUNK):
-        buf = _SQUARES[xp] = xp.empty(min(flat.size, _CHUNK), np.float64)
-    total = None
-    for i in range(0, max(flat.size, 1), _CHUNK):
-        part = flat[i:i + _CHUNK]
-        sq = buf[:part.size]
-        sq[...] = part                            # widen, then square in place (no cast buffers)
-        xp.multiply(sq, sq, out=sq)
-        total = xp.sum(sq) if total is None else total + xp.sum(sq)
-    return total
+def _total_squares(grads: Any):
+    """The sum of squares of all gradients as a 0-d float64 array on their device: each rank
+    sums its local pieces with one multi-tensor pass per group (``sum_squares_multi``),
+    weighted so replicated elements count once, and one all-reduce of a single float64 over
+    each mesh adds the ranks' sums.  Nothing waits for the device."""
+    leaves, _, _ = tree_flatten(grads)
+    groups: dict = {}                   # (mesh, weight) -> local pieces; (None, 1.0) for arrays
+    for g in leaves:
+        if type(g) is DTensor:
+            if g.layout.partial:
+                g = g.redistribute(g.layout.with_partial(()))
+            groups.setdefault((g.mesh, _mesh_weight(g)), []).append(g.to_local())
+        else:
+            groups.setdefault((None, 1.0), []).append(g)
+    total, meshes = None, {}
+    for (mesh, weight), arrays in groups.items():
+        part = get_backend().kernel("sum_squares_multi", like=arrays[0])(arrays)
+        part = part * weight if weight != 1.0 else part
+        if mesh is None:
+            total = part if total is None else total + part
+        else:
+            meshes.setdefault(mesh, []).append(part)
+    for mesh, parts in meshes.items():
+        part = _agree_on_device(parts, mesh, "sum")
+        total = part if total is None else total + part
+    return get_backend().xp.zeros((), np.float64) if total is None else total
 
 
 def global_norm(grads: Any) -> float:
@@ -59,26 +67,13 @@ def global_norm(grads: Any) -> float:
     Returns
     -------
     float
-        The norm.
+        The norm (on a GPU, reading it waits for the device: ``clip_grad_norm`` does not).
     """
-    # The squares are summed where the gradients live (on the GPU: no copy to the host).
-    leaves, _, _ = tree_flatten(grads)
-    local_total = 0.0
-    meshes: dict = {}
-    for g in leaves:
-        if type(g) is DTensor:
-            if g.layout.partial:
-                g = g.redistribute(g.layout.with_partial(()))
-            meshes.setdefault(g.mesh, []).append(_sum_squares(g.to_local()) * _mesh_weight(g))
-        else:
-            local_total += float(_sum_squares(g))
-    for mesh, squares in meshes.items():
-        local_total += _agree(squares, mesh, "sum")
-    return math.sqrt(local_total)
+    return math.sqrt(float(_total_squares(grads)))
 
 
 def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error_if_nonfinite: bool = False,
-                   in_place: bool = False) -> tuple[Any, float]:
+                   in_place: bool = False) -> tuple[Any, Any]:
     """``(grads * min(1, max_norm / norm), norm)`` with the global norm across all shards.
 
     Parameters
@@ -88,9 +83,10 @@ def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error
     max_norm : float
         The largest norm kept.
     norm : float, optional
-        The global norm if already known (default: ``global_norm(grads)``).
+        The global norm if already known (default: computed here).
     error_if_nonfinite : bool
-        Raise ``NonFiniteError`` when the norm is inf or nan.
+        Raise ``NonFiniteError`` when the norm is inf or nan (on a GPU this reads the norm:
+        a host sync).
     in_place : bool
         Scale the gradients themselves where that changes nothing else (the others are
         scaled into new arrays), allocating nothing: for a training loop that drops the
@@ -99,27 +95,35 @@ def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error
     Returns
     -------
     tuple
-        The clipped gradients (``grads`` itself when the norm is within ``max_norm`` or not
-        finite) and the norm before clipping.
+        The clipped gradients and the norm before clipping.  On the CPU the norm is a float
+        and ``grads`` itself comes back when the norm is within ``max_norm`` or not finite.
+        On a GPU nothing waits for the device: the norm is a 0-d float64 device array
+        (``float(norm)`` reads it), and the scale ``min(1, max_norm / (norm + 1e-6))`` (1 for
+        a non-finite norm) is applied on the device whatever its value.
     """
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
-    norm = global_norm(grads) if norm is None else norm
+    total = None
+    if norm is None:
+        total = _total_squares(grads)
+        on_host = type(total) is not get_backend().xp.ndarray or not get_backend().is_gpu
+        norm = math.sqrt(float(total)) if on_host else get_backend().xp.sqrt(total)
+    on_host = isinstance(norm, (float, int, np.floating))
     if error_if_nonfinite:
-        check_finite(norm=norm, grads=grads)
-    if not math.isfinite(norm) or norm <= max_norm:
-        return grads, norm
+        check_finite(norm=float(norm), grads=grads)
+    if on_host:
+        if not math.isfinite(norm) or norm <= max_norm:
+            return grads, norm
+        total = np.float64(norm) ** 2
     leaves, _, struct = tree_flatten(grads)
-    scale = max_norm / (norm + 1e-6)
-    owned = _owned([_local(g) for g in leaves]) if in_place else [False] * len(leaves)
-    out = []
-    for g, own in zip(leaves, owned):
-        if own:
-            x = _local(g)
-            array_module(x).multiply(x, scale, out=x)
-            out.append(g)
-        else:
-            out.append(op.mul(g, scale))
+    locals_ = [_local(g) for g in leaves]
+    owned = _owned(locals_) if in_place else [False] * len(leaves)
+    mine = [x for x, own in zip(locals_, owned) if own]
+    if not on_host and type(total) is not get_backend().xp.ndarray:
+        total = get_backend().xp.asarray(np.float64(float(norm)) ** 2)
+    clip = get_backend().kernel("clip_scale_multi", like=mine[0] if mine else locals_[0] if locals_ else None)
+    scale = clip(mine, total, float(max_norm))
+    out = [g if own else op.mul(g, scale) for g, own in zip(leaves, owned)]
     return tree_unflatten(struct, out), norm
 
 

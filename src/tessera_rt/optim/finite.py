@@ -14,15 +14,24 @@ from ..kernels._common import array_module
 from .optimizers import _F32, _local
 
 
-def _agree(values: list, mesh, op_name: str) -> float:
+def _agree_on_device(values: list, mesh, op_name: str):
     """Sum (or max) 0-d values kept on the device, then reduce them over every axis of
-    ``mesh`` in one all-reduce of one float64: one host sync, however many leaves."""
+    ``mesh`` in one all-reduce of one float64 (none on a one-rank mesh): a 0-d array on the
+    device, nothing waited for."""
     from ..dist.tensor import dtensor_collectives as dc
     xp = array_module(*values)
-    buf = xp.stack([xp.asarray(v, dtype=np.float64) for v in values])
+    buf = values[0].astype(np.float64).reshape(()) if len(values) == 1 else \
+        xp.stack([xp.asarray(v, dtype=np.float64) for v in values])
     buf = (buf.sum() if op_name == "sum" else buf.max()).reshape(1)
-    axis = mesh.axes if len(mesh.axes) > 1 else mesh.axes[0]
-    return float(dc.all_reduce(buf, axis=axis, mesh=mesh, op=op_name)[0])
+    if mesh.size() > 1:
+        axis = mesh.axes if len(mesh.axes) > 1 else mesh.axes[0]
+        buf = dc.all_reduce(buf, axis=axis, mesh=mesh, op=op_name)
+    return buf.reshape(())
+
+
+def _agree(values: list, mesh, op_name: str) -> float:
+    """``_agree_on_device``'s value on the host: one host sync, however many leaves."""
+    return float(_agree_on_device(values, mesh, op_name))
 
 
 class NonFiniteError(FloatingPointError):

@@ -10,8 +10,8 @@ from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
 from ..dist.tensor.dtensor import DTensor
 from ..dtypes import dtype_name
+from ..backend import get_backend
 from ..kernels._common import array_module
-from ..kernels.cpu_fused import adamw_step
 
 _F32 = np.dtype(np.float32)
 
@@ -221,25 +221,36 @@ class AdamW(Optimizer):
         self.m = [_zeros(w) for w in self.masters]
         self.v = [_zeros(w) for w in self.masters]
 
-    def _update(self, i, w, g):
-        # In place on the local pieces (a parameter's state has its layout, so the update is
-        # local): the out-of-place formula's operations in its order, so the same bits.
-        b1, b2, lr = self.b1, self.b2, self.lr
-        w, g, m, v = _local(w), _local(g), _local(self.m[i]), _local(self.v[i])
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        # on the CPU one fused pass (cpu_fused.adamw_step), the same bits as the formula below
-        if adamw_step(w, g, m, v, b1=b1, b2=b2, c1=c1, c2=c2, eps=self.eps,
-                      decay=1 - lr * self.wd if self.wd else None, lr=lr):
-            return self.masters[i]
-        xp = array_module(w)
-        t1, t2 = self._temps(w)
-        xp.multiply(m, b1, out=m)
-        xp.add(m, xp.multiply(g, 1 - b1, out=t1), out=m)                 # m = b1 m + (1 - b1) g
-        xp.multiply(xp.multiply(g, g, out=t1), 1 - b2, out=t1)
-        xp.add(xp.multiply(v, b2, out=v), t1, out=v)                     # v = b2 v + (1 - b2) g^2
-        xp.add(xp.sqrt(xp.multiply(v, 1.0 / c2, out=t2), out=t2), self.eps, out=t2)
-        xp.divide(xp.multiply(m, 1.0 / c1, out=t1), t2, out=t1)          # the step direction
-        if self.wd:
-            xp.multiply(w, 1 - lr * self.wd, out=w)
-        xp.subtract(w, xp.multiply(t1, lr, out=t1), out=w)
-        return self.masters[i]
+    def step(self, params: Any, grads: Any, grad_scale: Any = None) -> Any:
+        """One update: new parameters from ``grads`` (see ``Optimizer.step``).  Every parameter
+        updates in one multi-tensor pass per gradient dtype (``adamw_multi`` of the kernel
+        table: one GPU launch for all the f32 gradients, a fused pass per tensor on the CPU),
+        in place on the masters and moments.
+
+        Parameters
+        ----------
+        params : pytree
+            The current parameters (their structure, dtypes and layouts).
+        grads : pytree
+            Gradients of the same structure, shapes and layouts (f32, bf16 or fp16: they are
+            read as they are, not widened into copies).
+        grad_scale : array, optional
+            A 0-d f32 device scale every gradient is multiplied by first (e.g. clipping's,
+            kept on the device).
+
+        Returns
+        -------
+        pytree
+            The new parameters.
+        """
+        p_leaves, _, _ = tree_flatten(params)
+        g_leaves, _, _ = tree_flatten(grads)
+        _check_grads(f"{type(self).__name__}.step", p_leaves, g_leaves, self._paths)
+        self.t += 1
+        ws = [_local(w) for w in self.masters]
+        get_backend().kernel("adamw_multi", like=ws[0] if ws else None)(
+            ws, [_local(g) for g in g_leaves], [_local(m) for m in self.m], [_local(v) for v in self.v],
+            lr=self.lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.wd, step=self.t,
+            grad_scale=grad_scale)
+        out = [m if p.dtype == _F32 else op.astype(m, p.dtype) for p, m in zip(p_leaves, self.masters)]
+        return tree_unflatten(self._struct, out)

@@ -18,7 +18,7 @@ is invisible unless marked with ``prof.region(name)`` (counted as compute).
   ``op layout [shape]`` / ``all_reduce(dp) float32[64,32]``, with the stream role as its
   category (compute, tp_collective, a2a, io), so Nsight Systems shows the timeline per role.
   Async collectives use start/end ranges (they do not nest).  ``TESSERA_NVTX=1`` (or
-  ``enable_nvtx()``) emits the ranges without profiling; without a profiler attached NVTX
+  ``enablenvtx()``) emits the ranges without profiling; without a profiler attached NVTX
   calls are no-ops.  Ranges are CPU-side (issue) ranges: on a GPU the kernels they launch
   appear under them on the CUDA rows.
 * The table (printed by rank 0) is short by default: the top ops by total time (summed
@@ -45,11 +45,13 @@ import os
 import time
 from typing import Any, Callable
 
+from ..kernels import precision
 from ..dist.tensor.dispatch import compute_region
 from ..dist.tensor.dtensor import DTensor
 from ..dist.comm.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
 from ..dist.comm.process_group import world
 from ..dist.tensor.shard import local_shape
+from .nvtx import coll_name, enable_nvtx, nvtx_domain, nvtx_listening, op_name
 from .report import ProfileReport, overlap_ratio
 
 __all__ = ["Profile", "profile", "enable_nvtx", "overlap_ratio", "active_profiles", "compute_region",
@@ -69,117 +71,6 @@ def active_profiles() -> list:
 _COLL_BUS = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
 
 
-# --------------------------------------------------------------------------- NVTX
-
-class _Nvtx:
-    def __init__(self):
-        import nvtx
-        self._nvtx = nvtx
-        self._dom = nvtx.get_domain("tessera")
-        self._attrs: dict = {}
-
-    def _attr(self, name: str, role: str):
-        a = self._attrs.get((name, role))
-        if a is None:
-            a = self._attrs[(name, role)] = self._dom.get_event_attributes(
-                message=name, color="green" if role == "compute" else "orange", category=role)
-        return a
-
-    def push(self, name: str, role: str) -> None:
-        self._dom.push_range(self._attr(name, role))
-
-    def pop(self) -> None:
-        self._dom.pop_range()
-
-    def start(self, name: str, role: str):
-        return self._dom.start_range(self._attr(name, role))
-
-    def end(self, rid) -> None:
-        self._dom.end_range(rid)
-
-
-_NVTX: list = []
-
-
-def _nvtx_listening() -> bool:
-    """True when a tool collects NVTX ranges: Nsight Systems/Compute load their injection
-    library through ``NVTX_INJECTION64_PATH``; ``TESSERA_NVTX=1`` says so for any other.
-    Without one the ranges go nowhere, and their Python calls cost ~2.5 us per op."""
-    env = os.environ
-    return (env.get("TESSERA_NVTX", "") not in ("", "0") or "NVTX_INJECTION64_PATH" in env
-            or "NVTX_INJECTION32_PATH" in env)
-
-
-def _nvtx():
-    if not _NVTX:
-        try:
-            _NVTX.append(_Nvtx())
-        except Exception:           # nvtx not installed: ranges are skipped
-            _NVTX.append(None)
-    return _NVTX[0]
-
-
-def _coll_name(call) -> str:
-    dt = f" {call.dtype}[{','.join(map(str, call.shape))}]" if call.dtype else ""
-    return f"{call.op}({call.axis}){dt}"
-
-
-def _op_name(dec) -> str:
-    return f"{dec.op} {dec.layout!r} [{','.join(map(str, dec.shape))}]"
-
-
-class _NvtxOnly:
-    """Hooks that only emit NVTX ranges (TESSERA_NVTX=1)."""
-
-    def before(self, call) -> None:
-        nv = _nvtx()
-        if nv is None:
-            return
-        if call.async_op:
-            call.nvtx = ("start", nv.start(_coll_name(call), call.role))
-        else:
-            nv.push(_coll_name(call), call.role)
-            call.nvtx = ("push", None)
-
-    def after(self, call) -> None:
-        nv, p = _nvtx(), call.nvtx
-        if nv is None or p is None:
-            return
-        call.nvtx = None
-        if p[0] == "start":
-            nv.end(p[1])
-        else:
-            nv.pop()
-
-    def op_begin(self, dec, args) -> None:
-        nv = _nvtx()
-        if nv is not None:
-            nv.push(_op_name(dec), "compute")
-
-    def op_end(self, dec, args, out) -> None:
-        nv = _nvtx()
-        if nv is not None:
-            nv.pop()
-
-
-_NVTX_HOOK = _NvtxOnly()
-
-
-def enable_nvtx(on: bool = True) -> None:
-    """Emit an NVTX range for every op and collective, without profiling (no table, no trace).
-
-    Parameters
-    ----------
-    on : bool
-        True starts the ranges, False stops them.
-    """
-    for lst in (SEAM.watchers, SEAM.op_watchers):
-        if on and _NVTX_HOOK not in lst:
-            lst.append(_NVTX_HOOK)
-        elif not on and _NVTX_HOOK in lst:
-            lst.remove(_NVTX_HOOK)
-
-
 class _Region:
     """``Profile.region``: the span is compute (an interval and a table row of its own)."""
 
@@ -189,15 +80,15 @@ class _Region:
     def __enter__(self):
         prof = self.prof
         self.t0 = time.perf_counter() - prof._epoch
-        if prof.nvtx and _nvtx() is not None:
-            _nvtx().push(self.name, "compute")
+        if prof.nvtx and nvtx_domain() is not None:
+            nvtx_domain().push(self.name, "compute")
         return self
 
     def __exit__(self, *exc):
         prof, name = self.prof, self.name
         t = time.perf_counter() - prof._epoch
-        if prof.nvtx and _nvtx() is not None:
-            _nvtx().pop()
+        if prof.nvtx and nvtx_domain() is not None:
+            nvtx_domain().pop()
         prof.compute.append((self.t0, t))
         prof._events.append({"name": name, "cat": "region", "role": "compute", "t0": self.t0, "t1": t,
                             "bytes": 0, "busbytes": 0, "flops": 0, "key": ("region", name, "", ""),
@@ -217,7 +108,7 @@ def _op_info(dec, args, out) -> tuple:
         tgt = dec.strategy.inputs[0] if dec.strategy.inputs[0] is not None else a.layout
         k = 2 * local_shape(a.shape, tgt, a.mesh)[-1]
     nbytes = out._local.nbytes + sum(a._local.nbytes for a in args if a.__class__ is DTensor)
-    return (_op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"),
+    return (op_name(dec), ("op", dec.op, repr(dec.layout), "[" + ",".join(map(str, dec.shape)) + "]"),
             k * out._local.size, nbytes)
 
 
@@ -248,7 +139,7 @@ class Profile(ProfileReport):
                              "(a row per op, layout and shape) or None (print nothing)")
         if table == "short" and os.environ.get("TESSERA_PROFILE_TABLE", "") == "full":
             table = "full"
-        self.trace_path, self.nvtx, self.name = trace, nvtx and _nvtx_listening(), name
+        self.trace_path, self.nvtx, self.name = trace, nvtx and nvtx_listening(), name
         self.table_kind = table if print_table else None
         self.print_table = self.table_kind is not None
         # this rank's events (name, cat, role, t0, t1, bytes, flops, key): ops are kept as
@@ -265,6 +156,7 @@ class Profile(ProfileReport):
         self._epoch = 0.0
         self._copied0 = 0
         self.bytes_copied = 0                   # layout copies while active (this rank; see count_copy)
+        self.precisions: dict = {}              # (op, precision) -> kernel calls (kernels.precision.note)
 
     @property
     def events(self) -> list[dict]:
@@ -289,13 +181,19 @@ class Profile(ProfileReport):
         self._copied0 = bytes_copied()
         SEAM.watchers.append(self)
         SEAM.op_watchers.append(self)
+        precision.add_listener(self._noted)
         return self
+
+    def _noted(self, op: str, prec: str) -> None:
+        key = (op, prec)
+        self.precisions[key] = self.precisions.get(key, 0) + 1
 
     def __exit__(self, *exc) -> None:
         if self in SEAM.watchers:
             SEAM.watchers.remove(self)
         if self in SEAM.op_watchers:
             SEAM.op_watchers.remove(self)
+        precision.remove_listener(self._noted)
         self.bytes_copied = bytes_copied() - self._copied0
         w = world()
         mine = (self.events, self.overlap_ratio)
@@ -323,12 +221,12 @@ class Profile(ProfileReport):
             self.compute.append((cur[0], t))              # the op's compute so far
         call.prof = [t, None]
         if self.nvtx:
-            nv = _nvtx()
+            nv = nvtx_domain()
             if nv is not None:
                 if call.async_op:
-                    call.prof[1] = nv.start(_coll_name(call), call.role)
+                    call.prof[1] = nv.start(coll_name(call), call.role)
                 else:
-                    nv.push(_coll_name(call), call.role)
+                    nv.push(coll_name(call), call.role)
 
     def after(self, call: Any) -> None:
         """Watcher hook: the collective of :meth:`before` has been issued (or completed).
@@ -343,7 +241,7 @@ class Profile(ProfileReport):
             return
         t = time.perf_counter() - self._epoch
         if self.nvtx:
-            nv = _nvtx()
+            nv = nvtx_domain()
             if nv is not None:
                 nv.end(p[1]) if p[1] is not None else nv.pop()
         if self._stack and not call.async_op:
@@ -356,7 +254,7 @@ class Profile(ProfileReport):
             # a CPU worker ran it: count the time it really ran, not issue-to-wait
             t0, t = ran.t0 - self._epoch, ran.t1 - self._epoch
         self.collective.append((t0, t))
-        self._events.append({"name": _coll_name(call), "cat": "collective", "role": call.role, "t0": t0, "t1": t,
+        self._events.append({"name": coll_name(call), "cat": "collective", "role": call.role, "t0": t0, "t1": t,
                             "bytes": call.nbytes, "busbytes": busbw, "flops": 0,
                             "key": ("collective", call.op, call.axis, f"{call.dtype}[{','.join(map(str, call.shape))}]"),
                             "async": call.async_op})
@@ -375,9 +273,9 @@ class Profile(ProfileReport):
         t = _clock() - self._epoch
         self._stack.append([t, t])
         if self.nvtx:
-            nv = _nvtx()
+            nv = nvtx_domain()
             if nv is not None:
-                nv.push(_op_name(dec), "compute")
+                nv.push(op_name(dec), "compute")
 
     def op_end(self, dec: Any, args: tuple, out: Any) -> None:
         """Op-watcher hook: the op of :meth:`op_begin` has returned.
@@ -395,7 +293,7 @@ class Profile(ProfileReport):
         cursor, start = self._stack.pop()
         self.compute.append((cursor, t))
         if self.nvtx:
-            nv = _nvtx()
+            nv = nvtx_domain()
             if nv is not None:
                 nv.pop()
         if out is None:                       # the op raised

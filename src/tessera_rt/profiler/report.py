@@ -143,7 +143,7 @@ class ProfileReport:
                 calls = max(p[k]["calls"] if k in p else 0 for p in per)
                 lines.append(f"{k[1]:<16} {k[2][:24]:<24} {k[3][:16]:<16} {calls:>6} {min(ts):>9.3f} "
                              f"{sum(ts) / len(ts):>9.3f} {max(ts):>9.3f}")
-        lines += self._overlap_lines("\n")
+        lines += self._overlap_lines("\n") + self._precision_lines("\n")
         return "\n".join(lines)
 
     def _short_table(self, top: int) -> str:
@@ -185,8 +185,19 @@ class ProfileReport:
                          f"{sum(per) / len(per):.1f} / max {max(per):.1f} ms")
         if self.bytes_copied:
             lines.append(f"  layout copies for kernels (rank 0): {human_bytes(self.bytes_copied)}")
-        lines += self._overlap_lines("  ")
+        lines += self._overlap_lines("  ") + self._precision_lines("  ")
         return "\n".join(lines)
+
+    def _precision_lines(self, prefix: str) -> list[str]:
+        """What the kernels computed in (``kernels.precision.note``: every GPU GEMM and
+        attention call, array or DTensor), on this rank."""
+        counts = getattr(self, "precisions", None)
+        if not counts:
+            return []
+        ops: dict = defaultdict(list)
+        for (op, prec), n in sorted(counts.items()):
+            ops[op].append(f"{prec} x{n}")
+        return [f"{prefix}kernels ran in (rank 0): " + "; ".join(f"{op} {', '.join(v)}" for op, v in ops.items())]
 
     def _overlap_lines(self, prefix: str) -> list[str]:
         ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]

@@ -1,5 +1,6 @@
 """Sharding rules of the ops that reduce over a dim: matmul (over ``k``), sum/mean/max/min,
-softmax and the norms (over their dim), flash attention (over the keys).
+softmax and the norms (over their dim), flash attention (over the keys), and the embedding
+(a gather whose row-sharded table leaves a pending sum) with its scatter-add backward.
 
 Each is registered in ``rules.RULES`` on import (``dispatch`` imports this module, so the
 rules are there whenever DTensor ops run).  Matmul shares the solver of the elementwise
@@ -17,10 +18,12 @@ from ...backend import get_backend
 from ..checks import determinism as _det
 from ..comm.hooks import count_copy
 from .layout import Layout
+from .shard import local_offsets, local_shape
 from .rules import LINEAR, ConstKind, ScalarKind, Strategy, array_module, fail, register_rule
 from .solve import solve
 
-__all__ = ["matmul_rule", "reduce_rule", "norm_rule", "attention_rule", "norm_axes"]
+__all__ = ["matmul_rule", "reduce_rule", "norm_rule", "attention_rule", "norm_axes", "embedding_rule",
+           "embedding_backward_rule"]
 
 
 def _kernel(name: str):
@@ -256,3 +259,51 @@ def attention_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     def local(x, y, z):
         return _kernel("flash_attention")(x, y, z, causal=causal, scale=scale, **kw)
     return Strategy((target, target, target), target, q.shape, local)
+
+
+# --------------------------------------------------------------------------- embedding
+
+def _embedding_layouts(op: str, kinds: tuple, ids, table):
+    """(ids target, table target, the table's row axes, this rank's first row): the table's
+    rows may stay sharded (a vocab-parallel table); its width and the ids over those axes are
+    gathered."""
+    if isinstance(ids, (ScalarKind, ConstKind)) or isinstance(table, (ScalarKind, ConstKind)):
+        raise fail(op, kinds, "ids and table must both be DTensors (distribute the plain one first)", TypeError)
+    if table.ndim != 2 or np.dtype(ids.dtype).kind not in "iu":
+        raise fail(op, kinds, "needs integer ids and a 2-D (vocab, dim) table")
+    if table.mesh != ids.mesh:
+        raise fail(op, kinds, "ids and table live on different meshes")
+    rows = tuple(table.layout.dims[0])
+    ids_t = Layout(tuple(tuple(a for a in d if a not in rows) for d in ids.layout.dims), ())
+    table_t = Layout((rows, ()), ())
+    lo = local_offsets(table.shape, table_t, table.mesh)[0]
+    return ids_t, table_t, rows, lo
+
+
+@register_rule("embedding")
+def embedding_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
+    """``table[ids]``: each rank gathers the ids in its rows of the table (zeros for the
+    others), so a row-sharded table gives a pending sum over its row axes, no gather of the
+    table (the vocab-parallel embedding without a one-hot GEMM)."""
+    ids, table = kinds
+    ids_t, table_t, rows, lo = _embedding_layouts(op, kinds, ids, table)
+    out = Layout(ids_t.dims + ((),), tuple(sorted((a, "sum") for a in rows)))
+
+    def local(i, t):
+        return _kernel("embedding")(i, t, lo=lo)
+    return Strategy((ids_t, table_t), out, tuple(ids.shape) + (table.shape[1],), local)
+
+
+@register_rule("embedding_backward")
+def embedding_backward_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
+    """The table's cotangent: a scatter-add of ``g``'s rows into this rank's table rows, pending
+    a sum over the axes the ids are sharded on (each rank saw its own tokens)."""
+    g, ids, table = kinds
+    ids_t, table_t, rows, lo = _embedding_layouts(op, kinds, ids, table)
+    g_t = Layout(ids_t.dims + ((),), ())
+    n_rows = local_shape(table.shape, table_t, table.mesh)[0]
+    out = Layout(table_t.dims, tuple(sorted((a, "sum") for a in ids_t.sharded_axes)))
+
+    def local(gl, i, _t):
+        return _kernel("embedding_backward")(gl, i, n_rows, lo=lo)
+    return Strategy((g_t, ids_t, table_t), out, tuple(table.shape), local)

@@ -164,12 +164,21 @@ def binary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     return Strategy(inputs, out, out_shape, getattr(array_module(), _BINARY[op]))
 
 
+def _one(x):
+    """1 as a scalar of ``x``'s dtype: a Python float beside a bf16 array promotes it to f32
+    in CuPy (its scalars are weak only for NumPy's own kinds), so a bf16 model would leave
+    bf16 at its first sigmoid."""
+    dt = getattr(x, "dtype", None)
+    return 1.0 if dt is None else dt.type(1)
+
+
 def _unary_table(xp) -> dict[str, Callable]:
     return {
         "neg": xp.negative, "abs": xp.abs, "exp": xp.exp, "log": xp.log, "sqrt": xp.sqrt,
-        "rsqrt": lambda x: 1.0 / xp.sqrt(x), "tanh": xp.tanh, "sin": xp.sin, "cos": xp.cos,
-        "square": xp.square, "relu": lambda x: xp.maximum(x, 0), "sigmoid": lambda x: 1.0 / (1.0 + xp.exp(-x)),
-        "silu": lambda x: x / (1.0 + xp.exp(-x)),
+        "rsqrt": lambda x: _one(x) / xp.sqrt(x), "tanh": xp.tanh, "sin": xp.sin, "cos": xp.cos,
+        "square": xp.square, "relu": lambda x: xp.maximum(x, 0 * _one(x)),
+        "sigmoid": lambda x: _one(x) / (_one(x) + xp.exp(-x)),
+        "silu": lambda x: x / (_one(x) + xp.exp(-x)),
     }
 
 
