@@ -71,7 +71,10 @@ def compute_type_to_str(compute_type):
 
 
 def round_to_tf32(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to TF32 (1+8+10 bits), to nearest, ties away from zero."""
+    """float32 values rounded to TF32 (1+8+10 bits), to nearest, ties away from zero
+    (complex64: each part)."""
+    if np.iscomplexobj(x):
+        return (round_to_tf32(x.real) + 1j * round_to_tf32(x.imag)).astype(np.complex64)
     bits = np.ascontiguousarray(x, dtype=F32).view(np.uint32)
     finite = (bits & 0x7F800000) != 0x7F800000
     rounded = np.where(finite, (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), bits)
