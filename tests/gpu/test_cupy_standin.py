@@ -40,7 +40,7 @@ def _fresh_streams():
 # --------------------------------------------------------------------------- strictness
 
 def test_marked_as_standin():
-    assert cupy.__version__ == "13.6.0+standin"
+    assert cupy.__version__ == "14.2.0+standin"
     assert b"stand-in" in cupy.cuda.runtime.getDeviceProperties(0)["name"]
     assert cupy.cuda.runtime.getDeviceCount() == 1
     assert cupy.cuda.Device().compute_capability == "90"
@@ -100,7 +100,9 @@ def test_array_surface():
     v = a.reshape(-1)
     assert v.data.mem is a.data.mem and v.data.ptr == a.data.ptr
     assert a[1].data.ptr == a.data.ptr + 16
-    a[0] = np.arange(4, dtype=np.float32)                # host values may be assigned (core.array)
+    with pytest.raises(ValueError, match="non-scalar numpy.ndarray cannot be used for fill"):
+        a[0] = np.arange(4, dtype=np.float32)            # basic index: CuPy's fill takes scalars only
+    a[np.array([0])] = np.arange(4, dtype=np.float32)    # an index array: core.array(value) copies it in
     c = a.copy()
     c += 1
     c.fill(3)
@@ -120,12 +122,15 @@ def test_array_surface():
     np.testing.assert_array_equal(z.get(), [2, 0, 0, 1])
 
 
-def test_bf16_bytes_move_but_kernels_refuse():
+def test_fp8_bytes_move_but_kernels_and_allocation_refuse():
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    a = cupy.zeros(4, np.uint16).view(ml_dtypes.bfloat16)     # raw bytes are fine
-    assert a.reshape(2, 2).dtype == ml_dtypes.bfloat16
-    with pytest.raises(TypeError, match="no kernels for dtype bfloat16"):
+    a = cupy.zeros(4, np.uint8).view(ml_dtypes.float8_e4m3fn)     # a view of raw bytes is fine
+    assert a.reshape(2, 2).dtype == ml_dtypes.float8_e4m3fn
+    with pytest.raises(ValueError, match="Unsupported dtype float8_e4m3fn.*cupy.add"):
         a + 1
+    with pytest.raises(ValueError, match="Unsupported dtype float8_e4m3fn"):
+        cupy.empty(4, ml_dtypes.float8_e4m3fn)                    # CuPy 14 checks at allocation
+    assert (cupy.zeros(2, ml_dtypes.bfloat16) + 1).dtype == ml_dtypes.bfloat16
 
 
 # --------------------------------------------------------------------------- pool
@@ -323,7 +328,7 @@ def test_rawkernel_packs_args_like_cupy(fake_emulator):
     assert launch["grid"] == (2, 1, 1) and launch["block"] == (64, 1, 1)
     assert launch["args"] == [struct.pack("<Q", x.data.ptr)] * 2 + [
         struct.pack("<i", -1), struct.pack("<f", 1.5), struct.pack("<q", 7), struct.pack("<d", 2.5),
-        struct.pack("<q", 1), bytes(8), struct.pack("<h", 3)]
+        struct.pack("<?", True), bytes(8), struct.pack("<h", 3)]     # CuPy 14: a bool is one byte
     assert (x.data.mem.ptr, x.nbytes) in launch["buffers"]          # the bytes asked for, not the 512 rounded
     with pytest.raises(TypeError, match="Only numpy.ndarrays of size one"):
         k((1,), (1,), (np.ones(3, np.float32),))

@@ -1,14 +1,18 @@
 """A strict, NumPy-backed stand-in for the part of CuPy tessera_rt uses (tests only).
 
 Put ``tests/gpu_emu`` first on ``sys.path`` and ``import cupy`` gets this package; it never
-imports the real CuPy.  Arrays live in a model of CuPy's stream-ordered memory pool, every
-device operation is recorded on a stream, and ``StreamOrderError`` reports what would race on
-a GPU (see ``_tracker``).  Where CuPy refuses something (implicit host conversion, host
-arrays passed to device functions), this refuses it the same way.
+imports the real CuPy.  It models CuPy 14.2: arrays live in a model of CuPy's stream-ordered
+memory pool, every device operation is recorded on a stream, and ``StreamOrderError``
+reports what would race on a GPU (see ``_tracker``).  Where CuPy refuses something (implicit
+host conversion, host arrays passed to device functions, dtypes without kernels), this
+refuses it the same way; bfloat16 runs where CuPy 14.2 has loops, in the dtype and precision
+it has them (``_dtypes14``, ``_bf16``, ``_reductions16``, ``_core._routines_linalg``).
+``cupy.testing.count_device_work()`` counts what a GPU would pay: launches, syncs, copies,
+casts (``_counters``).
 """
 import numpy as _np  # noqa: I001
 
-from . import _ndarray, cuda, fft, random, testing
+from . import _core, _ndarray, cuda, fft, random, testing
 from ._bridge import KERNEL_DTYPE_CHARS as _KERNEL_DTYPE_CHARS  # noqa: F401
 from ._creation import (arange, array, asanyarray, asarray, ascontiguousarray, asfortranarray,
                         asnumpy, empty, empty_like, eye, from_dlpack, full, full_like,
@@ -21,7 +25,7 @@ from ._raw import RawKernel, RawModule
 from .cuda import get_default_memory_pool
 
 __tessera_standin__ = True
-__version__ = "13.6.0+standin"
+__version__ = "14.2.0+standin"
 
 globals().update(_build_namespace())
 _ndarray._install_operators()

@@ -11,11 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _tracker
+from ._dtypes14 import KERNEL_DTYPE_CHARS, check_kernel_dtypes  # noqa: F401  (re-exported)
 from .cuda import memory as _memory
-from .cuda.stream import current_stream_state
-
-# dtype chars CuPy 13's kernels have C types for (cupy/_core/_dtype.pyx ``all_type_chars``)
-KERNEL_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
+from .cuda.stream import current_stream_state, get_current_stream
 
 
 def refuse(x):
@@ -60,19 +58,19 @@ def accesses(arrays, write: bool):
             yield mem, lo, hi, write
 
 
-def record(kind: str, reads=(), writes=(), state=None) -> None:
-    """Record an op on ``state`` (default: the current stream) reading/writing these arrays."""
+def record(kind: str, reads=(), writes=(), state=None, op_class: str = "kernel", nbytes: int = 0) -> None:
+    """Record an op on ``state`` (default: the current stream) reading/writing these arrays;
+    ``op_class`` (kernel, h2d, d2h) and ``nbytes`` are what the counters see."""
     state = current_stream_state() if state is None else state
-    _tracker.record_op(kind, state, [*accesses(reads, False), *accesses(writes, True)])
+    _tracker.record_op(kind, state, [*accesses(reads, False), *accesses(writes, True)], op_class, nbytes)
 
 
-def check_kernel_dtypes(kind: str, arrays) -> None:
-    for x in arrays:
-        dt = np.dtype(x.dtype)
-        if dt.char not in KERNEL_DTYPE_CHARS:
-            raise TypeError(f"{kind}: CuPy 13 has no kernels for dtype {dt} (supported: bool, "
-                            "int8-64, uint8-64, float16/32/64, complex64/128); on a real GPU this "
-                            "call fails.  Move raw bytes with .view()/copies, or cast on the host")
+def implicit_sync(kind: str) -> None:
+    """A CuPy call that reads a count back before it can size its result (``nonzero``, boolean
+    masks, ``unique``, ...): a small device->host copy and a wait for the current stream."""
+    stream = get_current_stream()
+    record(f"{kind} (count to the host)", state=stream._state, op_class="d2h", nbytes=8)
+    stream._synchronize(kind)
 
 
 def new_device_array(shape, dtype, order: str = "C"):
@@ -142,17 +140,18 @@ def call_numpy(kind: str, fn, args: tuple, kwargs: dict, check_dtypes: bool = Tr
     return result
 
 
-def host_to_device(kind: str, host: np.ndarray, dst=None, state=None):
-    """Copy a host array into ``dst`` (or a fresh device array) as an op on ``state``."""
+def host_to_device(kind: str, host: np.ndarray, dst=None, state=None, op_class: str = "h2d"):
+    """Copy a host array into ``dst`` (or a fresh device array) as an op on ``state``;
+    ``op_class="kernel"`` for data CuPy makes on the device (arange, random, ...)."""
     if dst is None:
         dst = new_device_array(host.shape, host.dtype)
     dst._a[...] = host
-    record(kind, (), (dst,), state)
+    record(kind, (), (dst,), state, op_class, host.nbytes)
     return dst
 
 
 def device_to_host(kind: str, src, state) -> np.ndarray:
-    record(kind, (src,), (), state)
+    record(kind, (src,), (), state, "d2h", src.nbytes)
     return np.array(src._a, copy=True)
 
 

@@ -75,26 +75,28 @@ def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None) -> n
     return full(shape, fill_value, dtype, order)
 
 
-def _from_host(kind: str, host: np.ndarray) -> ndarray:
+def _from_host(kind: str, host: np.ndarray, op_class: str = "h2d") -> ndarray:
+    """``host`` on the device: copied in (h2d), or, ``op_class="kernel"``, what CuPy computes
+    on the device itself (arange, linspace, eye: one kernel, no copy)."""
     if host.dtype.hasobject:
         raise ValueError(f"Unsupported dtype {host.dtype}")
-    return _bridge.host_to_device(kind, np.ascontiguousarray(host))
+    return _bridge.host_to_device(kind, np.ascontiguousarray(host), op_class=op_class)
 
 
 def arange(start, stop=None, step=1, dtype=None) -> ndarray:
     return _from_host("cupy.arange", np.arange(start, stop, step, dtype=dtype) if stop is not None
-                      else np.arange(start, step=step, dtype=dtype))
+                      else np.arange(start, step=step, dtype=dtype), "kernel")
 
 
 def linspace(start, stop, num=50, endpoint=True, retstep=False, dtype=None, axis=0):
     res = np.linspace(start, stop, num, endpoint, retstep, dtype, axis)
     if retstep:
-        return _from_host("cupy.linspace", res[0]), res[1]
-    return _from_host("cupy.linspace", res)
+        return _from_host("cupy.linspace", res[0], "kernel"), res[1]
+    return _from_host("cupy.linspace", res, "kernel")
 
 
 def eye(N, M=None, k=0, dtype=float, order="C") -> ndarray:
-    return _from_host("cupy.eye", np.eye(N, M, k, dtype, order))
+    return _from_host("cupy.eye", np.eye(N, M, k, dtype, order), "kernel")
 
 
 def identity(n, dtype=float) -> ndarray:

@@ -1,15 +1,17 @@
 """cupy's array functions and ufuncs: NumPy's, run through ``_bridge.call_numpy``.
 
-Only names real CuPy 13 has are exported (``FUNCTION_NAMES``, ``UFUNC_NAMES``); anything
+Only names real CuPy 14 has are exported (``FUNCTION_NAMES``, ``UFUNC_NAMES``); anything
 else is an AttributeError, as on a GPU machine.  Functions refuse ``numpy.ndarray``
 arguments as CuPy's kernels do; creation functions in ``_creation`` are the ones that copy
-host data in.
+host data in.  Where CuPy 14 differs from NumPy (bfloat16, 16-bit reductions, GEMMs,
+``where``) ``_bf16.dispatch`` runs CuPy's behaviour instead.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _bridge
+from . import _bf16, _bridge, _counters
+from ._dtypes14 import NOTE
 from ._ndarray import ndarray
 
 UFUNC_NAMES = (
@@ -48,6 +50,19 @@ FUNCTION_NAMES = (
     "array_equal", "clip", "around", "round", "nan_to_num", "real", "imag", "angle", "interp",
     "sinc", "fix", "convolve", "correlate", "meshgrid", "copy",
 )
+# CuPy reads a count back to the host to size the result: a device->host copy and a sync
+SYNCING = frozenset(("nonzero", "argwhere", "flatnonzero", "unique", "compress", "extract",
+                     "bincount", "histogram"))
+# cupy/_core/_routines_indexing.pyx _scatter_op: the dtypes each ``ufunc.at`` supports
+_AT_DTYPES = {
+    "add": ("int32", "int64", "float16", "float32", "float64", "uint32", "uint64"),
+    "subtract": ("int32", "uint32"),
+    "maximum": ("int32", "int64", "float32", "float64", "uint32", "uint64"),
+    "minimum": ("int32", "int64", "float32", "float64", "uint32", "uint64"),
+    "bitwise_and": ("int32", "int64", "uint32", "uint64"),
+    "bitwise_or": ("int32", "int64", "uint32", "uint64"),
+    "bitwise_xor": ("int32", "int64", "uint32", "uint64"),
+}
 # Functions that only move data: no kernel needs a C type for the dtype (bf16 bytes may pass).
 _DATA_MOVEMENT = frozenset((
     "reshape", "ravel", "transpose", "moveaxis", "swapaxes", "rollaxis", "squeeze",
@@ -80,27 +95,50 @@ class ufunc:
 
     def __call__(self, *args, **kwargs):
         self._check_operands(args[:self.nin])
+        if _bf16.has_bf16((args, kwargs.get("out"))):
+            return _bf16.ufunc_call(self, args, kwargs)
+        _bf16.note_implicit_casts(self._np, self.__name__, args[:self.nin],
+                                  kwargs.get("out", args[self.nin:] or None))
         return _bridge.call_numpy(f"cupy.{self.__name__}", self._np, args, kwargs)
 
-    def _method(self, method: str, *args, **kwargs):
-        return _bridge.call_numpy(f"cupy.{self.__name__}.{method}", getattr(self._np, method),
-                                  args, kwargs)
+    def _unsupported(self, method: str):
+        # cupy/_core/_kernel.pyx ufunc.reduce/accumulate/reduceat/at
+        return NotImplementedError(f"`cupy_{self.__name__}.{method}` is not supported yet")
 
-    def reduce(self, *args, **kwargs):
-        return self._method("reduce", *args, **kwargs)
+    def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
+        """CuPy 14: ``add`` is ``sum``, ``multiply`` is ``prod``; nothing else."""
+        if self.__name__ not in ("add", "multiply"):
+            raise self._unsupported("reduce")
+        return getattr(array, "sum" if self.__name__ == "add" else "prod")(axis, dtype, out, keepdims)
 
-    def accumulate(self, *args, **kwargs):
-        return self._method("accumulate", *args, **kwargs)
+    def accumulate(self, array, axis=0, dtype=None, out=None):
+        if self.__name__ not in ("add", "multiply"):
+            raise self._unsupported("accumulate")
+        return getattr(array, "cumsum" if self.__name__ == "add" else "cumprod")(axis, dtype, out)
 
-    def reduceat(self, *args, **kwargs):
-        return self._method("reduceat", *args, **kwargs)
+    def reduceat(self, array, indices, axis=0, dtype=None, out=None):
+        if self.__name__ != "add":
+            raise self._unsupported("reduceat")
+        return _bridge.call_numpy("cupy.add.reduceat", np.add.reduceat, (array, indices),
+                                  {"axis": axis, "dtype": dtype, **({} if out is None else {"out": out})})
 
-    def outer(self, *args, **kwargs):
-        self._check_operands(args[:2])
-        return self._method("outer", *args, **kwargs)
+    def outer(self, A, B, **kwargs):
+        # cupy: A.reshape(A.shape + (1,) * B.ndim) op B.reshape((1,) * A.ndim + B.shape)
+        self._check_operands((A, B))
+        if isinstance(A, ndarray) and isinstance(B, ndarray):
+            return self(A.reshape(A.shape + (1,) * B.ndim), B.reshape((1,) * A.ndim + B.shape), **kwargs)
+        return _bridge.call_numpy(f"cupy.{self.__name__}.outer", self._np.outer, (A, B), kwargs)
 
     def at(self, a, indices, b=None):
         """In place: ``a`` is written (recorded as a write, as CuPy's scatter kernels do)."""
+        allowed = _AT_DTYPES.get(self.__name__)
+        if allowed is None:
+            raise self._unsupported("at")
+        if np.dtype(a.dtype).name not in allowed:
+            # CuPy converts the values to a's dtype and checks that dtype
+            raise TypeError(f"cupy.{self.__name__}.at only supports {', '.join(allowed)} as data type "
+                            f"(got {a.dtype}) {NOTE}")
+
         def at(*operands, out):
             self._np.at(out, *operands)
             return out
@@ -113,7 +151,13 @@ def _function(name: str):
     check_dtypes = name not in _DATA_MOVEMENT
 
     def function(*args, **kwargs):
-        return _bridge.call_numpy(f"cupy.{name}", np_func, args, kwargs, check_dtypes)
+        result = _bf16.dispatch(name, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        result = _bridge.call_numpy(f"cupy.{name}", np_func, args, kwargs, check_dtypes)
+        if name in SYNCING or name == "where" and len(args) + len(kwargs) == 1:
+            _bridge.implicit_sync(f"cupy.{name}")
+        return result
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"``numpy.{name}`` on the device (current stream); host arrays refused."
     return function
@@ -137,6 +181,8 @@ def copyto(dst, src, casting="same_kind", where=True):
     def copy_into(src, where, out):
         np.copyto(out, src, casting=casting, where=where)
         return out
+    if isinstance(src, ndarray) and src.dtype != dst.dtype:
+        _counters.note_cast(f"{src.dtype}->{dst.dtype} (cupy.copyto)")
     _bridge.call_numpy("cupy.copyto", copy_into, (src, where), {"out": dst})
 
 
@@ -148,7 +194,7 @@ def build_namespace() -> dict:
             space[name] = ufunc(getattr(np, name), name)
     for alias, name in UFUNC_ALIASES.items():
         space[alias] = space[name]
-    for name in FUNCTION_NAMES:
+    for name in FUNCTION_NAMES + ("matmul",):       # cupy.matmul: CuPy's GEMM, not a NumPy ufunc
         if hasattr(np, name):
             space[name] = _function(name)
     for name in PASSTHROUGH_NAMES:

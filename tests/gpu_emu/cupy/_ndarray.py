@@ -1,6 +1,6 @@
 """``cupy.ndarray``: a NumPy view into pool memory, with CuPy's API and CuPy's refusals.
 
-Refusals matched from CuPy 13.6 (cupy/_core/core.pyx):
+Refusals matched from CuPy 14.2 (cupy/_core/core.pyx):
 
 * ``__array__`` raises "Implicit conversion to a NumPy array is not allowed. Please use
   `.get()` to construct a NumPy array explicitly." (core.pyx ``__array__``), so
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _bridge, _tracker
+from . import _bf16, _bridge, _counters, _tracker
+from ._dtypes14 import check_creatable
+from ._indexing import SetItem, as_tuple, copy_host_indices, has_mask, is_basic, setitem_value
 from .cuda import memory as _memory
 from .cuda.pinned_memory import is_pinned
 from .cuda.stream import LEGACY_STREAM_HANDLE, get_current_stream, resolve_stream
@@ -46,6 +48,8 @@ class ndarray:
         dtype = np.dtype(dtype)
         if dtype.hasobject:
             raise ValueError(f"Unsupported dtype {dtype}")
+        if memptr is None:
+            check_creatable(dtype)    # CuPy 14: get_dtype_with_itemsize(check_support=True)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if memptr is None:
             memptr = _memory.alloc(nbytes)
@@ -133,9 +137,13 @@ class ndarray:
         if out is None:
             out = np.empty(self.shape, self.dtype, order=order if order in "CF" else "C")
         if blocking:
-            s.synchronize()
+            s._synchronize("ndarray.get")
             out[...] = host
             return out
+        if not is_pinned(out):
+            # cudaMemcpyAsync to pageable memory returns once the copy is done: the host waits
+            # (counted), though the data is still modelled as landing at the next sync
+            _counters.note_sync("ndarray.get(blocking=False) into pageable memory")
         garbage = np.empty(self.shape, self.dtype)
         garbage.reshape(-1).view(np.uint8).fill(0xFF)
         out[...] = garbage
@@ -242,49 +250,26 @@ class ndarray:
     # -- indexing --------------------------------------------------------
     def __getitem__(self, key):
         np_key = _index(key)
-        if _is_basic(np_key) and Ellipsis not in _as_tuple(np_key):
+        copy_host_indices(key)
+        masked = has_mask(np_key)
+        if is_basic(np_key) and Ellipsis not in as_tuple(np_key):
             # ``a[0]`` is a 0-d *view* in CuPy; NumPy copies to a scalar unless an Ellipsis is there
-            np_key = _as_tuple(np_key) + (Ellipsis,)
+            np_key = as_tuple(np_key) + (Ellipsis,)
         # the key rides in the closure: an index array (unwrapped above) is not an operand
-        return _bridge.call_numpy("ndarray.__getitem__", lambda a: a[np_key], (self,), {},
-                                  check_dtypes=False)
+        result = _bridge.call_numpy("ndarray.__getitem__", lambda a: a[np_key], (self,), {},
+                                    check_dtypes=False)
+        if masked:       # _getitem_mask_single reads the number of True values back
+            _bridge.implicit_sync("ndarray.__getitem__ (boolean mask)")
+        return result
 
     def __setitem__(self, key, value):
-        if isinstance(value, np.ndarray):   # CuPy copies host values in (core.array(value))
-            value = _bridge.host_to_device("ndarray.__setitem__ (host->device copy)", value)
-        _bridge.call_numpy("ndarray.__setitem__", _SetItem(_index(key)), (value,), {"out": self},
+        np_key = _index(key)
+        copy_host_indices(key)
+        value = setitem_value(self, np_key, value)
+        _bridge.call_numpy("ndarray.__setitem__", SetItem(np_key), (value,), {"out": self},
                            check_dtypes=False)
 
     __hash__ = None
-
-
-class _SetItem:
-    """``a[key] = value`` as a NumPy callable with an ``out=`` (so the target is a write)."""
-
-    def __init__(self, key):
-        self.key = key
-
-    def __call__(self, value, out):
-        out[self.key] = value
-        return out
-
-
-def _as_tuple(key):
-    return key if isinstance(key, tuple) else (key,)
-
-
-def _index(key):
-    """An index with device arrays unwrapped; host index arrays allowed (CuPy copies them in)."""
-    if isinstance(key, ndarray):
-        return key._a
-    if isinstance(key, tuple):
-        return tuple(k._a if isinstance(k, ndarray) else k for k in key)
-    return key
-
-
-def _is_basic(key) -> bool:
-    return all(k is None or k is Ellipsis or isinstance(k, (slice, int, np.integer))
-               and not isinstance(k, (bool, np.bool_)) for k in _as_tuple(key))
 
 
 # -- methods that are NumPy's, run through the bridge --------------------------------------
@@ -293,7 +278,13 @@ def _method(name: str, check_dtypes: bool = True):
     np_method = getattr(np.ndarray, name)
 
     def method(self, *args, **kwargs):
-        return _bridge.call_numpy(f"ndarray.{name}", np_method, (self,) + args, kwargs, check_dtypes)
+        result = _bf16.dispatch(name, (self,) + args, kwargs)
+        if result is not NotImplemented:
+            return result
+        result = _bridge.call_numpy(f"ndarray.{name}", np_method, (self,) + args, kwargs, check_dtypes)
+        if name in ("nonzero", "compress"):        # the count is read back (a sync)
+            _bridge.implicit_sync(f"ndarray.{name}")
+        return result
     method.__name__ = name
     method.__doc__ = f"As ``numpy.ndarray.{name}``, on the device (current stream)."
     return method
@@ -313,11 +304,23 @@ for _name in ("reshape", "ravel", "view", "copy", "transpose", "swapaxes", "sque
 def _astype(self, dtype, order="K", casting=None, subok=None, copy=True):
     if not copy and np.dtype(dtype) == self.dtype:
         return self
-    return _bridge.call_numpy("ndarray.astype", np.ndarray.astype, (self, dtype),
-                              {"order": order, "casting": casting or "unsafe", "copy": True})
+    out = _bridge.call_numpy("ndarray.astype", np.ndarray.astype, (self, dtype),
+                             {"order": order, "casting": casting or "unsafe", "copy": True})
+    if out.dtype != self.dtype:
+        _counters.note_cast(f"{self.dtype}->{out.dtype} (astype)")
+    return out
 
 
 ndarray.astype = _astype
+
+
+def _index(key):
+    """An index with device arrays unwrapped; host index arrays allowed (CuPy copies them in)."""
+    if isinstance(key, ndarray):
+        return key._a
+    if isinstance(key, tuple):
+        return tuple(k._a if isinstance(k, ndarray) else k for k in key)
+    return key
 
 
 def _install_operators() -> None:

@@ -1,11 +1,12 @@
 """``cupy.RawModule`` / ``RawKernel`` over the CUDA emulation harness (``cuda_emu``).
 
-Arguments are packed exactly as CuPy 13.6 packs them (cupy/cuda/function.pyx ``_pointer``):
-a device array passes its data pointer (the first 8 bytes of its CArray struct, all a
-``T*`` parameter reads); ``None`` a null pointer; a NumPy scalar its own bytes; a Python
-int as int64, float as float64, bool as int64 (``isinstance(x, int)`` is tested first),
-complex as complex128; a size-1 ``numpy.ndarray`` its element's bytes; a larger
-``numpy.ndarray`` is refused.  Launch limits are CUDA's, raised as the driver raises them.
+Arguments are packed exactly as CuPy 14.2 packs them (cupy/cuda/function.pyx ``_pointer``,
+then cupy/_core/_scalar.pyx ``CScalar``): a device array passes its data pointer (the first 8
+bytes of its CArray struct, all a ``T*`` parameter reads); ``None`` a null pointer; a NumPy
+scalar of any dtype its own bytes (bfloat16: 2); a Python bool as ``numpy.bool_`` (one byte:
+CuPy 13 packed it as int64, so an ``int`` parameter given ``True`` now reads 3 bytes of
+garbage), int as int64 (uint64 from 2**63), float as float64, complex as complex128; a size-1
+``numpy.ndarray`` its element's bytes; a larger ``numpy.ndarray`` is refused.  Launch limits are CUDA's, raised as the driver raises them.
 """
 from __future__ import annotations
 
@@ -27,9 +28,6 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_DIMS = (2 ** 31 - 1, 65535, 65535)
 DEFAULT_DYNAMIC_SMEM = 48 * 1024          # without the opt-in attribute
 MAX_DYNAMIC_SMEM_OPTIN = 227 * 1024       # sm_90's sharedMemPerBlockOptin
-
-# dtype chars function.pyx passes as-is (_pointer_numpy_types)
-_SCALAR_CHARS = frozenset("?bhilqBHILQefdFD")
 
 _emulator = None
 
@@ -68,16 +66,18 @@ def pack_arg(x) -> bytes:
                         "parameter. Only numpy.ndarrays of size one can be passed by value. If you "
                         "meant to pass a pointer to __global__ memory, you need to pass a "
                         "cupy.ndarray instead.")
-    if not (isinstance(x, np.generic) and x.dtype.char in _SCALAR_CHARS):
-        if isinstance(x, int):            # bool included: function.pyx tests int first
-            x = np.int64(x)
-        elif isinstance(x, float):
-            x = np.float64(x)
-        elif isinstance(x, complex):
-            x = np.complex128(x)
-        else:
-            raise TypeError(f"Unsupported type {type(x)}")
-    return x.tobytes()
+    if isinstance(x, np.generic):
+        return x.tobytes()
+    # _scalar.pyx numpy_dtype_from_pyscalar: by exact type, bool first
+    if type(x) is bool:
+        return np.bool_(x).tobytes()
+    if type(x) is int:
+        return (np.uint64(x) if x >= 2 ** 63 else np.int64(x)).tobytes()
+    if type(x) is float:
+        return np.float64(x).tobytes()
+    if type(x) is complex:
+        return np.complex128(x).tobytes()
+    raise TypeError(f"Unsupported type {type(x)}")
 
 
 def _pointer_params_written(code: str, entry: str) -> list[bool] | None:

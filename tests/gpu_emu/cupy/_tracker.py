@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 
+from . import _counters
 from ._errors import StreamOrderError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -214,8 +215,9 @@ def _live_accesses(segment) -> list:
     return live
 
 
-def record_op(kind: str, state: StreamState, accesses) -> Op:
+def record_op(kind: str, state: StreamState, accesses, op_class: str = "kernel", nbytes: int = 0) -> Op:
     """Issue an op on ``state`` touching ``accesses``: iterable of (allocation, start, end, write).
+    ``op_class`` (kernel, h2d or d2h) and ``nbytes`` (of a copy) are for the counters.
 
     Raises StreamOrderError (before recording) on a cross-stream hazard.
     """
@@ -229,7 +231,8 @@ def record_op(kind: str, state: StreamState, accesses) -> Op:
         state.seq += 1
         for alloc, start, end, write in accesses:
             _append_access(alloc.segment, Access(op, start, end, write, alloc.alloc_id))
-        return op
+    _counters.note_op(kind, op_class, nbytes, op.where)
+    return op
 
 
 def _check_hazard(op: Op, alloc, start: int, end: int, write: bool) -> None:

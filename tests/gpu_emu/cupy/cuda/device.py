@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import _tracker
+from .. import _counters, _tracker
 from .runtime import check_device
 
 __all__ = ["Device", "current_device_id"]
@@ -35,6 +35,7 @@ class Device:
 
     def synchronize(self) -> None:
         """Every stream's work is done, and the host knows it."""
+        _counters.note_sync("Device.synchronize")
         _tracker.host_synchronized_all()
 
     @property

@@ -82,7 +82,8 @@ def getDeviceProperties(device_id: int) -> dict:
 
 
 def deviceSynchronize() -> None:
-    from .. import _tracker
+    from .. import _counters, _tracker
+    _counters.note_sync("cudaDeviceSynchronize")
     _tracker.host_synchronized_all()
 
 

@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 
-from .. import _tracker
+from .. import _counters, _tracker
 from .runtime import CUDARuntimeError, errorInvalidResourceHandle
 
 __all__ = ["BaseStream", "Stream", "ExternalStream", "Event", "get_current_stream",
@@ -34,15 +34,22 @@ class BaseStream:
     _state: _tracker.StreamState
 
     def synchronize(self) -> None:
+        self._synchronize("Stream.synchronize")
+
+    def _synchronize(self, kind: str) -> None:
+        """A host wait for this stream (counted as a sync, as ``kind``)."""
+        _counters.note_sync(kind)
         _tracker.host_observed(self._state.snapshot())
 
     @property
     def done(self) -> bool:
+        # a query (cudaStreamQuery) does not wait: not counted as a sync
         state = self._state
         if state.queried != state.seq and _tracker.pending(state.snapshot()):
             state.queried = state.seq
             return False
-        self.synchronize()      # True: the host now knows everything issued so far completed
+        # True: the host now knows everything issued so far completed
+        _tracker.host_observed(state.snapshot())
         return True
 
     def record(self, event: "Event | None" = None) -> "Event":
@@ -160,16 +167,21 @@ class Event:
         self._time = time.perf_counter()
 
     def synchronize(self) -> None:
+        _counters.note_sync("Event.synchronize")
+        self._observed()
+
+    def _observed(self) -> None:
         if self._clock is not None:
             _tracker.host_observed(self._clock)
 
     @property
     def done(self) -> bool:
-        """As ``BaseStream.done``: False once while the covered work is not known complete."""
+        """As ``BaseStream.done``: False once while the covered work is not known complete
+        (a query: not counted as a sync)."""
         if not self._queried and self._clock is not None and _tracker.pending(self._clock):
             self._queried = True
             return False
-        self.synchronize()
+        self._observed()
         return True
 
     def __repr__(self) -> str:
@@ -187,7 +199,9 @@ def get_elapsed_time(start_event: Event, end_event: Event) -> float:
         if event._clock is None:
             raise CUDARuntimeError(errorInvalidResourceHandle,
                                    "cudaEventElapsedTime on an event that was never recorded")
-    end_event.synchronize()
-    start_event.synchronize()
+    # cudaEventElapsedTime does not wait (it fails on an unfinished event); the stand-in
+    # assumes the caller waited, and counts no sync for it
+    end_event._observed()
+    start_event._observed()
     return (end_event._time - start_event._time) * 1e3
 
