@@ -220,6 +220,27 @@ def test_embedding_gather_and_scatter_add(dtype, dim, ids_dtype, launches):
     assert same_bits(dt, EC.embedding_backward_cuda(dev(g), cp.asarray(ids), rows, lo=lo))
 
 
+def test_strided_inputs_are_read_densely(launches):
+    # views (a transpose, every other column, a slice of a wider row) are copied dense first
+    rng = np.random.default_rng(21)
+    a, b = rnd(rng, (40, 24), np.float32), rnd(rng, (40, 24), np.float32)
+    y = F.swiglu_gate_cuda(cp.asarray(a).T, cp.asarray(b).T)
+    close(y, R.swiglu_gate(f64(a).T, f64(b).T), np.float32)
+    w2 = rnd(rng, (48,), np.float32)
+    gx, gw = F.rmsnorm_backward_cuda(cp.asarray(b), cp.asarray(a), cp.asarray(w2)[::2])
+    for got, want in zip((gx, gw), R.rmsnorm_backward(f64(b), f64(a), f64(w2[::2]))):
+        close(got, want, np.float32, atol_scale=8)
+    wide, t = rnd(rng, (40, 30), np.float32, 3.0), rng.integers(0, 24, 40)
+    loss, lse = X.softmax_cross_entropy_cuda(cp.asarray(wide)[:, :24], cp.asarray(t)[:, None][:, 0],
+                                             return_lse=True)
+    close(loss, R.softmax_cross_entropy(f64(wide[:, :24]), t), np.float32)
+    table = rnd(rng, (30, 16), np.float32)
+    out = EC.embedding_cuda(cp.asarray(t.reshape(5, 8)).T, cp.asarray(table)[::-1])
+    np.testing.assert_array_equal(host(out), table[::-1][t.reshape(5, 8).T])
+    assert launches == {"ts_swiglu_fwd": 1, "ts_norm_bwd": 1, "ts_colsum": 1, "ts_xent_fwd": 1, "ts_mean": 1,
+                        "ts_embed_fwd": 1}
+
+
 # ---------------------------------------------------------------- multi-tensor optimizer ops
 
 SIZES = [(7,), (33, 5), (1000,), (O.CHUNK + 6,), (0,), (3, 3)]

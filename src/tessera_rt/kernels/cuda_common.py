@@ -38,8 +38,8 @@ __device__ __forceinline__ in_t from_f(float x) { return x; }
 # The fused kernels' element types, picked by number so one source serves every dtype:
 # TS_IO (0 f32, 1 f16, 2 bf16, 3 f64) is ``io_t``, TS_WIO (default TS_IO) is ``w_t`` (a norm's
 # weight may be f32 beside bf16 activations).  ``ts_load<W>``/``ts_store<W>`` move W elements
-# in as few 4-, 8- or 16-byte accesses as their width allows (the caller guarantees the
-# alignment), converting to and from the f32 (or f64) the kernels compute in.
+# in the fewest accesses of up to 16 bytes (the caller guarantees the alignment), converting
+# to and from the f32 (or f64) the kernels compute in.
 ELEM_IO = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -59,7 +59,6 @@ template <> struct ts_elem<3> { typedef double t; };
 typedef ts_elem<TS_IO>::t io_t;
 typedef ts_elem<TS_WIO>::t w_t;
 constexpr int VEC = 16 / sizeof(io_t);        // io_t elements per 16-byte access
-template <int N> struct ts_int { static constexpr int value = N; };
 
 __device__ __forceinline__ float ts_f(float x) { return x; }
 __device__ __forceinline__ float ts_f(double x) { return (float)x; }

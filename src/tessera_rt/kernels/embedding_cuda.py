@@ -20,7 +20,7 @@ from . import embedding as ref
 from ._common import check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import ELEM_IO, MAX_GRID_YZ, all_aligned, get_function, io_defines, io_name, launch_stream
-from .fused_cuda import on_gpu
+from .fused_cuda import dense, on_gpu
 
 __all__ = ["embedding_cuda", "embedding_backward_cuda", "render_embedding", "EMB_ROWS", "EMB_COLS"]
 
@@ -118,8 +118,6 @@ def _fn(entry: str, dtype):
 
 def _ids(op: str, ids: Any) -> int:
     ref.check_ids(op, ids)
-    if not ids.flags.c_contiguous:
-        raise ValueError(f"{op}: ids must be C-contiguous")
     return int(ids.dtype == np.int64)
 
 
@@ -136,6 +134,7 @@ def embedding_cuda(ids: Any, table: Any, *, lo: int = 0, stream: Any = None):
             return ref.embedding(ids, table, lo=lo)
     rows, dim = table.shape
     with launch_stream(stream):
+        ids, table = dense(ids, table)
         out = cupy.empty(tuple(ids.shape) + (dim,), table.dtype)
         if out.size:
             vec = dim % (16 // table.itemsize) == 0 and all_aligned(16, table, out)
@@ -160,6 +159,7 @@ def embedding_backward_cuda(g: Any, ids: Any, rows: int, *, lo: int = 0, stream:
             return ref.embedding_backward(g, ids, rows, lo=lo)
     dim = g.shape[-1]
     with launch_stream(stream):
+        g, ids = dense(g, ids)
         out = cupy.empty((rows, dim), g.dtype)
         if out.size:
             col_tiles = -(-dim // EMB_COLS)

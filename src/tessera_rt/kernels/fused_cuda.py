@@ -4,9 +4,10 @@ LayerNorm backward.
 One CUDA source (``FUSED_SOURCE``, compiled per I/O dtype: f32, f16, bf16; the
 cross-entropy's is ``xent_cuda``), math and statistics in f32.  Row kernels run a block per
 row (or per chunk of rows) with 16-byte loads where a row's width is a multiple of the vector
-width and the arrays are aligned, scalar loads otherwise.  Nothing here reads a device value
-on the host: every launcher returns device arrays allocated on the launch stream.  The
-float64 references are in ``kernels.fused_ref``; f64 and non-contiguous inputs go to them.
+width and the arrays are aligned, scalar loads otherwise; a strided input is copied dense
+first.  Nothing here reads a device value on the host: every launcher returns device arrays
+allocated on the launch stream.  The float64 references are in ``kernels.fused_ref``; f64
+inputs go to them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .cuda_common import BLOCK_REDUCE, ELEM_IO, all_aligned, get_function, io_de
 from .norms import NORM_DTYPES
 
 __all__ = ["render_fused", "swiglu_gate_cuda", "swiglu_backward_cuda", "rmsnorm_backward_cuda",
-           "layernorm_backward_cuda", "NORM_PARTS", "GPU_DTYPES", "on_gpu", "empty_like", "check_same"]
+           "layernorm_backward_cuda", "NORM_PARTS", "GPU_DTYPES", "on_gpu", "dense", "empty_like",
+           "check_same"]
 
 NT = 256
 # The norm backward sums its weight gradient over NORM_PARTS row chunks, then over the chunks:
@@ -222,9 +224,15 @@ def _fn(entry: str, dtype, wdtype=None):
 
 
 def on_gpu(*arrays) -> bool:
-    """Do the fused kernels take these (f32/f16/bf16, C-contiguous) arrays?  f64 and other
-    layouts go to the references."""
-    return all(a is None or (np.dtype(a.dtype).name in GPU_DTYPES and a.flags.c_contiguous) for a in arrays)
+    """Do the fused kernels take arrays of these dtypes (f32/f16/bf16)?  f64 goes to the references."""
+    return all(a is None or np.dtype(a.dtype).name in GPU_DTYPES for a in arrays)
+
+
+def dense(*arrays) -> tuple:
+    """The arrays as the kernels index them, C-contiguous (a copy, in the launch's stream
+    context, only for a strided view); None stays None."""
+    import cupy
+    return tuple(None if a is None else cupy.ascontiguousarray(a) for a in arrays)
 
 
 def empty_like(a: Any):
@@ -255,6 +263,7 @@ def swiglu_gate_cuda(h1: Any, h3: Any, *, stream: Any = None):
         with launch_stream(stream):
             return ref.swiglu_gate(h1, h3)
     with launch_stream(stream):
+        h1, h3 = dense(h1, h3)
         y = empty_like(h1)
         if h1.size:
             vec = all_aligned(16, h1, h3, y)
@@ -273,6 +282,7 @@ def swiglu_backward_cuda(g: Any, h1: Any, h3: Any, *, stream: Any = None):
         with launch_stream(stream):
             return ref.swiglu_backward(g, h1, h3)
     with launch_stream(stream):
+        g, h1, h3 = dense(g, h1, h3)
         dh1, dh3 = empty_like(h1), empty_like(h1)
         if h1.size:
             vec = all_aligned(16, g, h1, h3, dh1, dh3)
@@ -297,8 +307,7 @@ def _norm_backward(op: str, g, x, weight, bias, eps: float, stream):
     if not eps >= 0:
         raise ValueError(f"{op}: eps must be >= 0, got {eps}")
     ln = op == "layernorm_backward"
-    params_ok = all(p is None or np.dtype(p.dtype).name in GPU_DTYPES for p in (weight, bias))
-    if not (on_gpu(g, x) and params_ok):
+    if not on_gpu(g, x, weight, bias):
         with launch_stream(stream):
             if ln:
                 return ref.layernorm_backward(g, x, weight, bias, eps=eps)
@@ -308,6 +317,7 @@ def _norm_backward(op: str, g, x, weight, bias, eps: float, stream):
     param = weight if weight is not None else bias
     wdt = None if param is None else param.dtype
     with launch_stream(stream):
+        g, x, weight = dense(g, x, weight)
         gx = empty_like(x)
         gw = None if weight is None else cupy.empty((n,), wdt)
         gb = None if bias is None else cupy.empty((n,), wdt)
@@ -323,10 +333,9 @@ def _norm_backward(op: str, g, x, weight, bias, eps: float, stream):
         in_smem = wants and wants * n <= NORM_SMEM_COLS
         pw = cupy.empty((parts, n), np.float32) if weight is not None else None
         pb = cupy.empty((parts, n), np.float32) if bias is not None else None
-        w_dense = None if weight is None else cupy.ascontiguousarray(weight)    # (a view: read densely)
-        vec = n % (16 // x.itemsize) == 0 and all_aligned(16, g, x, gx, w_dense)
+        vec = n % (16 // x.itemsize) == 0 and all_aligned(16, g, x, gx, weight)
         _fn("ts_norm_bwd", x.dtype, wdt)((parts,), (NT,),
-                                         (g, x, null_ptr(w_dense), gx, null_ptr(pw), null_ptr(pb), np.int32(rows),
+                                         (g, x, null_ptr(weight), gx, null_ptr(pw), null_ptr(pb), np.int32(rows),
                                           np.int32(n), np.int32(rpb), np.float32(eps), np.int32(ln), np.int32(vec),
                                           np.int32(in_smem)),
                                          shared_mem=4 * wants * n if in_smem else 0)

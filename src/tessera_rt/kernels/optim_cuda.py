@@ -283,7 +283,8 @@ def clip_scale_multi_cuda(gs, total_sq: Any, max_norm: float, *, stream: Any = N
     """``clip_grad_norm``'s scale from the 0-d ``total_sq`` (``sum_squares_multi``'s) on the
     device: every array of ``gs`` multiplied in place by ``max_norm / (norm + 1e-6)`` when the
     norm is finite and above ``max_norm``.  Returns the scale (1 when nothing was scaled) as a
-    0-d f32 device array.  One launch per dtype group (one when ``gs`` is empty)."""
+    0-d f32 device array; ``gs=[]`` gives the scale alone (for ``adamw_multi``'s
+    ``grad_scale``).  One launch per dtype group (one when ``gs`` is empty)."""
     import cupy
     op = "clip_scale_multi"
     if not max_norm > 0:

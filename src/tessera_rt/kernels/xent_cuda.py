@@ -1,6 +1,6 @@
 """Softmax cross-entropy on the GPU without a one-hot: the forward (one pass over each row,
 then a fixed-order mean) and the logits' cotangent (one pass), f32 statistics for f32, f16
-and bf16 logits; f64 and non-contiguous logits go to the float64 references
+and bf16 logits; f64 logits go to the float64 references
 (``kernels.fused_ref``).  No host sync: the loss stays a 0-d device array, and ``g`` may be
 one, read on the device.
 """
@@ -16,7 +16,7 @@ from . import fused_ref as ref
 from ._common import check_float, check_stream, is_cupy
 from .compile import KernelSource, register_source
 from .cuda_common import BLOCK_REDUCE, ELEM_IO, all_aligned, get_function, io_code, io_defines, io_name, launch_stream
-from .fused_cuda import empty_like, on_gpu
+from .fused_cuda import dense, empty_like, on_gpu
 from .norms import NORM_DTYPES
 
 __all__ = ["softmax_cross_entropy_cuda", "cross_entropy_backward_cuda", "render_xent"]
@@ -117,8 +117,6 @@ def _targets(op: str, logits: Any, targets: Any) -> int:
         raise ValueError(f"{op}: targets must be int32 or int64 ids of shape {tuple(logits.shape[:-1])} (logits "
                          f"{tuple(logits.shape)} without the class dim), got {dtype_name(targets.dtype)} "
                          f"{tuple(targets.shape)}")
-    if not targets.flags.c_contiguous:
-        raise ValueError(f"{op}: targets must be C-contiguous")
     return int(targets.dtype == np.int64)
 
 
@@ -148,6 +146,7 @@ def softmax_cross_entropy_cuda(logits: Any, targets: Any, *, return_lse: bool = 
     V = logits.shape[-1]
     rows = logits.size // V
     with launch_stream(stream):
+        logits, targets = dense(logits, targets)
         loss, lse = cupy.empty(rows, np.float32), cupy.empty(logits.shape[:-1], np.float32)
         mean = cupy.empty((), logits.dtype)
         if rows:
@@ -166,10 +165,9 @@ def cross_entropy_backward_cuda(g: Any, logits: Any, targets: Any, lse: Any, *, 
     _check_logits(op, logits)
     ids64 = _targets(op, logits, targets)
     check_stream(op, stream)
-    if tuple(lse.shape) != tuple(logits.shape[:-1]) or lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        if on_gpu(logits):
-            raise ValueError(f"{op}: lse must be the forward's C-contiguous f32 {tuple(logits.shape[:-1])}, got "
-                             f"{dtype_name(lse.dtype)} {tuple(lse.shape)}")
+    if tuple(lse.shape) != tuple(logits.shape[:-1]) or (on_gpu(logits) and lse.dtype != np.float32):
+        raise ValueError(f"{op}: lse must be the forward's {tuple(logits.shape[:-1])} (f32 for f32/f16/bf16 logits), "
+                         f"got {dtype_name(lse.dtype)} {tuple(lse.shape)}")
     device_g = is_cupy(g)
     if device_g and (g.ndim != 0 or io_code(g.dtype) is None):
         raise ValueError(f"{op}: g must be a Python float or a 0-d float device array, got {dtype_name(g.dtype)} "
@@ -180,6 +178,7 @@ def cross_entropy_backward_cuda(g: Any, logits: Any, targets: Any, lse: Any, *, 
     V = logits.shape[-1]
     rows = logits.size // V
     with launch_stream(stream):
+        logits, targets, lse = dense(logits, targets, lse)
         dx = empty_like(logits)
         if rows:
             vec = V % (16 // logits.itemsize) == 0 and all_aligned(16, logits, dx)
