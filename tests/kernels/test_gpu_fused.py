@@ -241,6 +241,25 @@ def test_strided_inputs_are_read_densely(launches):
                         "ts_embed_fwd": 1}
 
 
+def test_f64_runs_the_references_on_the_device(launches):
+    rng = np.random.default_rng(22)
+    x, g, w = rnd(rng, (6, 10), np.float64), rnd(rng, (6, 10), np.float64), rnd(rng, (10,), np.float64)
+    t = rng.integers(0, 10, 6)
+    dx, dg, dw, dt = (cp.asarray(a) for a in (x, g, w, t))
+    checks = [(F.swiglu_gate_cuda(dx, dg), R.swiglu_gate(x, g)),
+              (F.rmsnorm_backward_cuda(dg, dx, dw)[1], R.rmsnorm_backward(g, x, w)[1]),
+              (F.layernorm_backward_cuda(dg, dx, dw, dw)[0], R.layernorm_backward(g, x, w, w)[0]),
+              (X.softmax_cross_entropy_cuda(dx, dt), R.softmax_cross_entropy(x, t)),
+              (EC.embedding_backward_cuda(dg, dt, 10), E.embedding_backward(g, t, 10))]
+    loss, lse = X.softmax_cross_entropy_cuda(dx, dt, return_lse=True)
+    checks.append((X.cross_entropy_backward_cuda(loss, dx, dt, lse), R.cross_entropy_backward(float(loss.get()), x, t,
+                                                                                              lse.get())))
+    for got, want in checks:
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got.get(), want, rtol=1e-12, atol=1e-14)
+    assert launches == {}
+
+
 # ---------------------------------------------------------------- multi-tensor optimizer ops
 
 SIZES = [(7,), (33, 5), (1000,), (O.CHUNK + 6,), (0,), (3, 3)]
@@ -357,38 +376,43 @@ def test_clip_scale_feeds_adamw_without_touching_the_gradients():
 
 # ---------------------------------------------------------------- the whole set: syncs, streams
 
-def _every_op(rng):
-    """Runs each op once on small inputs (device arrays in, device arrays out)."""
+def _every_op(rng, stream=None):
+    """Runs each op once on small inputs (device arrays in, device arrays out) on ``stream``."""
     x, g = cp.asarray(rnd(rng, (9, 24), np.float32)), cp.asarray(rnd(rng, (9, 24), np.float32))
     w = cp.asarray(rnd(rng, (24,), np.float32))
     targets = cp.asarray(rng.integers(0, 24, 9).astype(np.int32))
-    out = [F.swiglu_gate_cuda(x, g), *F.swiglu_backward_cuda(g, x, x), *F.rmsnorm_backward_cuda(g, x, w),
-           *F.layernorm_backward_cuda(g, x, w, w)]
-    loss, lse = X.softmax_cross_entropy_cuda(x, targets, return_lse=True)
-    out += [loss, lse, X.cross_entropy_backward_cuda(loss, x, targets, lse)]
-    out += [EC.embedding_cuda(targets, x), EC.embedding_backward_cuda(x, targets, 30, lo=-3)]
+    s = dict(stream=stream)
+    out = [F.swiglu_gate_cuda(x, g, **s), *F.swiglu_backward_cuda(g, x, x, **s), *F.rmsnorm_backward_cuda(g, x, w, **s),
+           *F.layernorm_backward_cuda(g, x, w, w, **s)]
+    loss, lse = X.softmax_cross_entropy_cuda(x, targets, return_lse=True, **s)
+    out += [loss, lse, X.cross_entropy_backward_cuda(loss, x, targets, lse, **s)]
+    out += [EC.embedding_cuda(targets, x, **s), EC.embedding_backward_cuda(x, targets, 30, lo=-3, **s)]
     ws, ms, vs = [x.copy(), w.copy()], [cp.zeros_like(x), cp.zeros_like(w)], [cp.zeros_like(x), cp.zeros_like(w)]
-    total = O.sum_squares_multi_cuda([g, w])
-    scale = O.clip_scale_multi_cuda([g, w], total, 0.5)
+    total = O.sum_squares_multi_cuda([g, w], **s)
+    scale = O.clip_scale_multi_cuda([g, w], total, 0.5, **s)
     O.adamw_multi_cuda(ws, [g, w], ms, vs, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, step=1,
-                       grad_scale=scale)
+                       grad_scale=scale, **s)
     return out + [total, scale] + ws
 
 
 def test_no_op_synchronizes_with_the_host(monkeypatch):
+    from tessera_rt import runtime as rt
+    compute = rt.stream("compute")          # a runtime stream: launched on through an ExternalStream
     syncs = []
 
     def counted(owner, name):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda self, *a, **k: (syncs.append(f"{owner.__name__}.{name}"),
                                                                 real(self, *a, **k))[1])
-    for owner, name in ((cp.cuda.Stream, "synchronize"), (cp.cuda.Event, "synchronize"), (cp.ndarray, "get"),
-                        (cp.cuda.Device, "synchronize"), (cp.ndarray, "item"), (cp.ndarray, "__float__"),
-                        (cp.ndarray, "__int__"), (cp.ndarray, "__bool__")):
+    for owner, name in ((cp.cuda.Stream, "synchronize"), (cp.cuda.ExternalStream, "synchronize"),
+                        (cp.cuda.Event, "synchronize"), (cp.cuda.Device, "synchronize"), (cp.ndarray, "get"),
+                        (cp.ndarray, "item"), (cp.ndarray, "__float__"), (cp.ndarray, "__int__"),
+                        (cp.ndarray, "__bool__")):
         counted(owner, name)
-    out = _every_op(np.random.default_rng(0))
+    out = _every_op(np.random.default_rng(0)) + _every_op(np.random.default_rng(1), stream=compute)
     assert syncs == [], syncs
     monkeypatch.undo()
+    compute.synchronize()
     assert all(np.isfinite(o.get()).all() for o in out if o is not None)
 
 
