@@ -20,7 +20,7 @@ from . import embedding as ref
 from ._common import check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import ELEM_IO, MAX_GRID_YZ, all_aligned, get_function, io_defines, io_name, launch_stream
-from .fused_cuda import dense, on_gpu
+from .fused_cuda import dense, elementwise_grid, on_gpu
 
 __all__ = ["embedding_cuda", "embedding_backward_cuda", "render_embedding", "EMB_ROWS", "EMB_COLS"]
 
@@ -139,7 +139,7 @@ def embedding_cuda(ids: Any, table: Any, *, lo: int = 0, stream: Any = None):
         if out.size:
             vec = dim % (16 // table.itemsize) == 0 and all_aligned(16, table, out)
             items = ids.size * (dim // (16 // table.itemsize) if vec else dim)
-            _fn("ts_embed_fwd", table.dtype)((max(1, min(65535 * 8, -(-items // NT))),), (NT,),
+            _fn("ts_embed_fwd", table.dtype)(elementwise_grid(items), (NT,),
                                              (ids, table, out, np.int64(ids.size), np.int32(dim), np.int64(lo),
                                               np.int64(rows), np.int32(ids64), np.int32(vec)))
     return out

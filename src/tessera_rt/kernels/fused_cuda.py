@@ -25,7 +25,7 @@ from .norms import NORM_DTYPES
 
 __all__ = ["render_fused", "swiglu_gate_cuda", "swiglu_backward_cuda", "rmsnorm_backward_cuda",
            "layernorm_backward_cuda", "NORM_PARTS", "GPU_DTYPES", "on_gpu", "dense", "empty_like",
-           "check_same"]
+           "check_same", "elementwise_grid"]
 
 NT = 256
 # The norm backward sums its weight gradient over NORM_PARTS row chunks, then over the chunks:
@@ -249,7 +249,8 @@ def check_same(op: str, ref_name: str, a: Any, b: Any, what: str = "shape and dt
 MAX_BLOCKS = 1 << 19    # elementwise grids stride past this many blocks
 
 
-def _grid(total: int, per_thread: int = 1) -> tuple[int]:
+def elementwise_grid(total: int, per_thread: int = 1) -> tuple[int]:
+    """A grid-stride launch's grid for ``total`` items, ``per_thread`` per thread per pass."""
     return (max(1, min(MAX_BLOCKS, -(-total // (NT * per_thread)))),)
 
 
@@ -267,7 +268,8 @@ def swiglu_gate_cuda(h1: Any, h3: Any, *, stream: Any = None):
         y = empty_like(h1)
         if h1.size:
             vec = all_aligned(16, h1, h3, y)
-            _fn("ts_swiglu_fwd", h1.dtype)(_grid(h1.size, 4), (NT,), (h1, h3, y, np.int64(h1.size), np.int32(vec)))
+            _fn("ts_swiglu_fwd", h1.dtype)(elementwise_grid(h1.size, 4), (NT,),
+                                           (h1, h3, y, np.int64(h1.size), np.int32(vec)))
     return y
 
 
@@ -286,7 +288,7 @@ def swiglu_backward_cuda(g: Any, h1: Any, h3: Any, *, stream: Any = None):
         dh1, dh3 = empty_like(h1), empty_like(h1)
         if h1.size:
             vec = all_aligned(16, g, h1, h3, dh1, dh3)
-            _fn("ts_swiglu_bwd", h1.dtype)(_grid(h1.size, 4), (NT,),
+            _fn("ts_swiglu_bwd", h1.dtype)(elementwise_grid(h1.size, 4), (NT,),
                                            (g, h1, h3, dh1, dh3, np.int64(h1.size), np.int32(vec)))
     return dh1, dh3
 
