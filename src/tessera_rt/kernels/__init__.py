@@ -18,7 +18,10 @@ from .spectral import conv2d_direct, conv2d_fft, fft2d, ifft2d
 # stay importable from their modules as the oracle
 from . import cpu_fused, cpu_attention
 from .cpu_fused import softmax_cross_entropy
+# the fused training-step ops (kernel table only): references and CPU entries, then GPU launchers
+from . import fused_ref, embedding, multi_tensor
 from . import gemm_cuda, attention_cuda, rows_cuda, paged_attention_cuda  # GPU launchers: register, import CuPy only on call
+from . import fused_cuda, xent_cuda, embedding_cuda, optim_cuda
 from . import tile
 from .tile_kernels import saxpy
 from .compile import inspect_ir

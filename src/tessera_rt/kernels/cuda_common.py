@@ -17,7 +17,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "HALF_IO", "get_function", "launch_stream", "device_key", "aligned", "is_aligned"]
+__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
+           "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned"]
 
 # A kernel's I/O element type: ``in_t`` is __half when compiled with TS_HALF=1, else float;
 # ``to_f``/``from_f`` convert to and from the f32 the kernel computes in.
@@ -32,6 +33,130 @@ typedef float in_t;
 __device__ __forceinline__ float to_f(in_t x) { return x; }
 __device__ __forceinline__ in_t from_f(float x) { return x; }
 #endif
+"""
+
+# The fused kernels' element types, picked by number so one source serves every dtype:
+# TS_IO (0 f32, 1 f16, 2 bf16, 3 f64) is ``io_t``, TS_WIO (default TS_IO) is ``w_t`` (a norm's
+# weight may be f32 beside bf16 activations).  ``ts_load<W>``/``ts_store<W>`` move W elements
+# in the fewest accesses of up to 16 bytes (the caller guarantees the alignment), converting
+# to and from the f32 (or f64) the kernels compute in.
+ELEM_IO = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef TS_IO
+#define TS_IO 0
+#endif
+#ifndef TS_WIO
+#define TS_WIO TS_IO
+#endif
+template <int K> struct ts_elem { typedef float t; };
+template <> struct ts_elem<1> { typedef __half t; };
+template <> struct ts_elem<2> { typedef __nv_bfloat16 t; };
+template <> struct ts_elem<3> { typedef double t; };
+typedef ts_elem<TS_IO>::t io_t;
+typedef ts_elem<TS_WIO>::t w_t;
+constexpr int VEC = 16 / sizeof(io_t);        // io_t elements per 16-byte access
+
+__device__ __forceinline__ float ts_f(float x) { return x; }
+__device__ __forceinline__ float ts_f(double x) { return (float)x; }
+__device__ __forceinline__ float ts_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ts_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ double ts_d(T x) { return (double)ts_f(x); }
+template <> __device__ __forceinline__ double ts_d<double>(double x) { return x; }
+template <class T> __device__ __forceinline__ T ts_to(float x) { return x; }
+template <> __device__ __forceinline__ __half ts_to<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 ts_to<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <class T> __device__ __forceinline__ void ts_set(float& f, T e) { f = ts_f(e); }
+template <class T> __device__ __forceinline__ void ts_set(double& f, T e) { f = ts_d(e); }
+
+template <int B> struct ts_word;              // an unsigned type of B bytes: one access
+template <> struct ts_word<2> { typedef unsigned short t; };
+template <> struct ts_word<4> { typedef unsigned t; };
+template <> struct ts_word<8> { typedef uint2 t; };
+template <> struct ts_word<16> { typedef uint4 t; };
+template <int W, class T> struct ts_access {  // bytes and elements per access of a W-wide run
+  static constexpr int bytes = W * sizeof(T) < 16 ? W * sizeof(T) : 16;
+  static constexpr int elems = bytes / sizeof(T);
+  typedef typename ts_word<bytes>::t word;
+};
+
+template <int W, class T, class F> __device__ __forceinline__ void ts_load(const T* p, F* f) {
+  typedef ts_access<W, T> A;
+  #pragma unroll
+  for (int j = 0; j < W; j += A::elems) {
+    const typename A::word u = *reinterpret_cast<const typename A::word*>(p + j);
+    const T* e = reinterpret_cast<const T*>(&u);
+    #pragma unroll
+    for (int i = 0; i < A::elems; ++i) ts_set(f[j + i], e[i]);
+  }
+}
+template <int W, class T> __device__ __forceinline__ void ts_store(T* p, const float* f) {
+  typedef ts_access<W, T> A;
+  #pragma unroll
+  for (int j = 0; j < W; j += A::elems) {
+    typename A::word u;
+    T* e = reinterpret_cast<T*>(&u);
+    #pragma unroll
+    for (int i = 0; i < A::elems; ++i) e[i] = ts_to<T>(f[j + i]);
+    *reinterpret_cast<typename A::word*>(p + j) = u;
+  }
+}
+
+// A 0-d device scalar of element type `kind` (0 f32, 1 f16, 2 bf16, 3 f64).
+__device__ __forceinline__ double ts_scalar(const void* p, int kind) {
+  switch (kind) {
+    case 1: return ts_d(*static_cast<const __half*>(p));
+    case 2: return ts_d(*static_cast<const __nv_bfloat16*>(p));
+    case 3: return *static_cast<const double*>(p);
+    default: return *static_cast<const float*>(p);
+  }
+}
+// Element i of an int32 (ids64 == 0) or int64 id array.
+__device__ __forceinline__ long long ts_id(const void* ids, long long i, int ids64) {
+  return ids64 ? static_cast<const long long*>(ids)[i] : (long long)static_cast<const int*>(ids)[i];
+}
+
+#ifdef TS_CUDA_EMULATOR
+// IEEE operations that never contract into a fused multiply-add (the host compiler, for x86-64
+// without FMA, contracts nothing; on a GPU these keep --use_fast_math's contraction out)
+__device__ __forceinline__ float __fadd_rn(float a, float b) { return a + b; }
+__device__ __forceinline__ float __fsub_rn(float a, float b) { return a - b; }
+__device__ __forceinline__ float __fmul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ float __fdiv_rn(float a, float b) { return a / b; }
+__device__ __forceinline__ float __fsqrt_rn(float a) { return sqrtf(a); }
+#endif
+"""
+
+# Reductions over a block whose every thread takes part (blockDim.x a multiple of 32, at most
+# 1024): each warp reduces by a butterfly (every lane ends with the same bits), then one warp
+# reduces the warps' values in a fixed tree, so a result never depends on scheduling.
+BLOCK_REDUCE = r"""
+template <bool MAX, class T> __device__ __forceinline__ T ts_warp_reduce(T v) {
+  #pragma unroll
+  for (int w = 16; w > 0; w >>= 1) {
+    const T o = __shfl_xor_sync(0xffffffffu, v, w);
+    v = MAX ? (o > v ? o : v) : v + o;
+  }
+  return v;
+}
+// K sums (or maxima) over the block, returned to every thread in v; scratch: 32 * K values.
+template <bool MAX, int K, class T> __device__ __forceinline__ void ts_block_reduce(T* v, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  #pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = ts_warp_reduce<MAX>(v[k]);
+  __syncthreads();                      // the scratch may still be read by the previous reduction
+  if (lane == 0) {
+    #pragma unroll
+    for (int k = 0; k < K; ++k) scratch[k * 32 + warp] = v[k];
+  }
+  __syncthreads();
+  #pragma unroll
+  for (int k = 0; k < K; ++k)
+    v[k] = ts_warp_reduce<MAX>(lane < warps ? scratch[k * 32 + lane] : (MAX ? (T)-INFINITY : (T)0));
+}
 """
 
 MMA_HEADER = r"""
@@ -155,6 +280,32 @@ def launch_stream(stream: Any):
     if hasattr(stream, "ptr"):
         return cupy.cuda.ExternalStream(stream.ptr)
     raise TypeError(f"expected a CUDA stream, got {type(stream).__name__}")
+
+
+IO_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+IO_CODES = {"f32": 0, "f16": 1, "bf16": 2, "f64": 3}          # ELEM_IO's numbers
+
+
+def io_name(dtype) -> str | None:
+    """The config name of ``dtype`` for ELEM_IO sources ("f32", "f16", "bf16", "f64"; None for others)."""
+    import numpy as np
+    return IO_NAMES.get(np.dtype(dtype).name)
+
+
+def io_code(dtype) -> int | None:
+    """ELEM_IO's number for ``dtype`` (a kernel's scalar ``kind`` argument), None for others."""
+    name = io_name(dtype)
+    return None if name is None else IO_CODES[name]
+
+
+def io_defines(io: str = "f32", wio: str | None = None) -> str:
+    """The ``#define``s that pick ELEM_IO's ``io_t`` (and ``w_t``, default ``io_t``)."""
+    return f"#define TS_IO {IO_CODES[io]}\n#define TS_WIO {IO_CODES[wio or io]}\n"
+
+
+def all_aligned(nbytes: int, *arrays: Any) -> bool:
+    """Do all the device arrays given (None skipped) start on an ``nbytes`` boundary?"""
+    return all(a is None or a.data.ptr % nbytes == 0 for a in arrays)
 
 
 def is_aligned(a: Any, nbytes: int) -> bool:
