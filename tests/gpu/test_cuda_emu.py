@@ -478,7 +478,7 @@ def test_flash_backward_matches_reference(request):
 
 @pytest.mark.parametrize("mode", ["softmax", "rmsnorm"])
 def test_row_kernel_matches_reference(mode, request):
-    fn = build(render_rows(mode=mode, half=True), "rows").get_function("ts_rows")
+    fn = build(render_rows(mode=mode, io="f16"), "rows").get_function("ts_rows")
     x, w = rnd((3, 300), scale=3), rnd((300,), seed=5)
     dev = Device()
     y = dev.empty(x.shape, np.float16)

@@ -1,4 +1,5 @@
 """GPU kernels against the NumPy references (run on the lent GPU machine; skipped without a GPU)."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ def _cupy():
 
 
 cp = _cupy()
+BF16 = np.dtype(ml_dtypes.bfloat16)
 # the strict CuPy stand-in (tests/gpu_emu): kernels run in the CPU emulation harness
 EMULATED = bool(getattr(cp, "__tessera_standin__", False))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]
@@ -117,6 +119,82 @@ def test_flash_backward(case):
         assert cp.array_equal(x, y)
 
 
+@pytest.mark.parametrize("case", ATTN[1:3])
+def test_flash_bf16_forward_and_backward(case):
+    """bf16 inputs run the flash kernel at bf16 (bf16 I/O, f32 accumulation), not widened."""
+    from tessera_rt.kernels.attention_cuda import flash_attention_backward_cuda, flash_attention_cuda
+    b, h, hkv, sq, sk, d, causal = case
+    q, k, v, do = (rnd(s, BF16, seed=i) for i, s in enumerate(((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d),
+                                                                (b, h, sq, d)), 1))
+    g = [cp.asarray(t) for t in (q, k, v)]
+    o, lse = flash_attention_cuda(*g, causal=causal, return_lse=True)
+    grads = flash_attention_backward_cuda(*g, o, cp.asarray(do), lse, causal=causal)
+    q64, k64, v64, do64 = (t.astype(np.float64) for t in (q, k, v, do))
+    o64, l64 = K.flash_attention(q64, k64, v64, causal=causal, return_lse=True)
+    want = K.flash_attention_backward(q64, k64, v64, o64, do64, l64, causal=causal)
+    assert o.dtype == BF16 and all(x.dtype == BF16 for x in grads)
+    np.testing.assert_allclose(o.get().astype(np.float64), o64, rtol=4e-2, atol=4e-2)
+    for got, w in zip(grads, want):
+        np.testing.assert_allclose(got.get().astype(np.float64), w, rtol=6e-2, atol=6e-2)
+
+
+@pytest.mark.parametrize("case", ATTN + [(1, 6, 2, 33, 47, 96, True)])
+def test_f32_attention_is_f32(case):
+    """f32 attention keeps f32: forward, logsumexp and all three gradients within a few ulp-level
+    relative errors of float64 (the fp16 kernel it replaced was ~1e-3 off), any head dim, GQA,
+    Sq != Sk with the causal mask aligned at the end."""
+    from tessera_rt.kernels.attention_cuda import flash_attention_backward_cuda, flash_attention_cuda
+    b, h, hkv, sq, sk, d, causal = case
+    q, k, v, do = (rnd(s, np.float32, seed=i) for i, s in enumerate(((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d),
+                                                                     (b, h, sq, d)), 1))
+    g = [cp.asarray(t) for t in (q, k, v)]
+    o, lse = flash_attention_cuda(*g, causal=causal, return_lse=True)
+    grads = flash_attention_backward_cuda(*g, o, cp.asarray(do), lse, causal=causal)
+    q64, k64, v64, do64 = (t.astype(np.float64) for t in (q, k, v, do))
+    o64, l64 = K.flash_attention(q64, k64, v64, causal=causal, return_lse=True)
+    want = K.flash_attention_backward(q64, k64, v64, o64, do64, l64, causal=causal)
+    for got, w in [(o, o64), (lse, l64), *zip(grads, want)]:
+        got = got.get().astype(np.float64)
+        assert got.dtype == np.float64 and np.array_equal(np.isfinite(got), np.isfinite(w))
+        fin = np.isfinite(w)
+        assert np.max(np.abs(got[fin] - w[fin])) <= 2e-6 * max(1.0, np.max(np.abs(w[fin])))
+
+
+def test_float32_matmul_precision_reaches_gemms_and_attention():
+    """"high" (TF32) and "medium" (bf16) trade f32 exactness for tensor cores, each measurably;
+    "highest" (the default) keeps f32; the profiler record names what each kernel ran in.
+    Attention's batched GEMMs have no TF32 mode in CuPy: at "high" it stays f32."""
+    from tessera_rt.kernels import precision
+    from tessera_rt.kernels.attention_cuda import flash_attention_cuda
+    a, bm = rnd((64, 256), np.float32, seed=1), rnd((256, 64), np.float32, seed=2)
+    q, k, v = (rnd((1, 2, 64, 64), np.float32, seed=i) for i in (3, 4, 5))
+    want_mm = a.astype(np.float64) @ bm
+    want_att = K.flash_attention(*(t.astype(np.float64) for t in (q, k, v)), causal=True)
+    seen = []
+    precision.add_listener(lambda op, p: seen.append((op, p)))
+    try:
+        err = {}
+        for level in ("highest", "high", "medium"):
+            with precision.float32_matmul_precision(level):
+                mm = get_backend_kernel("matmul")(cp.asarray(a), cp.asarray(bm))
+                att = flash_attention_cuda(*(cp.asarray(t) for t in (q, k, v)), causal=True)
+            assert mm.dtype == np.float32 and att.dtype == np.float32
+            err[level] = (np.max(np.abs(mm.get() - want_mm)) / np.max(np.abs(want_mm)),
+                          np.max(np.abs(att.get() - want_att)) / np.max(np.abs(want_att)))
+    finally:
+        precision._LISTENERS.clear()
+    assert err["highest"][0] < 1e-6 and err["highest"][1] < 1e-6
+    assert 1e-5 < err["high"][0] < 3e-3 and err["high"][1] < 1e-6                  # TF32: 10 mantissa bits
+    assert err["medium"][0] > err["high"][0] and 1e-4 < err["medium"][1] < 3e-2    # bf16: 8 mantissa bits
+    assert seen == [("matmul", "f32"), ("flash_attention", "f32"), ("matmul", "tf32"), ("flash_attention", "f32"),
+                    ("matmul", "bf16"), ("flash_attention", "bf16")]
+
+
+def get_backend_kernel(op):
+    from tessera_rt.backend import get_backend
+    return get_backend().kernel(op)
+
+
 def test_flash_rejects_bad_head_dim_before_launch():
     from tessera_rt.kernels.attention import check_attention
     q = cp.zeros((1, 2, 8, 96), np.float16)
@@ -124,7 +202,7 @@ def test_flash_rejects_bad_head_dim_before_launch():
         check_attention("flash_attention", q, q, q, gpu=True)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, BF16])
 @pytest.mark.parametrize("n", [7, 256, 1000, 4096])
 def test_row_kernels(dtype, n):
     from tessera_rt.kernels import rows_cuda as R
@@ -141,7 +219,7 @@ def test_row_kernels(dtype, n):
         np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=rtol * 4, atol=atol * 8)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, BF16])
 @pytest.mark.parametrize("h,hkv,d", [(4, 2, 64), (2, 2, 128)])
 def test_paged_decode_attention(dtype, h, hkv, d):
     from tessera_rt.kernels.paged_attention_cuda import paged_decode_attention_cuda

@@ -39,15 +39,16 @@ def test_adamw_runs_one_fused_pass_per_parameter_with_the_formulas_bits(monkeypa
     grads = [{k: rand(*v.shape, seed=20 + t + i) for i, (k, v) in enumerate(params.items())} for t in range(3)]
     grads[2]["s"] = np.asfortranarray(grads[2]["s"])
     calls = []
+    adamw_step = cpu_fused.adamw_step
 
     def fused(*a, **k):
-        done = cpu_fused.adamw_step(*a, **k)
+        done = adamw_step(*a, **k)
         calls.append(done)
         return done
     for wd in (0.1, 0.0):
         got = {}
         for kernel in (fused, lambda *a, **k: False):
-            monkeypatch.setattr(optim.optimizers, "adamw_step", kernel)
+            monkeypatch.setattr(cpu_fused, "adamw_step", kernel)
             opt, p = optim.AdamW(params, lr=1e-2, weight_decay=wd), params
             for g in grads:
                 p = opt.step(p, g)

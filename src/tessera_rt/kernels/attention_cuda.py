@@ -52,22 +52,25 @@ FLASH_SOURCE = r"""
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// rows [r0, r0+rows) of a [*, D] matrix into smem (row stride LDD), zeros past `limit`.
-__device__ __forceinline__ void load_rows(elem_t* s, const elem_t* g, int r0, int rows, int limit, int tid) {
+// rows [r0, r0+rows) of a [*, D] matrix with row stride `ld` (elements) into smem (row
+// stride LDD), zeros past `limit`.
+__device__ __forceinline__ void load_rows(elem_t* s, const elem_t* g, int r0, int rows, int limit, int tid,
+                                          long long ld) {
   for (int i = tid; i < rows * (D / 8); i += NWARPS * 32) {
     const int r = i / (D / 8), c = (i % (D / 8)) * 8;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r0 + r < limit) v = *reinterpret_cast<const uint4*>(g + (long long)(r0 + r) * D + c);
+    if (r0 + r < limit) v = *reinterpret_cast<const uint4*>(g + (long long)(r0 + r) * ld + c);
     *reinterpret_cast<uint4*>(s + r * LDD + c) = v;
   }
 }
 // the same rows transposed: smem [D][rows + 8]
-__device__ __forceinline__ void load_rows_t(elem_t* s, const elem_t* g, int r0, int rows, int limit, int tid) {
+__device__ __forceinline__ void load_rows_t(elem_t* s, const elem_t* g, int r0, int rows, int limit, int tid,
+                                            long long gld) {
   const int ld = rows + 8;
   for (int i = tid; i < rows * (D / 8); i += NWARPS * 32) {
     const int r = i / (D / 8), c = (i % (D / 8)) * 8;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r0 + r < limit) v = *reinterpret_cast<const uint4*>(g + (long long)(r0 + r) * D + c);
+    if (r0 + r < limit) v = *reinterpret_cast<const uint4*>(g + (long long)(r0 + r) * gld + c);
     const elem_t* e = reinterpret_cast<const elem_t*>(&v);
     #pragma unroll
     for (int k = 0; k < 8; ++k) s[(c + k) * ld + r] = e[k];
@@ -77,17 +80,19 @@ __device__ __forceinline__ void load_rows_t(elem_t* s, const elem_t* g, int r0, 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
              elem_t* __restrict__ O, float* __restrict__ LSE, int H, int HKV, int SQ, int SK,
-             float scale_log2, int causal) {
+             float scale_log2, int causal, long long qsb, long long qsh, long long qss, long long ksb,
+             long long ksh, long long kss) {
   __shared__ __align__(16) elem_t sQ[BLOCK_M * LDD];
   __shared__ __align__(16) elem_t sK[BLOCK_N * LDD];
   __shared__ __align__(16) elem_t sVt[D * LDN];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / HKV);
-  const elem_t* q = Q + (long long)bh * SQ * D;
-  const elem_t* k = K + ((long long)b * HKV + hk) * SK * D;
-  const elem_t* v = V + ((long long)b * HKV + hk) * SK * D;
+  const long long q_base = b * qsb + h * qsh, kv_base = b * ksb + hk * ksh;
+  const elem_t* q = Q + q_base;
+  const elem_t* k = K + kv_base;
+  const elem_t* v = V + kv_base;
   const int m0 = blockIdx.x * BLOCK_M, row0 = m0 + warp * 16, offset = SK - SQ;
-  load_rows(sQ, q, m0, BLOCK_M, SQ, tid);
+  load_rows(sQ, q, m0, BLOCK_M, SQ, tid, qss);
 
   float acc[D / 8][4];
   #pragma unroll
@@ -97,8 +102,8 @@ ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
   int n_end = causal ? min(SK, m0 + BLOCK_M + offset) : SK;
   for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
     __syncthreads();                      // the previous block's K/V reads are done
-    load_rows(sK, k, n0, BLOCK_N, SK, tid);
-    load_rows_t(sVt, v, n0, BLOCK_N, SK, tid);
+    load_rows(sK, k, n0, BLOCK_N, SK, tid, kss);
+    load_rows_t(sVt, v, n0, BLOCK_N, SK, tid, kss);
     __syncthreads();
     float s[BLOCK_N / 8][4];
     #pragma unroll
@@ -162,7 +167,7 @@ ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
     const int row = row0 + g + r * 8;
     if (row >= SQ) continue;
     const float inv = l_i[r] > 0.f ? 1.f / l_i[r] : 0.f;
-    elem_t* o = O + ((long long)bh * SQ + row) * D;
+    elem_t* o = O + q_base + row * qss;
     #pragma unroll
     for (int j = 0; j < D / 8; ++j)
       *reinterpret_cast<elem2_t*>(o + j * 8 + 2 * t) = ts_pack(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
@@ -170,14 +175,16 @@ ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
   }
 }
 
-// delta[row] = sum_d dO[row, d] * O[row, d]; one warp per row.
+// delta[row] = sum_d dO[row, d] * O[row, d] (rows: (batch, head, position) in order); one warp per row.
 extern "C" __global__ void ts_flash_bwd_delta(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
-                                              float* __restrict__ delta, long long rows) {
+                                              float* __restrict__ delta, long long rows, int H, int SQ,
+                                              long long qsb, long long qsh, long long qss) {
   const long long row = (long long)blockIdx.x * NWARPS + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
+  const long long bh = row / SQ, at = (bh / H) * qsb + (bh % H) * qsh + (row % SQ) * qss;
   float sum = 0.f;
-  for (int d = lane; d < D; d += 32) sum += ts_float(O[row * D + d]) * ts_float(dO[row * D + d]);
+  for (int d = lane; d < D; d += 32) sum += ts_float(O[at + d]) * ts_float(dO[at + d]);
   #pragma unroll
   for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
   if (lane == 0) delta[row] = sum;
@@ -191,7 +198,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
                   const elem_t* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ DELTA,
                   elem_t* __restrict__ dK, elem_t* __restrict__ dV, int H, int HKV, int SQ, int SK,
-                  float scale, int causal) {
+                  float scale, int causal, long long qsb, long long qsh, long long qss, long long ksb,
+                  long long ksh, long long kss) {
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* sK = reinterpret_cast<elem_t*>(smem);
   elem_t* sV = sK + 64 * LDD;
@@ -205,9 +213,9 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
   const int bhk = blockIdx.y, b = bhk / HKV, hk = bhk % HKV, groups = H / HKV;
   const int n0 = blockIdx.x * 64, krow0 = n0 + warp * 16, offset = SK - SQ;
   const float scale_log2 = scale * LOG2E;
-  const long long kv_base = (long long)bhk * SK * D;
-  load_rows(sK, K + kv_base, n0, 64, SK, tid);
-  load_rows(sV, V + kv_base, n0, 64, SK, tid);
+  const long long kv_base = b * ksb + hk * ksh;
+  load_rows(sK, K + kv_base, n0, 64, SK, tid, kss);
+  load_rows(sV, V + kv_base, n0, 64, SK, tid, kss);
   float dk[D / 8][4], dv[D / 8][4];
   #pragma unroll
   for (int j = 0; j < D / 8; ++j)
@@ -216,14 +224,15 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
   const int m_start = causal ? max(0, ((n0 - offset) / BQ) * BQ) : 0;
   for (int gi = 0; gi < groups; ++gi) {
     const long long qbh = (long long)b * H + hk * groups + gi;
-    const elem_t* q = Q + qbh * SQ * D;
-    const elem_t* dout = dO + qbh * SQ * D;
+    const long long q_base = b * qsb + (hk * groups + gi) * qsh;
+    const elem_t* q = Q + q_base;
+    const elem_t* dout = dO + q_base;
     for (int m0 = m_start; m0 < SQ; m0 += BQ) {
       __syncthreads();
-      load_rows(sQ, q, m0, BQ, SQ, tid);
-      load_rows_t(sQt, q, m0, BQ, SQ, tid);
-      load_rows(sdO, dout, m0, BQ, SQ, tid);
-      load_rows_t(sdOt, dout, m0, BQ, SQ, tid);
+      load_rows(sQ, q, m0, BQ, SQ, tid, qss);
+      load_rows_t(sQt, q, m0, BQ, SQ, tid, qss);
+      load_rows(sdO, dout, m0, BQ, SQ, tid, qss);
+      load_rows_t(sdOt, dout, m0, BQ, SQ, tid, qss);
       for (int i = tid; i < BQ; i += NWARPS * 32) {
         const bool in = m0 + i < SQ;
         sL[i] = in ? LSE[qbh * SQ + m0 + i] * LOG2E : 0.f;
@@ -280,7 +289,7 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
     if (krow >= SK) continue;
     #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
-      const long long off = kv_base + (long long)krow * D + j * 8 + 2 * t;
+      const long long off = kv_base + (long long)krow * kss + j * 8 + 2 * t;
       *reinterpret_cast<elem2_t*>(dK + off) = ts_pack(dk[j][2 * r] * scale, dk[j][2 * r + 1] * scale);
       *reinterpret_cast<elem2_t*>(dV + off) = ts_pack(dv[j][2 * r], dv[j][2 * r + 1]);
     }
@@ -293,7 +302,8 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
                 const elem_t* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ DELTA,
-                elem_t* __restrict__ dQ, int H, int HKV, int SQ, int SK, float scale, int causal) {
+                elem_t* __restrict__ dQ, int H, int HKV, int SQ, int SK, float scale, int causal,
+                long long qsb, long long qsh, long long qss, long long ksb, long long ksh, long long kss) {
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem);
   elem_t* sdO = sQ + 64 * LDD;
@@ -304,9 +314,9 @@ ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, cons
   const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / HKV);
   const int m0 = blockIdx.x * 64, row0 = m0 + warp * 16, offset = SK - SQ;
   const float scale_log2 = scale * LOG2E;
-  const long long q_base = (long long)bh * SQ * D, kv_base = ((long long)b * HKV + hk) * SK * D;
-  load_rows(sQ, Q + q_base, m0, 64, SQ, tid);
-  load_rows(sdO, dO + q_base, m0, 64, SQ, tid);
+  const long long q_base = b * qsb + h * qsh, kv_base = b * ksb + hk * ksh;
+  load_rows(sQ, Q + q_base, m0, 64, SQ, tid, qss);
+  load_rows(sdO, dO + q_base, m0, 64, SQ, tid, qss);
   float lse[2], dl[2];
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -320,9 +330,9 @@ ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, cons
   const int n_end = causal ? min(SK, m0 + 64 + offset) : SK;
   for (int n0 = 0; n0 < n_end; n0 += BK_) {
     __syncthreads();
-    load_rows(sK, K + kv_base, n0, BK_, SK, tid);
-    load_rows_t(sKt, K + kv_base, n0, BK_, SK, tid);
-    load_rows(sV, V + kv_base, n0, BK_, SK, tid);
+    load_rows(sK, K + kv_base, n0, BK_, SK, tid, kss);
+    load_rows_t(sKt, K + kv_base, n0, BK_, SK, tid, kss);
+    load_rows(sV, V + kv_base, n0, BK_, SK, tid, kss);
     __syncthreads();
     float s[BK_ / 8][4], dp[BK_ / 8][4];
     #pragma unroll
@@ -370,7 +380,7 @@ ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, cons
     if (row >= SQ) continue;
     #pragma unroll
     for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<elem2_t*>(dQ + q_base + (long long)row * D + j * 8 + 2 * t) =
+      *reinterpret_cast<elem2_t*>(dQ + q_base + (long long)row * qss + j * 8 + 2 * t) =
           ts_pack(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
   }
 }
@@ -408,7 +418,7 @@ _ELEM = {np.dtype(np.float16): "f16", resolve_dtype("bf16"): "bf16"}
 
 def _kernel_for(q: Any, d: int, policy: Any) -> str:
     """What attention of ``q``'s dtype runs on the GPU: "f16"/"bf16" (the flash kernel at that
-    element type), "f32"/"tf32" (attention_gemm_cuda: cuBLAS GEMMs around f32 softmax), or
+    element type), "f32" (attention_gemm_cuda: cuBLAS GEMMs around f32 softmax), or
     "reference" (the CuPy reference: f64, policies, head dims the flash kernel lacks).
     f32 follows the float32 matmul precision; "medium" runs the bf16 flash kernel."""
     dt = np.dtype(q.dtype)
@@ -417,14 +427,52 @@ def _kernel_for(q: Any, d: int, policy: Any) -> str:
     if dt in _ELEM:
         return _ELEM[dt] if d in FLASH_TILES else "reference"
     if dt == _F32:
-        kind = f32_compute()
-        return kind if kind != "bf16" or d in FLASH_TILES else "f32"
+        # "high" allows TF32, but CuPy's batched GEMM (the scores and P·V) has no TF32 mode
+        # (gemmStridedBatchedEx runs COMPUTE_32F): attention stays f32 there
+        return "bf16" if f32_compute() == "bf16" and d in FLASH_TILES else "f32"
     return "reference"
 
 
-def _as_elem(xp, elem: np.dtype, *arrays):
-    """Contiguous ``elem`` operands starting on a 16-byte boundary (load_rows reads ``uint4``s)."""
-    return tuple(aligned(xp.ascontiguousarray(a.astype(elem, copy=False)), 16) for a in arrays)
+def _strides(a) -> tuple:
+    """(batch, head, row) strides of a (B, H, S, D) array, in elements."""
+    return tuple(x // a.itemsize for x in a.strides[:3])
+
+
+def _readable(a) -> bool:
+    """Whether the kernel reads ``a`` as it is: D contiguous, every row on a 16-byte boundary
+    (load_rows reads ``uint4``s), strides whole elements."""
+    return (a.strides[-1] == a.itemsize and all(x % (8 * a.itemsize) == 0 for x in a.strides[:3])
+            and is_aligned(a, 16))
+
+
+def _operand(xp, elem: np.dtype, a):
+    """``a`` as ``elem``, read in place where its layout allows: the heads of a projection,
+    (B, S, H, D) memory seen as (B, H, S, D), need no copy; anything else is made contiguous."""
+    a = a.astype(elem, copy=False)
+    return a if _readable(a) else aligned(xp.ascontiguousarray(a), 16)
+
+
+def _laid_like(xp, like, dtype, src=None):
+    """A new array of ``like``'s shape and memory order (its strides, for the kernel's one set
+    of q-family / kv-family strides), holding ``src`` when given."""
+    order = sorted(range(like.ndim), key=lambda i: -like.strides[i])
+    buf = xp.empty(tuple(like.shape[i] for i in order), dtype)
+    out = buf.transpose(tuple(order.index(i) for i in range(like.ndim)))
+    if src is not None:
+        out[...] = src
+    return out
+
+
+def _same_layout(xp, like, a):
+    """``a`` (as ``like``'s dtype) with ``like``'s strides: a copy only where they differ."""
+    a = a.astype(like.dtype, copy=False)
+    return a if a.strides == like.strides and is_aligned(a, 16) else _laid_like(xp, like, like.dtype, a)
+
+
+def contiguous_inputs(q: Any) -> bool:
+    """Whether attention of ``q``'s dtype copies its inputs contiguous (the f32 GEMM path): then
+    autodiff copies once and keeps the copies for the backward."""
+    return np.dtype(q.dtype) == _F32 and f32_compute() != "bf16"
 
 
 def _batch_slices(b: int, heads: int):
@@ -452,20 +500,22 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check_out(op, out, q.shape, q.dtype, xp=cupy)
     note(op, kind)
-    if kind in ("f32", "tf32"):
+    if kind == "f32":
         o, lse = attention_f32(q, k, v, shape, causal=causal, scale=scale, out=out, stream=stream)
         return (o, lse) if return_lse else o
     elem = resolve_dtype(kind)
     fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype=kind), render_flash)
     with launch_stream(stream):
-        qh, kh, vh = _as_elem(cupy, elem, q, k, v)
-        direct = out is not None and out.dtype == elem and is_aligned(out, 4)   # o is written in pairs
-        o = out if direct else cupy.empty(q.shape, elem)
+        qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
+        vh = _same_layout(cupy, kh, v)
+        direct = out is not None and out.dtype == elem and out.strides == qh.strides and is_aligned(out, 16)
+        o = out if direct else _laid_like(cupy, qh, elem)          # O in q's layout: (B, S, H, D) stays so
         lse = cupy.empty((b, h, sq), np.float32)
+        strides = tuple(np.int64(x) for x in _strides(qh) + _strides(kh))
         for bs in _batch_slices(b, h):
             grid = ((sq + FLASH_TILES[d][0] - 1) // FLASH_TILES[d][0], (bs.stop - bs.start) * h)
             fn(grid, (128,), (qh[bs], kh[bs], vh[bs], o[bs], lse[bs], np.int32(h), np.int32(hkv), np.int32(sq),
-                              np.int32(sk), np.float32(scale * math.log2(math.e)), np.int32(bool(causal))))
+                              np.int32(sk), np.float32(scale * math.log2(math.e)), np.int32(bool(causal))) + strides)
         if out is not None and o is not out:
             out[...] = o
             o = out
@@ -490,7 +540,7 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
     check_stream(op, stream)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     note(op, kind)
-    if kind in ("f32", "tf32"):
+    if kind == "f32":
         return attention_f32_backward(q, k, v, o, do, lse, shape, causal=causal, scale=scale, stream=stream)
     elem = resolve_dtype(kind)
     cfg = dict(head_dim=d, dtype=kind)
@@ -500,20 +550,24 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
     dkdv_fn = get_function("flash_attention", "ts_flash_bwd_dkdv", cfg, render_flash, dynamic_smem=smem_kv)
     dq_fn = get_function("flash_attention", "ts_flash_bwd_dq", cfg, render_flash, dynamic_smem=smem_q)
     with launch_stream(stream):
-        qh, kh, vh, oh, doh = _as_elem(cupy, elem, q, k, v, o, do)
+        qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
+        vh, oh, doh = _same_layout(cupy, kh, v), _same_layout(cupy, qh, o), _same_layout(cupy, qh, do)
         lse32 = cupy.ascontiguousarray(lse, dtype=np.float32)
         delta = cupy.empty((b, h, sq), np.float32)
-        dq, dk, dv = (cupy.empty(t.shape, elem) for t in (q, k, v))
+        dq, dk, dv = _laid_like(cupy, qh, elem), _laid_like(cupy, kh, elem), _laid_like(cupy, kh, elem)
+        qs, ks = tuple(np.int64(x) for x in _strides(qh)), tuple(np.int64(x) for x in _strides(kh))
         rows = b * h * sq
-        delta_fn(((rows + 3) // 4,), (128,), (oh, doh, delta, np.int64(rows)))
+        delta_fn(((rows + 3) // 4,), (128,), (oh, doh, delta, np.int64(rows), np.int32(h), np.int32(sq)) + qs)
         for bs in _batch_slices(b, h):     # h >= hkv: slices that fit the dq grid fit dkdv's too
             nb = bs.stop - bs.start
             dkdv_fn(((sk + 63) // 64, nb * hkv), (128,),
-                    (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dk[bs], dv[bs]) + args, shared_mem=smem_kv)
+                    (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dk[bs], dv[bs]) + args + qs + ks,
+                    shared_mem=smem_kv)
             dq_fn(((sq + 63) // 64, nb * h), (128,),
-                  (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dq[bs]) + args, shared_mem=smem_q)
+                  (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dq[bs]) + args + qs + ks, shared_mem=smem_q)
         return tuple(t.astype(q.dtype, copy=False) for t in (dq, dk, dv))
 
 
+flash_attention_cuda.contiguous_inputs = contiguous_inputs
 register_kernel("flash_attention", "cuda", flash_attention_cuda)
 register_kernel("flash_attention_backward", "cuda", flash_attention_backward_cuda)

@@ -7,10 +7,13 @@ Here the scores of a group of (batch, kv head) slices are one batched f32 GEMM
 no copies of K or V), a row kernel turns S into P in place (scale, causal mask, max, sum,
 natural-log ``lse``), and ``O = P V`` is a second GEMM.  The backward recomputes S from
 ``lse`` (as FlashAttention-2 does), forms ``dP = dO Vᵀ``, one elementwise kernel writes
-``P`` over S and ``dS = P (dP - delta) * scale`` over dP, and three GEMMs give dV, dQ, dK.
+``P`` over S and ``dS = P (dP - delta) * scale`` over dP, and three GEMMs give dVᵀ = dOᵀ P,
+dQ = dS K and dKᵀ = Qᵀ dS.  Every batched GEMM reads C-contiguous operands (CuPy copies
+any other): the small (S x D) inputs are transposed where a product needs them so, never
+the (Sq x Sk) score matrices.
 
-The GEMMs follow the float32 matmul precision (``kernels.precision``): f32 at "highest",
-TF32 at "high".  S and dP are materialized for ``slices`` (batch x kv head) at a time,
+The GEMMs are f32 (CuPy's batched GEMM has no TF32 mode; at "medium" attention_cuda runs the
+bf16 flash kernel instead).  S and dP are materialized for ``slices`` (batch x kv head) at a time,
 sized so that they stay under ``SCRATCH_BYTES``; every slice of a call uses the same two
 buffers.  The kernels are compiled without fast math: ``expf``/``logf`` within 2 ulp.
 """
@@ -133,10 +136,17 @@ def _stacked(xp, t, bh: int, rows: int, d: int):
     return xp.ascontiguousarray(t).reshape(bh, rows, d)
 
 
+def _transposed(xp, t3):
+    """A stacked (B*Hkv, rows, D) array's matrices transposed, contiguous (B*Hkv, D, rows).
+    CuPy's batched GEMM copies any operand that is not C-contiguous: transposing the small
+    (rows x D) inputs here keeps every product's operands contiguous, so the (rows x Sk)
+    score matrices are never copied."""
+    return xp.ascontiguousarray(t3.transpose(0, 2, 1))
+
+
 def _f32_gemms():
     from .gemm_cuda import cublas_f32_compute
-    from .precision import f32_compute
-    return cublas_f32_compute(f32_compute())
+    return cublas_f32_compute("f32")
 
 
 def attention_f32(q: Any, k: Any, v: Any, shape: tuple, *, causal: bool, scale: float, out: Any = None,
@@ -149,7 +159,8 @@ def attention_f32(q: Any, k: Any, v: Any, shape: tuple, *, causal: bool, scale: 
     rows = g * sq
     probs = _fn("ts_attn_probs")
     with launch_stream(stream), _f32_gemms():
-        q3, k3, v3 = _stacked(cupy, q, bh, rows, d), _stacked(cupy, k, bh, sk, d), _stacked(cupy, v, bh, sk, d)
+        q3, v3 = _stacked(cupy, q, bh, rows, d), _stacked(cupy, v, bh, sk, d)
+        kt3 = _transposed(cupy, _stacked(cupy, k, bh, sk, d))
         o3 = out.reshape(bh, rows, d) if out is not None and out.flags.c_contiguous else cupy.empty((bh, rows, d), np.float32)
         lse = cupy.empty((bh, rows), np.float32)
         n = _slices(bh, rows, sk, 1)
@@ -157,7 +168,7 @@ def attention_f32(q: Any, k: Any, v: Any, shape: tuple, *, causal: bool, scale: 
         for z0 in range(0, bh, n):
             z1 = min(bh, z0 + n)
             s = s_buf[:z1 - z0]
-            cupy.matmul(q3[z0:z1], k3[z0:z1].transpose(0, 2, 1), out=s)
+            cupy.matmul(q3[z0:z1], kt3[z0:z1], out=s)
             probs(((z1 - z0) * rows,), (NT,), (s, lse[z0:z1], np.int32(sk), np.int32(sq), np.int32(sk - sq),
                                               np.float32(scale), np.int32(bool(causal))))
             cupy.matmul(s, v3[z0:z1], out=o3[z0:z1])
@@ -179,22 +190,24 @@ def attention_f32_backward(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, sh
     with launch_stream(stream), _f32_gemms():
         q3, k3, v3 = _stacked(cupy, q, bh, rows, d), _stacked(cupy, k, bh, sk, d), _stacked(cupy, v, bh, sk, d)
         o3, do3 = _stacked(cupy, o, bh, rows, d), _stacked(cupy, do, bh, rows, d)
+        qt3, kt3, vt3, dot3 = (_transposed(cupy, t) for t in (q3, k3, v3, do3))
         lse2 = cupy.ascontiguousarray(lse, dtype=np.float32).reshape(bh, rows)
         delta = cupy.empty((bh, rows), np.float32)
         delta_fn((-(-bh * rows // (NT // 32)),), (NT,), (o3, do3, delta, np.int64(bh * rows), np.int32(d)))
         dq3 = cupy.empty((bh, rows, d), np.float32)
-        dk3, dv3 = cupy.empty((bh, sk, d), np.float32), cupy.empty((bh, sk, d), np.float32)
+        dkt3, dvt3 = cupy.empty((bh, d, sk), np.float32), cupy.empty((bh, d, sk), np.float32)
         n = _slices(bh, rows, sk, 2)
         s_buf, dp_buf = cupy.empty((n, rows, sk), np.float32), cupy.empty((n, rows, sk), np.float32)
         for z0 in range(0, bh, n):
             z1 = min(bh, z0 + n)
             s, dp = s_buf[:z1 - z0], dp_buf[:z1 - z0]
-            cupy.matmul(q3[z0:z1], k3[z0:z1].transpose(0, 2, 1), out=s)
-            cupy.matmul(do3[z0:z1], v3[z0:z1].transpose(0, 2, 1), out=dp)
+            cupy.matmul(q3[z0:z1], kt3[z0:z1], out=s)
+            cupy.matmul(do3[z0:z1], vt3[z0:z1], out=dp)
             total = (z1 - z0) * rows * sk
             dscores(_grid(total), (NT,), (s, dp, lse2[z0:z1], delta[z0:z1], np.int64(total), np.int32(sk),
                                           np.int32(sq), np.int32(sk - sq), np.float32(scale), np.int32(bool(causal))))
-            cupy.matmul(s.transpose(0, 2, 1), do3[z0:z1], out=dv3[z0:z1])
-            cupy.matmul(dp, k3[z0:z1], out=dq3[z0:z1])
-            cupy.matmul(dp.transpose(0, 2, 1), q3[z0:z1], out=dk3[z0:z1])
+            cupy.matmul(dot3[z0:z1], s, out=dvt3[z0:z1])          # dVᵀ = dOᵀ P
+            cupy.matmul(dp, k3[z0:z1], out=dq3[z0:z1])            # dQ = dS K
+            cupy.matmul(qt3[z0:z1], dp, out=dkt3[z0:z1])          # dKᵀ = Qᵀ dS
+        dk3, dv3 = (cupy.ascontiguousarray(t.transpose(0, 2, 1)) for t in (dkt3, dvt3))
     return dq3.reshape(b, h, sq, d), dk3.reshape(b, hkv, sk, d), dv3.reshape(b, hkv, sk, d)

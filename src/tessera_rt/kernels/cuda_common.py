@@ -20,14 +20,22 @@ from typing import Any, Callable
 __all__ = ["MAX_GRID_YZ", "MMA_HEADER", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
            "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned"]
 
-# A kernel's I/O element type: ``in_t`` is __half when compiled with TS_HALF=1, else float;
-# ``to_f``/``from_f`` convert to and from the f32 the kernel computes in.
+# A row kernel's I/O element type: ``in_t`` is float, __half or __nv_bfloat16 as TS_IO is 0, 1
+# or 2 (``IO_CODES``); ``to_f``/``from_f`` convert to and from the f32 the kernel computes in.
 HALF_IO = r"""
 #include <cuda_fp16.h>
-#if TS_HALF
+#include <cuda_bf16.h>
+#ifndef TS_IO
+#define TS_IO 0
+#endif
+#if TS_IO == 1
 typedef __half in_t;
 __device__ __forceinline__ float to_f(in_t x) { return __half2float(x); }
 __device__ __forceinline__ in_t from_f(float x) { return __float2half(x); }
+#elif TS_IO == 2
+typedef __nv_bfloat16 in_t;
+__device__ __forceinline__ float to_f(in_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ in_t from_f(float x) { return __float2bfloat16(x); }
 #else
 typedef float in_t;
 __device__ __forceinline__ float to_f(in_t x) { return x; }

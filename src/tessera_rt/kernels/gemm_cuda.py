@@ -294,16 +294,45 @@ def cublas_f32_compute(kind: str):
         set_compute_type(_F32, before)
 
 
+def _rows_fold(a: Any) -> bool:
+    """Whether ``a``'s leading dims merge with its rows without a copy (a reshape view)."""
+    dims = [(n, st) for n, st in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
+    return a.strides[-1] == a.itemsize and all(st == s_in * n_in for (_, st), (n_in, s_in) in zip(dims, dims[1:]))
+
+
+def _bf16_matmul(a: Any, b: Any, out: Any = None):
+    """cupy.matmul of bf16 operands.  CuPy 14.2 sends a batched (ndim > 2) bf16 product to
+    its integer GEMM, which refuses the dtype (fixed after 14.2), so batches are 2-D GEMMs:
+    one over all rows when ``b`` is a matrix, else one per matrix of the batch."""
+    import cupy
+    if a.ndim <= 2 and b.ndim <= 2:
+        return cupy.matmul(a, b, out=out)
+    shape = matmul_shapes("matmul", a, b)
+    if b.ndim == 2:
+        c = cupy.matmul(a.reshape(-1, a.shape[-1]), b).reshape(shape)
+    else:
+        a3 = cupy.broadcast_to(a, shape[:-2] + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
+        b3 = cupy.broadcast_to(b, shape[:-2] + b.shape[-2:]).reshape((-1,) + b.shape[-2:])
+        c = cupy.empty((a3.shape[0], shape[-2], shape[-1]), a.dtype)
+        for i in range(a3.shape[0]):
+            cupy.matmul(a3[i], b3[i], out=c[i])
+        c = c.reshape(shape)
+    if out is None:
+        return c
+    out[...] = c
+    return out
+
+
 def _cublas(a: Any, b: Any, out: Any):
     """cupy.matmul at the dtype's precision; f32 follows the float32 matmul precision."""
     import cupy
     if a.dtype != _F32:
         note("matmul", _SHORT[np.dtype(a.dtype)])
-        return cupy.matmul(a, b, out=out)
+        return _bf16_matmul(a, b, out) if a.dtype == _BF16 else cupy.matmul(a, b, out=out)
     kind = f32_compute()
     note("matmul", kind)
     if kind == "bf16":          # "medium": bf16 tensor cores, f32 accumulation, f32 back
-        c = cupy.matmul(a.astype(_BF16), b.astype(_BF16))
+        c = _bf16_matmul(a.astype(_BF16), b.astype(_BF16))
         if out is None:
             return c.astype(_F32)
         out[...] = c
@@ -329,7 +358,12 @@ def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = Non
         if policy is None and a.dtype == b.dtype and a.dtype in _CUBLAS_DTYPES:
             # Straight to cuBLAS: widening 16-bit operands first (the reference's way) would
             # only add two copies and turn a tensor-core GEMM into an f32 SIMT one.
-            matmul_shapes("matmul", a, b)
+            shape = matmul_shapes("matmul", a, b)
+            if a.ndim > 2 and b.ndim == 2 and _rows_fold(a) and (out is None or out.flags.c_contiguous):
+                # (..., m, k) @ (k, n) as one 2-D GEMM: CuPy's batched path would broadcast the
+                # weight through pointer arrays (three more kernels) and copy a transposed one
+                c = _cublas(a.reshape(-1, a.shape[-1]), b, None if out is None else out.reshape(-1, shape[-1]))
+                return c.reshape(shape) if out is None else out
             return _cublas(a, b, out)
         return matmul_reference(a, b, out=out, policy=policy)
 

@@ -26,8 +26,16 @@ F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 GRAD_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def check_adamw_args(ws, gs, ms, vs, step: int) -> None:
-    """The lists' lengths and each tensor's sizes and dtypes (masters and moments f32)."""
+def check_adamw_args(ws, gs, ms, vs, step: int, outs=None) -> None:
+    """The lists' lengths and each tensor's sizes and dtypes (masters and moments f32; an
+    output, where given, of its gradient's dtype)."""
+    if outs is not None:
+        if len(outs) != len(ws):
+            raise ValueError(f"adamw_multi: {len(outs)} outputs for {len(ws)} masters; pass one (or None) per parameter")
+        for i, (o, g) in enumerate(zip(outs, gs)):
+            if o is not None and (o.dtype != g.dtype or o.size != g.size):
+                raise ValueError(f"adamw_multi: output {i} is {dtype_name(o.dtype)} {tuple(o.shape)}; an output "
+                                 f"takes its gradient's dtype ({dtype_name(g.dtype)}) and size ({g.size})")
     if not len(ws) == len(gs) == len(ms) == len(vs):
         raise ValueError(f"adamw_multi: {len(ws)} masters, {len(gs)} gradients, {len(ms)} first and {len(vs)} "
                          "second moments; pass one of each per parameter")
@@ -84,11 +92,12 @@ def clip_scale(total_sq: float, max_norm: float) -> float:
 # --------------------------------------------------------------------------- CPU kernel-table entries
 
 def adamw_multi_cpu(ws, gs, ms, vs, *, lr: float, b1: float, b2: float, eps: float, weight_decay: float, step: int,
-                    grad_scale: Any = None, stream: Any = None) -> None:
+                    grad_scale: Any = None, outs: Any = None, stream: Any = None) -> None:
     """AdamW in place on f32 NumPy masters and moments, per tensor through ``cpu_fused.adamw_step``
     (``optim.AdamW._update``'s formula) with the gradient widened to f32 and multiplied by
-    ``grad_scale`` (a 0-d f32 array) first when given."""
-    check_adamw_args(ws, gs, ms, vs, step)
+    ``grad_scale`` (a 0-d f32 array) first when given; ``outs`` (None, or per tensor None or an
+    array of the gradient's dtype) receive the updated masters rounded."""
+    check_adamw_args(ws, gs, ms, vs, step, outs)
     c1, c2 = 1 - b1 ** step, 1 - b2 ** step
     decay = 1 - lr * weight_decay if weight_decay else None
     scale = None if grad_scale is None else np.asarray(grad_scale, F32)
@@ -98,6 +107,9 @@ def adamw_multi_cpu(ws, gs, ms, vs, *, lr: float, b1: float, b2: float, eps: flo
             g = g * scale
         if not cpu_fused.adamw_step(w, g, m, v, b1=b1, b2=b2, c1=c1, c2=c2, eps=eps, decay=decay, lr=lr):
             _adamw_numpy(w, g, m, v, b1, b2, c1, c2, eps, decay, lr)
+    for w, o in zip(ws, outs or ()):
+        if o is not None:
+            o.reshape(-1)[...] = w.reshape(-1)
 
 
 def _adamw_numpy(w, g, m, v, b1, b2, c1, c2, eps, decay, lr) -> None:
@@ -115,15 +127,26 @@ def _adamw_numpy(w, g, m, v, b1, b2, c1, c2, eps, decay, lr) -> None:
     w -= step * lr
 
 
+_CHUNK = 1 << 20
+_SQUARES: list = []          # one f64 scratch buffer of up to _CHUNK elements, kept
+
+
 def sum_squares_multi_cpu(gs, *, stream: Any = None) -> np.ndarray:
     """The sum of squares of every element of every array, squares of float64 values summed by
-    NumPy (pairwise, a fixed order): a 0-d float64 array."""
+    NumPy (pairwise, a fixed order): a 0-d float64 array.  Chunks are widened and squared in
+    place in one kept buffer, so a training step's clip allocates nothing."""
     total = 0.0
     for g in gs:
         flat = np.asarray(g).reshape(-1)
-        for i in range(0, flat.size, 1 << 20):        # bounded f64 temporaries
-            part = flat[i:i + (1 << 20)].astype(F64)
-            total += float(np.sum(part * part))
+        if not _SQUARES or _SQUARES[0].size < min(flat.size, _CHUNK):
+            _SQUARES[:] = [np.empty(min(max(flat.size, 1), _CHUNK), F64)]
+        buf = _SQUARES[0]
+        for i in range(0, flat.size, _CHUNK):
+            part = flat[i:i + _CHUNK]
+            sq = buf[:part.size]
+            sq[...] = part
+            np.multiply(sq, sq, out=sq)
+            total += float(np.sum(sq))
     return np.asarray(total, F64)
 
 

@@ -67,22 +67,24 @@ __device__ __forceinline__ void ts_adamw_step(float& w, float& m, float& v, floa
   w = __fsub_rn(__fmul_rn(w, h.decay), __fmul_rn(step, h.lr));
 }
 
-// table: T masters, T gradients (io_t), T first and T second moments, T sizes, T first blocks.
+// table: T masters, T gradients (io_t), T first and T second moments, T outputs (io_t copies of
+// the updated masters, 0: none), T sizes, T first blocks.
 extern "C" __global__ void __launch_bounds__(NT) ts_adamw(
     const unsigned long long* __restrict__ table, int T, const float* __restrict__ grad_scale, float b1, float ob1,
     float b2, float ob2, float ic1, float ic2, float eps, float decay, float lr) {
   const ts_adam h = {b1, ob1, b2, ob2, ic1, ic2, eps, decay, lr};
-  const long long* starts = reinterpret_cast<const long long*>(table + 5 * T);
+  const long long* starts = reinterpret_cast<const long long*>(table + 6 * T);
   const int t = ts_tensor_of(starts, T);
   float* w = reinterpret_cast<float*>(table[t]);
   const io_t* g = reinterpret_cast<const io_t*>(table[T + t]);
   float* m = reinterpret_cast<float*>(table[2 * T + t]);
   float* v = reinterpret_cast<float*>(table[3 * T + t]);
-  const long long n = (long long)table[4 * T + t];
+  io_t* out = reinterpret_cast<io_t*>(table[4 * T + t]);
+  const long long n = (long long)table[5 * T + t];
   const long long begin = (blockIdx.x - starts[t]) * CHUNK, end = min(n, begin + CHUNK);
   const float gs = grad_scale ? *grad_scale : 1.f;
   const bool vec = ((table[t] | table[2 * T + t] | table[3 * T + t]) & 15) == 0
-                   && (table[T + t] & (4 * sizeof(io_t) - 1)) == 0;
+                   && ((table[T + t] | table[4 * T + t]) & (4 * sizeof(io_t) - 1)) == 0;
   long long scalar_from = begin;
   if (vec) {
     for (long long j = begin + threadIdx.x * 4; j + 4 <= end; j += NT * 4) {
@@ -96,12 +98,14 @@ extern "C" __global__ void __launch_bounds__(NT) ts_adamw(
       ts_store<4>(w + j, wv);
       ts_store<4>(m + j, mv);
       ts_store<4>(v + j, vv);
+      if (out) ts_store<4>(out + j, wv);
     }
     scalar_from = begin + (end - begin) / 4 * 4;
   }
   for (long long j = scalar_from + threadIdx.x; j < end; j += NT) {
     const float gj = ts_f(g[j]);
     ts_adamw_step(w[j], m[j], v[j], grad_scale ? __fmul_rn(gj, gs) : gj, h);
+    if (out) out[j] = ts_to<io_t>(w[j]);
   }
 }
 
@@ -201,7 +205,7 @@ def _plan(columns: list[list], sizes: list[int]) -> tuple[np.ndarray, int]:
     tensors of size 0 left out by the caller) and its number of blocks."""
     blocks = np.array([-(-n // CHUNK) for n in sizes], np.int64)
     starts = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
-    cols = [np.array([a.data.ptr for a in col], np.uint64) for col in columns]
+    cols = [np.array([0 if a is None else a.data.ptr for a in col], np.uint64) for col in columns]
     return np.concatenate(cols + [np.array(sizes, np.uint64), starts.view(np.uint64)]), int(blocks.sum())
 
 
@@ -227,22 +231,26 @@ def _upload(plans: list[np.ndarray]):
 
 
 def adamw_multi_cuda(ws, gs, ms, vs, *, lr: float, b1: float, b2: float, eps: float, weight_decay: float,
-                     step: int, grad_scale: Any = None, stream: Any = None) -> None:
+                     step: int, grad_scale: Any = None, outs: Any = None, stream: Any = None) -> None:
     """AdamW in place on the f32 masters ``ws`` and moments ``ms``, ``vs`` (any shapes, each
     contiguous) with gradients ``gs`` (f32/f16/bf16): one launch per gradient dtype present.
     ``grad_scale``: None, or a 0-d f32 device array every gradient is multiplied by first
-    (a clip factor kept on the device)."""
+    (a clip factor kept on the device).  ``outs``: None, or per tensor None or an array of its
+    gradient's dtype that receives the updated master rounded to that dtype (a bf16 model's
+    parameters, written in the same pass instead of a cast per parameter)."""
     op = "adamw_multi"
-    ref.check_adamw_args(ws, gs, ms, vs, step)
-    for name, arrays in (("master", ws), ("gradient", gs), ("first moment", ms), ("second moment", vs)):
+    ref.check_adamw_args(ws, gs, ms, vs, step, outs)
+    outs = [None] * len(ws) if outs is None else list(outs)
+    for name, arrays in (("master", ws), ("gradient", gs), ("first moment", ms), ("second moment", vs),
+                         ("output", [o for o in outs if o is not None])):
         _device(op, name, arrays)
     if grad_scale is not None and (not is_cupy(grad_scale) or grad_scale.shape != () or grad_scale.dtype != np.float32):
         raise ValueError(f"{op}: grad_scale must be None or a 0-d f32 device array, got "
                          f"{dtype_name(getattr(grad_scale, 'dtype', type(grad_scale)))}")
     check_stream(op, stream)
     scalars = ref.adam_scalars(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, step=step)
-    groups = _groups([np.dtype(g.dtype).name for g in gs], list(zip(ws, gs, ms, vs, [w.size for w in ws])))
-    plans = [_plan([list(c) for c in zip(*[it[:4] for it in items])], [it[4] for it in items])
+    groups = _groups([np.dtype(g.dtype).name for g in gs], list(zip(ws, gs, ms, vs, outs, [w.size for w in ws])))
+    plans = [_plan([list(c) for c in zip(*[it[:5] for it in items])], [it[5] for it in items])
              for items in groups.values()]
     if not plans:
         return

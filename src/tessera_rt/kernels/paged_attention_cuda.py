@@ -18,7 +18,7 @@ import numpy as np
 from ..backend import register_kernel
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import HALF_IO, MAX_GRID_YZ, get_function, launch_stream
+from .cuda_common import HALF_IO, IO_CODES, MAX_GRID_YZ, get_function, io_name, launch_stream
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 
 __all__ = ["render_paged", "paged_decode_attention_cuda", "PAGED_HEAD_DIMS"]
@@ -81,24 +81,25 @@ ts_paged_decode(const in_t* __restrict__ Q, const in_t* __restrict__ KP, const i
 """
 
 
-def render_paged(head_dim: int = 128, half: bool = True) -> str:
-    return f"#define D {int(head_dim)}\n#define TS_HALF {int(half)}\n" + PAGED_SOURCE
+def render_paged(head_dim: int = 128, io: str = "f16") -> str:
+    return f"#define D {int(head_dim)}\n#define TS_IO {IO_CODES[io]}\n" + PAGED_SOURCE
 
 
 register_source(KernelSource("paged_decode", render_paged, ("ts_paged_decode",),
-                             configs=[dict(head_dim=d, half=h) for d in (64, 128) for h in (True, False)]))
+                             configs=[dict(head_dim=d, io=io) for d in (64, 128) for io in ("f16", "bf16", "f32")]))
 
 
 def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables: Any, seq_lens: Any, *,
                                 seq_starts: Any = None, scale: float | None = None, out: Any | None = None,
                                 stream: Any | None = None, policy: Any = None):
-    """GPU paged decode; head dims outside ``PAGED_HEAD_DIMS`` and bf16 take the CuPy reference."""
+    """GPU paged decode (f32, f16 or bf16 pages); head dims outside ``PAGED_HEAD_DIMS`` take the
+    CuPy reference."""
     import cupy
     op = "paged_decode_attention"
     b, h, hkv, d, bs, mb = check_paged(op, q, k_pages, v_pages, block_tables, seq_lens, seq_starts)
     check_policy(op, policy)
     check_stream(op, stream)
-    if d not in PAGED_HEAD_DIMS or q.dtype not in (np.float16, np.float32) or policy is not None:
+    if d not in PAGED_HEAD_DIMS or io_name(q.dtype) not in ("f16", "bf16", "f32") or policy is not None:
         with launch_stream(stream):
             return paged_reference(q, k_pages, v_pages, block_tables, seq_lens, seq_starts=seq_starts,
                                    scale=scale, out=out, policy=policy)
@@ -106,7 +107,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
         raise ValueError(f"{op}: batch {b} exceeds the grid's y limit {MAX_GRID_YZ}; decode in smaller batches")
     check_out(op, out, q.shape, q.dtype, xp=cupy)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    fn = get_function("paged_decode", "ts_paged_decode", dict(head_dim=d, half=q.dtype == np.float16), render_paged)
+    fn = get_function("paged_decode", "ts_paged_decode", dict(head_dim=d, io=io_name(q.dtype)), render_paged)
     with launch_stream(stream):
         qc, kc, vc = (cupy.ascontiguousarray(t) for t in (q, k_pages, v_pages))
         o = out if out is not None and out.flags.c_contiguous else cupy.empty(q.shape, q.dtype)

@@ -3,8 +3,8 @@ FP8 quantize/dequantize.
 
 Row kernels read a row once into registers (up to ``ROW_MAX`` elements), reduce in f32
 with warp shuffles and a 32-float shared scratch, and write once: 2 bytes in + 2 bytes out
-per element for f16, which is the roofline for these ops.  Longer rows, other axes and
-dtypes CuPy cannot hold (bf16) go to the CuPy reference, which is the same NumPy code.
+per element for f16/bf16, which is the roofline for these ops.  Longer rows, other axes and
+f64 go to the CuPy reference, which is the same NumPy code.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..backend import register_kernel
 from ..dtypes import resolve_dtype
 from ._common import check_float, check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import HALF_IO, get_function, launch_stream
+from .cuda_common import HALF_IO, IO_CODES, get_function, io_name, launch_stream
 from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
 
@@ -174,8 +174,8 @@ _ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3, "identity": 4}
 _MODES = {"softmax": 0, "layernorm": 1, "rmsnorm": 2}
 
 
-def render_rows(mode: str = "softmax", act: str = "gelu", half: bool = True) -> str:
-    return (f"#define MODE {_MODES[mode]}\n#define ACT {_ACTS[act]}\n#define TS_HALF {int(half)}\n"
+def render_rows(mode: str = "softmax", act: str = "gelu", io: str = "f16") -> str:
+    return (f"#define MODE {_MODES[mode]}\n#define ACT {_ACTS[act]}\n#define TS_IO {IO_CODES[io]}\n"
             f"#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n" + ROWS_SOURCE)
 
 
@@ -184,12 +184,12 @@ def render_fp8(e5m2: bool = False, sr: bool = False) -> str:
 
 
 register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act"),
-                             configs=[dict(mode=m, half=h) for m in _MODES for h in (True, False)]
+                             configs=[dict(mode=m, io=io) for m in _MODES for io in ("f16", "bf16", "f32")]
                              + [dict(mode="softmax", act=a) for a in _ACTS if a != "gelu"]))
 register_source(KernelSource("fp8", render_fp8, ("ts_quantize_fp8", "ts_dequantize_fp8"),
                              configs=[dict(e5m2=e, sr=s) for e in (False, True) for s in (False, True)]))
 
-_GPU_DT = (np.dtype(np.float16), np.dtype(np.float32))
+_GPU_DT = (np.dtype(np.float16), np.dtype(np.float32), resolve_dtype("bf16"))
 
 
 def _row_kernel_ok(x: Any, policy: Any, *params) -> bool:
@@ -207,7 +207,7 @@ def _launch_rows(mode: str, x: Any, w: Any, b: Any, eps: float, out: Any, stream
     import cupy
     n = x.shape[-1]
     rows = x.size // n
-    fn = get_function("rows", "ts_rows", dict(mode=mode, act="gelu", half=x.dtype == np.float16), render_rows)
+    fn = get_function("rows", "ts_rows", dict(mode=mode, act="gelu", io=io_name(x.dtype)), render_rows)
     with launch_stream(stream):        # the output and the dense copies in the launch's stream
         y = out if out is not None else cupy.empty_like(x)
         if rows:
@@ -263,7 +263,7 @@ def bias_act_cuda(x: Any, bias: Any = None, *, act: str = "gelu", out: Any = Non
             raise ValueError(f"bias_act: bias has shape {tuple(bias.shape)}, expected ({x.shape[-1]},)")
         check_stream("bias_act", stream)
         check_out("bias_act", out, x.shape, x.dtype, xp=cupy)
-        fn = get_function("rows", "ts_bias_act", dict(mode="softmax", act=act, half=x.dtype == np.float16),
+        fn = get_function("rows", "ts_bias_act", dict(mode="softmax", act=act, io=io_name(x.dtype)),
                           render_rows)
         with launch_stream(stream):
             y = out if out is not None else cupy.empty_like(x)

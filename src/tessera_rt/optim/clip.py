@@ -123,6 +123,8 @@ def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error
         total = get_backend().xp.asarray(np.float64(float(norm)) ** 2)
     clip = get_backend().kernel("clip_scale_multi", like=mine[0] if mine else locals_[0] if locals_ else None)
     scale = clip(mine, total, float(max_norm))
+    if on_host:
+        scale = max_norm / (norm + 1e-6)     # (the others as the in-place ones: by a Python float)
     out = [g if own else op.mul(g, scale) for g, own in zip(leaves, owned)]
     return tree_unflatten(struct, out), norm
 

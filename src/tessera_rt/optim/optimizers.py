@@ -21,6 +21,14 @@ def _local(x):
     return x.to_local() if type(x) is DTensor else x
 
 
+def _fresh_like(p):
+    """A new parameter of ``p``'s shape, dtype and layout (its values written by the caller)."""
+    if type(p) is DTensor:
+        from ..dist.tensor.dtensor import zeros
+        return zeros(p.shape, layout=p.layout, mesh=p.mesh, dtype=p.dtype)
+    return array_module(p).empty(p.shape, p.dtype)
+
+
 def _f32(x):
     """An f32 copy (the master): a new array / DTensor, never an alias of the parameter."""
     if x.dtype == _F32:
@@ -247,10 +255,13 @@ class AdamW(Optimizer):
         g_leaves, _, _ = tree_flatten(grads)
         _check_grads(f"{type(self).__name__}.step", p_leaves, g_leaves, self._paths)
         self.t += 1
-        ws = [_local(w) for w in self.masters]
+        ws, gs = [_local(w) for w in self.masters], [_local(g) for g in g_leaves]
+        # low-precision parameters of their gradient's dtype come out of the same pass
+        fresh = [_fresh_like(p) if p.dtype != _F32 and p.dtype == g.dtype else None for p, g in zip(p_leaves, g_leaves)]
         get_backend().kernel("adamw_multi", like=ws[0] if ws else None)(
-            ws, [_local(g) for g in g_leaves], [_local(m) for m in self.m], [_local(v) for v in self.v],
+            ws, gs, [_local(m) for m in self.m], [_local(v) for v in self.v],
             lr=self.lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.wd, step=self.t,
-            grad_scale=grad_scale)
-        out = [m if p.dtype == _F32 else op.astype(m, p.dtype) for p, m in zip(p_leaves, self.masters)]
+            grad_scale=grad_scale, outs=[None if f is None else _local(f) for f in fresh])
+        out = [m if p.dtype == _F32 else f if f is not None else op.astype(m, p.dtype)
+               for p, m, f in zip(p_leaves, self.masters, fresh)]
         return tree_unflatten(self._struct, out)

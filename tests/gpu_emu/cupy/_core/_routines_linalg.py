@@ -93,9 +93,9 @@ def _cast(x, dtype, name: str):
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def _gemm(name: str, np_func, a, b, dtype, extra=(), tf32_ok=True):
+def _gemm(name: str, np_func, a, b, dtype, extra=(), tf32_ok=True, out=None):
     """One cuBLAS call on operands already in ``dtype``: float32 accumulation for 16-bit and
-    float32, TF32 operands when asked for."""
+    float32, TF32 operands when asked for; into ``out`` (C-contiguous, of ``dtype``) when given."""
     tf32 = tf32_ok and dtype.char in "fF" and get_compute_type(dtype) == COMPUTE_TYPE_TF32
     for x in (a, b):        # _mat_to_cublas_contiguous: a strided (not C/F) operand is copied
         if x.ndim == 2 and not (x.flags.c_contiguous or x.flags.f_contiguous):
@@ -108,6 +108,11 @@ def _gemm(name: str, np_func, a, b, dtype, extra=(), tf32_ok=True):
             return np.asarray(np_func(round_to_tf32(x), round_to_tf32(y), *extra)).astype(dtype)
         return np_func(x, y, *extra)
     what = "TF32" if tf32 else "32F" if dtype.char in "efF" or is_bf16(dtype) else "64F"
+    if out is not None:
+        def run_into(x, y, out):
+            out[...] = np.asarray(run(x, y)).reshape(out.shape)
+            return out
+        return _bridge.call_numpy(f"{name} (cuBLAS gemmEx, COMPUTE_{what})", run_into, (a, b), {"out": out})
     return _bridge.call_numpy(f"{name} (cuBLAS gemmEx, COMPUTE_{what})", run, (a, b), {})
 
 
@@ -125,6 +130,13 @@ def _mul_sum(name: str, a, b, dtype):
     return _bridge.call_numpy(f"{name} (_tensordot_core_mul_sum)", run, (a, b), {})
 
 
+def _writes_into(out, a, b, dtype) -> bool:
+    """CuPy writes the GEMM straight into ``out`` when it is C-contiguous, of the computed
+    dtype and shares no memory with an operand (matmul's ``c = out``; dot's output check)."""
+    return (out is not None and out.flags.c_contiguous and out.dtype == dtype
+            and not any(np.shares_memory(out._a, x._a) for x in (a, b)))
+
+
 def _finish(result, out, shape):
     result = result.reshape(shape) if result.shape != shape else result
     if out is None:
@@ -132,6 +144,9 @@ def _finish(result, out, shape):
     from .._functions import copyto
     copyto(out, result, casting="unsafe")
     return out
+
+
+
 
 
 def dot(a, b, out=None):
@@ -150,6 +165,8 @@ def dot(a, b, out=None):
     if n == 1 and m == 1:
         return _finish(_mul_sum("cupy.dot", a, b, dtype), out, shape)
     a2, b2 = _cast(a, dtype, "dot"), _cast(b, dtype, "dot")
+    if _writes_into(out, a, b, dtype):
+        return _gemm("cupy.dot", np.dot, a2, b2, dtype, out=out)
     return _finish(_gemm("cupy.dot", np.dot, a2, b2, dtype), out, shape)
 
 
@@ -171,11 +188,21 @@ def matmul(a, b, out=None, **kwargs):
     if ret.kind not in "fc":
         return NotImplemented
     dtype = F32 if ret.char == "e" else ret
-    a2, b2 = _cast(a, dtype, "matmul"), _cast(b, dtype, "matmul")
+    # ascontiguousarray(a, dtype): a batched operand is copied unless C-contiguous in dtype
+    a2, b2 = (x if x.dtype == dtype and x.flags.c_contiguous else _contiguous(x, dtype) for x in (a, b))
+    if dtype == ret and _writes_into(out, a, b, dtype):
+        return _gemm("cupy.matmul", np.matmul, a2, b2, dtype, tf32_ok=False, out=out)
     c = _gemm("cupy.matmul", np.matmul, a2, b2, dtype, tf32_ok=False)
     if dtype != ret:
         c = c.astype(ret)                 # elementwise_copy(c, out): a launch and a cast
     return _finish(c, out, c.shape)
+
+
+def _contiguous(x, dtype):
+    import cupy
+    if x.dtype != dtype:
+        _counters.note_cast(f"{x.dtype}->{dtype} (operand of cupy.matmul)")
+    return cupy.ascontiguousarray(x, dtype=dtype)
 
 
 def tensordot(a, b, axes=2):
