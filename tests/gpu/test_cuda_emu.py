@@ -432,8 +432,13 @@ def run_flash_forward(dev, fn, q, k, v, causal):
     bm = FLASH_TILES[d][0]
     seconds = dev.launch(fn, ((sq + bm - 1) // bm, b * h), 128, dev.put(q), dev.put(k), dev.put(v), o, lse,
                          np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk),
-                         np.float32(np.log2(np.e) / np.sqrt(d)), np.int32(causal))
+                         np.float32(np.log2(np.e) / np.sqrt(d)), np.int32(causal), *flash_strides(q, k))
     return o, lse, seconds
+
+
+def flash_strides(q, k):
+    """The kernels' (batch, head, row) strides in elements of contiguous q-like and kv-like arrays."""
+    return tuple(np.int64(x // a.itemsize) for a in (q, k) for x in a.strides[:3])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -460,9 +465,10 @@ def test_flash_backward_matches_reference(request):
     delta = dev.empty((b, h, sq), np.float32)
     dq, dk, dv = dev.empty(q.shape, np.float16), dev.empty(k.shape, np.float16), dev.empty(v.shape, np.float16)
     rows = b * h * sq
+    strides = flash_strides(q, k)
     seconds = dev.launch(module.get_function("ts_flash_bwd_delta"), (rows + 3) // 4, 128, o, gdo, delta,
-                         np.int64(rows))
-    args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(1 / np.sqrt(d)), np.int32(1))
+                         np.int64(rows), np.int32(h), np.int32(sq), *strides[:3])
+    args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(1 / np.sqrt(d)), np.int32(1)) + strides
     seconds += dev.launch(module.get_function("ts_flash_bwd_dkdv"), ((sk + 63) // 64, b * hkv), 128,
                           gq, gk, gv, gdo, lse, delta, dk, dv, *args,
                           shared_mem=flash_smem_bytes(d, "ts_flash_bwd_dkdv"))

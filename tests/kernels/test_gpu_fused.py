@@ -175,8 +175,8 @@ def test_cross_entropy_forward_and_backward(dtype, V, launches):
     targets = rng.integers(0, V, rows).astype(np.int64 if V % 2 else np.int32)
     loss, lse = X.softmax_cross_entropy_cuda(dev(logits), cp.asarray(targets), return_lse=True)
     want, want_lse = R.softmax_cross_entropy(f64(logits), targets, return_lse=True)
-    assert loss.shape == () and loss.dtype == np.dtype(dtype) and lse.dtype == np.float32
-    close(loss, want, dtype)
+    assert loss.shape == () and loss.dtype == np.float32 and lse.dtype == np.float32     # f32 loss for 16-bit too
+    close(loss, want, np.float32, atol_scale=10)
     close(lse, want_lse, np.float32, atol_scale=math.log(V))
     assert launches == {"ts_xent_fwd": 1, "ts_mean": 1}
     assert same_bits(loss, X.softmax_cross_entropy_cuda(dev(logits), cp.asarray(targets)))

@@ -61,3 +61,71 @@ def test_f32_gradients_match_float64():
     assert abs(loss32 - loss64) <= 1e-6 * abs(loss64)
     assert err < 1e-4, f"f32 gradient {where} is {err:.2e} off the float64 run"
     assert any("attn" in p for p in g64)
+
+
+def _step_work(dtype: str, layers: int):
+    """(whole step, clip + optimizer) device work of a second training step (the first compiles
+    and allocates), on the stand-in's counters."""
+    from tessera_rt import optim
+    model = nn.Transformer(**dict(SIZE, n_layers=layers, seq_len=128), dtype=dtype)
+    params = model.init(0)
+    opt = optim.AdamW(params, lr=1e-3)
+    tok = np.random.default_rng(1).integers(0, SIZE["vocab"], (2, 129))
+    x, y = model.batch(tok[:, :-1]), model.batch(tok[:, 1:])
+    fn = ts.value_and_grad(model.loss)
+
+    def step(params):
+        loss, grads = fn(params, x, y)
+        with cp.testing.count_device_work() as update:
+            grads, _ = optim.clip_grad_norm(grads, 1.0, in_place=True)
+            params = opt.step(params, grads)
+        return float(loss), params, update
+    _, params, _ = step(params)
+    with cp.testing.count_device_work() as work:
+        loss, params, update = step(params)
+    assert np.isfinite(loss)
+    return work, update
+
+
+counting = pytest.mark.skipif(cp is None or not hasattr(getattr(cp, "testing", None), "count_device_work"),
+                              reason="counting launches needs the CuPy stand-in's counters (tests/gpu_emu)")
+
+
+@counting
+@pytest.mark.parametrize("dtype,per_block", [("bf16", 40), ("float32", 62)])
+def test_a_training_step_syncs_once_and_stays_within_its_launch_budget(dtype, per_block):
+    """One host sync a step (the loss the caller reads), no casts in bf16, the optimizer and
+    clip in a handful of multi-tensor launches, and a bounded number of launches per block
+    (a block's forward and backward: the difference between a 2- and a 1-layer model)."""
+    one, upd1 = _step_work(dtype, 1)
+    two, upd2 = _step_work(dtype, 2)
+    for w in (one, two):
+        assert w.syncs == 1 and w.d2h == 1, w.report()
+        assert w.h2d <= 3 and w.h2d_bytes < 4096, w.report()        # the multi-tensor ops' pointer tables
+    if dtype == "bf16":
+        assert two.casts == 0, two.report()
+    assert upd1.launches <= 10 and upd2.launches == upd1.launches, upd2.report()
+    block = two.launches - one.launches
+    assert block <= per_block, f"{block} launches per transformer block (forward + backward)\n{two.report()}"
+
+
+def test_bf16_activations_stay_bf16_through_every_block():
+    """Every part of every block keeps bf16: norms, attention, the MLP, the residual stream, the
+    logits, and the gradients of bf16 parameters (nothing is widened to f32 on the way)."""
+    model = nn.Transformer(**dict(SIZE, seq_len=64), dtype="bf16")
+    p = model.init(0)
+    x = model.batch(np.random.default_rng(2).integers(0, SIZE["vocab"], (2, 64)))
+    bf16 = ts.resolve_dtype("bf16")
+    h = ts.op.add(model.embed(p["embed"], x), p["pos"])
+    assert h.dtype == bf16
+    for blk, bp in zip(model.blocks, p["blocks"]):
+        n1 = blk.norm1(bp["norm1"], h)
+        a = blk.attn(bp["attn"], n1)
+        n2 = blk.norm2(bp["norm2"], ts.op.add(h, a))
+        m = blk.mlp(bp["mlp"], n2)
+        h = blk(bp, h)
+        assert [t.dtype for t in (n1, a, n2, m, h)] == [bf16] * 5
+    assert model.logits(p, x).dtype == bf16
+    _, grads = ts.value_and_grad(lambda q: model.loss(q, x, x))(p)
+    leaves, paths, _ = ts.autodiff.engine.tree_flatten(grads)
+    assert all(g.dtype == bf16 for g in leaves), [(path, g.dtype) for path, g in zip(paths, leaves) if g.dtype != bf16]

@@ -346,7 +346,8 @@ def _check_targets(op: str, logits: Any, targets: Any):
 
 def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False) -> Any:
     """Mean over rows of ``logsumexp(logits) - logits[target]`` (f32 statistics; f64 for f64),
-    a scalar of the logits' dtype; ``(loss, lse)`` when ``return_lse`` (the backward's).
+    a scalar of that statistics dtype (f32 for 16-bit logits, as autocast computes a loss);
+    ``(loss, lse)`` when ``return_lse`` (the backward's).
 
     Parameters
     ----------
@@ -376,7 +377,7 @@ def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False
         bad = _pick(x2, t, lse, loss)
         if bad >= 0:
             raise ValueError(f"{op}: target {t[bad]} at row {bad} is outside [0, {x2.shape[1]})")
-    mean = np.dtype(logits.dtype).type(loss.mean(dtype=acc) if loss.size else np.nan)
+    mean = acc.type(loss.mean(dtype=acc) if loss.size else np.nan)     # f32 for 16-bit logits too
     return (mean, lse.reshape(logits.shape[:-1])) if return_lse else mean
 
 

@@ -86,8 +86,9 @@ def _picked(xp, x2: Any, targets: Any):
 
 
 def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False):
-    """Mean over rows of ``logsumexp(row) - row[target]`` in float64: a 0-d array of the logits'
-    dtype (NaN rows for targets outside ``[0, V)``), and the float64 ``lse`` when ``return_lse``."""
+    """Mean over rows of ``logsumexp(row) - row[target]`` in float64: a 0-d array of the kernels'
+    statistics dtype (f64 for f64 logits, else f32; NaN rows for targets outside ``[0, V)``), and
+    the float64 ``lse`` when ``return_lse``."""
     xp = array_module(logits)
     x2 = _rows(widen(logits, F64))
     m = x2.max(axis=-1, keepdims=True)
@@ -95,7 +96,7 @@ def softmax_cross_entropy(logits: Any, targets: Any, *, return_lse: bool = False
     lse = xp.log(xp.exp(x2 - m).sum(axis=-1)) + m[:, 0]
     picked, valid, _ = _picked(xp, x2, targets)
     loss = xp.where(valid, lse - picked, np.nan)
-    mean = xp.asarray(loss.mean() if loss.size else np.nan, F64).astype(logits.dtype)
+    mean = xp.asarray(loss.mean() if loss.size else np.nan, F64).astype(F64 if logits.dtype == F64 else np.float32)
     lse = lse.reshape(logits.shape[:-1])
     return (mean, lse) if return_lse else mean
 
@@ -144,7 +145,7 @@ def layernorm_backward_cpu(g: Any, x: Any, weight: Any = None, bias: Any = None,
 
 
 def softmax_cross_entropy_cpu(logits: Any, targets: Any, *, return_lse: bool = False, stream: Any = None):
-    """cpu_fused's kernel: a scalar of the logits' dtype; a target outside ``[0, V)`` raises."""
+    """cpu_fused's kernel: an f32 scalar (f64 for f64 logits); a target outside ``[0, V)`` raises."""
     return cpu_fused.softmax_cross_entropy(logits, targets, return_lse=return_lse)
 
 

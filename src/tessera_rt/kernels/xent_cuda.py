@@ -65,12 +65,12 @@ extern "C" __global__ void __launch_bounds__(NT) ts_xent_fwd(const io_t* __restr
 }
 
 // out = mean of v[0..n) (f64 accumulation in a fixed order; one block).
-extern "C" __global__ void __launch_bounds__(NT) ts_mean(const float* __restrict__ v, io_t* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(NT) ts_mean(const float* __restrict__ v, float* __restrict__ out, int n) {
   __shared__ double scratch[32];
   double s[1] = {0.0};
   for (int i = threadIdx.x; i < n; i += NT) s[0] += v[i];
   ts_block_reduce<false, 1>(s, scratch);
-  if (threadIdx.x == 0) *out = ts_to<io_t>((float)(s[0] / n));
+  if (threadIdx.x == 0) *out = (float)(s[0] / n);
 }
 
 // dx = (exp(x - lse) - onehot(target)) * g / rows; g read on the device when g_ptr is given.
@@ -127,8 +127,9 @@ def _check_logits(op: str, logits: Any) -> None:
 
 
 def softmax_cross_entropy_cuda(logits: Any, targets: Any, *, return_lse: bool = False, stream: Any = None):
-    """Mean over rows of ``logsumexp(row) - row[target]``: a 0-d device array of the logits'
-    dtype, and ``lse`` (f32, ``logits.shape[:-1]``) when ``return_lse``.
+    """Mean over rows of ``logsumexp(row) - row[target]``: a 0-d f32 device array (for f16/bf16
+    logits too, as autocast computes a loss), and ``lse`` (f32, ``logits.shape[:-1]``) when
+    ``return_lse``.
 
     Two launches: one pass over each row (online max and sum, f32) writing its loss and
     logsumexp, then one block averaging the rows' losses in f64 in a fixed order.  A target
@@ -148,7 +149,7 @@ def softmax_cross_entropy_cuda(logits: Any, targets: Any, *, return_lse: bool = 
     with launch_stream(stream):
         logits, targets = dense(logits, targets)
         loss, lse = cupy.empty(rows, np.float32), cupy.empty(logits.shape[:-1], np.float32)
-        mean = cupy.empty((), logits.dtype)
+        mean = cupy.empty((), np.float32)          # the statistics' dtype: f32 for 16-bit logits too
         if rows:
             vec = V % (16 // logits.itemsize) == 0 and all_aligned(16, logits)
             _fn("ts_xent_fwd", logits.dtype)((rows,), (NT,), (logits, targets, loss, lse, np.int32(V), np.int32(ids64),
