@@ -21,6 +21,15 @@ def _drop(monkeypatch=None) -> None:
                 sys.modules.pop(name, None)
 
 
+def gpu_cupy():
+    """CuPy when it sees a GPU (or the stand-in's emulated one), else None."""
+    try:
+        import cupy
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:
+        return None
+
+
 def standin_cupy():
     try:
         import cupy

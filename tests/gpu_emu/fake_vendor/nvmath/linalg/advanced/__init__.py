@@ -178,10 +178,10 @@ class Matmul:
         elif self.epilog in (MatmulEpilog.GELU, MatmulEpilog.GELU_BIAS):
             d = 0.5 * d * (1 + np.tanh(np.sqrt(2 / np.pi) * (d + 0.044715 * d ** 3)))
         col = self.operands[0].flags.f_contiguous and not self.operands[0].flags.c_contiguous
-        with cupy.cuda.ExternalStream(s):
-            r = cupy.asarray(np.ascontiguousarray(d.astype(self.result_dtype())))
-            if col:
-                r = cupy.asfortranarray(r)
+        host = d.astype(self.result_dtype())
+        with cupy.cuda.ExternalStream(s) as st:
+            r = cupy.empty(host.shape, host.dtype, order="F" if col else "C")
+            r.set(np.asfortranarray(host) if col else np.ascontiguousarray(host), stream=st)
         nvmath.LOG["execute"].append({"stream": s, "epilog": self.epilog.name, "result": _sig(r)})
         return r
 
