@@ -272,6 +272,16 @@ def test_bias_act_fuses_the_epilogue_through_the_transposed_product(fake_vendor,
     assert notes.of("matmul_bias_act")[-1] == ("matmul_bias_act", "f16", "cublaslt", None)
 
 
+@pytest.mark.parametrize("level,compute", [("highest", "COMPUTE_32F"), ("high", "COMPUTE_32F_FAST_TF32")])
+def test_f32_bias_act_asks_cublaslt_for_the_precision_level(fake_vendor, notes, level, compute):
+    x, w, bvec = rnd((6, 32), np.float32, 1), rnd((32, 16), np.float32, 2), rnd((16,), np.float32, 3)
+    with K.precision.float32_matmul_precision(level):
+        got = kernel("matmul_bias_act")(cp.asarray(x), cp.asarray(w), cp.asarray(bvec), act="relu")
+    np.testing.assert_allclose(got.get(), K.matmul_bias_act(*f64(x, w, bvec), act="relu"), rtol=1e-5, atol=1e-5)
+    assert fake_vendor.nvmath.LOG["init"][0]["options"]["compute_type"].name == compute
+    assert notes.of("matmul_bias_act")[-1][1:3] == ("f32" if level == "highest" else "tf32", "cublaslt")
+
+
 @pytest.mark.parametrize("act,reason", [("gelu", "tanh approximation"), ("silu", "no SiLU")])
 def test_bias_act_without_a_matching_epilogue_runs_matmul_then_the_row_kernel(fake_vendor, notes, act, reason):
     x, w, bvec = rnd((4, 32), seed=1), rnd((32, 16), seed=2, scale=0.3), rnd((16,), seed=3)

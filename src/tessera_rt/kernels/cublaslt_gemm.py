@@ -150,10 +150,9 @@ class CublasLtBiasAct(_NvmathProvider):
             def make(stream_ptr):
                 adv = _advanced()
                 options = None
-                if dt == _F32:
-                    import nvmath
-                    options = {"compute_type": nvmath.ComputeType.COMPUTE_32F_FAST_TF32 if kind == "tf32"
-                               else nvmath.ComputeType.COMPUTE_32F}
+                if dt == _F32:          # cuBLAS's compute types (not nvmath.ComputeType, another enum)
+                    ct = adv.MatmulComputeType
+                    options = {"compute_type": ct.COMPUTE_32F_FAST_TF32 if kind == "tf32" else ct.COMPUTE_32F}
                 mm = adv.Matmul(a, b, options=options, stream=stream_ptr)
                 mm.plan(epilog=getattr(adv.MatmulEpilog, epilog), epilog_inputs=inputs)
                 return mm

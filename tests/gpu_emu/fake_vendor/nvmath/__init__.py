@@ -25,9 +25,9 @@ class CudaDataType(enum.IntEnum):
     CUDA_R_8F_E5M2 = 29
 
 
-class ComputeType(enum.IntEnum):
-    COMPUTE_32F = 68
-    COMPUTE_32F_FAST_TF32 = 77
+class ComputeType(enum.IntEnum):          # nvmath._utils' enum: not cuBLAS's (MatmulComputeType)
+    COMPUTE_32F = 1 << 2
+    COMPUTE_TF32 = 1 << 12
 
 
 from . import bindings, linalg  # noqa: E402,F401

@@ -17,7 +17,12 @@ import numpy as np
 import _fake_device as _device
 import nvmath
 
-__all__ = ["Matmul", "MatmulEpilog", "matmul"]
+__all__ = ["Matmul", "MatmulEpilog", "MatmulComputeType", "matmul"]
+
+
+class MatmulComputeType(enum.IntEnum):     # cublasComputeType_t, what MatmulOptions.compute_type takes
+    COMPUTE_32F = 68
+    COMPUTE_32F_FAST_TF32 = 77
 
 
 class MatmulEpilog(enum.IntEnum):
@@ -55,6 +60,8 @@ class Matmul:
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"Matmul: operands {a.shape} @ {b.shape}")
         self.options = dict(options or {})
+        if "compute_type" in self.options:
+            self.options["compute_type"] = MatmulComputeType(self.options["compute_type"])    # ValueError otherwise
         self.fp8 = _is_fp8(a) or _is_fp8(b)
         if self.fp8:
             if not (_is_fp8(a) and _is_fp8(b)):
