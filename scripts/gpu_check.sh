@@ -8,7 +8,8 @@
 # Python: $TESSERA_PYTHON, else .venv/bin/python, else python3 (a machine image's, with its
 # CuPy and torch).  Where a GPU is present and CuPy, MPI or pytest is missing, it installs
 # tessera_rt[cuda12,mpich]'s dependencies (only [mpich]'s where a CuPy already sees the GPU),
-# pytest and pytest-timeout, into .venv (made over python3, whose packages it still sees):
+# pytest and pytest-timeout, into .venv (made over python3, whose packages it still sees), and
+# the vendor providers' Python packages (nvidia-cudnn-frontend, nvmath-python) where missing:
 # from wheels in $TESSERA_WHEELS when set (offline machines), else from the package index when
 # one answers, pip under a time limit; what could not be installed is said, and the parts that
 # need it fail in the table.  tessera_rt itself runs from src/ (PYTHONPATH): nothing is built.  torch (the attention peer) is used when already installed; --with-torch
@@ -134,6 +135,15 @@ if [ "$emulate" = 0 ] && have_gpu; then
       || echo "WARNING: installing tessera_rt[$extras]'s dependencies failed or ran over ${PIP_LIMIT_S} s (offline? set TESSERA_WHEELS to a folder of wheels)"
     need="$(missing "$PY")"
     [ -n "$need" ] && echo "WARNING: still missing: $need; the parts that need it will fail below"
+  fi
+  # The vendor providers (tessera_rt.kernels.providers): cuDNN's Python frontend and nvmath-python
+  # (cuBLASLt).  A GPU image may carry CuPy, torch, cuDNN and cuBLAS but not these two; they load
+  # the cuDNN/cuBLAS libraries already there.  Offline: from $TESSERA_WHEELS (docs/kernels.md,
+  # "Providers", has the pip download line).  Missing, the own kernels run and the notes say why.
+  if ! "$PY" -c "import cudnn, nvmath.linalg.advanced" 2>/dev/null; then
+    echo "== installing the vendor providers nvidia-cudnn-frontend and nvmath-python (limit ${PIP_LIMIT_S} s)"
+    pip_install "$PY" nvidia-cudnn-frontend nvmath-python \
+      || echo "WARNING: no vendor providers: attention and fused GEMMs run the project's own kernels"
   fi
   if [ "$with_torch" = 1 ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     echo "== installing a CUDA torch for the attention peer (limit ${PIP_LIMIT_S} s)"

@@ -1,8 +1,10 @@
 """tessera_rt.kernels: tile ops with a NumPy reference each, and GPU implementations.
 
 Each op module registers its NumPy reference as the "cpu" kernel (``register_kernel``);
-the ``*_cuda`` modules register GPU launchers that import CuPy only when called.  The
-backend picks the implementation: ``get_backend().kernel("matmul")``.  Everything in
+the ``*_cuda`` modules register GPU launchers that import CuPy only when called; where a
+vendor library serves an op (``providers``: cuDNN attention, cuBLASLt GEMMs) the GPU entry
+tries it first.  The backend picks the implementation: ``get_backend().kernel("matmul")``;
+``use_providers(False)`` (or ``TESSERA_KERNELS=own``) forces the project's own kernels.  Everything in
 ``__all__`` is re-exported into the public ``op`` namespace.
 """
 from . import numerics
@@ -22,6 +24,11 @@ from .cpu_fused import softmax_cross_entropy
 from . import fused_ref, embedding, multi_tensor
 from . import gemm_cuda, attention_cuda, rows_cuda, paged_attention_cuda  # GPU launchers: register, import CuPy only on call
 from . import fused_cuda, xent_cuda, embedding_cuda, optim_cuda
+from .varlen_attention import flash_attention_varlen
+from .gemm_epilogue import matmul_bias_act, matmul_fp8
+# vendor providers (cuDNN attention, cuBLASLt GEMMs): register, import their libraries only on use
+from . import providers, cudnn_attention, cudnn_varlen, cublaslt_gemm
+from .providers import providers_enabled, use_providers
 from . import tile
 from .tile_kernels import saxpy
 from .compile import inspect_ir
@@ -32,7 +39,8 @@ __all__ = [
     "matmul", "gemm", "softmax", "layernorm", "layernorm_safe", "rmsnorm", "rmsnorm_safe",
     "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
     "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu", "dual_matmul",
-    "flash_attention", "flash_attention_backward", "paged_decode_attention", "softmax_cross_entropy",
+    "flash_attention", "flash_attention_backward", "flash_attention_varlen", "paged_decode_attention",
+    "softmax_cross_entropy", "matmul_bias_act", "matmul_fp8",
     "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",
     "saxpy", "tile", "inspect_ir", "autotune",
 ]

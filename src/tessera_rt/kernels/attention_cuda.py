@@ -34,6 +34,7 @@ from .attention_gemm_cuda import attention_f32, attention_f32_backward
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, MMA_HEADER, aligned, get_function, is_aligned, launch_stream
 from .precision import f32_compute, note
+from .providers import dispatching
 
 __all__ = ["render_flash", "flash_smem_bytes", "flash_attention_cuda", "flash_attention_backward_cuda",
            "FLASH_TILES"]
@@ -568,6 +569,9 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
         return tuple(t.astype(q.dtype, copy=False) for t in (dq, dk, dv))
 
 
-flash_attention_cuda.contiguous_inputs = contiguous_inputs
-register_kernel("flash_attention", "cuda", flash_attention_cuda)
-register_kernel("flash_attention_backward", "cuda", flash_attention_backward_cuda)
+# the kernel table's entries try the vendor providers first (kernels.providers: cuDNN), then these
+_forward = dispatching("flash_attention", flash_attention_cuda)
+_forward.contiguous_inputs = contiguous_inputs
+register_kernel("flash_attention", "cuda", _forward)
+register_kernel("flash_attention_backward", "cuda",
+                dispatching("flash_attention_backward", flash_attention_backward_cuda))

@@ -327,10 +327,10 @@ def _cublas(a: Any, b: Any, out: Any):
     """cupy.matmul at the dtype's precision; f32 follows the float32 matmul precision."""
     import cupy
     if a.dtype != _F32:
-        note("matmul", _SHORT[np.dtype(a.dtype)])
+        note("matmul", _SHORT[np.dtype(a.dtype)], "cublas")
         return _bf16_matmul(a, b, out) if a.dtype == _BF16 else cupy.matmul(a, b, out=out)
     kind = f32_compute()
-    note("matmul", kind)
+    note("matmul", kind, "cublas")
     if kind == "bf16":          # "medium": bf16 tensor cores, f32 accumulation, f32 back
         c = _bf16_matmul(a.astype(_BF16), b.astype(_BF16))
         if out is None:
@@ -353,7 +353,7 @@ def matmul_cuda(a: Any, b: Any, *, tile_shape: Any = None, out: Any | None = Non
     with launch_stream(stream):   # casts, cuBLAS and outputs on the caller's stream
         a, b = autocast_pair(a, b)
         if tile_shape is not None and a.dtype == b.dtype and a.dtype in _TILE_DTYPES and policy is None:
-            note("matmul", _TILE_DTYPES[np.dtype(a.dtype)])
+            note("matmul", _TILE_DTYPES[np.dtype(a.dtype)], "own")
             return tile_gemm(a, b, tuple(tile_shape), out=out, stream=stream, out_dtype=a.dtype)
         if policy is None and a.dtype == b.dtype and a.dtype in _CUBLAS_DTYPES:
             # Straight to cuBLAS: widening 16-bit operands first (the reference's way) would

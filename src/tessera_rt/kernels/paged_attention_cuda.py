@@ -20,6 +20,8 @@ from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import HALF_IO, IO_CODES, MAX_GRID_YZ, get_function, io_name, launch_stream
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
+from .precision import note
+from .providers import dispatching
 
 __all__ = ["render_paged", "paged_decode_attention_cuda", "PAGED_HEAD_DIMS"]
 
@@ -108,6 +110,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
     check_out(op, out, q.shape, q.dtype, xp=cupy)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     fn = get_function("paged_decode", "ts_paged_decode", dict(head_dim=d, io=io_name(q.dtype)), render_paged)
+    note(op, io_name(q.dtype))
     with launch_stream(stream):
         qc, kc, vc = (cupy.ascontiguousarray(t) for t in (q, k_pages, v_pages))
         o = out if out is not None and out.flags.c_contiguous else cupy.empty(q.shape, q.dtype)
@@ -122,4 +125,5 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
     return o
 
 
-register_kernel("paged_decode_attention", "cuda", paged_decode_attention_cuda)
+# the kernel table's entry tries the vendor providers first (kernels.providers: cuDNN), then this
+register_kernel("paged_decode_attention", "cuda", dispatching("paged_decode_attention", paged_decode_attention_cuda))

@@ -15,17 +15,21 @@ scaling (``optim.DynamicLossScaler``), which a program chooses by holding fp16 t
 the CPU f32 stays f32 whatever the setting (NumPy's BLAS has no reduced-precision f32 GEMM).
 ``TESSERA_F32_MATMUL_PRECISION`` sets the starting level.
 
-Kernels say what they ran in through ``note(op, precision)``; a listener (the profiler)
-counts the notes, so a profile names the precision of every kernel it saw.
+Kernels say what they ran in through ``note(op, precision, provider=...)``; a listener (the
+profiler, ``TESSERA_DEBUG=kernels``) counts the notes, so a profile names the precision and
+the provider (``kernels.providers``: cuDNN, cuBLASLt, cuBLAS or the project's own kernel) of
+every kernel it saw.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import threading
 from typing import Callable, Iterator
 
 __all__ = ["set_float32_matmul_precision", "get_float32_matmul_precision", "float32_matmul_precision",
-           "PRECISIONS", "note", "add_listener", "remove_listener", "f32_compute"]
+           "PRECISIONS", "note", "add_listener", "remove_listener", "f32_compute", "own_kernel_of"]
 
 PRECISIONS = ("highest", "high", "medium")
 # what an f32 GEMM computes in at each level (the name ``note`` records)
@@ -88,22 +92,77 @@ def f32_compute() -> str:
 
 # --------------------------------------------------------------------------- the record
 
-_LISTENERS: list[Callable[[str, str], None]] = []
+_LISTENERS: list[Callable[[str, str, "str | None", "str | None"], None]] = []
+# while a provider dispatcher runs the project's own kernel (``providers.dispatch``): op -> why
+# the vendor providers declined; a note for that op without a provider is the own kernel's
+_FALLBACK = threading.local()
 
 
-def add_listener(fn: Callable[[str, str], None]) -> None:
-    """Call ``fn(op, precision)`` for every kernel that notes its precision (the profiler)."""
-    _LISTENERS.append(fn)
+def _takes_provider(fn: Callable) -> bool:
+    """Does ``fn`` accept ``(op, precision, provider, why)``?  Listeners written for the
+    two-argument record (``fn(op, precision)``) keep working: they are called with two."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 4
 
 
-def remove_listener(fn: Callable[[str, str], None]) -> None:
-    if fn in _LISTENERS:
-        _LISTENERS.remove(fn)
+def add_listener(fn: Callable) -> None:
+    """Call ``fn(op, precision, provider, why)`` for every kernel that notes its precision (the
+    profiler, ``TESSERA_DEBUG=kernels``); a two-argument ``fn(op, precision)`` gets those two."""
+    _LISTENERS.append(fn if _takes_provider(fn) else _TwoArgs(fn))
 
 
-def note(op: str, precision: str) -> None:
-    """A kernel of ``op`` ran in ``precision`` ("f32", "tf32", "bf16", "f16", "f64").  With no
-    listener this is one list check."""
-    if _LISTENERS:
-        for fn in tuple(_LISTENERS):
-            fn(op, precision)
+def remove_listener(fn: Callable) -> None:
+    for entry in tuple(_LISTENERS):
+        if entry == fn or getattr(entry, "fn", None) == fn:
+            _LISTENERS.remove(entry)
+
+
+class _TwoArgs:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, op: str, precision: str, provider: str | None, why: str | None) -> None:
+        self.fn(op, precision)
+
+
+@contextlib.contextmanager
+def own_kernel_of(op: str, why: str | None) -> Iterator[list]:
+    """Inside the block, notes for ``op`` that name no provider are the project's own kernel,
+    chosen because ``why`` (the providers' reasons; None: no provider serves ``op``).  Yields
+    a one-item list: ``[True]`` once such a note was made."""
+    stack = getattr(_FALLBACK, "stack", None)
+    if stack is None:
+        stack = _FALLBACK.stack = []
+    entry = [op, why, False]
+    stack.append(entry)
+    noted = [False]
+    try:
+        yield noted
+    finally:
+        stack.pop()
+        noted[0] = entry[2]
+
+
+def note(op: str, precision: str, provider: str | None = None, why: str | None = None) -> None:
+    """A kernel of ``op`` ran in ``precision`` ("f32", "tf32", "bf16", "f16", "fp8", "f64"),
+    by ``provider`` ("cudnn", "cublaslt", "cublas", "own"; None: not said) and, when the
+    project's own kernel ran where a provider might have, ``why`` (the providers' reasons).
+    With no listener this is one list check."""
+    if not _LISTENERS:
+        return
+    if provider is None:
+        stack = getattr(_FALLBACK, "stack", None)
+        if stack:
+            for entry in reversed(stack):
+                if entry[0] == op:
+                    provider, why, entry[2] = "own", entry[1], True
+                    break
+    for fn in tuple(_LISTENERS):
+        fn(op, precision, provider, why)

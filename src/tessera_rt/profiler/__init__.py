@@ -156,7 +156,8 @@ class Profile(ProfileReport):
         self._epoch = 0.0
         self._copied0 = 0
         self.bytes_copied = 0                   # layout copies while active (this rank; see count_copy)
-        self.precisions: dict = {}              # (op, precision) -> kernel calls (kernels.precision.note)
+        self.precisions: dict = {}              # (op, precision, provider) -> kernel calls (kernels.precision.note)
+        self.fallbacks: dict = {}               # (op, why the providers declined) -> own-kernel calls
 
     @property
     def events(self) -> list[dict]:
@@ -184,9 +185,12 @@ class Profile(ProfileReport):
         precision.add_listener(self._noted)
         return self
 
-    def _noted(self, op: str, prec: str) -> None:
-        key = (op, prec)
+    def _noted(self, op: str, prec: str, provider: str | None = None, why: str | None = None) -> None:
+        key = (op, prec, provider)
         self.precisions[key] = self.precisions.get(key, 0) + 1
+        if why:
+            k = (op, why)
+            self.fallbacks[k] = self.fallbacks.get(k, 0) + 1
 
     def __exit__(self, *exc) -> None:
         if self in SEAM.watchers:

@@ -189,15 +189,22 @@ class ProfileReport:
         return "\n".join(lines)
 
     def _precision_lines(self, prefix: str) -> list[str]:
-        """What the kernels computed in (``kernels.precision.note``: every GPU GEMM and
-        attention call, array or DTensor), on this rank."""
+        """What the kernels computed in and who ran them (``kernels.precision.note``: every GPU
+        GEMM and attention call, array or DTensor), on this rank: ``op precision/provider xN``
+        (cudnn, cublaslt, cublas or own), then why the vendor providers declined where the
+        project's own kernel ran instead."""
         counts = getattr(self, "precisions", None)
         if not counts:
             return []
         ops: dict = defaultdict(list)
-        for (op, prec), n in sorted(counts.items()):
-            ops[op].append(f"{prec} x{n}")
-        return [f"{prefix}kernels ran in (rank 0): " + "; ".join(f"{op} {', '.join(v)}" for op, v in ops.items())]
+        for key, n in sorted(counts.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            op, prec = key[0], key[1]
+            provider = key[2] if len(key) > 2 else None
+            ops[op].append(f"{prec}/{provider} x{n}" if provider else f"{prec} x{n}")
+        lines = [f"{prefix}kernels ran in (rank 0): " + "; ".join(f"{op} {', '.join(v)}" for op, v in ops.items())]
+        for (op, why), n in sorted(getattr(self, "fallbacks", {}).items()):
+            lines.append(f"{prefix}  {op}: own kernel x{n} because {why}")
+        return lines
 
     def _overlap_lines(self, prefix: str) -> list[str]:
         ov = [o for o in (self.rank_overlaps or [self.overlap_ratio]) if o is not None]

@@ -97,11 +97,12 @@ def _parse_debug(spec) -> set[str]:
     if spec is False or spec == "":
         return set()
     words = {w.strip().lower() for w in str(spec).replace(";", ",").split(",") if w.strip()}
-    bad = words - {"collectives", "flight", "desync", "off", "none", "0"}
+    # "kernels" (one line per kernel call naming its provider) belongs to tessera_rt.kernels.providers
+    bad = words - {"collectives", "flight", "desync", "off", "none", "0", "kernels", "providers"}
     if bad:
         raise ValueError(f"debug={spec!r}: unknown mode(s) {sorted(bad)}; use 'collectives' (desync checks and "
-                         "the flight recorder) or 'flight' (flight recorder only)")
-    return words - {"off", "none", "0"}
+                         "the flight recorder), 'flight' (flight recorder only) or 'kernels' (each kernel call's provider)")
+    return words - {"off", "none", "0", "kernels", "providers"}
 
 
 def configure(debug=None, timeout=None, world=None) -> None:

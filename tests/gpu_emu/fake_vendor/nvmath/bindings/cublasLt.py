@@ -1,0 +1,3 @@
+def get_version() -> int:
+    import nvmath
+    return nvmath.CONFIG["cublaslt_version"]

@@ -1,0 +1,3 @@
+from nvmath import ComputeType  # noqa: F401
+
+from . import advanced  # noqa: F401
