@@ -149,7 +149,7 @@ def torch_grads(cfg, dtype):
     logits = model(x)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
-    return float(loss), {n: p.grad.detach().cpu().double().numpy() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().cpu().double().numpy() for n, p in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------- the rows

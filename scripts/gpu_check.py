@@ -13,6 +13,8 @@ and reported as such; one that finds the run's budget spent is reported as not r
                FP8 quantize and paged decode vs a device-to-device copy
   train        scripts/train.py on the GPU beside the same run on the CPU (final losses equal
                within the dtype's tolerance)
+  train_torch  scripts/bench_train_gpu.py: the 152M-parameter step beside torch on the same GPU,
+               f32 and bf16, f32 gradients against float64 first
   decode       nn.Llama decode ms/token on the GPU (random weights)
   multi-rank   the backend-agnostic multi-rank suites at 1, 2 and 4 ranks on the one GPU
                (ranks sharing it use the host-staged path)
@@ -275,6 +277,35 @@ def part_train(run: Run, limit: float, log: Path) -> list[dict]:
     return rows
 
 
+def part_train_torch(run: Run, limit: float, log: Path) -> list[dict]:
+    """scripts/bench_train_gpu.py: the GPU-size training step beside torch on the same GPU, f32
+    and bf16, after each side's f32 gradients are checked against its float64 run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.json"
+        cmd = [run.python, "scripts/bench_train_gpu.py", "--json", path] + (["--quick"] if run.quick or run.emulated
+                                                                           else [])
+        rc, out, timed_out = run.sh(cmd, run.env(), limit, log)
+        if timed_out:
+            raise TimedOut
+        if not path.exists():
+            raise PartFailed([], f"bench_train_gpu.py exited {rc} without results")
+        res = json.loads(path.read_text())
+    c = res["config"]
+    model = f"d_model {c['d']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']}"
+    rows = [row(f"f32 gradients vs float64, {g['side']} (2 layers): max relative error", f"{g['value']:.1e}", "", "",
+                f"{'ok' if g['ok'] else 'ABOVE 1e-4'}: {g['where']}") for g in res["grads"]]
+    for r in res["steps"]:
+        if "error" in r:
+            rows.append(row(f"{r['row']} ({model})", "FAILED", note=r["error"]))
+            continue
+        rows.append(row(f"{r['row']} ({model})", f"{r['tessera_ms']:.1f} ms",
+                        f"torch {r['torch_ms']:.1f} ms" if "torch_ms" in r else "no torch",
+                        f"{r['ratio']:.2f}x" if "ratio" in r else "", "emulated" if res["emulated"] else ""))
+    if rc != 0:
+        raise PartFailed(rows, f"bench_train_gpu.py exited {rc}")
+    return rows
+
+
 def part_decode(run: Run, limit: float, log: Path) -> list[dict]:
     cmd = [run.python, "scripts/gpu_check.py", "--decode-only"] + (["--quick"] if run.quick or run.emulated else [])
     rc, out, timed_out = run.sh(cmd, run.env(), limit, log)
@@ -303,13 +334,15 @@ def part_multirank(run: Run, limit: float, log: Path) -> list[dict]:
     return pytest_part(run, limit, log, args, lambda passed, failed, skipped: row(
         f"multi-rank suites (collectives, mesh, numeric scope, streams) at {ranks} on one "
         f"{'emulated GPU' if run.emulated else 'GPU'}", f"{passed} launches passed, {failed} failed",
-        note="1 rank: NCCL; several: host-staged (ranks share the GPU)"))
+        note="1 rank: NCCL; several: host-staged (ranks share the GPU); collectives' C path "
+             + ("off (TESSERA_HOT=0: not built)" if os.environ.get("TESSERA_HOT") == "0" else "built")))
 
 
 # (name, title, limit in seconds on a GPU, on the stand-in with --quick, on the stand-in)
 PARTS = [("tests", "gpu tests", part_tests, 150, 60, 500),
          ("kernels", "kernels vs the vendor library", part_kernels, 150, 60, 300),
          ("train", "train.py GPU vs CPU", part_train, 60, 60, 120),
+         ("train_torch", "training step vs torch", part_train_torch, 150, 90, 150),
          ("decode", "decode", part_decode, 60, 40, 60),
          ("multirank", "multi-rank suites on one GPU", part_multirank, 150, 60, 400)]
 

@@ -153,6 +153,17 @@ fi
 
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The collectives' C path (dist/comm/_hot.c): tessera_rt runs from src/, where a fresh machine
+# has no built extension, so it is built in place; without a C compiler the collectives run in
+# Python (TESSERA_HOT=0) and the multi-rank row says so.
+if ! "$PY" -c "import tessera_rt.dist.comm._hot" 2>/dev/null; then
+  echo "== building the collectives' C path (src/tessera_rt/dist/comm/_hot.c) in place"
+  timeout 180 "$PY" "$ROOT/setup.py" -q build_ext --inplace >/dev/null 2>&1 || true
+  if ! "$PY" -c "import tessera_rt.dist.comm._hot" 2>/dev/null; then
+    echo "WARNING: dist/comm/_hot.c did not build (a C compiler and Python headers are needed): running with TESSERA_HOT=0"
+    export TESSERA_HOT=0
+  fi
+fi
 spent=$(( $(date +%s) - START ))
 budget=$(( TOTAL_S - spent - 20 ))          # 20 s for the report and the slowest kill
 [ "$budget" -lt 60 ] && budget=60

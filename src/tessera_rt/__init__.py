@@ -20,6 +20,7 @@ from .pipeline import Pipeline as _Pipeline
 from .autodiff import checkpoint, detach, grad, no_grad, value_and_grad, vjp
 from .backend import get_backend
 from .dtypes import resolve_dtype
+from .kernels.precision import float32_matmul_precision, get_float32_matmul_precision, set_float32_matmul_precision
 
 # public names of modules above their home (dist sits below pipeline, nn below inference):
 # the package root, which imports every layer, attaches them
@@ -30,5 +31,6 @@ __version__ = "0.1.0"
 __all__ = [
     "backend", "dtypes", "runtime", "dist", "kernels", "op", "autodiff", "graph", "nn", "optim", "profiler",
     "grad", "value_and_grad", "vjp", "no_grad", "detach", "checkpoint", "get_backend", "resolve_dtype",
+    "set_float32_matmul_precision", "get_float32_matmul_precision", "float32_matmul_precision",
     "__version__",
 ]

@@ -42,12 +42,14 @@ BUS_FACTOR = {
 }
 ALGORITHMS = ("ring", "tree", "line", "hierarchical")
 _STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send": 1}
-# Passes over each parameter tensor's local piece after the backward (outside the
-# dispatcher: the profiler counts none): AdamW's update is one fused pass on CPU ranks
-# (kernels/cpu_fused.adamw_step) and its formula's 15 array ops on other arrays (a GPU's);
-# clip_grad_norm sums the squares, then scales in place.  tests/plan count them.
-ADAMW_OPS_PER_TENSOR = {"host": 1, "device": 15}
-CLIP_OPS_PER_TENSOR = 2
+# The optimizer's passes after the backward (outside the dispatcher: the profiler counts
+# none).  CPU ranks go tensor by tensor: AdamW one fused pass each (kernels.multi_tensor ->
+# cpu_fused.adamw_step), clip_grad_norm each one's sum of squares and in-place scale.  GPU
+# ranks run multi-tensor kernels, a fixed number of launches a step for any tensor count:
+# AdamW one per gradient dtype, clip four (the sum of squares and its total, the norm, the
+# scale).  tests/plan count both.
+OPT_OPS_PER_TENSOR = {"host": 3, "device": 0}
+OPT_OPS_PER_STEP = {"host": 0, "device": 5}
 # the vocab-parallel loss's small tp all-reduces (rows of one value): max, sum of
 # exponentials and picked logit forward, one backward
 LOSS_TP_ALL_REDUCES = 4
@@ -300,9 +302,10 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     p = param_counts(m, lay)
     if train:
         # AdamW: read/write params, grads, masters and moments (memory-bound), per tensor passes
-        passes = ADAMW_OPS_PER_TENSOR["host" if cluster.topology == "host" else "device"] + CLIP_OPS_PER_TENSOR
+        where = "host" if cluster.topology == "host" else "device"
         opt = (p["total"] * (2 * b + 2 * 12)) / cluster.hbm_bw * slow
-        opt += param_tensors(m, layers, moe_layers) * passes * cluster.op_overhead_s * slow
+        passes = param_tensors(m, layers, moe_layers) * OPT_OPS_PER_TENSOR[where] + OPT_OPS_PER_STEP[where]
+        opt += passes * cluster.op_overhead_s * slow
         if lay.offload:
             opt += p["total"] * 2 * b / (cluster.host_tier_bw or cluster.hbm_bw / 10)
         compute += opt
