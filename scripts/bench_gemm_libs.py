@@ -5,8 +5,8 @@
     python scripts/bench_gemm_libs.py --quick                     # smoke run: one round, one call
 
 C = op(A) @ op(B), f32, row-major, at the GEMMs of bench_vs_torch.py's training step (d 256,
-MLP hidden 4 x d = 1024, vocab 256; per layer q, k, v, o, w1, w3, w2; the LM head and the
-embedding's one-hot matmul): forward x @ W (NN), backward g @ W^T (NT) and X^T @ g (TN), at
+MLP hidden 4 x d = 1024, vocab 256; per layer q, k, v, o, w1, w3, w2; the LM head, and the
+vocab-by-d product the embedding's one-hot matmul was before it became a gather): forward x @ W (NN), backward g @ W^T (NT) and X^T @ g (TN), at
 1024 tokens (batch 8 x seq 128) and 128 (one of the 8 pipeline micro-batches); and at
 bench_decode.py's Llama prefill (32 tokens, hidden 1024, fused qkv 2048, fused gate/up 2 x 2816).
 Libraries: NumPy's np.matmul (its bundled OpenBLAS: tessera's CPU path), torch.matmul (MKL, the

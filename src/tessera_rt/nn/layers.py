@@ -1,5 +1,5 @@
-"""The layers: Linear, the vocab-parallel embedding and cross-entropy (with their vocab ids
-and one-hot), and RMSNorm."""
+"""The layers: Linear, the vocab-parallel embedding (a gather) and cross-entropy (with its vocab
+ids and, on vocab-parallel logits, a one-hot pick), and RMSNorm."""
 from __future__ import annotations
 
 import math

@@ -308,8 +308,8 @@ MODELS: dict[str, ModelSpec] = {
     # activation count of tessera_rt's tape, read off nn/blocks.py: every op output is kept, so a
     # block keeps norm1, o, add, norm2, w2, add (d each, replicated), q, k, v, attention out
     # and its reshape (d/tp), swiglu's output and the x@W1, x@W3 its backward keeps (3 f/tp)
-    # and the logsumexp (heads/tp); outside: embedding, +pos, final norm (d), two one-hots,
-    # logits, shifted, exp, picked (vocab/tp; train.py's loss on DTensors: the fused
+    # and the logsumexp (heads/tp); outside: embedding, +pos, final norm (d), the loss's
+    # one-hot, logits, shifted, exp, picked (vocab/tp; train.py's loss on DTensors: the fused
     # cross-entropy, which keeps only its logsumexp, serves plain arrays).  The op and tp
     # all-reduce counts are the profiler's (plan.measure.runtime_counts; tests/plan check
     # them): the norms', SwiGLU's and attention's backward are each one fused kernel on the
