@@ -119,9 +119,11 @@ def clip_grad_norm(grads: Any, max_norm: float, norm: float | None = None, error
     locals_ = [_local(g) for g in leaves]
     owned = _owned(locals_) if in_place else [False] * len(leaves)
     mine = [x for x, own in zip(locals_, owned) if own]
-    if not on_host and type(total) is not get_backend().xp.ndarray:
-        total = get_backend().xp.asarray(np.float64(float(norm)) ** 2)
-    clip = get_backend().kernel("clip_scale_multi", like=mine[0] if mine else locals_[0] if locals_ else None)
+    be = get_backend()
+    like = mine[0] if mine else locals_[0] if locals_ else None
+    if be.is_gpu and type(like) is be.xp.ndarray and type(total) is not be.xp.ndarray:
+        total = be.xp.asarray(np.float64(total))         # a norm given on the host, for the device kernel
+    clip = be.kernel("clip_scale_multi", like=like)
     scale = clip(mine, total, float(max_norm))
     if on_host:
         scale = max_norm / (norm + 1e-6)     # (the others as the in-place ones: by a Python float)

@@ -80,7 +80,8 @@ def _from_host(kind: str, host: np.ndarray, op_class: str = "h2d") -> ndarray:
     on the device itself (arange, linspace, eye: one kernel, no copy)."""
     if host.dtype.hasobject:
         raise ValueError(f"Unsupported dtype {host.dtype}")
-    return _bridge.host_to_device(kind, np.ascontiguousarray(host), op_class=op_class)
+    # (np.ascontiguousarray would make a 0-d array 1-d; CuPy keeps the shape)
+    return _bridge.host_to_device(kind, host if host.flags.c_contiguous else host.copy(order="C"), op_class=op_class)
 
 
 def arange(start, stop=None, step=1, dtype=None) -> ndarray:
