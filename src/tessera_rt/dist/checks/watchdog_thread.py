@@ -13,6 +13,7 @@ from ..comm.mpi import MPI
 
 from . import consistency
 from ..comm.calls import group_seqs
+from ..comm.process_group import abort
 from ..comm.nccl import NCCL_COMMS
 from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, WATCHDOG_EXIT_CODE, disagreement, divergence, hot_pending,
                        in_collective, main_frame, recorder_config, status, wait_state)
@@ -205,7 +206,7 @@ class Watchdog:
             except Exception:
                 pass
         time.sleep(0.3)          # let mpiexec forward the report before the abort kills the pipes
-        MPI.COMM_WORLD.Abort(code)
+        abort(code)
 
     @classmethod
     def _probe(cls, rank: int, size: int, frame, waited: float) -> None:
@@ -253,7 +254,7 @@ class Watchdog:
         while time.monotonic() < end:
             cls._serve(10 ** 9)
             time.sleep(0.05)
-        MPI.COMM_WORLD.Abort(WATCHDOG_EXIT_CODE)
+        abort(WATCHDOG_EXIT_CODE)
 
     @staticmethod
     def _report(rank, size, waited, mine, reports, finished) -> str:
