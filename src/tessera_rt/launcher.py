@@ -393,14 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when the job fails (a rank died, raised or exited non-zero), start it again, up to N "
                         "times; the ranks see TESSERA_RESTART=<attempt> (0 the first) and scripts/train.py resumes "
-                        "from its --run-dir's checkpoint. A signal to tessera-run ends the job without a restart")
+                        "from its --run-dir's checkpoint. A signal to tessera-run, or a usage error (exit status 2), "
+                        "ends the job without a restart")
     parser.add_argument("--min-n", type=int, default=None, metavar="M",
                         help="with --max-restarts: a restart after a rank died runs on one rank fewer, down to M "
                         "(default: -n, the same count each time); scripts/train.py without --dp resumes onto the "
                         "smaller mesh")
     parser.add_argument("--tag-output", action="store_true", help="start each output line with its rank")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
+    parser.add_argument("target", nargs=argparse.REMAINDER,
+                        help="script.py [args...] (python script.py, python -m module and python -c CODE work too)")
     args = parser.parse_args(argv)
     if args.nranks is not None and args.nranks < 1:
         parser.error(f"-n must be at least 1, got {args.nranks}")

@@ -17,7 +17,7 @@ from . import consistency
 from ..comm.calls import group_seqs
 from ..comm.process_group import abort
 from ..comm.nccl import NCCL_COMMS
-from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, UNANSWERED_PROBES, WATCHDOG_EXIT_CODE,
+from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S, UNANSWERED_PROBES, WATCHDOG_EXIT_CODE,
                        disagreement, divergence, hot_pending, in_collective, main_frame, recorder_config, status,
                        wait_members, wait_state)
 
@@ -187,9 +187,12 @@ class Watchdog:
                     continue
                 if now - since >= timeout:
                     cls._fire(rank, size, now - since, threaded)
-                elif threaded and size > 1 and now >= probe_at:
-                    probe_at = now + PROBE_EVERY_S
-                    cls._probe(rank, size, f[0], now - since)
+                elif threaded and size > 1:
+                    if cls._finished and probe_at == since + PROBE_AFTER_S:
+                        probe_at = since + PROBE_MIN_WAIT_S     # a rank has finished: the first probe comes sooner
+                    if now >= probe_at:
+                        probe_at = now + PROBE_EVERY_S
+                        cls._probe(rank, size, f[0], now - since)
             except Exception as e:          # the watchdog must never take the job down by itself
                 sys.stderr.write(f"[tessera watchdog rank {rank}] internal error: {e!r}\n")
             finally:
