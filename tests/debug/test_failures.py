@@ -229,7 +229,10 @@ def test_a_second_job_in_a_run_directory_is_refused_at_once_and_nothing_of_the_f
         out, err = first.communicate(timeout=60)
     finally:
         first.kill()
-    assert p.returncode == 2 and took < 2, (p.returncode, took, p.stderr)
+    # under 2 s; on a machine busy with other jobs, under a second more than the interpreter and
+    # the imports it needs anyway (measured here, the same way)
+    base = _run([sys.executable, "-c", "from tessera_rt import dist; dist.init()"], mpi_env(1))[1]
+    assert p.returncode == 2 and took < max(2.0, base + 1.0), (p.returncode, took, base, p.stderr)
     assert p.stderr.strip() == (
         f"train.py: the run directory {run} is in use by another job (pid {first.pid} on host {os.uname().nodename}, "
         f"started {p.stderr.split('started ')[1].split(' UTC')[0]} UTC: train.py {' '.join(train[2:])} --seed 0); two "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -58,7 +58,25 @@ class NonFiniteError(FloatingPointError):
 class LossSpikeError(NonFiniteError):
     """The loss of a step is far above the recent ones (``LossSpikeGuard``): the run is
     diverging, though every value may still be finite.  A ``NonFiniteError``, so a loop that
-    stops on those stops on this too."""
+    stops on those stops on this too.
+
+    Parameters
+    ----------
+    message : str
+        The error message.
+    reason : str
+        The loss against the median, for a run's stop message.
+    step : int, optional
+        The training step.
+    rank : int, optional
+        The rank raising it.
+    what : str
+        "loss".
+    first : str, optional
+        None (no leaf is searched).
+    count, total : int
+        0.
+    """
 
 
 class LossSpikeGuard:
@@ -84,7 +102,7 @@ class LossSpikeGuard:
         self.factor, self.warmup = float(factor), int(warmup)
         self.recent: deque = deque(maxlen=int(window))
 
-    def extend(self, losses) -> None:
+    def extend(self, losses: Iterable[float]) -> None:
         """Take earlier losses (a resumed run's saved ones) as if checked.
 
         Parameters
