@@ -11,12 +11,13 @@ after N steps agrees across mesh shapes up to float rounding.  Rank 0 shows a tq
 steps), writes a loss-curve PNG (when matplotlib is installed) and a checkpoint at the end.
 
 Checkpoints and resuming: each run writes into its own directory (--run-dir DIR, or a new
-out/<UTC time>; a non-empty one is refused unless --resume).  --save-every K also saves at
-steps K, 2K, ...; each save replaces DIR/checkpoint atomically (a killed save leaves the
-previous one whole).  Those saves are asynchronous (--sync-save: not): the state is copied to
+out/<UTC time>; a non-empty one is refused unless --resume), which it holds for its whole
+life (DIR/.lock: a second job there is refused naming the first).  --save-every K also
+saves at steps K, 2K, ...; each save is committed atomically to DIR/checkpoint (a killed
+save leaves the previous one whole), which keeps the newest --keep (2) of them.  Those saves are asynchronous (--sync-save: not): the state is copied to
 host memory and the files are written on the io worker while the next steps run; the save
 commits at the first step end by which every rank has written (the final save waits).
---resume continues from the newest committed save, on any mesh: parameters, AdamW's
+--resume continues from the newest committed save that verifies, on any mesh: parameters, AdamW's
 masters and moments, the loss scaler, the step and the data position (the batches are a
 function of (--seed, step), so there is no other RNG state), so the losses continue as if
 the run had never stopped (bitwise on the same mesh; up to float rounding on another).
@@ -28,6 +29,12 @@ Under ``tessera-run --max-restarts N`` (which sets TESSERA_RESTART) --run-dir is
 restarted attempt resumes from that directory's checkpoint (or starts afresh there when the
 failed attempt had not saved one yet): at most the steps since the last committed save are
 lost.  Resuming a run that is complete (its checkpoint at --steps) exits 0 saying so.
+
+A run that goes bad stops before saving it: a loss or gradient norm that is inf/nan, or a
+loss above --loss-spike (5) x the median of the last 50 steps (weights that diverge stay
+finite for a step or two).  The save of the weights that gave that loss is dropped, so the
+run directory keeps the checkpoint before it, and the message names it.  Mistakes in the
+command line exit with status 2, which tessera-run --max-restarts does not restart.
 
 Threads: each rank's BLAS/OpenMP/Numba pools default to one thread (set before NumPy is
 imported; a variable you set yourself, or tessera-run's share of the cores, wins).  The
@@ -49,6 +56,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+from tessera_rt.dist.comm.script import UsageError  # noqa: E402  (a flag mistake: exit status 2)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "data" / "seeds"
@@ -107,6 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-save", action="store_true",
                    help="--save-every saves block the step until written (default: written on the io worker "
                    "while the next steps run)")
+    p.add_argument("--keep", type=int, default=2, metavar="K",
+                   help="checkpoints kept in DIR/checkpoint, the newest K (--resume takes the newest that verifies)")
+    p.add_argument("--loss-spike", type=float, default=5.0, metavar="F",
+                   help="stop when a step's loss is above F x the median of the last 50 (a diverging run); the save "
+                   "made from the weights that gave it is dropped (0: off)")
+    p.add_argument("--weight-growth", type=float, default=10.0, metavar="G",
+                   help="never save weights whose global norm grew more than G x since the last save or the run's "
+                   "start (diverging weights stay finite for a step or two); 0: off")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its checkpoint (any mesh); --steps is the total")
     p.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
@@ -129,10 +146,10 @@ def load_text(path: str) -> str:
     if p.is_dir():
         files = sorted(p.glob("*.txt"))
         if not files:
-            raise SystemExit(f"train.py: no .txt files in {p}; pass --data FILE")
+            raise UsageError(f"train.py: no .txt files in {p}; pass --data FILE")
         return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     if not p.exists():
-        raise SystemExit(f"train.py: --data {p} does not exist")
+        raise UsageError(f"train.py: --data {p} does not exist")
     return p.read_text(encoding="utf-8", errors="replace")
 
 
@@ -152,10 +169,32 @@ _SAME_ON_RESUME = ("arch", "d_model", "heads", "kv_heads", "layers", "seq", "bat
                    "capacity_factor", "aux_coef", "dtype")
 
 
+_RUN_LOCK: list = []         # rank 0's lock on the run directory, held until train() returns
+
+
+def _lock_run_dir(path: Path) -> str | None:
+    """Rank 0: take the run directory (made if missing) for this job's life; the error naming
+    the job that holds it."""
+    from tessera_rt.dist.checkpoint import DirInUse, DirLock
+    from tessera_rt.dist.checkpoint.lock import describe
+    try:
+        _RUN_LOCK.append(DirLock(str(path)).acquire())
+    except DirInUse as e:
+        return (f"train.py: the run directory {path} is in use by another job ({describe(e.holder)}); two jobs in one "
+                "directory overwrite each other's checkpoints: wait for that job to end, or pass another --run-dir")
+    return None
+
+
+def _release_run_dir() -> None:
+    while _RUN_LOCK:
+        _RUN_LOCK.pop().release()
+
+
 def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
     """The run's directory, the same on every rank (rank 0 decides): --run-dir, else a new
-    out/<UTC time>.  A fresh run refuses a non-empty one (nothing is silently replaced);
-    --resume needs one holding a checkpoint.  None when the run writes nothing."""
+    out/<UTC time>.  Rank 0 locks it for the job's life (a job already there is refused,
+    named); a fresh run refuses a non-empty one (nothing is silently replaced); --resume
+    needs one holding a checkpoint.  None when the run writes nothing."""
     if not (writes or args.resume):
         return None
     path, err = None, None
@@ -174,17 +213,23 @@ def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             path = next(p for p in (ROOT / "out" / f"{stamp}{f'-{i}' if i else ''}" for i in range(1000))
                         if not p.exists())
+        from tessera_rt.dist.checkpoint.lock import LOCK_NAME
+        if err is None and path.is_dir():                   # a job working there is named first
+            err = _lock_run_dir(path)
         if err is None and args.resume and not (path / "checkpoint" / "index.json").is_file():
             err = (f"train.py: --resume: {path} holds no checkpoint ({path / 'checkpoint' / 'index.json'} does not "
                    "exist); pass the --run-dir of a run that saved one, or drop --resume to start a new run")
-        elif err is None and not args.resume and path.is_dir() and any(path.iterdir()) and restart in (None, "0"):
+        elif err is None and not args.resume and restart in (None, "0") and path.is_dir() and \
+                any(p.name != LOCK_NAME for p in path.iterdir()):
             err = (f"train.py: the run directory {path} is not empty; pass --resume to continue that run, or a new "
                    "--run-dir (by default each run gets a new out/<UTC time>)")
-        elif err is None:
-            path.mkdir(parents=True, exist_ok=True)
+        elif err is None and not _RUN_LOCK:
+            err = _lock_run_dir(path)                        # a new directory: made and taken
+        if err:
+            _release_run_dir()
     path, err, args.resume = world.mpi.bcast((path, err, args.resume), root=0)
     if err:
-        raise SystemExit(err)
+        raise UsageError(err)
     if world.rank == 0 and not args.quiet:
         print(f"train.py: run directory {path}{' (resuming)' if args.resume else ''}", flush=True)
     return path
@@ -205,36 +250,61 @@ def _state_tree(model, params, opt, scaler, step: int, seed: int, meta: str) -> 
 
 
 def save_checkpoint(world, path: Path, model, params, opt, scaler, step: int, seed: int, meta: dict,
-                    async_: bool = False):
+                    async_: bool = False, keep: int = 1, growth=None):
     """Save the run's state after ``step`` steps into ``path`` (dist.save: one safetensors file
-    per rank plus an index, committed atomically over the previous save; dist.load reads it
-    onto any mesh).  Never a non-finite state.  ``async_``: returns a SaveHandle once the
-    state is copied to host memory (the files are written while training goes on)."""
+    per rank plus an index, committed atomically; ``path`` keeps the newest ``keep``; dist.load
+    reads it onto any mesh).  Never a non-finite state, nor (``growth``) one whose weights blew
+    up.  ``async_``: returns a SaveHandle once the state is copied to host memory (the files
+    are written while training goes on)."""
     from tessera_rt import dist
     _refuse_non_finite(world, {"params": params, "masters": opt.state_dict()["masters"]}, step)
-    return dist.save(_state_tree(model, params, opt, scaler, step, seed, json.dumps(meta)), str(path), async_=async_)
+    if growth is not None:
+        _refuse_grown(world, params, step, *growth)
+    return dist.save(_state_tree(model, params, opt, scaler, step, seed, json.dumps(meta)), str(path), async_=async_,
+                     keep=keep)
 
 
 def resume_checkpoint(path: Path, model, params, opt, scaler, args: argparse.Namespace, vocab: str):
-    """Load ``path`` onto this run's mesh (the DTensor loads reshard): sets the optimizer's and
-    the scaler's state; returns (params, the step to continue after, the saved losses)."""
+    """Load the newest checkpoint in ``path`` that verifies onto this run's mesh (the DTensor
+    loads reshard; one whose index or files fail their checks gives way to the one before it,
+    --keep): sets the optimizer's and the scaler's state; returns (params, the step to
+    continue after, the saved losses)."""
+    from tessera_rt import dist
+    from tessera_rt.dist.checkpoint import CheckpointError, history
+    failed = []
+    for index in history(str(path)):
+        try:
+            return _resume_from(index, model, params, opt, scaler, args, vocab, failed)
+        except CheckpointError as e:
+            failed.append(str(e))
+            if dist.init().rank == 0:
+                print(f"train.py: --resume: the checkpoint {index} does not verify ({e}); trying the one before it",
+                      file=sys.stderr, flush=True)
+    raise SystemExit(f"train.py: --resume: no checkpoint in {path} verifies ({len(failed)} tried: "
+                     f"{'; '.join(failed) or 'none found'}); start a new run (a new --run-dir)")
+
+
+def _resume_from(index: str, model, params, opt, scaler, args: argparse.Namespace, vocab: str, failed: list):
     from tessera_rt import dist
     from tessera_rt.dist.checkpoint import read_index
-    meta = json.loads(read_index(str(path))["values"]["meta"])       # the flags first: a clear error
+    meta = json.loads(read_index(index)["values"]["meta"])       # the flags first: a clear error
     saved = meta["config"]
     changed = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})" for k in _SAME_ON_RESUME
                if k in saved and saved[k] != getattr(args, k)]
     if meta["vocab"] != vocab:
         changed.append("--data (another character set)")
     if changed:
-        raise SystemExit(f"train.py: --resume: {path} was saved with {', '.join(changed)}; a resumed run keeps the "
+        raise UsageError(f"train.py: --resume: {index} was saved with {', '.join(changed)}; a resumed run keeps the "
                          "flags that shape the model and the batches (the mesh flags and --steps may change)")
-    ck = dist.load(str(path), like=_state_tree(model, params, opt, scaler, 0, 0, ""))
+    ck = dist.load(index, like=_state_tree(model, params, opt, scaler, 0, 0, ""))
     unnamed = getattr(model, "from_checkpoint_tree", lambda tree: tree)
     opt.load_state_dict({k: v if k == "t" else unnamed(v) for k, v in ck["optimizer"].items()})
     if scaler is not None:
         scaler.load_state_dict(ck["scaler"])
     step = int(ck["data"]["next_batch"])
+    if failed and dist.init().rank == 0:
+        print(f"train.py: --resume: resuming from the older checkpoint at step {step} ({index})", file=sys.stderr,
+              flush=True)
     return unnamed(ck["params"]), step, list(meta["losses"][:step])
 
 
@@ -253,10 +323,43 @@ def _refuse_non_finite(world, state: dict, step: int) -> None:
                                    count=len(everyone[world.rank]))
 
 
+def _kept(out: Path | None, dropped: int | None, stuck: int | None) -> str:
+    """Rank 0, after a run went bad: what its run directory keeps, for the message (``dropped``:
+    the step whose save was dropped; ``stuck``: one that could not be, --keep 1)."""
+    from tessera_rt.dist.checkpoint import CheckpointError, read_index
+    try:
+        at = read_index(str(out / "checkpoint"))["values"]["step"] if out is not None else None
+    except CheckpointError:
+        at = None
+    kept = ("nothing was saved" if at is None else
+            f"the run directory keeps the checkpoint at step {at} (--resume continues from it)")
+    if stuck is not None:
+        return (f"the run directory keeps only the checkpoint at step {stuck}, made from the weights that gave this "
+                "(--keep 2 keeps the one before it too)")
+    return f"the save after step {dropped} was dropped (its weights gave this); {kept}" if dropped else kept
+
+
+def _refuse_grown(world, params, step: int, norm_of, last: list, factor: float) -> None:
+    """Never save weights whose global norm grew more than ``factor`` x since the last save (or
+    the run's start, ``last[0]``): diverging weights stay finite for a step or two (|w| 1e10
+    after one step at --lr 1e8) while the loss barely moves, so neither the finiteness check
+    nor the loss spike guard sees them.  Healthy training grows it by a third over hundreds of
+    steps.  ``norm_of``: the global norm, collective."""
+    from tessera_rt import optim
+    now = float(norm_of(params))
+    if now > factor * last[0]:
+        reason = (f"the weights' norm {now:.3g} is {now / last[0]:.3g} x the last save's ({last[0]:.3g}; more than "
+                  f"--weight-growth {factor:g})")
+        raise optim.NonFiniteError(f"step {step}: not saving the checkpoint: {reason}", reason=reason, step=step,
+                                   rank=world.rank, what="weight norm")
+    last[0] = now
+
+
 def _stopped(args: argparse.Namespace, err) -> str:
-    """The job's one message for a non-finite step (every rank stops at the same step: the
-    loss and the norm are agreed), with every rank's first non-finite leaf."""
-    from tessera_rt import dist
+    """The job's one message for a step that went bad (every rank stops at the same step: the
+    loss and the norm are agreed), with every rank's first non-finite leaf and what the run
+    directory keeps."""
+    from tessera_rt import dist, optim
     world = dist.init()
     firsts = world.mpi.allgather(err.first)
     ranks: dict = {}
@@ -268,10 +371,15 @@ def _stopped(args: argparse.Namespace, err) -> str:
     hint = [f"lower --lr (now {args.lr:g})"]
     if args.clip <= 0:
         hint.append("clip the gradients (--clip 1.0; now 0: off)")
-    regardless = "" if args.no_check_finite else \
-        "; --no-check-finite trains on regardless (it still never saves a non-finite state)"
+    if isinstance(err, optim.LossSpikeError) or err.what == "weight norm":
+        flag = "--loss-spike" if err.what == "loss" else "--weight-growth"
+        regardless = f"; {flag} 0 turns this check off"
+    else:
+        regardless = "" if args.no_check_finite else \
+            "; --no-check-finite trains on regardless (it still never saves a non-finite state)"
+    kept = getattr(err, "kept", "") or "nothing was saved"
     return (f"train.py: stopped at step {err.step} of {args.steps}: {err.reason}{'; ' + where if where else ''}. "
-            f"Nothing was saved (an earlier checkpoint in the run directory is untouched). "
+            f"{kept[:1].upper() + kept[1:]}. "
             f"{' or '.join(hint).capitalize()}"
             f"{regardless}")
 
@@ -308,34 +416,42 @@ def llama_model(args: argparse.Namespace, vocab: int, mesh):
     """train.py --arch llama: a Llama-shaped model (tessera_rt.inference.llama_train.LlamaLM)."""
     from tessera_rt.inference.llama_train import LlamaLM
     if args.pp > 1 or args.microbatches or args.experts or args.remat != "none":
-        raise SystemExit("train.py: --arch llama trains a dense model without --pp, --microbatches, --experts or --remat; "
+        raise UsageError("train.py: --arch llama trains a dense model without --pp, --microbatches, --experts or --remat; "
                          "drop those flags or use --arch transformer")
     return LlamaLM(vocab, args.d_model, args.heads, args.layers, args.seq, n_kv_heads=args.kv_heads or None,
                    mesh=mesh, dtype=args.dtype)
 
 
 def train(args: argparse.Namespace) -> dict:
-    """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank."""
+    """Run the loop; returns {"losses": [...], "step_times": [...], ...} on every rank.  Rank 0
+    holds the run directory until it returns."""
+    try:
+        return _train(args)
+    finally:
+        _release_run_dir()
+
+
+def _train(args: argparse.Namespace) -> dict:
     import tessera_rt as ts
     from tessera_rt import dist, nn, optim
     from tessera_rt.dtypes import resolve_dtype
 
     if args.export_hf and args.arch != "llama":
-        raise SystemExit("train.py: --export-hf needs --arch llama (the default model has learned positions, "
+        raise UsageError("train.py: --export-hf needs --arch llama (the default model has learned positions, "
                          "which a Hugging Face Llama checkpoint cannot hold)")
     world = dist.init()
     n = world.size
     tp, pp = args.tp, args.pp
     ep = args.ep if args.experts else 1
     if args.ep > 1 and not args.experts:
-        raise SystemExit("train.py: --ep needs --experts N (the MoE blocks are what ep shards)")
+        raise UsageError("train.py: --ep needs --experts N (the MoE blocks are what ep shards)")
     dp = args.dp or max(n // (tp * ep * pp), 1)
     if tp * dp * ep * pp != n:
-        raise SystemExit(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} x --pp {pp} = {tp * dp * ep * pp} ranks but "
+        raise UsageError(f"train.py: --tp {tp} x --dp {dp} x --ep {ep} x --pp {pp} = {tp * dp * ep * pp} ranks but "
                          f"the job has {n}; launch with tessera-run -n {tp * dp * ep * pp} or change --tp/--dp/--ep/--pp")
     piped = pp > 1 or args.microbatches > 0
     if piped and np.dtype(resolve_dtype(args.dtype)) == np.float16:
-        raise SystemExit("train.py: --pp/--microbatches with fp16 is not supported (the loss scale would have to "
+        raise UsageError("train.py: --pp/--microbatches with fp16 is not supported (the loss scale would have to "
                          "reach the last stage's loss); use --dtype bf16 or float32")
     if piped:                   # pp x ep: each stage's sub-mesh has dp, ep and tp
         axes = ["pp", "dp"] + (["ep"] if args.experts else []) + ["tp"]
@@ -346,16 +462,21 @@ def train(args: argparse.Namespace) -> dict:
         mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": dp, "tp": tp})
     rank0 = world.rank == 0
     if args.save_every < 0:
-        raise SystemExit(f"train.py: --save-every {args.save_every}: pass K >= 1 (0: save at the end only)")
+        raise UsageError(f"train.py: --save-every {args.save_every}: pass K >= 1 (0: save at the end only)")
     if args.log_every < 1:
-        raise SystemExit(f"train.py: --log-every {args.log_every}: pass N >= 1")
+        raise UsageError(f"train.py: --log-every {args.log_every}: pass N >= 1")
+    if args.keep < 1 or not all(v == 0 or v > 1 for v in (args.loss_spike, args.weight_growth)):
+        raise UsageError(f"train.py: --keep {args.keep} --loss-spike {args.loss_spike:g} --weight-growth "
+                         f"{args.weight_growth:g}: pass K >= 1, and F, G > 1 (0: off)")
+    # before the data and the model: a second job in this run directory is told at once
+    out = run_dir(args, world, writes=not (args.no_checkpoint and args.no_plot))
 
     text = load_text(args.data)
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = np.fromiter((stoi[c] for c in text), dtype=np.int32, count=len(text))
     if len(data) < args.seq + 2:
-        raise SystemExit(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
+        raise UsageError(f"train.py: the text has {len(data)} characters; need more than --seq {args.seq}")
 
     virtual = args.virtual_stages if piped and args.schedule == "interleaved" else 1
     # the runtime's rules, which the planner's search applies too (tessera-plan ranks only these)
@@ -364,7 +485,7 @@ def train(args: argparse.Namespace) -> dict:
                           microbatches=args.microbatches or min(2 * pp, args.batch) if piped else 1, batch=args.batch,
                           rows_multiple=dp * ep if args.experts else 1, remat=args.remat, moe=bool(args.experts))
     if bad:
-        raise SystemExit(f"train.py: {'; '.join(bad)} (flags --layers, --pp, --microbatches, --schedule, "
+        raise UsageError(f"train.py: {'; '.join(bad)} (flags --layers, --pp, --microbatches, --schedule, "
                          "--virtual-stages, --batch, --remat)")
     if args.arch == "llama":
         model = llama_model(args, len(chars), mesh)
@@ -382,7 +503,6 @@ def train(args: argparse.Namespace) -> dict:
         return scaler.scale(loss) if scaler is not None else loss
 
     step_fn = ts.value_and_grad(loss_fn, bucket_mb=args.grad_bucket_mb)
-    out = run_dir(args, world, writes=not (args.no_checkpoint and args.no_plot))
     meta = {"vocab": "".join(chars), "dp": dp, "tp": tp, "ep": ep, "pp": pp, "steps": args.steps,
             "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}}
     start, history = 0, []
@@ -397,10 +517,18 @@ def train(args: argparse.Namespace) -> dict:
         if rank0 and not args.quiet:
             print(f"train.py: resumed at step {start} from {out / 'checkpoint'}", flush=True)
     saved, pending = None, None          # pending: the asynchronous save in flight
+    saved_at = pending_at = None         # the steps of the last save committed here, and of the one in flight
+    guard = optim.LossSpikeGuard(args.loss_spike) if args.loss_spike else None
+    if guard is not None:
+        guard.extend(history)            # a resumed run's median starts from its saved losses
+    growth = None
+    if args.weight_growth and not args.no_checkpoint:      # the weights' norm now, then at each save
+        norm_of = pipe.grad_norm if pipe is not None else optim.global_norm
+        growth = (norm_of, [float(norm_of(params))], args.weight_growth)
 
     def save(done: int, async_: bool = False):
         return save_checkpoint(world, out / "checkpoint", model, params, opt, scaler, done, args.seed,
-                               dict(meta, losses=history + losses), async_=async_)
+                               dict(meta, losses=history + losses), async_=async_, keep=args.keep, growth=growth)
     bar = None
     # a bar redraws one line with carriage returns: right on a terminal, one endless line in a file
     if rank0 and not args.quiet and sys.stderr.isatty():
@@ -433,6 +561,8 @@ def train(args: argparse.Namespace) -> dict:
                 # the loss and the global norm, which every rank holds already: one scalar each
                 # (a step the loss scaler skips is its business)
                 optim.check_finite(loss=value, norm=norm, grads=grads, step=step + 1)
+            if guard is not None and finite:
+                guard.check(value, step=step + 1)
             if finite:
                 params = opt.step(params, grads)
             if scaler is not None:
@@ -446,18 +576,32 @@ def train(args: argparse.Namespace) -> dict:
                 print(f"step {step + 1}/{args.steps} loss {value:.4f} ({times[-1] * 1e3:.0f} ms)", flush=True)
             # collective (every rank has the same save in flight): commits once all have written
             if pending is not None and pending.poll():
-                saved, pending = pending.wait(), None
+                saved, saved_at, pending = pending.wait(), pending_at, None
             if args.save_every and not args.no_checkpoint and (step + 1) % args.save_every == 0 \
                     and step + 1 < args.steps:
                 if pending is not None:          # one save in flight at a time
-                    saved, pending = pending.wait(), None
+                    saved, saved_at, pending = pending.wait(), pending_at, None
                 if args.sync_save:
-                    saved = save(step + 1)
+                    saved, saved_at = save(step + 1), step + 1
                 else:
-                    pending = save(step + 1, async_=True)
-    except optim.NonFiniteError:             # agreed by every rank: the save in flight (finite) commits
-        if pending is not None:
+                    pending, pending_at = save(step + 1, async_=True), step + 1
+    except optim.NonFiniteError as err:      # agreed by every rank: the run went bad at err.step
+        # a loss or norm gone bad at step s came from the weights after step s - 1: their save
+        # is dropped (uncommitted, or rolled back to the one before); an earlier one commits
+        bad = err.step - 1 if err.step is not None and err.what in ("gradient", "loss") else None
+        dropped = stuck = None
+        if pending is not None and pending_at == bad:
+            pending.abandon()
+            dropped = bad
+        elif pending is not None:
             pending.wait()
+        elif saved_at is not None and saved_at == bad and rank0:
+            from tessera_rt.dist.checkpoint import rollback
+            if rollback(str(out / "checkpoint")) is None:
+                stuck = bad
+            else:
+                dropped = bad
+        err.kept = _kept(out, dropped, stuck) if rank0 else ""
         raise
     except BaseException:                    # maybe this rank alone: no collective; the previous checkpoint stays
         if pending is not None:
@@ -475,7 +619,11 @@ def train(args: argparse.Namespace) -> dict:
         saved = pending.wait()
     loop_s = time.perf_counter() - loop_start     # the steps with their --save-every saves (not the final one)
     if not args.no_checkpoint:
-        saved = save(args.steps)
+        try:
+            saved = save(args.steps)
+        except optim.NonFiniteError as err:
+            err.kept = _kept(out, None, None) if rank0 else ""
+            raise
     losses = history + losses
     if args.export_hf:                      # collective (each parameter gathered); rank 0 writes
         from tessera_rt.inference.llama_train import export_hf

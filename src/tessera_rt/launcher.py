@@ -1,23 +1,32 @@
 """``tessera-run -n N script.py [args]``: launch an SPMD program on N ranks.
 
 Runs the MPI launcher that belongs to the MPI mpi4py loaded (an ``mpiexec`` from another MPI
-would give every rank world size 1), as ``mpiexec -n N python -m tessera_rt.launcher --rank
+would give every rank world size 1), as ``mpiexec -n N python -m tessera_run --rank
 script.py``: each rank runs the script under a hook that ends the whole job on an uncaught
 exception, with one traceback per job (the first failing rank's, without launcher or runpy
 frames, the other failing ranks summarized in one line; ``dist.comm.process_group.report_failure``).
+``tessera-run python script.py`` and ``tessera-run python -c CODE`` work as with mpirun (the
+ranks run this Python).  The entry point, ``tessera_run``, sits outside the package so that
+a Ctrl-C while the package imports gives one line, not a traceback per process.
 
 * Signals: SIGTERM, SIGINT and SIGHUP sent to tessera-run are forwarded to mpiexec, which
   ends every rank; if tessera-run itself is SIGKILLed, the kernel sends mpiexec SIGTERM
   (``PR_SET_PDEATHSIG``), so no rank outlives the launcher.
 * MPI's own "application called MPI_Abort" lines are dropped from stderr (the rank's report
   says why the job ended).
-* A rank counts as finished only when its interpreter exits normally (it leaves a mark in a
-  folder tessera-run made for the job): a rank that vanished with status 0 (``os._exit(0)``,
-  a library that exits) fails the job, by rank, where mpiexec would report success; a rank
-  that died is named by rank beside MPICH's PID banner.
-* Ctrl-C (SIGINT) ends the job with one line, not one KeyboardInterrupt traceback per rank.
+* The launcher keeps its own record of each rank on this machine (``launch_ranks``: rank,
+  pid, and when and how its process ended), so the rank that died first is named from it,
+  not from MPICH's banner (which names the first process MPICH saw end, often one it ended
+  itself).  A rank counts as finished only when its interpreter exits normally: a rank that
+  vanished with status 0 (``os._exit(0)``, a library that exits) fails the job, named, where
+  mpiexec would report success.
+* Ctrl-C (SIGINT) ends the job with one line and exit 130, also while it starts, not one
+  KeyboardInterrupt traceback per rank.  The job's folder (``/tmp/tessera-run-*``) goes with
+  it; one a killed launcher left is removed by the next tessera-run.
 * ``--max-restarts N``: when the job fails (a rank died, raised or exited non-zero), start it
-  again, up to N times, saying why on one line; the ranks of attempt k see
+  again, up to N times, saying why on one line (and when none are left); a job that exits
+  with status 2 (a usage error: the same command would fail again) is not restarted; the
+  ranks of attempt k see
   ``TESSERA_RESTART=k`` (0 the first time), and a program resumes from its own checkpoint
   when it is above 0 (``scripts/train.py --run-dir DIR`` does).  With ``--min-n M`` a restart
   after a rank died runs on one rank fewer, down to M (a lost node; train.py without ``--dp``
@@ -39,21 +48,22 @@ frames, the other failing ranks summarized in one line; ``dist.comm.process_grou
 from __future__ import annotations
 
 import argparse
-import atexit
-import io
+import glob
 import os
 import re
-import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from .dist.checkpoint.lock import LOCK_NAME, DirLock
 from .launch_hosts import (HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here,  # noqa: F401
                            read_hostfile)
+from .launch_ranks import RUN_DIR_VAR, TAG_VAR, RankRecords
 
 __all__ = ["main", "build_command", "find_mpiexec", "rank_env", "HostError", "parse_hosts", "read_hostfile", "place",
            "is_local", "check_hosts"]
@@ -123,7 +133,7 @@ def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str]
         if rsh:                         # hydra's rsh launcher calls PROG HOST COMMAND (ssh's adds -x)
             cmd += ["-launcher", "rsh", "-launcher-exec", rsh]
     cmd += list(extra)
-    return cmd + [sys.executable, "-m", "tessera_rt.launcher", "--rank"] + target
+    return cmd + [sys.executable, "-m", "tessera_run", "--rank"] + target
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -154,9 +164,9 @@ def rank_env(nranks: int, env: dict | None = None) -> dict:
 _MPI_NOISE = re.compile(r"^(Abort\(\d+\) on node \d+ .*application called MPI_Abort|\[unset\]: .*MPI_Abort)")
 # MPICH's report of a rank that ended badly (on mpiexec's stdout): the rank's PID, host and status
 _BANNER = re.compile(rb"=\s+PID (\d+) RUNNING AT (\S+).*\n=\s+EXIT CODE: (\d+)")
-RUN_DIR_VAR = "TESSERA_RUN_DIR"        # the folder where each rank leaves its pid and its finished mark
-TAG_VAR = "TESSERA_TAG_OUTPUT"         # with --tag-output: the ranks prefix their lines
 RESTART_VAR = "TESSERA_RESTART"        # with --max-restarts: which attempt the ranks are (0 the first)
+USAGE_EXIT_CODE = 2                    # a usage error (argparse's, train.py's): never restarted
+STOP_GRACE_S = 5.0                     # after a forwarded signal: then once more (mpiexec's force), then SIGKILL
 
 
 _HYDRA = re.compile(r"^\[(proxy:|mpiexec@)|^Ctrl-C caught")     # mpiexec's own lines as it is stopped
@@ -174,19 +184,25 @@ def _copy_stderr(src, dst, seen: dict) -> None:
 
 def _copy_stdout(src, dst, seen: dict) -> None:
     """Pass mpiexec's stdout through as it comes (partial lines too), noting the PID and exit
-    code of each rank MPICH reports as ended badly."""
-    tail, deaths = b"", seen["deaths"]
+    code of each rank MPICH reports as ended badly.  A partial line that may be mpiexec's own
+    ("[mpiexec@host] ...", written in pieces) waits for its end, so it can be dropped."""
+    tail, held, deaths = b"", b"", seen["deaths"]
     for chunk in iter(lambda: os.read(src.fileno(), 65536), b""):
-        if b"Ctrl-C" in chunk:          # mpiexec's own lines as Ctrl-C stops it (tessera-run says it once)
-            chunk = b"".join(ln for ln in chunk.splitlines(keepends=True) if not _HYDRA.match(ln.decode(errors="replace")))
+        lines = (held + chunk).splitlines(keepends=True)
+        held = lines.pop() if not lines[-1].endswith(b"\n") and lines[-1].startswith(b"[") else b""
+        if "signal" in seen or any(b"Ctrl-C" in ln for ln in lines):    # mpiexec's lines as it is stopped:
+            lines = [ln for ln in lines if not _HYDRA.match(ln.decode(errors="replace"))]   # tessera-run says it once
         if "signal" in seen:            # MPICH's banner for the ranks ended by the signal: tessera-run says it once
-            chunk = b"".join(ln for ln in chunk.splitlines(keepends=True) if not _SIGNALED.match(ln))
+            lines = [ln for ln in lines if not _SIGNALED.match(ln)]
+        chunk = b"".join(lines)
         dst.write(chunk)
         dst.flush()
         tail = (tail + chunk)[-4096:]
         for pid, host, code in _BANNER.findall(tail):
             if is_local(host.decode(errors="replace")):      # another host's PID may be a rank's here
                 deaths[int(pid)] = int(code)
+    dst.write(held)
+    dst.flush()
 
 
 def _die_with_parent() -> None:
@@ -210,10 +226,18 @@ def _launch(cmd: list[str], env: dict, seen: dict) -> int:
                threading.Thread(target=_copy_stdout, args=(proc.stdout, sys.stdout.buffer, seen), daemon=True)]
     for c in copiers:
         c.start()
+    pressed = 0
     while True:
         try:
-            rc = proc.wait()
+            rc = proc.wait(timeout=0.5)
             break
+        except subprocess.TimeoutExpired:
+            # a rank that cannot take the signal yet (inside MPI_Init, a C call) keeps mpiexec
+            # waiting: a second signal makes it end the ranks by force, then mpiexec goes
+            at = seen.get("signal_at")
+            if at is not None and time.monotonic() - at > STOP_GRACE_S * (pressed + 1):
+                pressed += 1
+                _send(proc, seen["signal"] if pressed == 1 else signal.SIGKILL)
         except KeyboardInterrupt:
             continue
     for c in copiers:
@@ -238,6 +262,7 @@ class _forwarding:
 
     def _forward(self, signum, frame):
         self.seen["signal"] = signum
+        self.seen.setdefault("signal_at", time.monotonic())
         if self.seen.get("proc") is not None:
             _send(self.seen["proc"], signum)
 
@@ -249,122 +274,84 @@ class _forwarding:
             signal.signal(s, h)
 
 
-def _verdict(rc: int, run_dir: str, nranks: int, seen: dict, here: list[int] | None = None) -> tuple[int, str]:
+def _verdict(rc: int, records: RankRecords, nranks: int, seen: dict, here: list[int] | None = None) -> tuple[int, str]:
     """The job's exit status: mpiexec's, unless a rank did not finish (said here, by rank; only
-    the ranks ``here``, on this machine, can leave their mark); and why it failed, in a few words."""
+    the ranks ``here``, on this machine, are recorded); and why it failed, in a few words.  The
+    rank named is the first one this launcher saw end without finishing (``records``)."""
     sig = seen.get("signal")
     if sig is not None:
         sys.stderr.write(f"tessera-run: stopped by {signal.Signals(sig).name}; the {nranks} ranks were ended\n")
         return 128 + sig, "a signal"
-    why = f"the job failed (exit code {rc})"
-    pids = {}
-    for r in range(nranks):
-        try:
-            pids[int(Path(run_dir, f"{r}.pid").read_text())] = r
-        except (OSError, ValueError):
-            pass
-    for pid, code in sorted(seen.get("deaths", {}).items()):
-        if pid in pids:
-            how = f" (signal {code}: {signal.Signals(code).name})" if 0 < code < 32 else ""
-            sys.stderr.write(f"tessera-run: the process MPICH reports (pid {pid}, exit code {code}{how}) is rank "
-                             f"{pids[pid]}\n")
-            why = (f"rank {pids[pid]} died ({signal.Signals(code).name})" if 0 < code < 32 else
-                   f"rank {pids[pid]} exited with code {code}")
-            seen["died"] = 0 < code < 32
-    unfinished = [r for r in (range(nranks) if here is None else here) if not Path(run_dir, f"{r}.done").exists()]
+    aborted, first = records.aborted(), records.first_ended()
+    if rc != 0 and aborted is not None:             # it printed the job's one report
+        return rc, f"rank {aborted.rank} ended the job (exit code {rc})"
+    if rc != 0 and first is not None:
+        code = seen.get("deaths", {}).get(first.pid)
+        if first.status is None and code is not None:           # MPICH's banner names this rank's process
+            first.status = -code if 0 < code < 32 else code
+        how = first.how()
+        if first.said != "done":                    # (sys.exit(3) is a normal end: its status says it all)
+            sys.stderr.write(f"tessera-run: rank {first.rank} (pid {first.pid}) {how} before the end of the "
+                             "program; MPI then ended the other ranks\n")
+            seen["died"] = first.status is None or first.status < 0
+        return rc, f"rank {first.rank} {how}"
+    unfinished = records.unfinished(range(nranks) if here is None else here)
     if rc == 0 and unfinished:
-        ranks = f"rank{'s' if len(unfinished) > 1 else ''} {', '.join(map(str, unfinished))}"
+        who = f"rank {first.rank}" if first is not None else \
+            f"rank{'s' * (len(unfinished) > 1)} {', '.join(map(str, unfinished))}"
+        after = [r for r in unfinished if first is not None and r != first.rank]
+        then = f"; MPI then ended rank{'s' * (len(after) > 1)} {', '.join(map(str, after))}, which waited for it" \
+            if after else ""
         sys.stderr.write(
-            f"tessera-run: mpiexec reported success, but {ranks} did not finish the program: a rank ended with status "
-            "0 before the end (os._exit(0), or a library that exits the process) and MPI ended the ranks waiting for "
-            "it; the job failed (exit code 1)\n")
-        return 1, f"{ranks} did not finish"
-    return rc, why
+            f"tessera-run: mpiexec reported success, but {who} exited with status 0 before the end of the program "
+            f"(os._exit(0), or a library that exits the process){then}; the job failed (exit code 1)\n")
+        return 1, f"{who} did not finish"
+    return rc, f"the job failed (exit code {rc})"
 
 
-def _mark(run_dir: str, name: str, text: str) -> None:
-    try:
-        Path(run_dir, name).write_text(text)
-    except OSError:
-        pass
+def _strip_python(target: list[str], parser) -> list[str]:
+    """``python script.py ...``, ``python -m mod ...`` and ``python -c CODE ...`` as mpirun users
+    type them: the ranks run this Python (``-u`` is kept, as PYTHONUNBUFFERED)."""
+    if not target or not re.fullmatch(r"python(\d+(\.\d+)*)?", os.path.basename(target[0])):
+        return target
+    named = shutil.which(target[0]) or target[0]
+    if os.sep in target[0] and os.path.realpath(named) != os.path.realpath(sys.executable):
+        parser.error(f"the ranks run this Python ({sys.executable}), not {target[0]}: to use that one, run "
+                     f"{target[0]} -m tessera_run with the same arguments")
+    rest = target[1:]
+    while rest[:1] == ["-u"]:
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        rest = rest[1:]
+    if rest[:1] == ["-c"] and len(rest) < 2:
+        parser.error("python -c needs the code to run, e.g. tessera-run -n 2 python -c 'print(1)'")
+    if rest[:1] and rest[0].startswith("-") and rest[0] not in ("-c", "-m"):
+        parser.error(f"python {rest[0]}: tessera-run passes no interpreter option but -u to the ranks; set it "
+                     "through the environment (PYTHONOPTIMIZE, PYTHONWARNINGS, ...) or drop it")
+    return rest
 
 
-class _Tagged(io.TextIOBase):
-    """A rank's stdout/stderr with ``[rank] `` before each line; a line goes out in one write
-    (a partial one at a flush), so the ranks' lines do not mix."""
-
-    def __init__(self, stream, tag: str):
-        self.stream, self.tag, self.pending, self.at_start = stream, tag, "", True
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        if "\n" in self.pending:
-            done, _, self.pending = self.pending.rpartition("\n")
-            self._emit(done + "\n")
-        return len(text)
-
-    def _emit(self, text: str) -> None:
-        lines = text.splitlines(keepends=True)
-        tagged = [(self.tag if i or self.at_start else "") + ln for i, ln in enumerate(lines)]
-        self.at_start = text.endswith("\n")
-        self.stream.write("".join(tagged))
-
-    def flush(self) -> None:
-        if self.pending:
-            text, self.pending = self.pending, ""
-            self._emit(text)
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def writable(self) -> bool:
-        return True
-
-    @property
-    def buffer(self):                   # bytes written here are not tagged
-        return self.stream.buffer
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    @property
-    def encoding(self):
-        return self.stream.encoding
+def _new_folder() -> tuple[str, DirLock]:
+    """The job's folder (the ranks' socket), held by this launcher until the job ends."""
+    folder = tempfile.mkdtemp(prefix="tessera-run-")
+    return folder, DirLock(folder).acquire()
 
 
-def _rank_main(argv: list[str]) -> None:
-    """One rank: install the one-error-per-job hook, then run the script as __main__."""
-    from mpi4py import MPI
-    rank = MPI.COMM_WORLD.Get_rank()
-    run_dir = os.environ.get(RUN_DIR_VAR)
-    if run_dir:
-        _mark(run_dir, f"{rank}.pid", str(os.getpid()))
-        atexit.register(_mark, run_dir, f"{rank}.done", "")      # at a normal exit only (not os._exit)
-    # one write per line: unbuffered (PYTHONUNBUFFERED) print() writes each piece on its own,
-    # and mpiexec then interleaves other ranks' text into the middle of a line
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True, write_through=False)
-    if os.environ.get(TAG_VAR):
-        sys.stdout, sys.stderr = _Tagged(sys.stdout, f"[{rank}] "), _Tagged(sys.stderr, f"[{rank}] ")
-        atexit.register(sys.stdout.flush)
-        atexit.register(sys.stderr.flush)
-    if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
-        from tessera_rt.dist.comm import process_group
-        process_group._install_excepthook(rank)
-    sys.argv = list(argv)
-    try:
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    except KeyboardInterrupt:
-        # Ctrl-C reaches every rank and the launcher, which says it once: no traceback per rank
-        sys.stdout.flush()
-        os._exit(128 + signal.SIGINT)
+def _remove_stale_folders() -> None:
+    """Remove the folders of tessera-run launchers that were killed (their lock is free): a
+    launcher takes its folder with it when it ends, but not when SIGKILL ends it."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "tessera-run-*")):
+        lock = os.path.join(folder, LOCK_NAME)
+        try:
+            if os.stat(folder).st_uid != os.getuid():
+                continue
+            written = os.path.getsize(lock) > 0           # (empty: a launcher between taking and writing it)
+            fresh = time.time() - os.path.getmtime(lock) < 60
+        except FileNotFoundError:                          # no lock: an older tessera-run's, after a day
+            written, fresh = False, time.time() - os.path.getmtime(folder) < 86400
+        except OSError:
+            continue
+        if (written or not fresh) and DirLock.holder(folder) is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,14 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when the job fails (a rank died, raised or exited non-zero), start it again, up to N "
                         "times; the ranks see TESSERA_RESTART=<attempt> (0 the first) and scripts/train.py resumes "
-                        "from its --run-dir's checkpoint. A signal to tessera-run ends the job without a restart")
+                        "from its --run-dir's checkpoint. A signal to tessera-run, or a usage error (exit status 2), "
+                        "ends the job without a restart")
     parser.add_argument("--min-n", type=int, default=None, metavar="M",
                         help="with --max-restarts: a restart after a rank died runs on one rank fewer, down to M "
                         "(default: -n, the same count each time); scripts/train.py without --dp resumes onto the "
                         "smaller mesh")
     parser.add_argument("--tag-output", action="store_true", help="start each output line with its rank")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    parser.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
+    parser.add_argument("target", nargs=argparse.REMAINDER,
+                        help="script.py [args...] (python script.py, python -m module and python -c CODE work too)")
     args = parser.parse_args(argv)
     if args.nranks is not None and args.nranks < 1:
         parser.error(f"-n must be at least 1, got {args.nranks}")
@@ -432,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     min_n = n if args.min_n is None else args.min_n
     if not 1 <= min_n <= n:
         parser.error(f"--min-n must be between 1 and -n ({n}), got {min_n}")
-    target = (["-m", args.module] if args.module else []) + args.target
+    target = (["-m", args.module] if args.module else []) + _strip_python(args.target, parser)
     if not target or (not args.module and not args.target):
         parser.error("name a script to run (or -m module)")
     mpiexec = find_mpiexec()
@@ -455,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             sys.stderr.write(problem + "\n")
             return 1
+    _remove_stale_folders()
     seen: dict = {}
     attempts = args.max_restarts + 1
     with _forwarding(seen):
@@ -463,10 +453,26 @@ def main(argv: list[str] | None = None) -> int:
             env = rank_env(max(c for _, c in layout) if layout else n)
             env.update({TAG_VAR: "1"} if args.tag_output else {})
             env.update({RESTART_VAR: str(attempt)} if args.max_restarts else {})
-            with tempfile.TemporaryDirectory(prefix="tessera-run-") as run_dir:
-                env[RUN_DIR_VAR] = run_dir
-                rc, why = _verdict(_launch(cmd, env, seen), run_dir, n, seen, ranks_here(layout) if layout else None)
-            if rc == 0 or "signal" in seen or attempt + 1 == attempts:
+            folder, lock = _new_folder()
+            records = RankRecords(folder)
+            try:
+                env[RUN_DIR_VAR] = folder
+                rc = _launch(cmd, env, seen)
+            finally:
+                records.close()
+                lock.release()
+                shutil.rmtree(folder, ignore_errors=True)
+            rc, why = _verdict(rc, records, n, seen, ranks_here(layout) if layout else None)
+            if rc == 0 or "signal" in seen:
+                return rc
+            if args.max_restarts and rc == USAGE_EXIT_CODE:
+                sys.stderr.write(f"tessera-run: the job exited with code {rc}, a usage error: not restarting it (the "
+                                 "same command would fail again; --max-restarts restarts failures)\n")
+                return rc
+            if attempt + 1 == attempts:
+                if args.max_restarts:
+                    sys.stderr.write(f"tessera-run: attempt {attempts} of {attempts} failed too ({why}); no restarts "
+                                     f"left (--max-restarts {args.max_restarts}); exit code {rc}\n")
                 return rc
             fewer = seen.pop("died", False) and n > min_n
             n -= fewer
@@ -475,7 +481,4 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--rank":
-        _rank_main(sys.argv[2:])
-    else:
-        sys.exit(main())
+    sys.exit(main())

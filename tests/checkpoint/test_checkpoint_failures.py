@@ -139,7 +139,8 @@ def _state(version):
 
 
 def _disk_bytes(ckpt):
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt) for f in fs)
+    # (not the writer's .lock, there while a save runs)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt) for f in fs if f != ".lock")
 
 
 def test_the_next_save_removes_what_a_killed_save_left_and_reports_the_bytes(tmp_path):
@@ -278,3 +279,127 @@ def test_an_async_save_never_waited_for_says_so_at_exit_and_commits_nothing(tmp_
     assert f"rank 0: dist.save({str(ckpt)!r}, async_=True) was never waited for: it is not committed" in p.stderr, \
         p.stderr
     assert not (ckpt / "index.json").exists()
+
+
+def test_save_keeps_the_last_k_checkpoints_and_rollback_drops_the_newest(tmp_path):
+    from tessera_rt import dist
+    from tessera_rt.dist import checkpoint
+    ckpt = str(tmp_path / "ckpt")
+    for v in range(1, 5):
+        info = dist.save(_state(v), ckpt, keep=2)
+    hist = checkpoint.history(ckpt)
+    assert hist == [os.path.join(ckpt, "index.json"), os.path.join(ckpt, "index-000003.json")]
+    assert [dist.load(h)["step"] for h in hist] == [4, 3]
+    assert len([n for n in os.listdir(ckpt) if n.startswith("data-")]) == 2 and info.older == 1
+    assert info.summary().endswith("ckpt (and 1 older checkpoint kept)") and info.replaced_bytes > 0
+    # the newest dropped (a run that went bad after it): the one before is the checkpoint again
+    assert checkpoint.rollback(ckpt) == os.path.join(ckpt, "index.json") and dist.load(ckpt)["step"] == 3
+    assert checkpoint.history(ckpt) == [os.path.join(ckpt, "index.json")] and checkpoint.rollback(ckpt) is None
+    assert len([n for n in os.listdir(ckpt) if n.startswith("data-")]) == 1
+    dist.save(_state(5), ckpt)                                   # keep=1: one checkpoint, as before
+    assert sorted(os.listdir(ckpt)) == sorted([json.load(open(os.path.join(ckpt, "index.json")))["data_dir"],
+                                               "index.json"])
+    with pytest.raises(ValueError, match=r"keep=0\): keep counts the checkpoints kept"):
+        dist.save(_state(6), ckpt, keep=0)
+
+
+HOLD = """
+import sys, time
+from tessera_rt.dist.checkpoint import DirLock
+DirLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_removes_nothing_of_it(tmp_path):
+    # issue 40: a second job's save deleted the first's temporary index as a leftover
+    from tessera_rt import dist
+    from tessera_rt.dist import checkpoint
+    ckpt = str(tmp_path / "ckpt")
+    dist.save(_state(1), ckpt)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, ckpt], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        garbage = _leave_garbage(ckpt)                           # what the other writer has on disk now
+        before = {n: _disk_bytes(os.path.join(ckpt, n)) for n in os.listdir(ckpt)}
+        start = time.monotonic()
+        with pytest.raises(checkpoint.CheckpointError, match=rf"dist.save\('{ckpt}'\): another process is writing "
+                           rf"this checkpoint directory \(pid {holder.pid} on host \S+, started .* UTC: -c .*ckpt\)"):
+            dist.save(_state(2), ckpt)
+        assert time.monotonic() - start < 2
+        with pytest.raises(checkpoint.CheckpointError, match="another process is writing"):
+            checkpoint.cleanup(ckpt)
+        assert dist.load(ckpt, cleanup=True)["step"] == 1        # loads; leaves the writer's files alone
+        assert {n: _disk_bytes(os.path.join(ckpt, n)) for n in os.listdir(ckpt)} == before and garbage
+    finally:
+        holder.kill()
+        holder.wait()
+    # a writer that died holds nothing (the kernel let its lock go): the next save goes ahead
+    assert dist.save(_state(3), ckpt).leftover_bytes == garbage and dist.load(ckpt)["step"] == 3
+    assert ".lock" not in os.listdir(ckpt)
+
+
+BROKEN_SAVE = """
+import os, signal, sys
+import numpy as np
+from tessera_rt import dist
+from tessera_rt.dist import checkpoint
+where, how, keep, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+real_write, real_remove, committed = checkpoint.files._write_atomic, checkpoint.writer._remove, []
+
+def die(path):
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(28, "No space left on device")
+
+def write(path, data):                 # the index commit
+    if path.endswith("index.json"):
+        if where == "commit":
+            with open(f"{path}.tmp-{os.getpid()}", "wb") as f:
+                f.write(data[:10])
+            die(path)
+        committed.append(path)
+    real_write(path, data)
+
+def remove(path, names):               # after the commit: the retired data goes
+    if committed:
+        die(path)
+    return real_remove(path, names)
+
+checkpoint.files._write_atomic, checkpoint.writer._remove = write, remove
+mesh = dist.Mesh(axes=["dp"], shape={"dp": 1})
+info = dist.save({"w": dist.distribute(np.full((4, 3), 2, np.float32), mesh=mesh), "step": 2}, ckpt, keep=keep)
+print("saved:", info.summary(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["commit", "cleanup"])
+def test_a_save_killed_or_failing_in_its_commit_leaves_the_previous_checkpoint_loadable(tmp_path, where):
+    # issue 40 item 8: the save is killed (SIGKILL) or fails (ENOSPC) at the index commit, and
+    # between the commit and the removal of what it retires; the previous checkpoint loads in
+    # every case (removing its data before the commit would lose it: this test fails then)
+    from tessera_rt import dist
+    from tessera_rt.dist import checkpoint
+    keep = 1 if where == "commit" else 2
+    dirs = {how: str(tmp_path / how) for how in ("kill", "fail")}
+    for d in dirs.values():
+        dist.save(_state(1), d, keep=keep)
+    procs = {how: subprocess.Popen(["timeout", "-k", "5", "60", sys.executable, "-c", BROKEN_SAVE, where, how,
+                                    str(keep), d], env=mpi_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for how, d in dirs.items()}
+    for how, p in procs.items():
+        out, err = p.communicate(timeout=90)
+        d = dirs[how]
+        if how == "kill":
+            assert p.returncode == -9 or p.returncode == 137, (p.returncode, out + err)
+        elif where == "commit":
+            assert p.returncode == 1 and "committing index.json failed: [Errno 28] No space left" in err, err
+        else:                      # committed: the failed removal is reported, the next save retries it
+            assert p.returncode == 0 and "removing what it replaced failed ([Errno 28]" in out, out + err
+        steps = [dist.load(h)["step"] for h in checkpoint.history(d)]
+        assert steps == ([1] if where == "commit" else [2, 1]), (how, steps)
+        info = dist.save(_state(3), d, keep=keep)                # the next save finishes what was left
+        assert [dist.load(h)["step"] for h in checkpoint.history(d)] == ([3] if keep == 1 else [3, 2])
+        assert info.left_bytes == 0 and not [n for n in os.listdir(d) if ".tmp-" in n]
+        assert len([n for n in os.listdir(d) if n.startswith("data-")]) == keep

@@ -93,3 +93,30 @@ def test_a_dtensor_keeps_the_mesh_it_was_made_on_not_an_equal_earlier_one():
     g = np.arange(6.0).reshape(2, 3)
     a, b = dist.distribute(g, mesh=first), dist.distribute(g, mesh=second)
     assert a.mesh is first and b.mesh is second and (b * 2).mesh is second
+
+
+@pytest.mark.parametrize("bad, said", [(np.array([{"a": 1}, None], dtype=object), "dtype object (Python objects)"),
+                                       (np.array(["ab", "cd"]), "dtype <U2 (strings)"),
+                                       (np.array([1, 2], "datetime64[s]"), "dtype datetime64[s] (dates)")])
+def test_collectives_refuse_non_numeric_dtypes_before_any_communication(bad, said):
+    # MPI failed inside the call with "float() argument must be ... not 'dict'" or "could not
+    # convert string to float": the call and the dtype are named before any group is made
+    import re
+    m = dist.Mesh(axes=["x"], shape=(1,))
+    calls = {"all_reduce": lambda: dist.all_reduce(bad, "x", mesh=m),
+             "reduce_scatter": lambda: dist.reduce_scatter(bad, "x", mesh=m),
+             "all_gather": lambda: dist.all_gather(bad, "x", mesh=m),
+             "all_to_all": lambda: dist.all_to_all(bad, "x", mesh=m),
+             "broadcast": lambda: dist.broadcast(bad.copy(), "x", mesh=m)}
+    for made in (False, True):             # the group's first call, and a group already made
+        for name, call in calls.items():
+            with pytest.raises(TypeError, match=rf"^rank 0: dist\.{name}: the array has {re.escape(said)}, which "
+                               "collectives cannot move"):
+                call()
+            assert ("x" in m._groups) == made, name
+        dist.all_reduce(np.ones(2), "x", mesh=m)
+    with pytest.raises(TypeError, match=r"dist\.all_reduce: the array has dtype"):
+        dist.all_reduce(bad)                                        # the world, no mesh
+    import ml_dtypes                                                # low-precision floats are numbers
+    for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.bool_, np.complex64):
+        assert dist.all_gather(np.ones(4, dt), "x", mesh=m).dtype == dt

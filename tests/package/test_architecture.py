@@ -17,7 +17,7 @@ Layers, lowest first; an arrow may point to the same or a lower layer only:
   3 autodiff
   4 op, nn, optim, profiler, graph
   5 moe, pipeline
-  6 inference, plan, launcher (+ launch_hosts)
+  6 inference, plan, launcher (+ launch_hosts, launch_ranks)
   7 the package root tessera_rt                       (assembles everything)
 An upper layer plugs into a lower one through a registry the lower one owns and the upper
 one fills on import (e.g. ``dist.comm.hooks``), never by the lower one importing it.
@@ -49,7 +49,7 @@ LAYERS = [
     ["autodiff"],
     ["op", "nn", "optim", "profiler", "graph"],
     ["moe", "pipeline"],
-    ["inference", "plan", "launcher", "launch_hosts"],
+    ["inference", "plan", "launcher", "launch_hosts", "launch_ranks"],
 ]
 
 # Today's upward arrows (importer -> imported, names relative to tessera_rt). Each one is a

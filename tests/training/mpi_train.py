@@ -144,6 +144,63 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step_and_saves_nothing(wo
     assert _files(Path(out_dir)) == before
 
 
+def test_a_diverged_resume_keeps_the_last_good_checkpoint(world, tmp_path):
+    # issue 40: resuming a good checkpoint with --lr 1e8 --clip 0 --save-every 1 saved finite but
+    # diverged weights (|w| 1e10 after one step, while the loss barely moves) over it, and the
+    # good one was gone when the loss turned nan; now that save is refused and the good one stays
+    run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
+    good = _RUN + ["--steps", "2", "--run-dir", run]
+    TRAIN.train(TRAIN.parse_args(good))
+    bad = [a for a in good if a not in ("--lr", "1e-2")] + ["--lr", "1e8", "--clip", "0", "--steps", "6",
+                                                            "--save-every", "1", "--resume"]
+    with pytest.raises(optim.NonFiniteError, match=r"^step 3: not saving the checkpoint: the weights' norm \S+ is "
+                       r"\S+ x the last save's \(\S+; more than --weight-growth 10\)") as e:
+        TRAIN.train(TRAIN.parse_args(bad))
+    stop = TRAIN._stopped(TRAIN.parse_args(bad), e.value)            # (collective)
+    if world.rank == 0:
+        assert "Stopped at step 3 of 6" not in stop and "train.py: stopped at step 3 of 6: the weights' norm" in stop
+        assert "The run directory keeps the checkpoint at step 2 (--resume continues from it)" in stop, stop
+        assert "--weight-growth 0 turns this check off" in stop, stop
+    assert [dist.load(h)["step"] for h in dist.checkpoint.history(f"{run}/checkpoint")] == [2]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_a_loss_spike_stops_the_run_and_drops_the_save_its_weights_made(world, monkeypatch, tmp_path, sync):
+    # a spike at step 7 comes from the weights after step 6: their save is dropped (in flight:
+    # never committed; --sync-save: rolled back), and the checkpoint at step 5 is the run's again
+    real = optim.LossSpikeGuard.check
+    monkeypatch.setattr(optim.LossSpikeGuard, "check",
+                        lambda self, loss, step=None: real(self, loss * (1e3 if step == 7 else 1), step))
+    run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
+    args = TRAIN.parse_args(_RUN + ["--steps", "9", "--save-every", "1", "--run-dir", run] + ["--sync-save"] * sync)
+    with pytest.raises(optim.LossSpikeError, match=r"^step 7: the loss \S+ is \S+ x the median \S+ of the last 6 steps"
+                       r" \(a spike: more than 5 x\)") as e:
+        TRAIN.train(args)
+    stop = TRAIN._stopped(args, e.value)
+    if world.rank == 0:
+        assert ("The save after step 6 was dropped (its weights gave this); the run directory keeps the checkpoint at "
+                "step 5 (--resume continues from it). Lower --lr") in stop, stop
+        assert "--loss-spike 0 turns this check off" in stop, stop
+    steps = [dist.load(h)["step"] for h in dist.checkpoint.history(f"{run}/checkpoint")]
+    assert steps == ([5] if sync else [5, 4]), steps
+    out = TRAIN.train(TRAIN.parse_args(_RUN + ["--steps", "6", "--run-dir", run, "--resume"]))
+    assert out["start"] == 5
+
+
+def test_resume_takes_the_newest_checkpoint_that_verifies(world, tmp_path):
+    run = MPI.COMM_WORLD.bcast(str(tmp_path / "run"), root=0)
+    TRAIN.train(TRAIN.parse_args(_RUN + ["--steps", "4", "--save-every", "2", "--sync-save", "--run-dir", run]))
+    newest = dist.checkpoint.read_index(f"{run}/checkpoint")
+    if world.rank == 0:                          # every file of the newest checkpoint damaged
+        for f in (Path(run) / "checkpoint" / newest["data_dir"]).iterdir():
+            blob = bytearray(f.read_bytes())
+            blob[-1] ^= 1
+            f.write_bytes(bytes(blob))
+    MPI.COMM_WORLD.Barrier()
+    out = TRAIN.train(TRAIN.parse_args(_RUN + ["--steps", "5", "--run-dir", run, "--resume"]))
+    assert out["start"] == 2 and len(out["losses"]) == 5
+
+
 @pytest.mark.timeout(120)
 def test_loss_scaling_still_skips_a_non_finite_step_and_finite_steps_check_only_scalars(world, monkeypatch):
     # fp16 with a loss scale of 2^17: the scaled gradients overflow fp16, so the scaler skips

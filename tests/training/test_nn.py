@@ -163,6 +163,24 @@ def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(
     assert optim.clip_grad_norm({"a": g["a"]}, 1.0, error_if_nonfinite=True)[1] == pytest.approx(math.sqrt(3))
 
 
+def test_the_loss_spike_guard_stops_at_a_loss_far_above_the_running_median(monkeypatch):
+    monkeypatch.setattr(optim.finite, "_rank", lambda: None)
+    guard = optim.LossSpikeGuard(factor=5.0, window=4, warmup=3)
+    guard.extend([4.0, float("nan")])                 # a resumed run's saved losses (inf/nan are not kept)
+    guard.check(30.0, step=2)                         # before the warm-up: no median to compare with yet
+    guard.check(3.0, step=3)
+    guard.check(float("inf"), step=4)                 # check_finite's business
+    assert list(guard.recent) == [4.0, 30.0, 3.0]
+    guard.check(19.0, step=5)                         # 4.75 x the median 4: noise
+    with pytest.raises(optim.LossSpikeError, match=r"^step 6: the loss 100 is 8.7 x the median 11.5 of the last 4 "
+                       r"steps \(a spike: more than 5 x\): the run is diverging; stopped before this step's update") as e:
+        guard.check(100.0, step=6)
+    assert isinstance(e.value, optim.NonFiniteError) and (e.value.step, e.value.what) == (6, "loss")
+    assert list(guard.recent) == [4.0, 30.0, 3.0, 19.0]     # a spike is not remembered
+    with pytest.raises(ValueError, match="need factor > 1"):
+        optim.LossSpikeGuard(factor=1.0)
+
+
 def test_dynamic_loss_scaler():
     s = optim.DynamicLossScaler(init_scale=8.0, growth_interval=2)
     g, finite = s.unscale({"w": np.array([8.0, np.inf], np.float16)})

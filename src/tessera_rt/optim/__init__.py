@@ -15,6 +15,7 @@ rank already agrees on (Megatron's ``check_for_nan_in_loss_and_grad``):
 
     grads, norm = optim.clip_grad_norm(grads, 1.0)
     optim.check_finite(loss=float(loss), norm=norm, grads=grads, step=step)   # NonFiniteError
+    guard.check(float(loss), step=step)     # guard = optim.LossSpikeGuard(): LossSpikeError on a spike
 
 Parameters, gradients and optimizer state are pytrees of arrays or DTensors; the state
 of a DTensor parameter has the parameter's layout, so every update is local (no
@@ -24,8 +25,8 @@ the f32 masters, so low-precision rounding never accumulates into the weights.
 from __future__ import annotations
 
 from .clip import clip_grad_norm, global_norm
-from .finite import DynamicLossScaler, NonFiniteError, check_finite, non_finite_leaves
+from .finite import DynamicLossScaler, LossSpikeError, LossSpikeGuard, NonFiniteError, check_finite, non_finite_leaves
 from .optimizers import SGD, AdamW, Optimizer
 
 __all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_norm", "DynamicLossScaler", "NonFiniteError",
-           "check_finite", "non_finite_leaves"]
+           "LossSpikeError", "LossSpikeGuard", "check_finite", "non_finite_leaves"]

@@ -1,9 +1,11 @@
-"""Non-finite steps: the check that stops a run on an inf/nan loss or norm, the search for
-the first bad leaf, and fp16's dynamic loss scaling."""
+"""Steps that went bad: the check that stops a run on an inf/nan loss or norm, the guard that
+stops it on a finite loss far above the recent ones (a diverging run), the search for the
+first bad leaf, and fp16's dynamic loss scaling."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections import deque
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -60,6 +62,88 @@ class NonFiniteError(FloatingPointError):
         super().__init__(message)
         self.reason, self.step, self.rank, self.what = reason, step, rank, what
         self.first, self.count, self.total = first, count, total
+
+
+class LossSpikeError(NonFiniteError):
+    """The loss of a step is far above the recent ones (``LossSpikeGuard``): the run is
+    diverging, though every value may still be finite.  A ``NonFiniteError``, so a loop that
+    stops on those stops on this too.
+
+    Parameters
+    ----------
+    message : str
+        The error message.
+    reason : str
+        The loss against the median, for a run's stop message.
+    step : int, optional
+        The training step.
+    rank : int, optional
+        The rank raising it.
+    what : str
+        "loss".
+    first : str, optional
+        None (no leaf is searched).
+    count, total : int
+        0.
+    """
+
+
+class LossSpikeGuard:
+    """Stop a run whose loss jumps far above its running median (Megatron's rerun machinery
+    checks a step's loss against recent ones the same way): weights that diverge stay finite
+    for a step or two (|w| ~ 1e14) and would be saved over the good checkpoint before the
+    loss turns nan.
+
+    Parameters
+    ----------
+    factor : float
+        A loss above ``factor`` x the median of the recent losses is a spike.
+    window : int
+        How many recent finite losses the median is over.
+    warmup : int
+        No check until this many losses were seen (a resumed run passes its saved ones).
+    """
+
+    def __init__(self, factor: float = 5.0, window: int = 50, warmup: int = 5):
+        if not (factor > 1 and window >= 1 and warmup >= 1):
+            raise ValueError(f"LossSpikeGuard(factor={factor}, window={window}, warmup={warmup}): need factor > 1, "
+                             "window >= 1, warmup >= 1")
+        self.factor, self.warmup = float(factor), int(warmup)
+        self.recent: deque = deque(maxlen=int(window))
+
+    def extend(self, losses: Iterable[float]) -> None:
+        """Take earlier losses (a resumed run's saved ones) as if checked.
+
+        Parameters
+        ----------
+        losses : iterable of float
+            Oldest first.
+        """
+        self.recent.extend(float(v) for v in losses if math.isfinite(float(v)))
+
+    def check(self, loss: float, step: int | None = None) -> None:
+        """Raise ``LossSpikeError`` if ``loss`` is a spike; else remember it.  Pass the loss
+        every rank agrees on, before the step's update, so every rank stops at the same step.
+
+        Parameters
+        ----------
+        loss : float
+            This step's loss (inf/nan are ``check_finite``'s business and not remembered).
+        step : int, optional
+            The step, for the message.
+        """
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return
+        if len(self.recent) >= self.warmup:
+            med = float(np.median(self.recent))
+            if med > 0 and loss > self.factor * med:
+                reason = (f"the loss {loss:.4g} is {loss / med:.3g} x the median {med:.4g} of the last "
+                          f"{len(self.recent)} steps (a spike: more than {self.factor:g} x)")
+                at = f"step {step}: " if step is not None else ""
+                raise LossSpikeError(f"{at}{reason}: the run is diverging; stopped before this step's update",
+                                     reason=reason, step=step, rank=_rank(), what="loss")
+        self.recent.append(loss)
 
 
 def non_finite_leaves(tree: Any) -> list[str]:

@@ -1,14 +1,19 @@
-"""The checkpoint's files: atomic writes, the index on disk, verified reads, and what killed
-or failed saves leave behind.
+"""The checkpoint's files: atomic writes, the index on disk, verified reads, the older
+checkpoints kept, and what killed or failed saves leave behind.
 
-    path/index.json                      the commit point: written last, atomically
+    path/index.json                      the newest checkpoint; the commit point: written last, atomically
     path/data-<id>/rank00003.safetensors a save's pieces held by rank 3
+    path/index-000005.json               an older checkpoint kept (save(keep=K)): the 5th save's index
+    path/.lock                           while a save runs: who writes (``lock.DirLock``)
 
 * Atomic: a file is written under a temporary name (``*.tmp-<pid>``), fsynced and renamed;
   ``index.json`` is replaced by one rename, so a save killed before it leaves the previous
-  index and its data untouched.
-* Leftovers: what killed or failed saves left (other ``data-*`` directories, temporary
-  files); the next save removes them before it writes, as does ``cleanup(path)``.
+  index and its data untouched.  With ``keep=K`` the previous index is first linked to its
+  own name (``index-<seq>.json``), and the oldest beyond K go once the new one is committed.
+* One writer: a save holds ``path``'s lock from its start to its commit; a second writer is
+  refused naming the first, so a save never removes files another one is writing.
+* Leftovers: what killed or failed saves left (``data-*`` directories no kept index uses,
+  temporary files); the next save removes them before it writes, as does ``cleanup(path)``.
 * Checked: reads verify each file's sha256 against the index and name the file and tensor
   that fail.  Tensor data is safetensors, never pickle.
 """
@@ -16,12 +21,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
 
 from ..._format import human_bytes
 from .format import _FORMAT, CheckpointError, _sha
+from .lock import DirInUse, DirLock, describe
+
+INDEX = "index.json"
+_KEPT = re.compile(r"^index-(\d+)\.json$")          # an older checkpoint kept beside the newest
 
 def _fsync_dir(path: str) -> None:
     try:
@@ -51,16 +61,20 @@ class SaveInfo(str):
     """What ``save`` returns: the index path (a str, as before) plus what is on disk.
 
     ``bytes``/``files``: the committed checkpoint (data files and index); ``replaced_bytes``:
-    the previous checkpoint's data, deleted; ``leftovers``/``leftover_bytes``: what killed or
-    failed saves had left in ``path``, deleted now; ``left_bytes``: leftovers that could not
-    be deleted (still on disk)."""
+    the data of the checkpoints it retired (the previous one, or with ``keep=K`` the oldest
+    beyond K), deleted; ``older``: the older checkpoints still kept; ``leftovers``/
+    ``leftover_bytes``: what killed or failed saves had left in ``path``, deleted now;
+    ``left_bytes``: leftovers that could not be deleted (still on disk); ``cleanup_error``:
+    why removing those failed after the commit ("" when it did not; the next save retries)."""
 
     bytes: int
     files: int
     replaced_bytes: int
+    older: int
     leftovers: list
     leftover_bytes: int
     left_bytes: int
+    cleanup_error: str
 
     def summary(self) -> str:
         """One line for a log: bytes, files, where, and what was removed.
@@ -71,6 +85,10 @@ class SaveInfo(str):
             The line.
         """
         out = f"{human_bytes(self.bytes)} in {self.files} files at {os.path.dirname(self)}"
+        if self.older:
+            out += f" (and {self.older} older checkpoint{'s' * (self.older > 1)} kept)"
+        if self.cleanup_error:
+            out += f"; removing what it replaced failed ({self.cleanup_error}): the next save retries"
         if self.leftovers:
             out += (f"; removed {human_bytes(self.leftover_bytes)} left by killed saves "
                     f"({', '.join(self.leftovers[:3])}{', ...' if len(self.leftovers) > 3 else ''})")
@@ -92,14 +110,49 @@ def _bytes_under(p: str) -> int:
     return total
 
 
-def _leftovers(path: str, keep: str | None) -> list[str]:
-    """Names in ``path`` the committed index (data dir ``keep``) does not use: other data
-    directories, temporary files of interrupted writes."""
+def _leftovers(path: str, keep: set | None) -> list[str]:
+    """Names in ``path`` no kept checkpoint uses: data directories not in ``keep`` (None: an
+    index could not be read, so every data directory stays), temporary files of interrupted
+    writes."""
     try:
         names = os.listdir(path)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if (n.startswith("data-") and n != keep) or ".tmp-" in n)
+    return sorted(n for n in names if (n.startswith("data-") and keep is not None and n not in keep) or ".tmp-" in n)
+
+
+def _kept(path: str) -> list[tuple[int, str]]:
+    """The older checkpoints kept beside the newest: (seq, index file name), newest first."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    return sorted(((int(m[1]), n) for n in names if (m := _KEPT.match(n))), reverse=True)
+
+
+def _in_use(path: str) -> set | None:
+    """The data directories of every checkpoint kept in ``path`` (None when an index cannot be
+    read: then no data directory is a leftover)."""
+    used = set()
+    for name in [INDEX] + [n for _, n in _kept(path)]:
+        try:
+            used.add(_head(os.path.join(path, name))[0])
+        except FileNotFoundError:
+            continue
+        except (CheckpointError, OSError):
+            return None
+    return used
+
+
+def _lock(path: str, what: str) -> DirLock:
+    """``path``'s writer lock, taken, or a CheckpointError naming the writer that holds it."""
+    try:
+        return DirLock(path).acquire()
+    except DirInUse as e:
+        raise CheckpointError(
+            f"{what}: another process is writing this checkpoint directory ({describe(e.holder)}); one directory "
+            "takes one writer at a time, so nothing of the other's is removed: give each job its own "
+            "directory") from None
 
 
 def _remove(path: str, names: list[str]) -> tuple[list[str], int, int]:
@@ -123,9 +176,10 @@ def _remove(path: str, names: list[str]) -> tuple[list[str], int, int]:
 
 
 def cleanup(path: str) -> dict:
-    """Remove what killed saves left in ``path`` (everything the committed index does not
-    use); not collective: call it on one rank, with no save to ``path`` running.  Without an
-    index (no save ever committed) every ``data-*`` directory and temporary file is a leftover.
+    """Remove what killed saves left in ``path`` (everything no kept checkpoint uses); not
+    collective: call it on one rank.  A save running there (its lock) is an error naming its
+    process.  Without an index (no save ever committed) every ``data-*`` directory and
+    temporary file is a leftover.
 
     Parameters
     ----------
@@ -137,9 +191,66 @@ def cleanup(path: str) -> dict:
     dict
         ``{"removed": names, "removed_bytes": n, "left_bytes": n}``.
     """
-    keep = read_index(path)["data_dir"] if os.path.exists(os.path.join(path, "index.json")) else None
-    removed, gone, left = _remove(path, _leftovers(path, keep))
+    if not os.path.isdir(path):
+        return {"removed": [], "removed_bytes": 0, "left_bytes": 0}
+    with _lock(path, f"dist.checkpoint.cleanup({path!r})"):
+        removed, gone, left = _remove(path, _leftovers(path, _in_use(path)))
     return {"removed": removed, "removed_bytes": gone, "left_bytes": left}
+
+
+def history(path: str) -> list[str]:
+    """The checkpoints kept in ``path``, newest first, as index file paths (``index.json``,
+    then the older ones ``save(..., keep=K)`` keeps); ``load`` takes any of them.
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory.
+
+    Returns
+    -------
+    list of str
+        Index file paths; empty without a checkpoint.  An unreadable index is listed too
+        (``load`` then says why).
+    """
+    out, seen = [], set()
+    for name in [INDEX] + [n for _, n in _kept(path)]:
+        ipath = os.path.join(path, name)
+        try:
+            data_dir = _head(ipath)[0]
+        except FileNotFoundError:
+            continue
+        except (CheckpointError, OSError):
+            data_dir = ipath
+        if data_dir not in seen:           # (a copy kept just before a commit that was then killed)
+            seen.add(data_dir)
+            out.append(ipath)
+    return out
+
+
+def rollback(path: str) -> str | None:
+    """Drop the newest checkpoint in ``path``: the newest older one kept becomes the committed
+    one (one atomic rename over ``index.json``) and the dropped one's data goes.  Not
+    collective: call it on one rank, with no save to ``path`` running.
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory.
+
+    Returns
+    -------
+    str or None
+        The index path now committed, or None when no older checkpoint is kept (nothing changes).
+    """
+    with _lock(path, f"dist.checkpoint.rollback({path!r})"):
+        older = history(path)[1:]
+        if not older:
+            return None
+        os.replace(older[0], os.path.join(path, INDEX))
+        _fsync_dir(path)
+        _remove(path, _leftovers(path, _in_use(path)))
+    return os.path.join(path, INDEX)
 
 
 # --------------------------------------------------------------------------- save
@@ -149,22 +260,59 @@ def _encode_file(tensors: dict, sid: str, rank: int) -> bytes:
     return st_save(tensors, metadata={"format": _FORMAT, "save_id": sid, "rank": str(rank)})
 
 
-_SEEN: dict = {}         # index path -> (its stat's identity, data_dir): each save reads it once
+_SEEN: dict = {}         # index path -> (its stat's identity, (data_dir, seq)): each save reads it once
 
 
-def _committed(path: str) -> str | None:
-    """The data directory of the committed checkpoint in ``path`` (None without one); raises
-    CheckpointError when an index exists but cannot be read."""
-    ipath = os.path.join(path, "index.json")
-    try:
-        st = os.stat(ipath)
-    except FileNotFoundError:
-        return None
+def _head(ipath: str) -> tuple[str, int]:
+    """(data directory, save number) of the index file ``ipath``; FileNotFoundError without
+    it, CheckpointError when it cannot be read."""
+    st = os.stat(ipath)
     key = (st.st_ino, st.st_mtime_ns, st.st_size)
     seen = _SEEN.get(ipath)
     if seen is None or seen[0] != key:     # the same inode, time and size: the index this process read
-        seen = _SEEN[ipath] = (key, read_index(path)["data_dir"])
+        index = read_index(ipath)
+        seen = _SEEN[ipath] = (key, (index["data_dir"], int(index.get("seq", 0))))
     return seen[1]
+
+
+def _committed(path: str) -> tuple[str | None, int]:
+    """(data directory, save number) of the committed checkpoint in ``path`` ((None, 0)
+    without one); raises CheckpointError when an index exists but cannot be read."""
+    try:
+        return _head(os.path.join(path, INDEX))
+    except FileNotFoundError:
+        return None, 0
+
+
+def _keep_previous(path: str, seq: int) -> None:
+    """Before a commit with keep > 1: the committed index under its own name, so the rename
+    of the new one over ``index.json`` keeps it (a hard link; a copy where links fail)."""
+    src, dst = os.path.join(path, INDEX), os.path.join(path, f"index-{seq:06d}.json")
+    if os.path.exists(dst):
+        return
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        pass
+    except OSError:
+        with open(src, "rb") as f:
+            _write_atomic(dst, f.read())
+
+
+def _retired(path: str, keep: int, index: dict, prev: str | None) -> list[str]:
+    """After the commit of ``index``: what it retires, the kept index files beyond the newest
+    ``keep - 1`` older ones, then the data directories only the retired ones used (with
+    keep=1, the previous checkpoint's, ``prev``)."""
+    older = _kept(path)
+    stay, go = older[:keep - 1], older[keep - 1:]
+    used, dirs = {index["data_dir"]}, {prev} if prev else set()
+    for group, into in ((stay, used), (go, dirs)):
+        for _, name in group:
+            try:
+                into.add(_head(os.path.join(path, name))[0])
+            except (CheckpointError, OSError):
+                pass
+    return [n for _, n in go] + sorted(dirs - used)
 
 
 def _left_note(path: str, data_dir: str):
@@ -178,20 +326,30 @@ def _left_note(path: str, data_dir: str):
 
 # --------------------------------------------------------------------------- load
 
+def _where(path) -> tuple[str, str]:
+    """(checkpoint directory, index file) of ``path``: a directory (its newest checkpoint) or
+    one of its index files (``history``: an older one kept)."""
+    path = str(path)
+    if path.endswith(".json"):
+        return os.path.dirname(path) or ".", path
+    return path, os.path.join(path, INDEX)
+
+
 def read_index(path: str) -> dict:
     """The checkpoint's index (global shapes, layouts, pieces, checksums, values).
 
     Parameters
     ----------
     path : str
-        The checkpoint directory.
+        The checkpoint directory (its newest checkpoint), or one of its index files
+        (``history``).
 
     Returns
     -------
     dict
-        The parsed ``index.json``.
+        The parsed index.
     """
-    ipath = os.path.join(path, "index.json")
+    path, ipath = _where(path)
     try:
         with open(ipath, "rb") as f:
             index = json.loads(f.read())

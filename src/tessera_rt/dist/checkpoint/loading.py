@@ -20,7 +20,7 @@ from ..tensor.dtensor import DTensor, from_local
 from ..tensor.layout import Layout
 from ..comm.process_group import world
 from ..tensor.shard import local_offsets, local_shape
-from .files import _leftovers, _Reader, _remove, read_index
+from .files import _in_use, _leftovers, _lock, _Reader, _remove, _where, read_index
 from .saving import wait_pending
 from .format import CheckpointError, _all_or_raise, _describe, _flatten, _from_disk, _like_shape, _unflatten
 
@@ -92,7 +92,8 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
     Parameters
     ----------
     path : str
-        The checkpoint directory.
+        The checkpoint directory (its newest checkpoint), or one of its index files
+        (``checkpoint.history(path)``: an older checkpoint ``save(keep=K)`` kept).
     like : dict or list, optional
         The structure and where each tensor goes (nested dicts and lists, e.g.
         ``{"params": model.init()}``; ranks may ask for different entries): a DTensor there is
@@ -113,10 +114,11 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
     w = world()
     wait_pending()                     # an asynchronous save in flight commits first
     err, result, index, targets = None, None, None, None
+    folder = _where(path)[0]
     try:
         targets = _flatten(like) if like is not None else None
         index = read_index(path)
-        reader = _Reader(path, index)
+        reader = _Reader(folder, index)
         tensors, values = index["tensors"], index["values"]
         if targets is None:
             targets = {k: None for k in list(tensors) + list(values)}
@@ -150,7 +152,11 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
                                       if type(v) is DTensor})
     _all_or_raise(w, err or clash, "dist.load")
     if cleanup and w.rank == 0:
-        _remove(path, _leftovers(path, index["data_dir"]))
+        try:
+            with _lock(folder, "dist.load(cleanup=True)"):
+                _remove(folder, _leftovers(folder, _in_use(folder)))
+        except CheckpointError:
+            pass                        # another process writes there: its files are not leftovers
     xp = get_backend().xp
     final = {}
     for key, v in result.items():

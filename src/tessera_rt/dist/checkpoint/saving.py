@@ -122,6 +122,7 @@ class SaveHandle:
         """
         if self._s is not None:
             self._local_wait()
+            self._s.release()
             self._s, self._error = None, CheckpointError(f"rank {self._w.rank}: dist.save: this asynchronous save "
                                                          "was abandoned uncommitted (SaveHandle.abandon)")
         if _PENDING[0] is self:
@@ -159,6 +160,7 @@ class SaveHandle:
             _PENDING[0] = None
 
     def _fail(self, e: CheckpointError):
+        self._s.release()
         self._s = None
         if _PENDING[0] is self:
             _PENDING[0] = None
@@ -188,7 +190,7 @@ def wait_pending() -> SaveInfo | None:
     return h.wait() if h is not None else None
 
 
-def save(state: dict, path: str, *, async_: bool = False) -> SaveInfo | SaveHandle:
+def save(state: dict, path: str, *, async_: bool = False, keep: int = 1) -> SaveInfo | SaveHandle:
     """Write ``state`` to the directory ``path``; collective over every rank of the job.
     Any save or load first waits for (commits) the one in flight, raising its error.
 
@@ -204,6 +206,10 @@ def save(state: dict, path: str, *, async_: bool = False) -> SaveInfo | SaveHand
     async_ : bool
         Return at once with a :class:`SaveHandle` once the state is copied to host memory;
         the files are written on the io role's host worker (see the module doc).
+    keep : int
+        How many checkpoints ``path`` keeps, this one included: the older ones stay loadable
+        (``checkpoint.history(path)`` lists them, newest first; ``load`` takes any) and the
+        oldest beyond ``keep`` go once this one is committed.
 
     Returns
     -------
@@ -212,9 +218,11 @@ def save(state: dict, path: str, *, async_: bool = False) -> SaveInfo | SaveHand
         ``.replaced_bytes`` of the previous checkpoint and ``.leftover_bytes`` of failed saves,
         deleted; the same on every rank), or the handle with ``async_``.
     """
+    if not (isinstance(keep, int) and keep >= 1):
+        raise ValueError(f"dist.save(keep={keep!r}): keep counts the checkpoints kept, this one included: an int >= 1")
     w = world()
     wait_pending()                         # at most one save in flight: the next one waits for it
-    s = _prepare(w, state, path, copy=async_)
+    s = _prepare(w, state, path, copy=async_, keep=keep)
     if not async_:
         _write(s, w.rank)
         return _commit(w, s)

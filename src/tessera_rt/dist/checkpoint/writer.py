@@ -20,20 +20,29 @@ from ..tensor.dtensor import DTensor
 from ..tensor.layout import Layout
 from ..tensor.shard import local_offsets, local_shape
 from . import files
-from .files import SaveInfo, _committed, _encode_file, _fsync_dir, _leftovers, _left_note, _remove
+from .files import (INDEX, SaveInfo, _committed, _encode_file, _fsync_dir, _in_use, _keep_previous, _leftovers,
+                    _left_note, _lock, _remove, _retired)
 from .format import (
     _FORMAT, _VERSION, CheckpointError, _all_or_raise, _flatten, _fname, _host, _merge, _sha, _to_disk,
 )
 
 
 class _Save:
-    """One save between its phases (``prev``/``cleaned``: rank 0's, for the commit)."""
+    """One save between its phases (``prev``, ``seq``, ``cleaned`` and ``lock``: rank 0's, for
+    the commit: the committed checkpoint's data directory and number, what the start removed,
+    and the directory's writer lock, held until the commit is shared)."""
 
-    def __init__(self, path, sid, tensors, values, prev, cleaned):
+    def __init__(self, path, sid, tensors, values, prev=None, cleaned=None, keep=1, seq=0, lock=None):
         self.path, self.sid, self.data_dir = path, sid, f"data-{sid}"
         self.tensors, self.values, self.prev, self.cleaned = tensors, values, prev, cleaned
+        self.keep, self.seq, self.lock = keep, seq, lock
         self.mine = self.ready = self.report = self.err = self.info = None
         self.hashes: dict = {}       # name -> sha256 known from the metadata (arrays)
+
+    def release(self) -> None:
+        """Let go of the directory's writer lock (rank 0; a no-op elsewhere and the second time)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _mesh_info(mesh) -> dict:
@@ -90,29 +99,32 @@ def _entries(w, flat: dict) -> tuple[dict, dict, dict]:
     return entries, values, local
 
 
-def _prepare(w, state: dict, path: str, copy: bool) -> _Save:
+def _prepare(w, state: dict, path: str, copy: bool, keep: int = 1) -> _Save:
     """Phase 1 (collective): the one metadata exchange, then this rank's pieces on the host."""
     entries, values, local = _entries(w, _flatten(state))
-    # rank 0 checks and merges every rank's entries, removes what failed or killed saves left
-    # (a full disk stays full otherwise), makes this save's directory
+    # rank 0 checks and merges every rank's entries, takes the directory's writer lock (until
+    # the commit: no other writer's files are ever taken for leftovers), removes what failed
+    # or killed saves left (a full disk stays full otherwise), makes this save's directory
     metas = w.mpi.gather((entries, values), root=0)
     plan, s = None, None
     if w.rank == 0:
         sid = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        lock = None
         try:
             tensors, merged = _merge(path, metas)
-            os.makedirs(path, exist_ok=True)
+            lock = _lock(path, f"dist.save({path!r})")
             try:
-                prev = _committed(path)
-                stale = _leftovers(path, prev)
-            except CheckpointError:                    # an unreadable index: keep every data dir until commit
-                prev, stale = None, [n for n in _leftovers(path, None) if not n.startswith("data-")]
-            cleaned = _remove(path, stale)
+                prev, seq = _committed(path)
+            except CheckpointError:                    # an unreadable index: no data dir is a leftover
+                prev, seq = None, 0
+            cleaned = _remove(path, _leftovers(path, _in_use(path)))
             os.makedirs(os.path.join(path, f"data-{sid}"))
-            s = _Save(path, sid, tensors, merged, prev, cleaned)
+            s = _Save(path, sid, tensors, merged, prev, cleaned, keep, seq, lock)
             writers = {k: t["pieces"][0]["rank"] for k, t in tensors.items() if t["kind"] == "array"}
             plan = (sid, None, writers)
         except (CheckpointError, OSError) as e:
+            if lock is not None:
+                lock.release()
             plan = (sid, f"rank 0: {e}" if isinstance(e, OSError) else str(e), None)
     sid, err, writers = w.mpi.bcast(plan, root=0)
     if err:
@@ -178,39 +190,58 @@ def _agree(w, s: _Save) -> dict | None:
             for p in s.tensors[key]["pieces"]:
                 if p["rank"] == r:
                     p["sha256"] = psha
-    return {"format": _FORMAT, "version": _VERSION, "save_id": s.sid, "data_dir": s.data_dir,
+    return {"format": _FORMAT, "version": _VERSION, "save_id": s.sid, "seq": s.seq + 1, "data_dir": s.data_dir,
             "world_size": w.size, "files": listing, "tensors": s.tensors, "values": s.values}
 
 
 def _write_index(s: _Save, index: dict) -> None:
-    """Commit, part 2 (rank 0, local; on the io worker when asynchronous): the index, renamed
-    over the previous one (the commit point), then the previous data removed.  Sets
-    ``s.info`` (what ``SaveInfo`` reports) or ``s.err``; never raises."""
+    """Commit, part 2 (rank 0, local; on the io worker when asynchronous): the previous index
+    kept under its own name (keep > 1), the new one renamed over it (the commit point), then
+    what that retires and what killed saves left removed.  Sets ``s.info`` (what ``SaveInfo``
+    reports) or ``s.err``; never raises."""
     path = s.path
     try:
-        files._write_atomic(os.path.join(path, "index.json"), json.dumps(index, indent=1).encode())
+        if s.keep > 1 and s.prev:
+            _keep_previous(path, s.seq)
+        files._write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
         _fsync_dir(path)
-        replaced = _remove(path, [s.prev] if s.prev else [])[1]
-        removed, gone, _ = s.cleaned
-        more = _remove(path, _leftovers(path, s.data_dir))      # any the start could not tell apart
-        kept = sum(f["bytes"] for f in index["files"].values()) + os.path.getsize(os.path.join(path, "index.json"))
-        s.info = (kept, len(index["files"]) + 1, replaced, removed + more[0], gone + more[1], more[2])
     except OSError as e:
         s.err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"
+        return
+    # Committed.  Only now may the retired checkpoints' data go: a save killed before the
+    # rename above must leave the previous checkpoint whole (tests/checkpoint kill it there).
+    # A failure from here on leaves files behind, never a checkpoint without its data.
+    kept = sum(f["bytes"] for f in index["files"].values()) + len(json.dumps(index, indent=1))
+    removed, gone, _ = s.cleaned
+    try:
+        replaced = _remove(path, _retired(path, s.keep, index, s.prev))[1]
+        more = _remove(path, _leftovers(path, _in_use(path)))      # any the start could not tell apart
+        older = len(files._kept(path))
+        s.info = (kept, len(index["files"]) + 1, replaced, older, removed + more[0], gone + more[1], more[2], "")
+    except OSError as e:
+        s.info = (kept, len(index["files"]) + 1, 0, 0, removed, gone, 0, str(e))
 
 
 def _share(w, s: _Save) -> SaveInfo:
-    """Commit, part 3 (collective): rank 0's outcome on every rank."""
-    _all_or_raise(w, s.err if w.rank == 0 else None, "dist.save", _left_note(s.path, s.data_dir))
+    """Commit, part 3 (collective): rank 0's outcome on every rank; rank 0 lets go of the
+    directory."""
+    try:
+        _all_or_raise(w, s.err if w.rank == 0 else None, "dist.save", _left_note(s.path, s.data_dir))
+    finally:
+        s.release()
     info = w.mpi.bcast(s.info, root=0) if w.size > 1 else s.info
-    out = SaveInfo(os.path.join(s.path, "index.json"))
-    out.bytes, out.files, out.replaced_bytes, out.leftovers, out.leftover_bytes, out.left_bytes = info
+    out = SaveInfo(os.path.join(s.path, INDEX))
+    (out.bytes, out.files, out.replaced_bytes, out.older, out.leftovers, out.leftover_bytes, out.left_bytes,
+     out.cleanup_error) = info
     return out
 
 
 def _commit(w, s: _Save) -> SaveInfo:
     """Phase 3 of a synchronous save: all three parts in a row."""
-    index = _agree(w, s)
-    if w.rank == 0:
-        _write_index(s, index)
-    return _share(w, s)
+    try:
+        index = _agree(w, s)
+        if w.rank == 0:
+            _write_index(s, index)
+        return _share(w, s)
+    finally:
+        s.release()

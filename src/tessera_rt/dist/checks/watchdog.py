@@ -25,6 +25,12 @@ changes a call after its site was verified (the check then samples every 1024th 
 makes another axis's group on a first call, is caught in seconds.  A rank that is busy
 elsewhere, or waits in the same call, may still come: the others keep waiting.  Only the
 waiting path does this work.
+
+The same probes end the job, naming the rank, when a rank the wait needs can never come:
+one that does not answer ``UNANSWERED_PROBES`` probes in a row (about 15 s: stopped by
+SIGSTOP or a debugger, wedged in a C call that holds the GIL, its host gone), and one that
+finished the program (its goodbye says how many calls it made on each group) before making
+the call this rank waits in (at once; ``wait_members`` says which ranks the wait needs).
 """
 from __future__ import annotations
 
@@ -43,14 +49,19 @@ except ImportError:
     _hot = None
 from ..comm.calls import group_key
 from ..comm.hooks import PKG_DIR, SEAM, is_internal
+from ..comm.mesh import AxisGroup
+from ..comm.mpi import MPI
 
-__all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status", "attach_recorder", "wait_state", "divergence",
-           "disagreement"]
+__all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status", "attach_recorder", "wait_state", "wait_members",
+           "divergence", "disagreement", "UNANSWERED_PROBES"]
 
 WATCHDOG_EXIT_CODE = 14
 # the early comparison: first after this long in one call, then this often; a peer's wait
 # counts once it is this old (a rank passing through a call is not blocked in it)
 PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S = 3.0, 2.0, 1.5
+# a rank that answers none of this many probes in a row (the first after PROBE_AFTER_S, then
+# every PROBE_EVERY_S, each waited for 1.5 s: about 15 s) is taken for stopped or wedged
+UNANSWERED_PROBES = 6
 _WAIT_FILES = {os.path.join(PKG_DIR, "dist", "comm", f) for f in ("communicators.py", "nccl.py", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
@@ -86,6 +97,7 @@ def recorder_config():
 
 
 _THREADING = threading.__file__
+_ENTRY = os.path.join(os.path.dirname(PKG_DIR), "tessera_run.py")     # tessera-run's entry (beside the package)
 
 
 def main_frame():
@@ -120,7 +132,7 @@ def _frame_summary(frame, limit: int = 4) -> str:
     if frame is None:
         return "(no main thread frame)"
     stack = traceback.extract_stack(frame)
-    user = [s for s in stack if not s.filename.startswith((PKG_DIR, "<frozen"))] or stack
+    user = [s for s in stack if not s.filename.startswith((PKG_DIR, "<frozen", _ENTRY))] or stack
     lines = [f"{os.path.basename(s.filename)}:{s.lineno} in {s.name}: {(s.line or '').strip()}" for s in user[-limit:]]
     return " <- ".join(reversed(lines))
 
@@ -142,7 +154,7 @@ def _pending_from_stack(frame) -> str:
         axis = ",".join(p.g.name) if isinstance(p.g.name, (tuple, list)) else p.g.name
         what = f"{p.op}({axis}) {dtype_name(x.dtype)}[{','.join(map(str, x.shape))}] at {_site_of(frame)}"
         return ("the signature check of " + what) if checking else what
-    f = frame
+    f, making = frame, None
     while f is not None:
         name = f.f_code.co_name
         if os.path.basename(f.f_code.co_filename) in _COLLECTIVE_FILES and name in _COLLECTIVES:
@@ -159,8 +171,11 @@ def _pending_from_stack(frame) -> str:
         if name == "_check" and os.path.basename(f.f_code.co_filename) == "debug.py":
             c = f.f_locals.get("call")
             return f"fingerprint check before {c.describe() if c else '?'}"
+        if name == "group" and os.path.basename(f.f_code.co_filename) == "mesh.py" and "ranks" in f.f_locals:
+            making = making or (f"making the communicator of group {list(f.f_locals['ranks'])} (axis "
+                                f"{f.f_locals.get('axis')!r}) at {_site_of(f)}")    # (for a DTensor plan's step)
         f = f.f_back
-    return f"an MPI/NCCL call at {_site_of(frame)}"
+    return making or f"an MPI/NCCL call at {_site_of(frame)}"
 
 
 def _note_of_main() -> str:
@@ -258,6 +273,40 @@ def wait_state(frame):
         f = f.f_back
     hot = hot_pending()
     return None if hot is None else _ring_state(hot[1].st, "call")
+
+
+_WORLD_RANKS: dict = {}            # id(an MPI communicator) -> its members' world ranks
+
+
+def _comm_ranks(mpi_comm) -> tuple:
+    got = _WORLD_RANKS.get(id(mpi_comm))
+    if got is None:
+        group = mpi_comm.Get_group()
+        got = _WORLD_RANKS[id(mpi_comm)] = tuple(group.Translate_ranks(list(range(group.Get_size())),
+                                                                       MPI.COMM_WORLD.Get_group()))
+    return got
+
+
+def wait_members(frame) -> tuple | None:
+    """The world ranks of the group the main thread waits in (the group being made, or the
+    collective's or its plan step's group), or None where that is not known."""
+    f = frame
+    while f is not None and is_internal(f.f_code):
+        loc = f.f_locals
+        if os.path.basename(f.f_code.co_filename) == "mesh.py" and f.f_code.co_name == "group" and "ranks" in loc:
+            return tuple(loc["ranks"])
+        for g in (loc.get("g"), getattr(loc.get("p"), "g", None), getattr(loc.get("st"), "g", None)):
+            if isinstance(g, AxisGroup):
+                return tuple(g.ranks)
+        comm = getattr(loc.get("comm"), "mpi", None)           # a compiled plan's step: its communicator
+        if comm is not None:
+            try:
+                return _comm_ranks(comm)
+            except Exception:                                   # (not an MPI communicator after all)
+                return None
+        f = f.f_back
+    hot = hot_pending()
+    return None if hot is None else tuple(hot[1].g.ranks)
 
 
 def _past(answer, ws, gkey, n: int) -> bool:

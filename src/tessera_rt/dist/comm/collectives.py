@@ -31,7 +31,7 @@ from ...backend import CpuWorkerStream
 from . import c_path
 from .cpu_async import after_role_worker
 from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
-from .plans import (Plan, backend, check_array, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
+from .plans import (Plan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
                     all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
 from .plans import bad_out as _bad_out, untaggable as _untaggable
 from .hooks import SEAM as _SEAM
@@ -78,9 +78,12 @@ _X_OUT = object()         # prologue: the collective writes x in place (broadcas
 def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
     """What every plain collective does before its data moves, in this order: the group (mesh
     and axis resolved), the plan (``plan_for``), a contiguous input, the output (a new one, or
-    ``out=`` checked), the agreement check.  Returns (plan, x, out)."""
+    ``out=`` checked), the agreement check.  Returns (plan, x, out).  A dtype collectives cannot
+    move is refused before the group is made (collective); a plan is built only for a dtype
+    its builder checked, so a repeat call pays nothing for that check."""
     g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
     if g is None:
+        check_dtype(name, x)
         g = _group(mesh, axis, name, x)
     p = plan_for(name, g, x, build, args)
     if not x.flags.c_contiguous:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from ... import runtime as rt
 from ...dtypes import dtype_name
 from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
@@ -24,7 +26,7 @@ from .packing import _even, _pack, with_dim
 from .process_group import world
 from .trace import TAGS
 
-__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made"]
+__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made", "check_dtype"]
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
@@ -84,11 +86,27 @@ def where(op: str, g: AxisGroup, x) -> str:
             f"on {dtype_name(x.dtype)}{list(x.shape)}")
 
 
+def check_dtype(op: str, x) -> None:
+    """Refuse an array MPI/NCCL cannot move as numbers (objects, strings, bytes, dates, records)
+    before any communication: MPI would fail inside the call, on one rank, with a conversion
+    error naming neither the call nor the dtype.  Numbers are NumPy's bool, integer, float
+    and complex kinds and ml_dtypes' types (bf16, fp8: kind "V", their own scalar type)."""
+    dt = getattr(x, "dtype", None)
+    if dt is None or dt.kind in "biufc" or (dt.kind == "V" and dt.type is not np.void):
+        return
+    what = {"O": "Python objects", "U": "strings", "S": "bytes", "M": "dates", "m": "time deltas"}.get(dt.kind, "records")
+    raise TypeError(f"rank {world().rank}: dist.{op}: the array has dtype {dt} ({what}), which collectives cannot "
+                    "move: they take numbers (bool, int, float, complex, bf16, fp8). Convert it first (e.g. "
+                    "x.astype(np.float32)), or exchange Python objects with mpi4py's lowercase calls "
+                    "(dist.init().mpi.allgather(obj))")
+
+
 def check_array(op: str, g: AxisGroup, x):
     b = backend()
     if not isinstance(x, b.xp.ndarray):
         raise TypeError(f"rank {world().rank}: {op} over {g.name!r} takes a {b.xp.__name__} array "
                         f"on the {b.name} backend, got {type(x).__name__}")
+    check_dtype(op, x)
     return x if x.flags.c_contiguous else b.xp.ascontiguousarray(x)
 
 
@@ -317,6 +335,7 @@ def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
     if not b.is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: broadcast over {g.name!r} fills x in place: pass a contiguous "
                         f"{b.xp.__name__} array, got {type(x).__name__}")
+    check_dtype(name, x)
     if not 0 <= root < g.size:
         raise ValueError(f"{where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     comm, extra = _comm(name, g, x, tag, root)

@@ -23,7 +23,7 @@ from .communicators import make_communicator
 from .interface import Communicator
 from .hooks import PKG_DIR
 
-__all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort"]
+__all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort", "on_abort"]
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,8 @@ _ERR = 7704                     # tag of "this rank failed" notes on the control
 _CONTROL: list = []             # a duplicate of COMM_WORLD for failure notes (made collectively)
 # frames that are the launcher's, not the user's: trimmed from tracebacks
 _LAUNCH_FRAMES = ("<frozen runpy>", "runpy.py", os.path.join("mpi4py", "run.py"), os.path.join("mpi4py", "__main__.py"),
-                  os.path.join("tessera_rt", "launcher.py"))
+                  os.path.join("tessera_rt", "launcher.py"), os.path.join("tessera_rt", "launch_ranks.py"),
+                  os.sep + "tessera_run.py")
 
 
 def control_comm() -> MPI.Comm:
@@ -251,7 +252,7 @@ def report_failure(etype, value, tb, rank: int, size: int) -> None:
     first = min(notes.values())
     if first[1] != rank:
         time.sleep(2.0)                      # the first failing rank prints and aborts the job
-        MPI.COMM_WORLD.Abort(1)
+        abort(1)
     same = sorted(r for r, n in notes.items() if r != rank and n[2:4] == note[2:4])
     other = sorted((r, n) for r, n in notes.items() if r != rank and n[2:4] != note[2:4])
     lines = [f"[rank {rank}] {etype.__name__}; ending the job:", format_failure(etype, value, tb).rstrip()]
@@ -262,7 +263,7 @@ def report_failure(etype, value, tb, rank: int, size: int) -> None:
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
     time.sleep(0.3)          # let mpiexec forward the traceback before the abort kills the pipes
-    MPI.COMM_WORLD.Abort(1)
+    abort(1)
 
 
 def _install_excepthook(rank: int) -> None:
@@ -327,6 +328,21 @@ def get_world_size() -> int:
     return world().size
 
 
+_ON_ABORT: list = []          # what to tell before an abort (tessera-run's rank: its launcher)
+
+
+def on_abort(fn) -> None:
+    """Call ``fn(code)`` before this rank ends the job with ``abort`` (tessera-run's ranks tell
+    the launcher that this rank ended the job on purpose, its report printed).
+
+    Parameters
+    ----------
+    fn : callable
+        Called with the exit status; must not raise or block.
+    """
+    _ON_ABORT.append(fn)
+
+
 def abort(code: int = 1) -> None:
     """End every rank of the job now (what an uncaught exception does under tessera-run).
 
@@ -335,4 +351,6 @@ def abort(code: int = 1) -> None:
     code : int
         The exit status.
     """
+    for fn in _ON_ABORT:
+        fn(code)
     MPI.COMM_WORLD.Abort(code)

@@ -2,8 +2,9 @@
 
 A script's flag checks run alike on every rank, so a ``SystemExit("train.py: --layers ...")``
 is raised on every rank; Python would print it once per rank.  ``exit_once(main)`` prints it
-from rank 0 only and exits with status 1 on every rank; argparse's usage errors (and --help)
-are printed by rank 0 alone too.
+from rank 0 only and exits with status 1 on every rank, or 2 for a ``UsageError`` (a mistake
+in the command line, argparse's status: ``tessera-run --max-restarts`` does not start such a
+job again); argparse's usage errors (and --help) are printed by rank 0 alone too.
 """
 from __future__ import annotations
 
@@ -12,7 +13,20 @@ import os
 import sys
 from typing import Callable
 
-__all__ = ["exit_once", "job_rank"]
+__all__ = ["exit_once", "job_rank", "UsageError", "USAGE_EXIT_CODE"]
+
+USAGE_EXIT_CODE = 2          # argparse's: the command line is wrong, running it again will not help
+
+
+class UsageError(SystemExit):
+    """A mistake in the command line (a flag, a path): ``exit_once`` prints it once and exits
+    with status 2.
+
+    Parameters
+    ----------
+    message : str
+        What is wrong and what to pass instead.
+    """
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -40,4 +54,4 @@ def exit_once(main: Callable[[], int]) -> int:
             raise
         if rank0:
             print(e.code, file=sys.stderr, flush=True)
-        return 1
+        return USAGE_EXIT_CODE if isinstance(e, UsageError) else 1
