@@ -339,6 +339,19 @@ def _kept(out: Path | None, dropped: int | None, stuck: int | None) -> str:
     return f"the save after step {dropped} was dropped (its weights gave this); {kept}" if dropped else kept
 
 
+def _on_host(loss, norm):
+    """The step's loss and gradient norm as floats, read in one device-to-host copy (a GPU's one
+    host sync a step; on the CPU they are there already)."""
+    from tessera_rt.backend import get_backend
+    be = get_backend()
+    if not be.is_gpu or type(loss) is not be.xp.ndarray:
+        return float(loss), norm
+    if norm is None or type(norm) is not be.xp.ndarray:
+        return float(loss), norm
+    pair = be.xp.stack([loss.reshape(()).astype(np.float64), norm.reshape(()).astype(np.float64)]).get()
+    return float(pair[0]), float(pair[1])
+
+
 def _refuse_grown(world, params, step: int, norm_of, last: list, factor: float) -> None:
     """Never save weights whose global norm grew more than ``factor`` x since the last save (or
     the run's start, ``last[0]``): diverging weights stay finite for a step or two (|w| 1e10
@@ -556,7 +569,8 @@ def _train(args: argparse.Namespace) -> dict:
             if args.clip > 0 and finite:
                 grads, norm = optim.clip_grad_norm(grads, args.clip, norm=pipe.grad_norm(grads) if pipe else None,
                                                    in_place=True)      # the step's own fresh gradients
-            value = loss if pipe is not None else float(loss.full_tensor()) / (scaler.scale_value if scaler else 1.0)
+            value, norm = (loss, norm) if pipe is not None else _on_host(loss.full_tensor(), norm)
+            value /= scaler.scale_value if scaler else 1.0
             if finite and not args.no_check_finite:
                 # the loss and the global norm, which every rank holds already: one scalar each
                 # (a step the loss scaler skips is its business)
