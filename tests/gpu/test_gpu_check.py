@@ -23,7 +23,7 @@ def _script(name: str):
 
 bench_collectives, bench_kernels, gpu_check = (_script(n) for n in ("bench_collectives", "bench_kernels", "gpu_check"))
 
-SECTIONS = ["tests", "kernels", "train", "decode", "multirank"]
+SECTIONS = ["tests", "kernels", "train", "train_torch", "decode", "multirank"]
 
 
 @pytest.mark.timeout(240)
@@ -47,6 +47,9 @@ def test_gpu_check_runs_on_the_standin(tmp_path):
     assert {"swiglu", "flash_attention", "rmsnorm", "quantize_fp8", "paged_decode_attention"} <= kernels
     assert all("emulated" in r["note"] for r in res["parts"][1]["rows"])
     assert "equal" in res["parts"][2]["rows"][0]["note"]
+    # the training step against torch: both sides' f32 gradients within 1e-4 of float64 first
+    grads = [r for r in res["parts"][3]["rows"] if r["item"].startswith("f32 gradients vs float64")]
+    assert grads and all(r["note"].startswith("ok") for r in grads), res["parts"][3]["rows"]
 
 
 def test_parts_over_their_limit_or_the_budget_are_reported(tmp_path, monkeypatch):
