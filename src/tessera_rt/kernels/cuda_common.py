@@ -229,6 +229,102 @@ __device__ __forceinline__ void ts_c_to_a(unsigned* a, const float* c0, const fl
   a[3] = ts_u32(ts_pack(c1[2], c1[3]));
 }
 
+// ---- sm_80 data movement: ldmatrix (shared -> fragments) and cp.async (global -> shared)
+// ldmatrix.m8n8.x{1,2,4}{.trans}.b16: lane 8i + j passes the shared address of row j (16 bytes,
+// 16-byte aligned) of 8x8 matrix i; lane l receives in r[i] row l/4, elements 2(l%4), +1 of
+// matrix i (.trans: of its transpose).  So for a 16x16 A tile at row-major `p`, lane l passes
+// row l % 16, column 8 (l / 16) and gets a0..a3 in mma order; the same lane pattern with .trans
+// on a row-major [k][n] tile gives the B fragments of two n8 tiles.
+__device__ __forceinline__ void ts_ldsm_x4(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 4, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x4_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 4, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x2(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 2, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x2_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 2, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x1(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 1, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+               : "=r"(r[0]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x1_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 1, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
+               : "=r"(r[0]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+
+// cp.async of BYTES (4, 8, 16) from global `src` to shared `dst`, both BYTES-aligned; only the
+// first `src_bytes` are read, the rest of dst is zero-filled (src_bytes = 0: a zero row past a
+// matrix edge; `src` must still be a valid address).  16 bytes go .cg (L2 only: a streamed tile
+// is not reused from L1), smaller ones .ca.  Not visible until ts_cp_async_wait retires the
+// group (and, for other threads, a __syncthreads after it).
+template <int BYTES> __device__ __forceinline__ void ts_cp_async(void* dst, const void* src, int src_bytes) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async(dst, src, BYTES, src_bytes, BYTES == 16);
+#else
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "n"(BYTES), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void ts_cp_async_commit() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Wait until at most N of this thread's most recently committed groups are still in flight.
+template <int N> __device__ __forceinline__ void ts_cp_async_wait() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_wait(N);
+#else
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void ts_cp_async_wait_all() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_wait_all();
+#else
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Reductions over the 4 lanes that share a C row (lanes 4g .. 4g+3).
 __device__ __forceinline__ float ts_quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
