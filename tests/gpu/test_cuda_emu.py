@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
 
 import cuda_emu as emu  # noqa: E402
-from emu_helpers import NVRTC_OPTIONS, Device, build, emulated, needs_compiler, rnd  # noqa: E402
+from emu_helpers import Device, build, needs_compiler, rnd  # noqa: E402
 import tessera_rt.kernels as K  # noqa: E402
 from tessera_rt.kernels.attention_cuda import FLASH_TILES, flash_smem_bytes, render_flash  # noqa: E402
 from tessera_rt.kernels.compile import registered_sources  # noqa: E402
 from tessera_rt.kernels.cuda_common import MMA_HEADER  # noqa: E402
-from tessera_rt.kernels.gemm_cuda import GEMM_CONFIGS, render_gemm  # noqa: E402
 from tessera_rt.kernels.numerics import tolerance  # noqa: E402
 from tessera_rt.kernels.rows_cuda import render_fp8, render_rows  # noqa: E402
 
@@ -262,95 +261,25 @@ def test_mma_m16n8k16_matches_numpy(dtype):
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------ real kernels
-
-def run_gemm(a, b, tile, *, b2=None, out_dtype=np.float16, source_edit=None, dual_out=False):
-    """Launch ts_gemm like gemm_cuda.tile_gemm; returns (C, seconds), or ((C, C2), seconds)
-    with ``dual_out``."""
-    bm, bn, bk = tile
-    cfg = dict(BM=bm, BN=bn, BK=bk, dtype="f16", out_f32=out_dtype == np.float32, dual=b2 is not None,
-               dual_out=dual_out)
-    src = emulated(render_gemm(**cfg))
-    if source_edit:
-        src = source_edit(src)
-    fn = emu.compile_module(src, NVRTC_OPTIONS, name="tile_gemm").get_function("ts_gemm")
-    *batch, m, k = a.shape
-    n = b.shape[-1]
-    nb = int(np.prod(batch)) if batch else 1
-    dev = Device()
-    c = dev.empty(tuple(batch) + (m, n), out_dtype)
-    c2 = dev.empty(tuple(batch) + (m, n), out_dtype) if dual_out else c
-    wm, wn = GEMM_CONFIGS[tile]
-    ga, gb = dev.put(a), dev.put(b)
-    seconds = dev.launch(fn, ((n + bn - 1) // bn, (m + bm - 1) // bm, nb), wm * wn * 32,
-                         ga, gb, dev.put(b2) if b2 is not None else gb, c, c2, np.int32(m), np.int32(n), np.int32(k),
-                         np.int64(m * k if a.ndim > 2 else 0), np.int64(k * n if b.ndim > 2 else 0), np.int64(m * n))
-    return ((c, c2) if dual_out else c), seconds
-
-
-@pytest.mark.parametrize("tile,shape,out_dtype", [
-    ((64, 64, 32), (2, 70, 48, 40), np.float16),
-    ((128, 128, 32), (1, 33, 80, 72), np.float32),
-])
-def test_tile_gemm_matches_reference(tile, shape, out_dtype, request):
-    *batch, m, k, n = shape
-    a, b = rnd(tuple(batch) + (m, k), seed=1), rnd((k, n), seed=2)
-    c, seconds = run_gemm(a, b, tile, out_dtype=out_dtype)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want = K.matmul(a.astype(np.float64), b.astype(np.float64))
-    rtol, atol = tolerance(np.float16)
-    np.testing.assert_allclose(c.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(k))
-
-
-def test_swiglu_dual_gemm_matches_reference(request):
-    x, w1, w3 = rnd((50, 64)), rnd((64, 72), seed=3, scale=0.2), rnd((64, 72), seed=4, scale=0.2)
-    c, seconds = run_gemm(x, w1, (64, 64, 32), b2=w3)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want = K.swiglu(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
-    np.testing.assert_allclose(c.astype(np.float64), want, rtol=2e-2, atol=2e-2)
-
-
-def test_dual_output_gemm_matches_reference(request):
-    """DUAL_OUT: one pass over x, both products written (ccl's double matmul on the GPU)."""
-    x, w1, w3 = rnd((50, 64)), rnd((64, 72), seed=3, scale=0.2), rnd((64, 72), seed=4, scale=0.2)
-    (c1, c3), seconds = run_gemm(x, w1, (64, 64, 32), b2=w3, dual_out=True)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want1, want3 = K.dual_matmul(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
-    rtol, atol = tolerance(np.float16)
-    for got, want in ((c1, want1), (c3, want3)):
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(64))
-
-
 def test_wrong_fragment_layout_is_caught():
-    """Swapping A registers 1 and 2 in ts_load_a (rows g+8 <-> cols +8) must break the GEMM."""
+    """Swapping A registers 1 and 2 in ts_load_a (rows g+8 <-> cols +8) must break the product."""
     right = "a[1] = *reinterpret_cast<const unsigned*>(s + (g + 8) * ld + 2 * t);"
     wrong = "a[2] = *reinterpret_cast<const unsigned*>(s + g * ld + 2 * t + 8);"
-
-    def swap_a1_a2(src: str) -> str:
-        assert right in src and wrong in src
-        return src.replace(right, "@1@").replace(wrong, right.replace("a[1]", "a[2]")).replace(
-            "@1@", wrong.replace("a[2]", "a[1]"))
-
-    a, b = rnd((70, 48), seed=1), rnd((48, 40), seed=2)
+    src = "#define TS_BF16 0\n" + MMA_HEADER + MMA_TEST_SOURCE
+    assert right in src and wrong in src
+    swapped = src.replace(right, "@1@").replace(wrong, right.replace("a[1]", "a[2]")).replace(
+        "@1@", wrong.replace("a[2]", "a[1]"))
+    a, b = rnd((16, 16), seed=1), rnd((16, 8), seed=2)
     want = a.astype(np.float64) @ b.astype(np.float64)
-    good, _ = run_gemm(a, b, (64, 64, 32))
-    bad, _ = run_gemm(a, b, (64, 64, 32), source_edit=swap_a1_a2)
-    np.testing.assert_allclose(good.astype(np.float64), want, rtol=1e-2, atol=5e-2)
-    assert np.abs(bad.astype(np.float64) - want).max() > 1.0
+    for source, ok in ((src, True), (swapped, False)):
+        dev = Device()
+        c = dev.put(np.zeros((16, 8), np.float32))
+        dev.launch(build(source, "mma_test").get_function("mma_tile"), 1, 32, dev.put(a),
+                   dev.put(np.ascontiguousarray(b.T)), c)
+        assert np.allclose(c, want, rtol=1e-5, atol=1e-5) == ok
 
 
-def test_missing_barrier_in_gemm_is_a_race():
-    """Without the __syncthreads that ends each K step, the next stash overwrites a tile still being read."""
-    barrier = "    if (kt + 1 < ktiles) stash(s ^ 1);\n    __syncthreads();"
-
-    def drop_barrier(src: str) -> str:
-        assert barrier in src
-        return src.replace(barrier, "    if (kt + 1 < ktiles) stash(s ^ 1);")
-
-    a, b = rnd((70, 48), seed=1), rnd((48, 40), seed=2)
-    with pytest.raises(emu.RaceError, match=r"in kernel ts_gemm block \(0,0,0\).* at __shared__ ts_gemm::s[AB] "):
-        run_gemm(a, b, (64, 64, 32), source_edit=drop_barrier)
-
+# ------------------------------------------------------------------------------ real kernels
 
 def flash_inputs(b, h, hkv, sq, sk, d):
     return rnd((b, h, sq, d), seed=1), rnd((b, hkv, sk, d), seed=2), rnd((b, hkv, sk, d), seed=3)
