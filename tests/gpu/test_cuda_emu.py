@@ -19,7 +19,6 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
 import cuda_emu as emu  # noqa: E402
 from emu_helpers import Device, build, needs_compiler, rnd  # noqa: E402
 import tessera_rt.kernels as K  # noqa: E402
-from tessera_rt.kernels.attention_cuda import FLASH_TILES, flash_smem_bytes, render_flash  # noqa: E402
 from tessera_rt.kernels.compile import registered_sources  # noqa: E402
 from tessera_rt.kernels.cuda_common import MMA_HEADER  # noqa: E402
 from tessera_rt.kernels.numerics import tolerance  # noqa: E402
@@ -280,67 +279,6 @@ def test_wrong_fragment_layout_is_caught():
 
 
 # ------------------------------------------------------------------------------ real kernels
-
-def flash_inputs(b, h, hkv, sq, sk, d):
-    return rnd((b, h, sq, d), seed=1), rnd((b, hkv, sk, d), seed=2), rnd((b, hkv, sk, d), seed=3)
-
-
-def run_flash_forward(dev, fn, q, k, v, causal):
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    o, lse = dev.empty(q.shape, np.float16), dev.empty((b, h, sq), np.float32)
-    bm = FLASH_TILES[d][0]
-    seconds = dev.launch(fn, ((sq + bm - 1) // bm, b * h), 128, dev.put(q), dev.put(k), dev.put(v), o, lse,
-                         np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk),
-                         np.float32(np.log2(np.e) / np.sqrt(d)), np.int32(causal), *flash_strides(q, k))
-    return o, lse, seconds
-
-
-def flash_strides(q, k):
-    """The kernels' (batch, head, row) strides in elements of contiguous q-like and kv-like arrays."""
-    return tuple(np.int64(x // a.itemsize) for a in (q, k) for x in a.strides[:3])
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_flash_forward_matches_reference(causal, request):
-    fn = build(render_flash(64, "f16"), "flash_attention").get_function("ts_flash_fwd")
-    q, k, v = flash_inputs(1, 4, 2, 70, 90, 64)                # GQA, Sq != Sk, ragged tails
-    o, lse, seconds = run_flash_forward(Device(), fn, q, k, v, causal)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    wo, wl = K.flash_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=causal,
-                               return_lse=True)
-    np.testing.assert_allclose(o.astype(np.float64), wo, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(lse, wl, rtol=1e-3, atol=1e-3)
-
-
-def test_flash_backward_matches_reference(request):
-    module = build(render_flash(64, "f16"), "flash_attention")
-    q, k, v = flash_inputs(1, 2, 1, 70, 50, 64)
-    do = rnd(q.shape, seed=4)
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    dev = Device()
-    o, lse, _ = run_flash_forward(dev, module.get_function("ts_flash_fwd"), q, k, v, True)
-    gq, gk, gv, gdo = dev.put(q), dev.put(k), dev.put(v), dev.put(do)
-    delta = dev.empty((b, h, sq), np.float32)
-    dq, dk, dv = dev.empty(q.shape, np.float16), dev.empty(k.shape, np.float16), dev.empty(v.shape, np.float16)
-    rows = b * h * sq
-    strides = flash_strides(q, k)
-    seconds = dev.launch(module.get_function("ts_flash_bwd_delta"), (rows + 3) // 4, 128, o, gdo, delta,
-                         np.int64(rows), np.int32(h), np.int32(sq), *strides[:3])
-    args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(1 / np.sqrt(d)), np.int32(1)) + strides
-    seconds += dev.launch(module.get_function("ts_flash_bwd_dkdv"), ((sk + 63) // 64, b * hkv), 128,
-                          gq, gk, gv, gdo, lse, delta, dk, dv, *args,
-                          shared_mem=flash_smem_bytes(d, "ts_flash_bwd_dkdv"))
-    seconds += dev.launch(module.get_function("ts_flash_bwd_dq"), ((sq + 63) // 64, b * h), 128,
-                          gq, gk, gv, gdo, lse, delta, dq, *args, shared_mem=flash_smem_bytes(d, "ts_flash_bwd_dq"))
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    q64, k64, v64, do64 = (t.astype(np.float64) for t in (q, k, v, do))
-    o64, l64 = K.flash_attention(q64, k64, v64, causal=True, return_lse=True)
-    want = K.flash_attention_backward(q64, k64, v64, o64, do64, l64, causal=True)
-    for got, ref in zip((dq, dk, dv), want):
-        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=3e-2, atol=3e-2)
-
 
 @pytest.mark.parametrize("mode", ["softmax", "rmsnorm"])
 def test_row_kernel_matches_reference(mode, request):

@@ -39,7 +39,8 @@ def test_source_compiles_and_fits(case):
 
 
 def test_tensor_core_kernels_use_mma_ldmatrix_and_cp_async():
-    for name, cfg in (("tile_gemm", SOURCES["tile_gemm"].configs[0]),):
+    for name, cfg in (("tile_gemm", SOURCES["tile_gemm"].configs[0]),
+                      ("flash_attention", SOURCES["flash_attention"].configs[0])):
         ptx = nvrtc_compile(SOURCES[name].render(**cfg), f"{name}.cu", "sm_90")
         for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                       "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
