@@ -266,6 +266,9 @@ class Bench:
         roofline = "" if torch is not None or not self.gpu else (
             "no CUDA torch: against the tensor-core roofline (of peak)")
         fa, fab = kern("flash_attention"), kern("flash_attention_backward")
+        if self.gpu:            # the project's kernels, not the table's default (cuDNN where installed)
+            from tessera_rt.kernels.attention_cuda import flash_attention_backward_cuda, flash_attention_cuda
+            fa, fab = flash_attention_cuda, flash_attention_backward_cuda
         for b_, h_, hkv, s_, d_, causal in configs:
             q, k, v = self.arr((b_, h_, s_, d_)), self.arr((b_, hkv, s_, d_)), self.arr((b_, hkv, s_, d_))
             flops = 4 * b_ * h_ * s_ * s_ * d_ * (0.5 if causal else 1.0)
