@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from emu_helpers import NVRTC_OPTIONS, Device, build, needs_compiler, rnd
+from emu_helpers import Device, build, needs_compiler, rnd
 from tessera_rt.kernels.cuda_common import MMA_HEADER
 
 import cuda_emu as emu
