@@ -6,9 +6,7 @@ harness itself (barriers, shuffles, mma, the race/alignment/bounds checks, launc
 that it catches a wrong fragment layout, and run the real kernels against the NumPy
 references.
 """
-import re
 import sys
-import time
 from pathlib import Path
 
 import ml_dtypes
@@ -19,84 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
 
 import cuda_emu as emu  # noqa: E402
+from emu_helpers import Device, build, needs_compiler, rnd  # noqa: E402
 import tessera_rt.kernels as K  # noqa: E402
-from tessera_rt.kernels.attention_cuda import FLASH_TILES, flash_smem_bytes, render_flash  # noqa: E402
 from tessera_rt.kernels.compile import registered_sources  # noqa: E402
 from tessera_rt.kernels.cuda_common import MMA_HEADER  # noqa: E402
-from tessera_rt.kernels.gemm_cuda import GEMM_CONFIGS, render_gemm  # noqa: E402
 from tessera_rt.kernels.numerics import tolerance  # noqa: E402
 from tessera_rt.kernels.rows_cuda import render_fp8, render_rows  # noqa: E402
 
 
-def _compiler_missing() -> str | None:
-    try:
-        emu.compiler()
-    except emu.CompileError as e:
-        return str(e)
-    return None
-
-
-_NO_COMPILER = _compiler_missing()
-pytestmark = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no usable C++20 g++: {_NO_COMPILER}")
-
-NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
-_MMA_ASM = re.compile(r'(\n[ \t]*asm volatile\(\s*"mma\.sync.*?\);)', re.S)
-
-
-def emulated(src: str) -> str:
-    """``src`` with ts_mma's inline PTX behind ``#ifdef TS_CUDA_EMULATOR`` (the lead's MMA_HEADER edit)."""
-    if "TS_CUDA_EMULATOR" in src:
-        return src
-    out, n = _MMA_ASM.subn(lambda m: "\n#ifdef TS_CUDA_EMULATOR\n  ts_emu_mma_m16n8k16(d, a, b, TS_BF16);\n#else"
-                                     + m.group(1) + "\n#endif", src)
-    assert n <= 1
-    return out
-
-
-def build(src: str, name: str = "kernel") -> emu.Module:
-    return emu.compile_module(emulated(src), NVRTC_OPTIONS, name=name)
-
-
-class Device:
-    """Device memory for direct launches: 256-byte aligned host arrays (like CuPy's), and the
-    packing the CuPy stand-in does (array -> 8-byte pointer, NumPy scalar -> its bytes)."""
-
-    def __init__(self):
-        self.arrays: list[np.ndarray] = []
-
-    def empty(self, shape, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        raw = np.full(nbytes + 256, 0xA5, np.uint8)        # a pattern, not zeros: unwritten output shows
-        start = -raw.ctypes.data % 256
-        arr = raw[start:start + nbytes].view(dtype).reshape(shape)
-        self.arrays.append(arr)
-        return arr
-
-    def put(self, a: np.ndarray) -> np.ndarray:
-        arr = self.empty(a.shape, a.dtype)
-        arr[...] = a
-        return arr
-
-    @staticmethod
-    def pack(value) -> bytes:
-        if value is None:
-            return bytes(8)
-        if isinstance(value, np.ndarray):
-            return np.uint64(value.ctypes.data).tobytes()
-        assert isinstance(value, np.generic), f"pass NumPy scalars, got {type(value).__name__}"
-        return value.tobytes()
-
-    def launch(self, fn: emu.Function, grid, block, *args, shared_mem: int = 0) -> float:
-        """Run ``fn``; returns the emulation time in seconds."""
-        buffers = [(a.ctypes.data, a.nbytes) for a in self.arrays]
-        t0 = time.perf_counter()
-        fn.launch(grid, block, [self.pack(a) for a in args], shared_mem=shared_mem, buffers=buffers)
-        return time.perf_counter() - t0
-
-
-def rnd(shape, dtype=np.float16, seed=0, scale=1.0):
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+pytestmark = needs_compiler
 
 
 # ------------------------------------------------------------------------------ the harness itself
@@ -331,156 +260,25 @@ def test_mma_m16n8k16_matches_numpy(dtype):
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------ real kernels
-
-def run_gemm(a, b, tile, *, b2=None, out_dtype=np.float16, source_edit=None, dual_out=False):
-    """Launch ts_gemm like gemm_cuda.tile_gemm; returns (C, seconds), or ((C, C2), seconds)
-    with ``dual_out``."""
-    bm, bn, bk = tile
-    cfg = dict(BM=bm, BN=bn, BK=bk, dtype="f16", out_f32=out_dtype == np.float32, dual=b2 is not None,
-               dual_out=dual_out)
-    src = emulated(render_gemm(**cfg))
-    if source_edit:
-        src = source_edit(src)
-    fn = emu.compile_module(src, NVRTC_OPTIONS, name="tile_gemm").get_function("ts_gemm")
-    *batch, m, k = a.shape
-    n = b.shape[-1]
-    nb = int(np.prod(batch)) if batch else 1
-    dev = Device()
-    c = dev.empty(tuple(batch) + (m, n), out_dtype)
-    c2 = dev.empty(tuple(batch) + (m, n), out_dtype) if dual_out else c
-    wm, wn = GEMM_CONFIGS[tile]
-    ga, gb = dev.put(a), dev.put(b)
-    seconds = dev.launch(fn, ((n + bn - 1) // bn, (m + bm - 1) // bm, nb), wm * wn * 32,
-                         ga, gb, dev.put(b2) if b2 is not None else gb, c, c2, np.int32(m), np.int32(n), np.int32(k),
-                         np.int64(m * k if a.ndim > 2 else 0), np.int64(k * n if b.ndim > 2 else 0), np.int64(m * n))
-    return ((c, c2) if dual_out else c), seconds
-
-
-@pytest.mark.parametrize("tile,shape,out_dtype", [
-    ((64, 64, 32), (2, 70, 48, 40), np.float16),
-    ((128, 128, 32), (1, 33, 80, 72), np.float32),
-])
-def test_tile_gemm_matches_reference(tile, shape, out_dtype, request):
-    *batch, m, k, n = shape
-    a, b = rnd(tuple(batch) + (m, k), seed=1), rnd((k, n), seed=2)
-    c, seconds = run_gemm(a, b, tile, out_dtype=out_dtype)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want = K.matmul(a.astype(np.float64), b.astype(np.float64))
-    rtol, atol = tolerance(np.float16)
-    np.testing.assert_allclose(c.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(k))
-
-
-def test_swiglu_dual_gemm_matches_reference(request):
-    x, w1, w3 = rnd((50, 64)), rnd((64, 72), seed=3, scale=0.2), rnd((64, 72), seed=4, scale=0.2)
-    c, seconds = run_gemm(x, w1, (64, 64, 32), b2=w3)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want = K.swiglu(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
-    np.testing.assert_allclose(c.astype(np.float64), want, rtol=2e-2, atol=2e-2)
-
-
-def test_dual_output_gemm_matches_reference(request):
-    """DUAL_OUT: one pass over x, both products written (ccl's double matmul on the GPU)."""
-    x, w1, w3 = rnd((50, 64)), rnd((64, 72), seed=3, scale=0.2), rnd((64, 72), seed=4, scale=0.2)
-    (c1, c3), seconds = run_gemm(x, w1, (64, 64, 32), b2=w3, dual_out=True)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    want1, want3 = K.dual_matmul(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
-    rtol, atol = tolerance(np.float16)
-    for got, want in ((c1, want1), (c3, want3)):
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(64))
-
-
 def test_wrong_fragment_layout_is_caught():
-    """Swapping A registers 1 and 2 in ts_load_a (rows g+8 <-> cols +8) must break the GEMM."""
+    """Swapping A registers 1 and 2 in ts_load_a (rows g+8 <-> cols +8) must break the product."""
     right = "a[1] = *reinterpret_cast<const unsigned*>(s + (g + 8) * ld + 2 * t);"
     wrong = "a[2] = *reinterpret_cast<const unsigned*>(s + g * ld + 2 * t + 8);"
-
-    def swap_a1_a2(src: str) -> str:
-        assert right in src and wrong in src
-        return src.replace(right, "@1@").replace(wrong, right.replace("a[1]", "a[2]")).replace(
-            "@1@", wrong.replace("a[2]", "a[1]"))
-
-    a, b = rnd((70, 48), seed=1), rnd((48, 40), seed=2)
+    src = "#define TS_BF16 0\n" + MMA_HEADER + MMA_TEST_SOURCE
+    assert right in src and wrong in src
+    swapped = src.replace(right, "@1@").replace(wrong, right.replace("a[1]", "a[2]")).replace(
+        "@1@", wrong.replace("a[2]", "a[1]"))
+    a, b = rnd((16, 16), seed=1), rnd((16, 8), seed=2)
     want = a.astype(np.float64) @ b.astype(np.float64)
-    good, _ = run_gemm(a, b, (64, 64, 32))
-    bad, _ = run_gemm(a, b, (64, 64, 32), source_edit=swap_a1_a2)
-    np.testing.assert_allclose(good.astype(np.float64), want, rtol=1e-2, atol=5e-2)
-    assert np.abs(bad.astype(np.float64) - want).max() > 1.0
+    for source, ok in ((src, True), (swapped, False)):
+        dev = Device()
+        c = dev.put(np.zeros((16, 8), np.float32))
+        dev.launch(build(source, "mma_test").get_function("mma_tile"), 1, 32, dev.put(a),
+                   dev.put(np.ascontiguousarray(b.T)), c)
+        assert np.allclose(c, want, rtol=1e-5, atol=1e-5) == ok
 
 
-def test_missing_barrier_in_gemm_is_a_race():
-    """Without the __syncthreads that ends each K step, the next stash overwrites a tile still being read."""
-    barrier = "    if (kt + 1 < ktiles) stash(s ^ 1);\n    __syncthreads();"
-
-    def drop_barrier(src: str) -> str:
-        assert barrier in src
-        return src.replace(barrier, "    if (kt + 1 < ktiles) stash(s ^ 1);")
-
-    a, b = rnd((70, 48), seed=1), rnd((48, 40), seed=2)
-    with pytest.raises(emu.RaceError, match=r"in kernel ts_gemm block \(0,0,0\).* at __shared__ ts_gemm::s[AB] "):
-        run_gemm(a, b, (64, 64, 32), source_edit=drop_barrier)
-
-
-def flash_inputs(b, h, hkv, sq, sk, d):
-    return rnd((b, h, sq, d), seed=1), rnd((b, hkv, sk, d), seed=2), rnd((b, hkv, sk, d), seed=3)
-
-
-def run_flash_forward(dev, fn, q, k, v, causal):
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    o, lse = dev.empty(q.shape, np.float16), dev.empty((b, h, sq), np.float32)
-    bm = FLASH_TILES[d][0]
-    seconds = dev.launch(fn, ((sq + bm - 1) // bm, b * h), 128, dev.put(q), dev.put(k), dev.put(v), o, lse,
-                         np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk),
-                         np.float32(np.log2(np.e) / np.sqrt(d)), np.int32(causal), *flash_strides(q, k))
-    return o, lse, seconds
-
-
-def flash_strides(q, k):
-    """The kernels' (batch, head, row) strides in elements of contiguous q-like and kv-like arrays."""
-    return tuple(np.int64(x // a.itemsize) for a in (q, k) for x in a.strides[:3])
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_flash_forward_matches_reference(causal, request):
-    fn = build(render_flash(64, "f16"), "flash_attention").get_function("ts_flash_fwd")
-    q, k, v = flash_inputs(1, 4, 2, 70, 90, 64)                # GQA, Sq != Sk, ragged tails
-    o, lse, seconds = run_flash_forward(Device(), fn, q, k, v, causal)
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    wo, wl = K.flash_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=causal,
-                               return_lse=True)
-    np.testing.assert_allclose(o.astype(np.float64), wo, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(lse, wl, rtol=1e-3, atol=1e-3)
-
-
-def test_flash_backward_matches_reference(request):
-    module = build(render_flash(64, "f16"), "flash_attention")
-    q, k, v = flash_inputs(1, 2, 1, 70, 50, 64)
-    do = rnd(q.shape, seed=4)
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    dev = Device()
-    o, lse, _ = run_flash_forward(dev, module.get_function("ts_flash_fwd"), q, k, v, True)
-    gq, gk, gv, gdo = dev.put(q), dev.put(k), dev.put(v), dev.put(do)
-    delta = dev.empty((b, h, sq), np.float32)
-    dq, dk, dv = dev.empty(q.shape, np.float16), dev.empty(k.shape, np.float16), dev.empty(v.shape, np.float16)
-    rows = b * h * sq
-    strides = flash_strides(q, k)
-    seconds = dev.launch(module.get_function("ts_flash_bwd_delta"), (rows + 3) // 4, 128, o, gdo, delta,
-                         np.int64(rows), np.int32(h), np.int32(sq), *strides[:3])
-    args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(1 / np.sqrt(d)), np.int32(1)) + strides
-    seconds += dev.launch(module.get_function("ts_flash_bwd_dkdv"), ((sk + 63) // 64, b * hkv), 128,
-                          gq, gk, gv, gdo, lse, delta, dk, dv, *args,
-                          shared_mem=flash_smem_bytes(d, "ts_flash_bwd_dkdv"))
-    seconds += dev.launch(module.get_function("ts_flash_bwd_dq"), ((sq + 63) // 64, b * h), 128,
-                          gq, gk, gv, gdo, lse, delta, dq, *args, shared_mem=flash_smem_bytes(d, "ts_flash_bwd_dq"))
-    request.node.user_properties.append(("emulation_seconds", seconds))
-    q64, k64, v64, do64 = (t.astype(np.float64) for t in (q, k, v, do))
-    o64, l64 = K.flash_attention(q64, k64, v64, causal=True, return_lse=True)
-    want = K.flash_attention_backward(q64, k64, v64, o64, do64, l64, causal=True)
-    for got, ref in zip((dq, dk, dv), want):
-        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=3e-2, atol=3e-2)
-
+# ------------------------------------------------------------------------------ real kernels
 
 @pytest.mark.parametrize("mode", ["softmax", "rmsnorm"])
 def test_row_kernel_matches_reference(mode, request):

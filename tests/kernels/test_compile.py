@@ -38,17 +38,25 @@ def test_source_compiles_and_fits(case):
             assert dyn <= 227 * 1024, (entry, dyn)
 
 
-def test_tensor_core_kernels_use_mma():
+def test_tensor_core_kernels_use_mma_ldmatrix_and_cp_async():
     for name, cfg in (("tile_gemm", SOURCES["tile_gemm"].configs[0]),
                       ("flash_attention", SOURCES["flash_attention"].configs[0])):
         ptx = nvrtc_compile(SOURCES[name].render(**cfg), f"{name}.cu", "sm_90")
-        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+        for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
+                      "cp.async.wait_group"):
+            assert instr in ptx, (name, instr)
 
 
-def test_gemm_static_smem_matches_formula():
-    from tessera_rt.kernels.gemm_cuda import gemm_smem_bytes, render_gemm
+def test_gemm_shared_memory_is_dynamic_and_fits():
+    from tessera_rt.kernels.gemm_tile_cuda import DUAL_CONFIGS, GEMM_CONFIGS, gemm_smem_bytes, render_gemm
     ptx = nvrtc_compile(render_gemm(BM=64, BN=128, BK=32), "g.cu", "sm_80")
-    assert ptxas_resources(ptx, "sm_80")["ts_gemm"].smem_static == gemm_smem_bytes(64, 128, 32)
+    assert ptxas_resources(ptx, "sm_80")["ts_gemm"].smem_static == 0
+    assert gemm_smem_bytes(64, 128, 32) == 4 * (64 * 32 + 32 * 128) * 2
+    for tile in GEMM_CONFIGS:
+        assert gemm_smem_bytes(*tile) <= 163 * 1024          # sm_80's opt-in maximum per block (A100)
+    for tile in DUAL_CONFIGS:
+        assert gemm_smem_bytes(*tile, dual=True) <= 163 * 1024
 
 
 def test_nvrtc_error_carries_log():

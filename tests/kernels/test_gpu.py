@@ -28,7 +28,8 @@ def rnd(shape, dtype=np.float16, seed=0, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
 
 
-@pytest.mark.parametrize("tile", [(128, 128, 32), (64, 64, 32), (128, 64, 32), (64, 128, 32), (64, 64, 64)])
+@pytest.mark.parametrize("tile", [(128, 256, 32), (128, 128, 32), (64, 64, 32), (128, 64, 32), (64, 128, 32),
+                                  (64, 64, 64)])
 @pytest.mark.parametrize("shape", [(256, 256, 256), (100, 77, 130), (1, 8, 16), (3, 65, 33, 47)])
 def test_tile_gemm_matches_reference(tile, shape):
     from tessera_rt.kernels.gemm_cuda import tile_gemm
@@ -39,6 +40,24 @@ def test_tile_gemm_matches_reference(tile, shape):
         got = tile_gemm(cp.asarray(a), cp.asarray(b), tile, out_dtype=out_dtype).get()
         rtol, atol = tolerance(out_dtype if out_dtype == np.float16 else np.float16)
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * np.sqrt(k))
+
+
+def test_tile_gemm_bf16_and_its_dual_forms():
+    """bf16 operands: the tile GEMM writes bf16 (or f32), swiglu and dual_matmul run the dual kernel."""
+    from tessera_rt.kernels.gemm_cuda import swiglu_cuda, tile_gemm
+    a, b = rnd((3, 70, 96), BF16, seed=1), rnd((96, 88), BF16, seed=2)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    for out_dtype in (None, np.float32):
+        got = tile_gemm(cp.asarray(a), cp.asarray(b), (64, 64, 32), out_dtype=out_dtype)
+        assert got.dtype == (BF16 if out_dtype is None else np.float32)
+        np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.sqrt(96))
+    x, w1, w3 = rnd((2, 50, 64), BF16), rnd((64, 96), BF16, seed=3, scale=0.2), rnd((64, 96), BF16, seed=4, scale=0.2)
+    got = swiglu_cuda(cp.asarray(x), cp.asarray(w1), cp.asarray(w3))
+    assert got.dtype == BF16
+    want = K.swiglu(x.astype(np.float64), w1.astype(np.float64), w3.astype(np.float64))
+    np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=4e-2, atol=4e-2)
+    with pytest.raises(TypeError, match="out_dtype float16 for bf16 operands"):
+        tile_gemm(cp.asarray(a), cp.asarray(b), (64, 64, 32), out_dtype=np.float16)
 
 
 def test_matmul_cuda_default_is_cublas_and_tile_is_opt_in():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
+__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "SMEM_TILE", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
            "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned"]
 
 # A row kernel's I/O element type: ``in_t`` is float, __half or __nv_bfloat16 as TS_IO is 0, 1
@@ -229,6 +229,102 @@ __device__ __forceinline__ void ts_c_to_a(unsigned* a, const float* c0, const fl
   a[3] = ts_u32(ts_pack(c1[2], c1[3]));
 }
 
+// ---- sm_80 data movement: ldmatrix (shared -> fragments) and cp.async (global -> shared)
+// ldmatrix.m8n8.x{1,2,4}{.trans}.b16: lane 8i + j passes the shared address of row j (16 bytes,
+// 16-byte aligned) of 8x8 matrix i; lane l receives in r[i] row l/4, elements 2(l%4), +1 of
+// matrix i (.trans: of its transpose).  So for a 16x16 A tile at row-major `p`, lane l passes
+// row l % 16, column 8 (l / 16) and gets a0..a3 in mma order; the same lane pattern with .trans
+// on a row-major [k][n] tile gives the B fragments of two n8 tiles.
+__device__ __forceinline__ void ts_ldsm_x4(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 4, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x4_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 4, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x2(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 2, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x2_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 2, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x1(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 1, 0);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+               : "=r"(r[0]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ts_ldsm_x1_t(unsigned* r, const void* p) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_ldmatrix(r, p, 1, 1);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
+               : "=r"(r[0]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+
+// cp.async of BYTES (4, 8, 16) from global `src` to shared `dst`, both BYTES-aligned; only the
+// first `src_bytes` are read, the rest of dst is zero-filled (src_bytes = 0: a zero row past a
+// matrix edge; `src` must still be a valid address).  16 bytes go .cg (L2 only: a streamed tile
+// is not reused from L1), smaller ones .ca.  Not visible until ts_cp_async_wait retires the
+// group (and, for other threads, a __syncthreads after it).
+template <int BYTES> __device__ __forceinline__ void ts_cp_async(void* dst, const void* src, int src_bytes) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async(dst, src, BYTES, src_bytes, BYTES == 16);
+#else
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "n"(BYTES), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void ts_cp_async_commit() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Wait until at most N of this thread's most recently committed groups are still in flight.
+template <int N> __device__ __forceinline__ void ts_cp_async_wait() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_wait(N);
+#else
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void ts_cp_async_wait_all() {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_cp_async_wait_all();
+#else
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Reductions over the 4 lanes that share a C row (lanes 4g .. 4g+3).
 __device__ __forceinline__ float ts_quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -237,6 +333,52 @@ __device__ __forceinline__ float ts_quad_max(float v) {
 __device__ __forceinline__ float ts_quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+"""
+
+# Shared-memory tiles of 16-bit elements for ldmatrix, filled by cp.async (MMA_HEADER first).
+# A tile is ROWS x COLS elements, COLS a multiple of 8, stored row after row with no padding; its
+# 16-byte chunks are XOR-swizzled (chunk c of row r stored at c ^ f(r)) so that the eight rows one
+# ldmatrix reads at one chunk column, and the eight chunks a quarter-warp's cp.async writes along a
+# row, lie in eight different 16-byte bank groups: both conflict-free (CUTLASS's Swizzle<3,3,3>
+# for rows of 8+ chunks; for 4-chunk rows, pairs of rows share one 128-byte line).
+SMEM_TILE = r"""
+template <int CH> __device__ __forceinline__ int ts_swz_chunk(int r, int c) {
+  return CH >= 8 ? (c ^ (r & 7)) : (c ^ ((r / (8 / CH)) & (CH - 1)));
+}
+// element offset of (r, col) in a swizzled tile of CH chunks per row
+template <int CH> __device__ __forceinline__ int ts_swz(int r, int col) {
+  return r * CH * 8 + ts_swz_chunk<CH>(r, col >> 3) * 8 + (col & 7);
+}
+
+// Rows [r0, r0 + ROWS_) x cols [c0, c0 + COLS_) of a row-major matrix (leading dim `ld`, `rows` x
+// `cols`) into the swizzled tile `s`, VEC_ elements per copy (8: 16-byte cp.async.cg; 4, 2: 8-,
+// 4-byte cp.async.ca; 1: a plain load and store, for odd widths).  Past the matrix the tile gets
+// zeros (cp.async's src-size 0: nothing is read; the source address stays the matrix's base).
+// The caller guarantees that VEC_ divides `cols` and `ld`, and that `g` is 2 VEC_-byte aligned.
+template <int ROWS_, int COLS_, int VEC_, int THREADS_>
+__device__ __forceinline__ void ts_load_tile(elem_t* s, const elem_t* g, long long ld, int r0, int c0, int rows,
+                                             int cols, int tid) {
+  constexpr int PER_ROW = COLS_ / VEC_, COPIES = ROWS_ * PER_ROW;
+  auto copy = [&](int i) {
+    const int r = i / PER_ROW, c = (i % PER_ROW) * VEC_;
+    const bool ok = r0 + r < rows && c0 + c < cols;
+    const elem_t* src = g + (ok ? (long long)(r0 + r) * ld + c0 + c : 0);
+    elem_t* dst = s + ts_swz<COLS_ / 8>(r, c);
+    if constexpr (VEC_ == 1)
+      *reinterpret_cast<unsigned short*>(dst) = ok ? *reinterpret_cast<const unsigned short*>(src) : (unsigned short)0;
+    else
+      ts_cp_async<VEC_ * 2>(dst, src, ok ? VEC_ * 2 : 0);
+  };
+  if constexpr (VEC_ == 1) {
+    // synchronous loads, four in flight (fully unrolled, each would hold a register until its store)
+    #pragma unroll 4
+    for (int i = tid; i < COPIES; i += THREADS_) copy(i);
+  } else {
+    #pragma unroll
+    for (int j = 0; j < (COPIES + THREADS_ - 1) / THREADS_; ++j)
+      if (COPIES % THREADS_ == 0 || tid + j * THREADS_ < COPIES) copy(tid + j * THREADS_);
+  }
 }
 """
 

@@ -3,7 +3,8 @@
 ``compile_module(code)`` builds a kernel source into a shared library: the source is
 force-included after ``include/cuda_emu.h`` (the device language on the host), with
 ``include/`` ahead of the system headers so that ``<cuda_fp16.h>`` & co. are the emulated
-ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync).  The
+ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync, ldmatrix,
+cp.async with its commit/wait groups).  The
 kernel translation unit is compiled with ``-fsanitize=thread`` but linked without libtsan:
 the runtime defines the ``__tsan_*`` callbacks, so every global and shared memory access
 is checked (bounds against the launch's buffers, alignment, shared-memory races).
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Sequence
 
 __all__ = ["EmuError", "CompileError", "LaunchError", "RaceError", "MisalignedAccess", "OutOfBounds",
-           "BarrierDivergence", "Deadlock", "Unsupported", "compile_module", "compiler", "Module", "Function",
+           "BarrierDivergence", "Deadlock", "Unsupported", "AsyncCopyError", "compile_module", "compiler", "Module", "Function",
            "MAX_DYNAMIC_SMEM", "MAX_STATIC_SMEM"]
 
 HERE = Path(__file__).resolve().parent
@@ -105,8 +106,15 @@ class Unsupported(EmuError):
     """The kernel used a feature the emulator does not implement (e.g. a partial shuffle mask)."""
 
 
+class AsyncCopyError(EmuError):
+    """A cp.async misuse: shared bytes read or written while a copy into them is in flight (its
+    group not yet retired by the issuing thread's cp.async.wait_group/wait_all), two copies in
+    flight into one byte, or a malformed copy (cp-size, src-size)."""
+
+
 # ErrorKind in runtime.cpp
-_ERRORS = {1: RaceError, 2: MisalignedAccess, 3: OutOfBounds, 4: BarrierDivergence, 5: Deadlock, 6: Unsupported}
+_ERRORS = {1: RaceError, 2: MisalignedAccess, 3: OutOfBounds, 4: BarrierDivergence, 5: Deadlock, 6: Unsupported,
+           7: AsyncCopyError}
 
 # NVRTC options with no meaning on the host (fast-math intrinsics are computed precisely).
 _IGNORED_OPTIONS = re.compile(r"^(-std=|--std=|--use_fast_math$|-use_fast_math$|--gpu-architecture|-arch|"

@@ -9,8 +9,12 @@
 // Within a block every CUDA thread is a fiber with its own stack; the scheduler resumes
 // runnable fibers round-robin, and a fiber runs until it exits or waits at a rendezvous:
 //   __syncthreads   completes when every thread of the block arrived or exited (sm_70+).
-//   warp collective (shuffles, mma) completes when all 32 lanes of the warp arrived; the
-//                   last lane to arrive computes every lane's result.
+//   warp collective (shuffles, mma, ldmatrix) completes when all 32 lanes of the warp
+//                   arrived; the last lane to arrive computes every lane's result.
+//   cp.async        per thread: the source is read when the copy is issued, the shared
+//                   destination is marked in flight (and holds 0xff poison) until the issuing
+//                   thread's cp.async.wait_group/wait_all retires the copy's group; any access
+//                   to in-flight bytes fails (see "asynchronous copies" below).
 // A check failure records the message and switches straight back to the scheduler: the
 // faulting access is never performed and the block's fibers are never resumed.
 #include "cuda_emu.h"
@@ -36,7 +40,8 @@
 namespace {
 
 // Error kinds returned to Python (tests/gpu_emu/cuda_emu/__init__.py maps them to exceptions).
-enum ErrorKind { OK = 0, RACE = 1, MISALIGNED = 2, OUT_OF_BOUNDS = 3, DIVERGENCE = 4, DEADLOCK = 5, UNSUPPORTED = 6 };
+enum ErrorKind { OK = 0, RACE = 1, MISALIGNED = 2, OUT_OF_BOUNDS = 3, DIVERGENCE = 4, DEADLOCK = 5, UNSUPPORTED = 6,
+                 ASYNC_COPY = 7 };
 
 // ------------------------------------------------------------------------------- fibers
 // ts_emu_switch(save, next): push the callee-saved registers, store the stack pointer in
@@ -89,13 +94,28 @@ struct Warp {
   int src_lane[32];
   unsigned a[32][4], b[32][2];
   float c[32][4], d[32][4];
+  uintptr_t row_addr[32];    // ldmatrix: the row address each lane supplies
+  unsigned frag[32][4];      // ldmatrix: the registers each lane receives
 };
 
 // Race shadow of one shared-memory byte: last writer and up to two readers in an epoch
 // (the barrier interval); two distinct readers suffice to name one that differs from a writer.
+// `async_by`: the thread whose cp.async into this byte has not been waited for (-1: none).
 struct ShadowByte {
   unsigned write_epoch, read_epoch;
-  short writer, reader0, reader1;
+  short writer, reader0, reader1, async_by;
+};
+
+// One cp.async in flight: the bytes read from global memory when it was issued, and the
+// cp.async-group it belongs to (0 until the thread's next cp.async.commit_group).
+struct AsyncCopy {
+  uintptr_t dst;
+  int size, group;
+  unsigned char data[16];
+};
+struct AsyncState {
+  std::vector<AsyncCopy> copies;   // issued, not yet retired by a wait
+  int committed = 0;               // groups committed so far (group ids are 1, 2, ...)
 };
 
 struct Range { uintptr_t lo, hi; };
@@ -113,6 +133,7 @@ struct Launch {
   void* scheduler_sp = nullptr;
   std::vector<Range> buffers;
   size_t dynamic_bytes = 0;
+  std::vector<AsyncState> async;   // per thread of the running block
   int error = OK;
   std::string message;
 };
@@ -342,6 +363,22 @@ std::string shared_location(size_t offset) {
   return format("static shared memory +%zu", offset);
 }
 
+// An access to shared bytes that a cp.async is still copying into: the PTX ISA makes the
+// copy's writes visible only once its group is waited for (cp.async.wait_group/wait_all by the
+// issuing thread, then a barrier for the other threads), so what such a read sees is undefined.
+void check_in_flight(size_t offset, size_t size, const char* what, uintptr_t addr) {
+  for (size_t i = 0; i < size; ++i) {
+    const short by = g_shadow[offset + i].async_by;
+    if (by >= 0)
+      fail(ASYNC_COPY, format("cp.async not waited for in kernel %s block (%u,%u,%u): thread %s %s %zu bytes at %s "
+                              "(address %#lx) while the cp.async that thread %s issued into it is in flight (no "
+                              "cp.async.wait_group/wait_all retired its group)",
+                              L.kernel, L.block_idx.x, L.block_idx.y, L.block_idx.z, thread_name(L.current->linear).c_str(),
+                              what, size, shared_location(offset + i).c_str(), (unsigned long)(addr + i),
+                              thread_name(by).c_str()));
+  }
+}
+
 void check_race(size_t offset, size_t size, bool write, uintptr_t addr) {
   const int me = L.current->linear;
   for (size_t i = 0; i < size; ++i) {
@@ -418,6 +455,7 @@ inline void check_access(const void* addr, size_t size, bool write, bool check_a
   const size_t nstatic = static_bytes();
   if (a - slo < nstatic) {
     if (a + size > slo + nstatic) fail_out_of_bounds(a, size, write, "the access runs past static shared memory");
+    check_in_flight(a - slo, size, write ? "writes" : "reads", a);
     check_race(a - slo, size, write, a);
     return;
   }
@@ -426,12 +464,89 @@ inline void check_access(const void* addr, size_t size, bool write, bool check_a
     if (a + size > dlo + L.dynamic_bytes)
       fail_out_of_bounds(a, size, write, format("dynamic shared memory is %zu bytes (shared_mem at launch); the access "
                                                 "is at offset %zu", L.dynamic_bytes, (size_t)(a - dlo)).c_str());
+    check_in_flight(nstatic + (a - dlo), size, write ? "writes" : "reads", a);
     check_race(nstatic + (a - dlo), size, write, a);
     return;
   }
   for (const Range& r : L.buffers)
     if (a >= r.lo && a + size <= r.hi) return;
   fail_global_out_of_bounds(a, size, write);
+}
+
+// Offset of [a, a + size) in the block's shared memory (static, then dynamic), or SIZE_MAX when
+// the range is not wholly inside it.
+size_t shared_offset(uintptr_t a, size_t size) {
+  const uintptr_t slo = static_lo(), dlo = (uintptr_t)g_dynamic_smem;
+  const size_t nstatic = static_bytes();
+  if (a - slo < nstatic) return a + size <= slo + nstatic ? a - slo : SIZE_MAX;
+  if (a - dlo < L.dynamic_bytes) return a + size <= dlo + L.dynamic_bytes ? nstatic + (a - dlo) : SIZE_MAX;
+  return SIZE_MAX;
+}
+
+bool in_global_buffer(uintptr_t a, size_t size) {
+  for (const Range& r : L.buffers)
+    if (a >= r.lo && a + size <= r.hi) return true;
+  return false;
+}
+
+// ------------------------------------------------------------------------------- ldmatrix
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16 (PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix"): lane 8i + j supplies the shared address of row j of matrix i (16
+// bytes: eight b16 elements; lanes past 8 * num supply none).  Lane l receives in register i
+// the 32 bits of row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix i (the lower element
+// in the lower half) -- with .trans, of the transposed matrix: elements (2 (l % 4), l / 4) and
+// (2 (l % 4) + 1, l / 4).  These are exactly mma.m16n8k16's A and B fragments.
+const char* ldmatrix_name(int num, int trans) {
+  static const char* names[2][5] = {
+      {"", "ldmatrix.x1", "ldmatrix.x2", "", "ldmatrix.x4"},
+      {"", "ldmatrix.x1.trans", "ldmatrix.x2.trans", "", "ldmatrix.x4.trans"}};
+  return names[trans ? 1 : 0][num];
+}
+
+void compute_ldmatrix(Warp& w, int num, int trans) {
+  unsigned short m[4][8][8];
+  for (int i = 0; i < num; ++i)
+    for (int j = 0; j < 8; ++j) memcpy(m[i][j], (const void*)w.row_addr[8 * i + j], 16);
+  for (int l = 0; l < 32; ++l) {
+    const int r = l >> 2, c = 2 * (l & 3);
+    for (int i = 0; i < num; ++i) {
+      const unsigned lo = trans ? m[i][c][r] : m[i][r][c];
+      const unsigned hi = trans ? m[i][c + 1][r] : m[i][r][c + 1];
+      w.frag[l][i] = lo | (hi << 16);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------- asynchronous copies
+// cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size} (PTX ISA, "Data Movement and
+// Conversion Instructions: cp.async"): copies cp-size bytes (4, 8 or 16; .cg: 16 only), the first
+// src-size of them from global memory and zeros after, both addresses aligned to cp-size.  The
+// copy belongs to the next cp.async.commit_group of its thread; cp.async.wait_group N returns
+// once at most the N most recent committed groups of the thread are pending (copies not yet
+// committed belong to no group and are not waited for); cp.async.wait_all is commit_group
+// followed by wait_group 0.  Completed writes are visible to the issuing thread; other threads
+// need a barrier after the wait, which the race shadow enforces (a retired copy is a write by
+// its issuing thread in the epoch of the wait).  Here the source is read at issue, and the
+// destination holds 0xff (a NaN in f16/bf16) and is marked in flight until the wait retires it.
+void retire_copy(const AsyncCopy& c) {
+  const size_t off = shared_offset(c.dst, c.size);
+  check_race(off, c.size, true, c.dst);
+  memcpy((void*)c.dst, c.data, c.size);
+  for (int i = 0; i < c.size; ++i) g_shadow[off + i].async_by = -1;
+}
+
+void wait_groups(int n, const char* op) {
+  Fiber* f = L.current;
+  if (n < 0 || n > 7)
+    fail(UNSUPPORTED, format("%s %d in %s: N is an integer constant in [0, 7] here", op, n, where(*f).c_str()));
+  AsyncState& st = L.async[f->linear];
+  const int done = st.committed - n;      // groups 1..done must be complete
+  std::vector<AsyncCopy> keep;
+  for (const AsyncCopy& c : st.copies) {
+    if (c.group != 0 && c.group <= done) retire_copy(c);
+    else keep.push_back(c);
+  }
+  st.copies.swap(keep);
 }
 
 // ------------------------------------------------------------------------------- scheduler
@@ -453,6 +568,8 @@ int run_block() {
   const size_t nstatic = static_bytes();
   memset(__start_ts_emu_shared, 0xff, nstatic);              // uninitialized shared reads show up
   memset(g_dynamic_smem, 0xff, L.dynamic_bytes);
+  for (ShadowByte& s : g_shadow) s.async_by = -1;           // copies the previous block left in flight
+  L.async.assign(L.nthreads, AsyncState{});
   ++g_epoch;
   L.exited = L.sync_arrived = 0;
   for (Warp& w : L.warps) w.arrived = w.exited = 0;
@@ -532,6 +649,73 @@ void ts_emu_mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, int is_
       compute_mma);
   for (int i = 0; i < 4; ++i) d[i] = w.d[lane][i];
 }
+
+void ts_emu_ldmatrix(unsigned* r, const void* p, int num, int trans) {
+  Fiber* f = L.current;
+  const int lane = f->linear % 32;
+  Warp& w = L.warps[f->linear / 32];
+  if (num != 1 && num != 2 && num != 4)
+    fail(UNSUPPORTED, format("ldmatrix .x%d in %s: .num is x1, x2 or x4", num, where(*f).c_str()));
+  const char* op = ldmatrix_name(num, trans);
+  const uintptr_t a = (uintptr_t)p;
+  if (lane < 8 * num) {                   // this lane supplies row lane % 8 of matrix lane / 8
+    if (shared_offset(a, 1) == SIZE_MAX)
+      fail(OUT_OF_BOUNDS, format("%s in %s: lane %d supplies row address %#lx (row %d of matrix %d), which is not in "
+                                 "the block's shared memory (%zu static + %zu dynamic bytes)", op, where(*f).c_str(),
+                                 lane, (unsigned long)a, lane % 8, lane / 8, static_bytes(), L.dynamic_bytes));
+    check_access(p, 16, false, true);     // a 16-byte row: aligned, in bounds, in no race, not in flight
+  }
+  warp_collective(
+      op, [&](Warp& ww, int l) { ww.row_addr[l] = a; },
+      [&](Warp& ww) { compute_ldmatrix(ww, num, trans); });
+  for (int i = 0; i < num; ++i) r[i] = w.frag[lane][i];
+}
+
+void ts_emu_cp_async(void* dst, const void* src, int cp_size, int src_size, int cg) {
+  Fiber* f = L.current;
+  const char* op = cg ? "cp.async.cg.shared.global" : "cp.async.ca.shared.global";
+  if (cg ? cp_size != 16 : (cp_size != 4 && cp_size != 8 && cp_size != 16))
+    fail(ASYNC_COPY, format("%s with cp-size %d in %s: .ca copies 4, 8 or 16 bytes, .cg 16", op, cp_size,
+                            where(*f).c_str()));
+  if (src_size < 0 || src_size > cp_size)
+    fail(ASYNC_COPY, format("%s in %s: src-size %d outside [0, cp-size %d] (undefined behaviour)", op,
+                            where(*f).c_str(), src_size, cp_size));
+  const uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+  if ((d | s) & (cp_size - 1))
+    fail(MISALIGNED, format("misaligned %s of %d bytes in %s: dst %#lx %% %d = %lu, src %#lx %% %d = %lu (both "
+                            "must be aligned to cp-size)", op, cp_size, where(*f).c_str(), (unsigned long)d, cp_size,
+                            (unsigned long)(d & (cp_size - 1)), (unsigned long)s, cp_size,
+                            (unsigned long)(s & (cp_size - 1))));
+  const size_t off = shared_offset(d, cp_size);
+  if (off == SIZE_MAX)
+    fail_out_of_bounds(d, cp_size, true, format("%s: the destination is not inside the block's shared memory "
+                                                "(%zu static + %zu dynamic bytes)", op, static_bytes(),
+                                                L.dynamic_bytes).c_str());
+  if (src_size > 0 && (shared_offset(s, 1) != SIZE_MAX || !in_global_buffer(s, src_size)))
+    fail_global_out_of_bounds(s, src_size, false);
+  check_in_flight(off, cp_size, "issues a cp.async that writes", d);   // two copies in flight into one byte
+  check_race(off, cp_size, true, d);     // the destination is written from now on
+  AsyncCopy c{d, cp_size, 0, {}};
+  memcpy(c.data, src, src_size);
+  memset(c.data + src_size, 0, cp_size - src_size);
+  memset(dst, 0xff, cp_size);
+  for (int i = 0; i < cp_size; ++i) g_shadow[off + i].async_by = (short)f->linear;
+  L.async[f->linear].copies.push_back(c);
+}
+
+void ts_emu_cp_async_commit(void) {
+  AsyncState& st = L.async[L.current->linear];
+  ++st.committed;                         // an empty group is a group too
+  for (AsyncCopy& c : st.copies)
+    if (c.group == 0) c.group = st.committed;
+}
+
+void ts_emu_cp_async_wait(int n) { wait_groups(n, "cp.async.wait_group"); }
+
+void ts_emu_cp_async_wait_all(void) {
+  ts_emu_cp_async_commit();
+  wait_groups(0, "cp.async.wait_all");
+}
 }
 
 // ------------------------------------------------------------------------------- instrumentation hooks
@@ -591,7 +775,7 @@ TS_EMU_EXPORT int ts_emu_launch(const char* kernel, void (*entry)(void**), void*
     snprintf(message, message_len, "cuda_emu: cannot map %d fiber stacks", L.nthreads);
     return UNSUPPORTED;
   }
-  g_shadow.assign(static_bytes() + dynamic_bytes, ShadowByte{0, 0, -1, -1, -1});
+  g_shadow.assign(static_bytes() + dynamic_bytes, ShadowByte{0, 0, -1, -1, -1, -1});
   L.fibers.assign(L.nthreads, Fiber{});
   for (int i = 0; i < L.nthreads; ++i) {
     const unsigned x = i % block[0], y = (i / block[0]) % block[1], z = i / (block[0] * block[1]);

@@ -76,6 +76,14 @@ unsigned long long ts_emu_shfl(unsigned mask, unsigned long long bits, int kind,
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, d = a*b + d, as a
 // warp collective; fragment layouts as in the PTX ISA (see runtime.cpp).
 void ts_emu_mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, int is_bf16);
+// ldmatrix.sync.aligned.m8n8.x{num}{.trans}.shared.b16 r, [p], as a warp collective (runtime.cpp).
+void ts_emu_ldmatrix(unsigned* r, const void* p, int num, int trans);
+// cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size; commit_group; wait_group n;
+// wait_all: per thread, the destination in flight until a wait retires its group (runtime.cpp).
+void ts_emu_cp_async(void* dst, const void* src, int cp_size, int src_size, int cg);
+void ts_emu_cp_async_commit(void);
+void ts_emu_cp_async_wait(int n);
+void ts_emu_cp_async_wait_all(void);
 }
 #define threadIdx (ts_emu_thread_idx())
 #define blockIdx (ts_emu_block_idx())
