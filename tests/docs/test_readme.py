@@ -43,6 +43,7 @@ SKIP = {
     "bash scripts/demo.sh": "makes a venv; its program runs instead (tessera-run -n 4 scripts/demo.py)",
     "bash scripts/test.sh": "runs this whole suite (this test included)",
     "pip install": "installs from the network",
+    "pip download": "downloads from the network",
     ".venv/bin/tessera-run -n 4 my_program.py": "a placeholder program",
     ".venv/bin/tessera-run -n 8": "needs 8 ranks on two hosts",
     ".venv/bin/python scripts/bench_vs_torch.py": "tests/launch/test_demo.py runs this smoke run (with the equality check)",

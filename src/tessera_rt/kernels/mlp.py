@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ..backend import register_kernel
@@ -223,12 +224,16 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
     return finish(op, silu(both[..., :f]) * both[..., f:], out, result_dtype(x.dtype, policy))
 
 
+_TILE_IO = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))     # the tile kernels' operand types
+
+
 def dual_reads_x_once(x: Any, w1: Any, w3: Any, policy: Any = None, *, on_gpu: bool = False) -> bool:
     """Whether ``dual_matmul`` computes both products in one pass over x: on the GPU the
-    DUAL_OUT tile kernel takes fp16 (2-D or more, no policy); on the CPU ``x @ [w1 | w3]``
+    DUAL_OUT tile kernel takes fp16 and bf16 (2-D or more, no policy); on the CPU ``x @ [w1 | w3]``
     pays for copying both weights only when x has more rows than 2F."""
     if on_gpu:
-        return x.ndim >= 2 and x.dtype == w1.dtype == w3.dtype == np.float16 and policy is None
+        return (x.ndim >= 2 and x.dtype == w1.dtype == w3.dtype and np.dtype(x.dtype) in _TILE_IO
+                and policy is None)
     return x.ndim >= 1 and x.size // max(x.shape[-1], 1) > 2 * w1.shape[-1]
 
 
