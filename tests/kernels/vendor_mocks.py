@@ -51,8 +51,11 @@ def fake_vendor(monkeypatch):
     nvmath.reset()
     providers.reset()
     yield types.SimpleNamespace(cudnn=cudnn, nvmath=nvmath)
-    providers.reset()
+    # undo first (sys.path, and the modules _drop deleted), then drop every fake module and the
+    # providers' cached availability: no later test may find a fake library importable
+    monkeypatch.undo()
     _drop()
+    providers.reset()
 
 
 @pytest.fixture

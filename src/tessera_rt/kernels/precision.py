@@ -76,6 +76,11 @@ def float32_matmul_precision(level: str) -> Iterator[None]:
     ----------
     level : {"highest", "high", "medium"}
         The level inside the block.
+
+    Returns
+    -------
+    context manager
+        Sets the level on entry and restores the previous one on exit.
     """
     before = _LEVEL[0]
     _LEVEL[0] = _check(level)
