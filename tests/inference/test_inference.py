@@ -10,10 +10,10 @@ import pytest
 
 from tessera_rt import nn
 from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
-from tessera_rt.inference.decode import decode_hidden
-from tessera_rt.inference.generate import _prefill_attend
+from tessera_rt.inference.decode import DecodeRunner
 from tessera_rt.inference.kv_blocks import BlockPool, PageTiers
-from tessera_rt.inference.sampling import sample
+from tessera_rt.inference.prefill import Chunk, run_prefill
+from tessera_rt.inference.sampling import DeviceSampler, sample
 from tessera_rt.kernels import flash_attention, paged_decode_attention
 
 import llama_tiny as L
@@ -49,23 +49,28 @@ def test_continuous_batching_gives_the_same_tokens(ckpts):
 
 
 def test_decode_through_the_cache_equals_full_recompute(ckpts):
+    """A packed prefill of two prompts, then decode steps of both (the same layer stack, K/V
+    through the paged cache): each step's logits equal a full causal forward of the sequence."""
     model = nn.Llama.from_pretrained(ckpts["A"][0])
     cache = nn.KVCache(model, max_tokens=64, block_size=4)
     seqs = [np.array(p) for p in L.PROMPTS[:2]]
-    sids = []
-    for s in seqs:
-        sid = cache.add()
-        pos = cache.reserve(sid, len(s))
-        model.hidden(s[None], pos[None], _prefill_attend(cache, sid, pos[None]))
-        sids.append(sid)
-    nxt = np.array([[7], [42]])
+    chunks = [Chunk(i, cache.add(), s.astype(np.int32), 0, True) for i, s in enumerate(seqs)]
+    for c in chunks:
+        cache.reserve(c.sid, len(c.tokens))
+    first = run_prefill(model, cache, chunks, DeviceSampler(model, 0.0, 0))
+    assert first == {i: int(model.logits(s[None])[0, -1].argmax()) for i, s in enumerate(seqs)}
+    sids = [c.sid for c in chunks]
+    runner = DecodeRunner(model, cache, 2, None, graphs=False)
+    nxt = np.array([7, 42])
     for _ in range(5):                 # several steps, both sequences together, different lengths
-        pos = np.stack([cache.reserve(s, 1) for s in sids])
-        got = model.local_logits(decode_hidden(model, cache, sids, nxt[:, 0], pos)).copy()
-        seqs = [np.append(s, t) for s, t in zip(seqs, nxt[:, 0])]
+        pos = [int(cache.reserve(s, 1)[0]) for s in sids]
+        runner.batch.upload_state(nxt, pos, [(0, 0), (1, 0)], cache.slot_table(sids, runner.batch.width))
+        runner.run()
+        got = runner.batch.logits.copy()
+        seqs = [np.append(s, t) for s, t in zip(seqs, nxt)]
         for g, s in zip(got, seqs):
             np.testing.assert_allclose(g, model.logits(s[None])[0, -1], rtol=1e-5, atol=1e-5)
-        nxt = got.argmax(-1)[:, None]
+        nxt = got.argmax(-1)
 
 
 def _pages(rng, lens, bs, hkv, d, nb=40):
