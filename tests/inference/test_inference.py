@@ -301,6 +301,11 @@ for name in ("A", "big"):          # A: head_dim 8 (the reference kernel); big: 
     c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=16)
     out[name] = m.generate(c, L.PROMPTS[:2], max_new_tokens=5)
     assert c.stats()["moved_to_host"] > 0 and is_pinned(c.host_k) and is_pinned(c.host_v)   # not pageable
+    c = nn.KVCache(m, max_tokens=256, block_size=4, device_budget_tokens=24)    # three rows: no padding there
+    out[name + "3"] = m.generate(c, L.PROMPTS, max_new_tokens=5)
+    c = nn.KVCache(m, max_tokens=64, block_size=4, window=8)                     # a window: eager steps
+    out[name + "w"] = m.generate(c, [L.PROMPTS[2]], max_new_tokens=30)
+    assert not any(r.graph for r in c.runners.values())
 print(json.dumps(out))
 """
 
@@ -321,8 +326,14 @@ def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["A"] == [t[:5] for t in ckpts["A"][1]["tokens"][:2]]
+    assert got["A3"] == [t[:5] for t in ckpts["A"][1]["tokens"]]
     big = nn.Llama.from_pretrained(ckpts["big"][0])
     assert got["big"] == big.generate(nn.KVCache(big, max_tokens=192, block_size=4), L.PROMPTS[:2], max_new_tokens=5)
+    assert got["big3"] == [t[:5] for t in ckpts["big"][1]["tokens"]]
+    for name in ("A", "big"):
+        m = nn.Llama.from_pretrained(ckpts[name][0])
+        assert got[name + "w"] == m.generate(nn.KVCache(m, max_tokens=64, block_size=4, window=8), [L.PROMPTS[2]],
+                                             max_new_tokens=30)
 
 
 def test_bf16_weights_and_cache(ckpts):
@@ -676,3 +687,21 @@ def test_paged_prefill_attention_reference_reads_the_cache():
         k, v = (_gathered(p, tables[i], n[i], bs) for p in (kp, vp))
         want = flash_attention(q[cu[i]:cu[i + 1]].transpose(1, 0, 2)[None], k[None], v[None], causal=True)
         np.testing.assert_allclose(got[cu[i]:cu[i + 1]], want[0].transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_check_compares_tokens_tie_aware():
+    """scripts/_gpu_check_decode.py (gpu_check's decode part) accepts sequences that part from
+    transformers only where its top-two logits were within fp16 rounding, and fails otherwise."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("gpu_check_decode",
+                                                  Path(__file__).resolve().parents[2] / "scripts" / "_gpu_check_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    scores = [np.array([[0.0, 5.0, 4.99], [3.0, 1.0, 0.0]]), np.array([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])]
+    ok, text = mod.check_tokens([[1, 0], [0, 1]], [[1, 0], [0, 1]], scores)
+    assert ok and "2/2 sequences equal" in text
+    ok, text = mod.check_tokens([[2, 0], [0, 1]], [[1, 0], [0, 1]], scores)          # parts at a 0.01 tie
+    assert ok and "seq 0 parts at step 0" in text
+    ok, text = mod.check_tokens([[1, 0], [0, 0]], [[1, 0], [0, 1]], scores)          # parts where the gap is 2
+    assert not ok and "seq 1 parts at step 1" in text

@@ -204,12 +204,12 @@ def capturable(model, cache, sampler) -> bool:
 
 
 def runner_for(model, cache, b: int, sampler) -> DecodeRunner:
-    """The cache's runner for ``b`` rows (padded to a bucket on a GPU), made on first use.
-    Runners (and their graphs) are kept per cache and sampler settings."""
-    gpu = model.xp is not np
-    rows = next((x for x in BUCKETS if x >= b), b) if gpu else b
+    """The cache's runner for ``b`` rows (padded to a bucket where the steps are captured), made
+    on first use.  Runners (and their graphs) are kept per cache and sampler settings."""
+    graphs = capturable(model, cache, sampler)
+    rows = next((x for x in BUCKETS if x >= b), b) if graphs else b
     key = (rows, None if sampler is None else (sampler.temperature, sampler.seed))
     r = cache.runners.get(key)
     if r is None:
-        r = cache.runners[key] = DecodeRunner(model, cache, rows, sampler, capturable(model, cache, sampler))
+        r = cache.runners[key] = DecodeRunner(model, cache, rows, sampler, graphs)
     return r
