@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 # A: GQA 12/2 (kv heads replicated at tp=4), Llama 3 rope scaling, untied head, sharded files
 # B: 6/3 heads (tp=3 works), default rope, tied head, one file
@@ -80,3 +81,30 @@ def cached_bundle() -> dict:
     out = {n: (root / (n if n != "big" else "Abig"), {"tokens": refs[n]["tokens"],
                                                       "logits": np.load(root / f"{n}_logits.npy")}) for n in refs}
     return out
+
+
+def paged(rng, lens, bs, hkv, d, nb=40):
+    """Block tables (a random permutation of ``nb`` pages) for sequences of ``lens`` positions,
+    and random f32 K and V pages ``(nb, hkv, bs, d)``."""
+    perm = rng.permutation(nb)
+    tables = np.full((len(lens), max(-(-n // bs) for n in lens)), -1, np.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k]
+        used += k
+    kp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    vp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    return tables, kp, vp
+
+
+def gathered(p, table, n, bs):
+    """The first ``n`` positions of a sequence's pages ``p`` through its ``table``: ``(Hkv, n, D)``."""
+    return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    """The bundle (``cached_bundle``) for a test module: ``from llama_tiny import ckpts``."""
+    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
+    return cached_bundle()

@@ -19,6 +19,7 @@ from tessera_rt.inference.prefill import Chunk, run_prefill
 from tessera_rt.inference.sampling import DeviceSampler
 
 import llama_tiny as L
+from llama_tiny import ckpts  # noqa: F401  (the fixture)
 
 
 def _cupy():
@@ -34,12 +35,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy (or the stand-in)")]
 counting = pytest.mark.skipif(cp is None or not hasattr(getattr(cp, "testing", None), "count_device_work"),
                               reason="counting launches needs the CuPy stand-in's counters (tests/gpu_emu)")
-
-
-@pytest.fixture(scope="module")
-def ckpts():
-    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
-    return L.cached_bundle()
 
 
 def _graphs(cache) -> dict:
