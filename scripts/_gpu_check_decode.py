@@ -164,7 +164,9 @@ def run(quick: bool) -> int:
             t1 = sorted(ours(1)[0] for _ in range(reps))[reps // 2]
             tn = sorted(ours(1 + new)[0] for _ in range(reps))[reps // 2]
             row.update(first_ms=t1 * 1e3, ms_per_token=max(tn - t1, 0.0) / new * 1e3,
-                       roofline_ms=weight_bytes / (peak_bw * 1e12) * 1e3 if peak_bw else None)
+                       roofline_ms=weight_bytes / (peak_bw * 1e12) * 1e3 if peak_bw else None,
+                       graphs=sum(r.graph is not None for r in cache.runners.values()),
+                       refused=sorted({r.refused for r in cache.runners.values() if r.refused}))
             if peer is not None:
                 peer.generate(prompts, 2)
                 p1 = sorted(_timed(lambda: peer.generate(prompts, 1)) for _ in range(reps))[reps // 2]

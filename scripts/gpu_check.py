@@ -296,6 +296,8 @@ def part_decode(run: Run, limit: float, log: Path) -> list[dict]:
                             f"{r['peer_ms_per_token']:.2f} ms/token" if peer else "",
                             ratio(r.get("peer_ms_per_token"), r["ms_per_token"]),
                             (f"weights at HBM peak {r['roofline_ms']:.2f} ms; " if r.get("roofline_ms") else "")
+                            + ("CUDA graphs; " if r.get("graphs") else
+                               f"eager steps ({'; '.join(r.get('refused') or ['no graph'])}); ")
                             + r.get("tokens", "tokens not compared")))
     if rc != 0 or not lines:
         raise PartFailed(rows, f"the decode run exited {rc}" + (": tokens differ from transformers'"

@@ -271,6 +271,10 @@ def test_varlen_and_paged_prefill_kernels(hd, h, hkv):
                                           causal=causal)
         np.testing.assert_allclose(cp.asnumpy(got)[:t], want, rtol=2e-5, atol=2e-5)
         assert not cp.asnumpy(got)[t:].any()
+    host = flash_attention_varlen_cuda(dq, dk[:t], dv[:t], cu, cu, causal=True)        # host offsets: read, then copied
+    np.testing.assert_allclose(cp.asnumpy(host)[:t], flash_attention_varlen(*(np.ascontiguousarray(x[:t])
+                                                                               for x in (q, k, v)), cu, cu, causal=True),
+                               rtol=2e-5, atol=2e-5)
     bs, ctx = 4, np.array([3, 0, 9, 20], np.int32)
     n = ctx + np.array(lq)
     pages = rng.permutation(64)

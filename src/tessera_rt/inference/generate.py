@@ -175,12 +175,12 @@ def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, 
         if dec.runner.fit(max(p[0] for p in pages)):
             dec.dirty = True
         b = dec.runner.batch
-        tables = cache.slot_table(sids, b.width)
         if dec.dirty or sampler is None:
-            b.upload_state([outs[i][-1] for i in rows], pos, [(i, len(outs[i])) for i in rows], tables)
+            b.upload_state([outs[i][-1] for i in rows], pos, [(i, len(outs[i])) for i in rows],
+                           cache.slot_table(sids, b.width))
             dec.col, dec.dirty = 0, False
-        elif pages != dec.pages:
-            b.upload_tables(tables)
+        elif pages != dec.pages:                 # a sequence got a page (or, windowed, dropped one)
+            b.upload_tables(cache.slot_table(sids, b.width))
         dec.pages = pages
         dec.runner.sids = sids
         dec.runner.run()
