@@ -104,6 +104,9 @@ def test_window_drops_stale_pages_and_limits_look_back(ckpts):
     # generation with a window runs past the cache's size: stale pages are recycled
     out = model.generate(nn.KVCache(model, max_tokens=16, block_size=4, window=8), [[1, 2, 3]], max_new_tokens=40)
     assert len(out[0]) == 40
+    # the same tokens from a cache wide enough that the decode tables never grow
+    assert out == model.generate(nn.KVCache(model, max_tokens=256, block_size=4, window=8), [[1, 2, 3]],
+                                 max_new_tokens=40)
 
 
 def test_sampling_is_seeded_and_respects_top_k_and_top_p(ckpts):

@@ -182,6 +182,9 @@ class DecodeRunner:
         eager steps only); True when the buffers were remade (the state must be uploaded)."""
         if width <= self.batch.width:
             return False
+        if self.graph is not None:
+            raise RuntimeError("DecodeRunner.fit: a captured step's buffers cannot be remade (the graph holds their "
+                               "addresses); captured steps have tables as wide as the cache")
         self.batch = DecodeBatch(self.model, self.cache, self.batch.b, max(width, 2 * self.batch.width))
         return True
 

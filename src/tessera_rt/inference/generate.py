@@ -172,7 +172,10 @@ def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, 
         sids = [running[i] for i in rows]
         pos = [int(cache.reserve(s, 1)[0]) for s in sids]
         pages = [(len(cache._seqs[s].blocks), cache.pages_of(s)) for s in sids]
-        if dec.runner.fit(max(p[0] for p in pages)):
+        width = max(p[0] for p in pages)
+        if width > dec.runner.batch.width:       # a windowed sequence outgrew the tables: new buffers
+            read(dec)
+            dec.runner.fit(width)
             dec.dirty = True
         b = dec.runner.batch
         if dec.dirty or sampler is None:
