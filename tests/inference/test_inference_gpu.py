@@ -289,3 +289,26 @@ def test_varlen_and_paged_prefill_kernels(hd, h, hkv):
     want = paged_prefill_attention(qq, kp, vp, tables, cu, ctx)
     got = paged_prefill_attention_cuda(*(cp.asarray(x) for x in (qq, kp, vp, tables, cu, ctx)), max_seqlen_q=max(lq))
     np.testing.assert_allclose(cp.asnumpy(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_step_cuda_refuses_to_capture_runs_eagerly(ckpts, monkeypatch):
+    """Work CUDA refuses inside the capture (here a host read of a device value) invalidates it:
+    the runner keeps no graph, says why, and runs its steps eagerly with the right logits."""
+    model = nn.Llama.from_pretrained(ckpts["big"][0])
+    cache = nn.KVCache(model, max_tokens=64, block_size=4)
+    sid = cache.add()
+    cache.reserve(sid, 5)
+    runner = DecodeRunner(model, cache, 1, DeviceSampler(model, 0.0, 0), graphs=True)
+    eager = DecodeRunner(model, cache, 1, DeviceSampler(model, 0.0, 0), graphs=False)
+    real = runner._step
+
+    def step_with_a_sync():
+        real()
+        float(runner.batch.logits[0, 0])      # a blocking device->host read
+    monkeypatch.setattr(runner, "_step", step_with_a_sync)
+    for r in (runner, eager):
+        for _ in range(2):
+            r.batch.upload_state([7], [4], [(0, 0)], cache.slot_table([sid], cache.num_blocks))
+            r.run()
+    assert runner.graph is None and "refused the capture" in runner.refused
+    np.testing.assert_allclose(cp.asnumpy(runner.batch.logits), cp.asnumpy(eager.batch.logits), rtol=1e-6)

@@ -155,19 +155,30 @@ class DecodeRunner:
         stream.begin_capture()
         try:
             self._step()
+            graph = stream.end_capture()
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            # CUDA refused something in the step while capturing (nothing ran): eager steps
+            if stream.is_capturing():
+                try:
+                    stream.end_capture()
+                except cupy.cuda.runtime.CUDARuntimeError:      # (invalidated: it ends all the same)
+                    pass
+            graph, self.refused = None, f"CUDA refused the capture: {exc}"
         except BaseException:
-            try:
-                stream.end_capture()
-            except Exception:           # the capture was invalidated by the error being raised
-                pass
+            if stream.is_capturing():
+                try:
+                    stream.end_capture()
+                except Exception:       # the capture was invalidated by the error being raised
+                    pass
             raise
         finally:
             cupy.cuda.set_allocator(pool_malloc)
-        graph = stream.end_capture()
         if made[0]:
             # an array made inside the step is freed after the capture, and the pool would hand
-            # its bytes to other work while the graph still writes them: run this size eagerly
-            self.graphs, self.refused = False, f"the step allocated {made[0]} arrays while captured"
+            # its bytes to other work while the graph still writes them: eager steps
+            graph, self.refused = None, f"the step allocated {made[0]} arrays while captured"
+        if graph is None:
+            self.graphs = False
             self._step()
             return
         self.graph = graph
