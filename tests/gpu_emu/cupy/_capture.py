@@ -16,8 +16,10 @@ What a capture does here, as on a GPU:
   invalidated, so ``end_capture`` then fails with cudaErrorStreamCaptureInvalidated):
   synchronizing or querying a capturing stream, a blocking ``get``/``item``/``float(x)``, a
   CuPy call that reads a count back (``nonzero``, boolean masks), ``Device.synchronize``, a
-  host->device copy from pageable memory (``ndarray.set`` of a plain NumPy array,
-  ``cupy.asarray(host)``, host index arrays), a device->host copy into pageable memory,
+  host->device copy from pageable memory (``ndarray.set`` of a plain NumPy array, host index
+  arrays; also ``cupy.asarray(host)``, which CuPy stages through a pinned buffer it recycles,
+  so a capture would replay whatever that buffer holds later: refused here as the defect it
+  is), a device->host copy into pageable memory,
   waiting on an event recorded outside the capture (isolation), and in the global and
   thread-local modes a ``cudaMalloc`` (the pool growing; reusing a free pool block is fine).
   ``end_capture`` on a stream other than the origin fails (unmatched), and so does one that
