@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="compute dtype: float32, bf16 or fp16")
     p.add_argument("--max-tokens", type=int, default=4096, help="KV cache positions")
     p.add_argument("--block-size", type=int, default=16, help="KV cache page size (positions)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens prefilled per step (a longer prompt is prefilled in chunks)")
     return p.parse_args(argv)
 
 
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
         cache = nn.KVCache(model, max_tokens=args.max_tokens, block_size=args.block_size)
         t0 = time.perf_counter()
         out = model.generate(cache, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                             max_prefill_tokens=args.max_prefill_tokens)
         dt = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"generate.py: {e}") from None

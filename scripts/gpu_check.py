@@ -15,7 +15,9 @@ and reported as such; one that finds the run's budget spent is reported as not r
                within the dtype's tolerance)
   train_torch  scripts/bench_train_gpu.py: the 152M-parameter step beside torch on the same GPU,
                f32 and bf16, f32 gradients against float64 first
-  decode       nn.Llama decode ms/token on the GPU (random weights)
+  decode       nn.Llama against transformers on the same GPU (a random fp16 checkpoint it
+               writes): greedy tokens compared first, then prompt + first token and decode
+               ms/token at batch 1 and 16 (scripts/_gpu_check_decode.py)
   multi-rank   the backend-agnostic multi-rank suites at 1, 2 and 4 ranks on the one GPU
                (ranks sharing it use the host-staged path)
 
@@ -312,14 +314,25 @@ def part_decode(run: Run, limit: float, log: Path) -> list[dict]:
     if timed_out:
         raise TimedOut
     lines = [json.loads(line[len("DECODE "):]) for line in out.splitlines() if line.startswith("DECODE ")]
-    if rc != 0 or not lines:
-        raise PartFailed([], f"the decode run exited {rc}")
     rows = []
     for r in lines:
-        rows.append(row(f"nn.Llama decode, {r['model']}, batch {r['batch']}, prompt {r['prompt']}",
-                        f"{r['ms_per_token']:.2f} ms/token", f"weights at HBM peak {r['roofline_ms']:.2f} ms"
-                        if r.get("roofline_ms") else "", "",
-                        f"{r['tokens_per_s']:.0f} tokens/s; prefill {r['prefill_ms']:.1f} ms"))
+        peer = r.get("peer_device")
+        ratio = (lambda a, b: f"{a / b:.2f}x" if peer == "GPU" and b else "")          # transformers / tessera
+        where = f"transformers on the {peer}" if peer else "no transformers"
+        if "first_ms" in r:
+            rows.append(row(f"nn.Llama prompt + first token, batch {r['batch']}, prompt {r['prompt']}",
+                            f"{r['first_ms']:.1f} ms", f"{r['peer_first_ms']:.1f} ms" if peer else "",
+                            ratio(r.get("peer_first_ms"), r["first_ms"]), f"{r['model']}; {where}"))
+            rows.append(row(f"nn.Llama decode, batch {r['batch']}", f"{r['ms_per_token']:.2f} ms/token",
+                            f"{r['peer_ms_per_token']:.2f} ms/token" if peer else "",
+                            ratio(r.get("peer_ms_per_token"), r["ms_per_token"]),
+                            (f"weights at HBM peak {r['roofline_ms']:.2f} ms; " if r.get("roofline_ms") else "")
+                            + ("CUDA graphs; " if r.get("graphs") else
+                               f"eager steps ({'; '.join(r.get('refused') or ['no graph'])}); ")
+                            + r.get("tokens", "tokens not compared")))
+    if rc != 0 or not lines:
+        raise PartFailed(rows, f"the decode run exited {rc}" + (": tokens differ from transformers'"
+                                                              if "FAILED: tessera_rt's greedy" in out else ""))
     return rows
 
 
@@ -343,78 +356,17 @@ PARTS = [("tests", "gpu tests", part_tests, 150, 60, 500),
          ("kernels", "kernels vs the vendor library", part_kernels, 150, 60, 300),
          ("train", "train.py GPU vs CPU", part_train, 60, 60, 120),
          ("train_torch", "training step vs torch", part_train_torch, 150, 90, 150),
-         ("decode", "decode", part_decode, 60, 40, 60),
+         ("decode", "decode vs transformers", part_decode, 150, 60, 90),
          ("multirank", "multi-rank suites on one GPU", part_multirank, 150, 60, 400)]
 
 
 # ------------------------------------------------------------------------------------ decode
 
 def decode_only(quick: bool) -> int:
-    """Decode ms/token of nn.Llama on this process's backend, random fp16 weights written as a
-    Hugging Face checkpoint (the public loading path): one JSON line per batch size."""
-    import numpy as np
-    from safetensors.numpy import save_file
-    from tessera_rt import nn
-    from tessera_rt.backend import get_backend
-    be = get_backend()
-    if quick:
-        cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-        prompt, new, batches, reps = 8, 4, [1], 1
-    else:
-        cfg = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=4, head_dim=128)
-        prompt, new, batches, reps = 128, 32, [1, 8], 3
-    h, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,),
-              "lm_head.weight": (cfg["vocab_size"], h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
-                       p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
-                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)})
-    # random values, one block reused: the timing does not depend on them
-    block = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(np.float16)
-    tensors = {k: (np.ones(s, np.float16) if len(s) == 1 else np.resize(block, s)) for k, s in shapes.items()}
-    root = Path(tempfile.mkdtemp(prefix="ts_gpu_check_decode_"))
-    try:
-        save_file(tensors, str(root / "model.safetensors"))
-        (root / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", hidden_act="silu",
-                                                          max_position_embeddings=4096)))
-        model = nn.Llama.from_pretrained(root, dtype="fp16")
-        weight_bytes = sum(int(np.prod(s)) * 2 for s in shapes.values()) - cfg["vocab_size"] * h * 2  # embed: gathered
-        peak_bw = None
-        if be.is_gpu and not getattr(be.xp, "__tessera_standin__", False):
-            sys.path.insert(0, str(ROOT / "scripts"))
-            from bench_kernels import peak_for
-            props = be.xp.cuda.runtime.getDeviceProperties(be.xp.cuda.Device().id)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            peak_bw = peak_for(name)[1]
-        rng = np.random.default_rng(1)
-        for b in batches:
-            prompts = rng.integers(0, cfg["vocab_size"], (b, prompt)).tolist()
-
-            def gen(n):
-                cache = nn.KVCache(model, max_tokens=b * (prompt + n + 16), block_size=16)
-                t = time.perf_counter()
-                model.generate(cache, prompts, max_new_tokens=n)        # returns host token lists: synced
-                return time.perf_counter() - t
-            gen(2)                                                      # warm-up: compiles the kernels
-            t1 = sorted(gen(1) for _ in range(reps))[reps // 2]
-            tn = sorted(gen(1 + new) for _ in range(reps))[reps // 2]
-            per = max(tn - t1, 0.0) / new
-            print("DECODE " + json.dumps(dict(
-                model=f"{cfg['num_hidden_layers']} layers, hidden {h}, heads {cfg['num_attention_heads']}/"
-                      f"{cfg['num_key_value_heads']}, fp16 ({weight_bytes / 1e9:.2f} GB of weights)",
-                batch=b, prompt=prompt, ms_per_token=per * 1e3, tokens_per_s=b / per if per else 0.0,
-                prefill_ms=t1 * 1e3, roofline_ms=weight_bytes / (peak_bw * 1e12) * 1e3 if peak_bw else None)),
-                flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    """nn.Llama against transformers on this process's backend (scripts/_gpu_check_decode.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _gpu_check_decode import run
+    return run(quick)
 
 
 # ------------------------------------------------------------------------------------ report

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 # A: GQA 12/2 (kv heads replicated at tp=4), Llama 3 rope scaling, untied head, sharded files
 # B: 6/3 heads (tp=3 works), default rope, tied head, one file
@@ -34,13 +35,13 @@ def build(root: Path, name: str, sharded: bool | None = None, tag: str = "", **o
     return out
 
 
-def hf_reference(path: Path, max_new_tokens: int = 32) -> dict:
-    """transformers' logits on LOGIT_IDS and greedy tokens for PROMPTS (eos disabled)."""
+def hf_reference(path: Path, max_new_tokens: int = 32, ids=LOGIT_IDS) -> dict:
+    """transformers' logits on ``ids`` and greedy tokens for PROMPTS (eos disabled)."""
     import torch
     from transformers import LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        logits = model(torch.tensor(LOGIT_IDS)).logits.numpy()
+        logits = model(torch.tensor(ids)).logits.numpy()
         tokens = [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                   for p in PROMPTS]
@@ -48,7 +49,7 @@ def hf_reference(path: Path, max_new_tokens: int = 32) -> dict:
 
 
 def cached_bundle() -> dict:
-    """``{"A": (dir, ref), "B": (dir, ref), "big": (dir, None)}``, built once per version of this
+    """``{"A": (dir, ref), "B": (dir, ref), "big": (dir, ref)}``, built once per version of this
     file and of transformers and kept in the temp dir, so each multi-rank launch after the first
     skips importing torch (about 20 s on a loaded 2-core machine)."""
     import hashlib
@@ -65,8 +66,11 @@ def cached_bundle() -> dict:
             r = hf_reference(build(work, n))
             refs[n] = {"tokens": r["tokens"]}
             np.save(work / f"{n}_logits.npy", r["logits"])
-        build(work, "A", tag="big", hidden_size=256, intermediate_size=512, vocab_size=1001, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=32)
+        big = build(work, "A", tag="big", hidden_size=256, intermediate_size=512, vocab_size=1001,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+        r = hf_reference(big, ids=LOGIT_IDS * 10)
+        refs["big"] = {"tokens": r["tokens"]}
+        np.save(work / "big_logits.npy", r["logits"])
         (work / "refs.json").write_text(json.dumps(refs))
         try:
             os.rename(work, root)                 # atomic: a concurrent builder's copy wins, ours is dropped
@@ -74,6 +78,33 @@ def cached_bundle() -> dict:
             import shutil
             shutil.rmtree(work, ignore_errors=True)
     refs = json.loads((root / "refs.json").read_text())
-    out = {n: (root / n, {"tokens": refs[n]["tokens"], "logits": np.load(root / f"{n}_logits.npy")}) for n in refs}
-    out["big"] = (root / "Abig", None)
+    out = {n: (root / (n if n != "big" else "Abig"), {"tokens": refs[n]["tokens"],
+                                                      "logits": np.load(root / f"{n}_logits.npy")}) for n in refs}
     return out
+
+
+def paged(rng, lens, bs, hkv, d, nb=40):
+    """Block tables (a random permutation of ``nb`` pages) for sequences of ``lens`` positions,
+    and random f32 K and V pages ``(nb, hkv, bs, d)``."""
+    perm = rng.permutation(nb)
+    tables = np.full((len(lens), max(-(-n // bs) for n in lens)), -1, np.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k]
+        used += k
+    kp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    vp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
+    return tables, kp, vp
+
+
+def gathered(p, table, n, bs):
+    """The first ``n`` positions of a sequence's pages ``p`` through its ``table``: ``(Hkv, n, D)``."""
+    return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    """The bundle (``cached_bundle``) for a test module: ``from llama_tiny import ckpts``."""
+    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
+    return cached_bundle()

@@ -10,21 +10,16 @@ import pytest
 
 from tessera_rt import nn
 from tessera_rt.inference import KVCache, Llama, LlamaConfig, TPShard
-from tessera_rt.inference.decode import decode_hidden
-from tessera_rt.inference.generate import _prefill_attend
+from tessera_rt.inference.decode import DecodeRunner
 from tessera_rt.inference.kv_blocks import BlockPool, PageTiers
-from tessera_rt.inference.sampling import sample
+from tessera_rt.inference.prefill import Chunk, run_prefill
+from tessera_rt.inference.sampling import DeviceSampler, sample
 from tessera_rt.kernels import flash_attention, paged_decode_attention
 
 import llama_tiny as L
+from llama_tiny import ckpts  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def ckpts():
-    pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
-    return L.cached_bundle()
 
 
 @pytest.mark.parametrize("name", ["A", "B"])
@@ -49,54 +44,42 @@ def test_continuous_batching_gives_the_same_tokens(ckpts):
 
 
 def test_decode_through_the_cache_equals_full_recompute(ckpts):
+    """A packed prefill of two prompts, then decode steps of both (the same layer stack, K/V
+    through the paged cache): each step's logits equal a full causal forward of the sequence."""
     model = nn.Llama.from_pretrained(ckpts["A"][0])
     cache = nn.KVCache(model, max_tokens=64, block_size=4)
     seqs = [np.array(p) for p in L.PROMPTS[:2]]
-    sids = []
-    for s in seqs:
-        sid = cache.add()
-        pos = cache.reserve(sid, len(s))
-        model.hidden(s[None], pos[None], _prefill_attend(cache, sid, pos[None]))
-        sids.append(sid)
-    nxt = np.array([[7], [42]])
+    chunks = [Chunk(i, cache.add(), s.astype(np.int32), 0, True) for i, s in enumerate(seqs)]
+    for c in chunks:
+        cache.reserve(c.sid, len(c.tokens))
+    first = run_prefill(model, cache, chunks, DeviceSampler(model, 0.0, 0))
+    assert first == {i: int(model.logits(s[None])[0, -1].argmax()) for i, s in enumerate(seqs)}
+    sids = [c.sid for c in chunks]
+    runner = DecodeRunner(model, cache, 2, None, graphs=False)
+    nxt = np.array([7, 42])
     for _ in range(5):                 # several steps, both sequences together, different lengths
-        pos = np.stack([cache.reserve(s, 1) for s in sids])
-        got = model.local_logits(decode_hidden(model, cache, sids, nxt[:, 0], pos)).copy()
-        seqs = [np.append(s, t) for s, t in zip(seqs, nxt[:, 0])]
+        pos = [int(cache.reserve(s, 1)[0]) for s in sids]
+        runner.batch.upload_state(nxt, pos, [(0, 0), (1, 0)], cache.slot_table(sids, runner.batch.width))
+        runner.run()
+        got = runner.batch.logits.copy()
+        seqs = [np.append(s, t) for s, t in zip(seqs, nxt)]
         for g, s in zip(got, seqs):
             np.testing.assert_allclose(g, model.logits(s[None])[0, -1], rtol=1e-5, atol=1e-5)
-        nxt = got.argmax(-1)[:, None]
-
-
-def _pages(rng, lens, bs, hkv, d, nb=40):
-    perm = rng.permutation(nb)
-    tables = np.full((len(lens), max(-(-n // bs) for n in lens)), -1, np.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        k = -(-n // bs)
-        tables[i, :k] = perm[used:used + k]
-        used += k
-    kp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
-    vp = rng.standard_normal((nb, hkv, bs, d)).astype(np.float32)
-    return tables, kp, vp
-
-
-def _gathered(p, table, n, bs):
-    return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
+        nxt = got.argmax(-1)
 
 
 @pytest.mark.parametrize("h,hkv,bs", [(4, 4, 4), (8, 2, 16), (6, 1, 3)])
 def test_paged_decode_kernel_reference_matches_flash_attention(h, hkv, bs):
     rng = np.random.default_rng(h * bs)
     lens, d = [1, 13, 40], 16
-    tables, kp, vp = _pages(rng, lens, bs, hkv, d)
+    tables, kp, vp = L.paged(rng, lens, bs, hkv, d)
     q = rng.standard_normal((3, h, d)).astype(np.float32)
     starts = np.array([0, 5, 31], np.int32)
     for st in (None, starts):
         got = paged_decode_attention(q, kp, vp, tables, np.array(lens, np.int32), seq_starts=st)
         for i, n in enumerate(lens):
             lo = 0 if st is None else st[i]
-            k, v = (_gathered(p, tables[i], n, bs)[:, lo:] for p in (kp, vp))
+            k, v = (L.gathered(p, tables[i], n, bs)[:, lo:] for p in (kp, vp))
             want = flash_attention(q[i][None, :, None], k[None], v[None])[0, :, 0]
             np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
 
@@ -121,6 +104,9 @@ def test_window_drops_stale_pages_and_limits_look_back(ckpts):
     # generation with a window runs past the cache's size: stale pages are recycled
     out = model.generate(nn.KVCache(model, max_tokens=16, block_size=4, window=8), [[1, 2, 3]], max_new_tokens=40)
     assert len(out[0]) == 40
+    # the same tokens from a cache wide enough that the decode tables never grow
+    assert out == model.generate(nn.KVCache(model, max_tokens=256, block_size=4, window=8), [[1, 2, 3]],
+                                 max_new_tokens=40)
 
 
 def test_sampling_is_seeded_and_respects_top_k_and_top_p(ckpts):
@@ -296,6 +282,11 @@ for name in ("A", "big"):          # A: head_dim 8 (the reference kernel); big: 
     c = nn.KVCache(m, max_tokens=192, block_size=4, device_budget_tokens=16)
     out[name] = m.generate(c, L.PROMPTS[:2], max_new_tokens=5)
     assert c.stats()["moved_to_host"] > 0 and is_pinned(c.host_k) and is_pinned(c.host_v)   # not pageable
+    c = nn.KVCache(m, max_tokens=256, block_size=4, device_budget_tokens=24)    # three rows: no padding there
+    out[name + "3"] = m.generate(c, L.PROMPTS, max_new_tokens=5)
+    c = nn.KVCache(m, max_tokens=64, block_size=4, window=8)                     # a window: eager steps
+    out[name + "w"] = m.generate(c, [L.PROMPTS[2]], max_new_tokens=30)
+    assert not any(r.graph for r in c.runners.values())
 print(json.dumps(out))
 """
 
@@ -316,8 +307,14 @@ def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["A"] == [t[:5] for t in ckpts["A"][1]["tokens"][:2]]
+    assert got["A3"] == [t[:5] for t in ckpts["A"][1]["tokens"]]
     big = nn.Llama.from_pretrained(ckpts["big"][0])
     assert got["big"] == big.generate(nn.KVCache(big, max_tokens=192, block_size=4), L.PROMPTS[:2], max_new_tokens=5)
+    assert got["big3"] == [t[:5] for t in ckpts["big"][1]["tokens"]]
+    for name in ("A", "big"):
+        m = nn.Llama.from_pretrained(ckpts[name][0])
+        assert got[name + "w"] == m.generate(nn.KVCache(m, max_tokens=64, block_size=4, window=8), [L.PROMPTS[2]],
+                                             max_new_tokens=30)
 
 
 def test_bf16_weights_and_cache(ckpts):

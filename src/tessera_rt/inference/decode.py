@@ -1,144 +1,229 @@
-"""One decode step with persistent buffers (seed 004 "Persistent Buffers"): after a batch size's
-first step, a step allocates no device memory.
+"""A decode step: every running sequence's next token, with static buffers, so that on a GPU
+the whole step (embedding, every layer, the LM head, sampling) is one CUDA graph launch.
 
-Every activation of a decode step at batch ``B`` lives in a ``DecodeBuffers`` made once per
-``(cache, B)``: the residual stream, the normed rows, the fused q/k/v and gate/up products, the
-roped q and k, the attention output, the row-parallel partial sums (reduced in place over tp,
-``all_reduce(out=x)``), the logits slice, and the block tables, lengths and rope rows of the
-step (copied in from the host with ``ndarray.set``, never uploaded as fresh arrays).  Kernels
-take ``out=``; elementwise work uses the array module's ufuncs with ``out=``; K/V rows go into
-their pages through basic-slice assignment (one small copy per sequence and layer, no index
-arrays).  Continuous batching changes ``B`` between steps: each batch size seen gets its own
-buffers, once.
+``DecodeBatch`` holds a batch size's device buffers, made once: the step's state (input
+token ids, positions, sampling keys (sequence, step), block tables as device slots), what
+``decode_prepare`` derives from it on the device each step (key counts, window starts, the
+slot each new K/V row goes to), the activations (``layers.Workspace``), the logits, the
+sampling candidates and a token history.  A step reads only these and writes only these:
 
-Not covered: prefill (one prompt at a time, sized by the prompt) allocates as before; the CPU
-reference kernels called with ``out=`` still make NumPy temporaries inside (their results are
-copied into ``out``), so the zero-allocation property is a device-memory one (the CUDA path).
+* ``decode_prepare``: lens, starts and slots from positions and tables (one launch);
+* ``Llama.forward`` with ``DecodeAttention`` (the same layer stack as prefill);
+* the LM head, then ``sample_argmax`` (+ an all_gather over tp) and ``sample_pick``, which
+  writes the new token ids where the next step reads its input, advances positions and step
+  keys, and appends the ids to the history.
+
+So consecutive steps need nothing from the host: the host uploads the state only when the
+batch changes (a sequence joins or leaves, or a page is added to a table: every
+``block_size`` tokens), and reads the history back only when it needs the tokens (an eos to
+check, a sequence finishing, the history full).  ``DecodeRunner`` runs a step eagerly the
+first time at a batch size, then captures it (``cupy.cuda.Stream.begin_capture``) and
+replays the graph; batches are padded to a few sizes (``BUCKETS``; padding rows have no
+pages, so they write nothing and attend to nothing).  Not captured (eager steps): the CPU
+backend, a cache with a host tier (its staging copies are planned per step) or a window
+(its tables outgrow any fixed width), top-k / top-p sampling (on the host), tensor
+parallelism over a host-staged communicator, and ``TESSERA_CUDA_GRAPHS=0``.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
 
-from .. import op
-from ..backend import get_backend
+from .. import runtime as rt
+from .layers import DecodeAttention, Workspace, host_int32, kernel
+from .kv_storage import upload
 
-__all__ = ["DecodeBuffers", "decode_hidden", "upload"]
+__all__ = ["DecodeBatch", "DecodeRunner", "BUCKETS", "HISTORY", "graphs_enabled"]
 
-
-def upload(xp, dst, host: np.ndarray) -> None:
-    """``dst[...] = host`` with no device allocation (CuPy: one host->device copy into ``dst``)."""
-    if xp is np:
-        np.copyto(dst, host)
-    else:
-        dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+HISTORY = 64           # steps of token ids kept on the device between reads
 
 
-class DecodeBuffers:
-    """The persistent arrays of a decode step at batch ``b`` for ``model`` and ``cache``."""
-
-    def __init__(self, model, cache, b: int):
-        xp, cfg, dt = model.xp, model.config, model.dtype
-        hd, hl, kvl = cfg.head_dim, model.n_heads, model.n_kv
-        f = model.params["layers"][0]["gate_up"].shape[1] // 2
-        e = (lambda *s, d=dt: xp.empty(s, d))
-        self.b = b
-        self.x, self.h, self.part = e(b, cfg.hidden_size), e(b, cfg.hidden_size), e(b, cfg.hidden_size)
-        self.qkv, self.gu, self.act = e(b, (hl + 2 * kvl) * hd), e(b, 2 * f), e(b, f)
-        self.q, self.rq = e(b, hl, hd), e(b, hl, hd)
-        self.k, self.rk = e(b, kvl, hd), e(b, kvl, hd)
-        self.attn = e(b, hl, hd)
-        self.cos, self.sin = e(b, 1, hd), e(b, 1, hd)
-        self.logits = e(b, model.params["head"].shape[1])
-        # tables as wide as the whole pool, so their shape never changes as sequences grow
-        self.xp, self.layers = xp, cache.layers
-        self.fit_tables(cache.num_blocks)
-        self.lens, self.starts = e(b, d=np.int32), e(b, d=np.int32)
-        # rope angles in f32, as transformers computes them (Llama.rope), then cast into cos/sin
-        self.pos, self.angle, self.trig = e(b, 1, d=np.float32), e(b, hd, d=np.float32), e(b, hd, d=np.float32)
+def graphs_enabled() -> bool:
+    """CUDA graphs for decode steps unless ``TESSERA_CUDA_GRAPHS=0``."""
+    return os.environ.get("TESSERA_CUDA_GRAPHS", "1").strip().lower() not in ("0", "off", "no", "false")
 
 
-    def fit_tables(self, width: int) -> None:
-        """Room for tables ``width`` pages wide.  Without a window the pool's width is made once;
-        a windowed sequence may outgrow it (its dropped pages keep their table entries), and
-        then the room doubles: one allocation per doubling."""
-        cap = getattr(self, "_cap", 0)
-        if cap >= width:
+class DecodeBatch:
+    """The static device buffers of decode steps at (padded) batch ``b``.
+
+    Parameters
+    ----------
+    model : Llama
+        The model.
+    cache : KVCache
+        Its cache.
+    b : int
+        Rows.
+    width : int
+        Block-table width (pages a sequence may hold).
+    """
+
+    def __init__(self, model, cache, b: int, width: int):
+        xp = model.xp
+        self.xp, self.b, self.width = xp, b, width
+        # the state, one int32 array so a change is one upload: tok | pos | keys | hist_n | tables
+        self._state = xp.zeros(4 * b + 1 + b * width, np.int32)
+        n = 0
+        for name, size, shape in (("tok", b, (b,)), ("pos", b, (b,)), ("keys", 2 * b, (b, 2)),
+                                  ("hist_n", 1, (1,)), ("tables", b * width, (b, width))):
+            setattr(self, name, self._state[n:n + size].reshape(shape))
+            n += size
+        self.lens, self.starts, self.slots = (xp.zeros(b, np.int32) for _ in range(3))
+        self.hist = xp.zeros((b, HISTORY), np.int32)
+        self.work = Workspace(model, b).view(b)
+        self.logits = xp.empty((b, model.params["head"].shape[1]), model.dtype)
+        tp = model.shard.tp
+        self.pairs = xp.empty((1, b, 2), np.float64)
+        self.cand = self.pairs if tp == 1 else xp.empty((tp, b, 2), np.float64)
+        self.step_tables = cache.step_tables(b) if cache.n_host else None
+
+    def upload_state(self, tok, pos, keys, tables) -> None:
+        """The whole state (the batch changed); the history restarts."""
+        b = self.b
+        flat, _ = host_int32(_pad(tok, b), _pad(pos, b), _pad(keys, b), np.zeros(1), _pad(tables, b, -1))
+        upload(self.xp, self._state, flat)
+
+    def upload_tables(self, tables) -> None:
+        """Only the block tables (a sequence got a page)."""
+        upload(self.xp, self.tables, _pad(tables, self.b, -1))
+
+
+def _pad(a, b: int, fill: int = 0) -> np.ndarray:
+    a = np.asarray(a, np.int32)
+    if a.shape[0] == b:
+        return a
+    out = np.full((b,) + a.shape[1:], fill, np.int32)
+    out[:a.shape[0]] = a
+    return out
+
+
+class DecodeRunner:
+    """Runs decode steps at one padded batch size: eagerly, or as a captured CUDA graph.
+
+    Parameters
+    ----------
+    model, cache
+        The model and its cache.
+    b : int
+        Rows (padded).
+    sampler : DeviceSampler or None
+        Device sampling (None: the caller samples on the host from ``batch.logits``).
+    graphs : bool
+        Capture the step once it has run eagerly (a GPU, no host tier, no window).
+    """
+
+    def __init__(self, model, cache, b: int, sampler, graphs: bool):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.batch = DecodeBatch(model, cache, b, cache.num_blocks)
+        self.prepare = kernel("decode_prepare")
+        self.graphs = graphs
+        self.graph: Any = None
+        self.refused: str | None = None          # why a capture was not kept
+        self.runs = 0
+        self.sids: Sequence[int] = ()           # the staged path plans its copies from these
+
+    def _step(self) -> None:
+        m, c, b = self.model, self.cache, self.batch
+        self.prepare(b.pos, b.tables, c.block_size, c.window, lens=b.lens, starts=b.starts, slots=b.slots)
+        step = c.step(self.sids, b.step_tables) if b.step_tables is not None else None
+        h = m.forward(b.tok, DecodeAttention(m, c, b, step), b.work)
+        m.local_logits(h, out=b.logits)
+        if self.sampler is not None:
+            self.sampler(b.logits, b.keys, b.pairs, b.cand, b.tok, advance=True, pos=b.pos, hist=b.hist,
+                         hist_n=b.hist_n)
+
+    def run(self) -> None:
+        """One step: eager the first time, captured the second (then replayed)."""
+        self.runs += 1
+        if self.graph is not None:
+            self.graph.launch(self._stream())
             return
-        self._cap = width if not cap else max(width, 2 * cap)
-        self._flat = self.xp.empty(self.layers * self.b * self._cap, np.int32)
+        if not self.graphs or self.runs == 1:
+            self._step()
+            return
+        import cupy
+        stream = self._stream()
+        pool_malloc, made = cupy.cuda.get_allocator(), [0]
 
-    def tables(self, width: int):
-        """``(layers, b, width)`` block tables: a contiguous view of the persistent array, as wide
-        as this step's longest sequence (a reference kernel's work grows with the width)."""
-        self.fit_tables(width)
-        return self._flat[:self.layers * self.b * width].reshape(self.layers, self.b, width)
+        def counting(size):              # a capture that allocates is not kept (see _capture's note)
+            made[0] += size > 0
+            return pool_malloc(size)
+        cupy.cuda.set_allocator(counting)
+        stream.begin_capture()
+        try:
+            self._step()
+            graph = stream.end_capture()
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            # CUDA refused something in the step while capturing (nothing ran): eager steps
+            if stream.is_capturing():
+                try:
+                    stream.end_capture()
+                except cupy.cuda.runtime.CUDARuntimeError:      # (invalidated: it ends all the same)
+                    pass
+            graph, self.refused = None, f"CUDA refused the capture: {exc}"
+        except BaseException:
+            if stream.is_capturing():
+                try:
+                    stream.end_capture()
+                except Exception:       # the capture was invalidated by the error being raised
+                    pass
+            raise
+        finally:
+            cupy.cuda.set_allocator(pool_malloc)
+        if made[0]:
+            # an array made inside the step is freed after the capture, and the pool would hand
+            # its bytes to other work while the graph still writes them: eager steps
+            graph, self.refused = None, f"the step allocated {made[0]} arrays while captured"
+        if graph is None:
+            self.graphs = False
+            self._step()
+            return
+        self.graph = graph
+        self.graph.launch(stream)
+
+    @staticmethod
+    def _stream():
+        return rt.stream("compute").raw
+
+    def fit(self, width: int) -> bool:
+        """Room for tables ``width`` pages wide (a windowed sequence outgrows the pool's width:
+        eager steps only); True when the buffers were remade (the state must be uploaded)."""
+        if width <= self.batch.width:
+            return False
+        if self.graph is not None:
+            raise RuntimeError("DecodeRunner.fit: a captured step's buffers cannot be remade (the graph holds their "
+                               "addresses); captured steps have tables as wide as the cache")
+        self.batch = DecodeBatch(self.model, self.cache, self.batch.b, max(width, 2 * self.batch.width))
+        return True
+
+    def tokens(self, n: int, cols: slice) -> np.ndarray:
+        """History columns ``cols`` of the first ``n`` rows, ``(n, cols)`` (one read: a sync)."""
+        h = self.batch.hist
+        got = h.get() if hasattr(h, "get") else h
+        return np.asarray(got[:n, cols])
 
 
-def _rotate(xp, x, cos, sin, rot, out) -> None:
-    """``out = x * cos + rotate_half(x) * sin`` written into ``rot`` and ``out``."""
-    h = x.shape[-1] // 2
-    xp.negative(x[..., h:], out=rot[..., :h])
-    rot[..., h:] = x[..., :h]
-    xp.multiply(rot, sin, out=rot)
-    xp.multiply(x, cos, out=out)
-    xp.add(out, rot, out=out)
+def capturable(model, cache, sampler) -> bool:
+    """Whether decode steps of ``model`` on ``cache`` may be captured as CUDA graphs."""
+    if not (model.xp is not np and graphs_enabled() and sampler is not None and cache.n_host == 0
+            and cache.window is None):
+        return False
+    if model.shard.tp == 1:
+        return True
+    g = model.mesh.group(model.tp_axis)
+    return getattr(getattr(g, "comm", None), "kind", None) == "nccl"
 
 
-def _silu_mul(xp, g, u, out) -> None:
-    """``out = silu(g) * u`` in place: ``g / (1 + exp(-g)) * u``."""
-    xp.negative(g, out=out)
-    xp.exp(out, out=out)
-    xp.add(out, 1, out=out)
-    xp.divide(g, out, out=out)
-    xp.multiply(out, u, out=out)
-
-
-def decode_hidden(model, cache, sids: Sequence[int], ids: np.ndarray, positions: np.ndarray) -> Any:
-    """Final-normed hidden rows ``(B, hidden)`` (a persistent buffer: read it before the next step)
-    for one new token per sequence; K/V go into the cache's pages."""
-    xp, cfg, b = model.xp, model.config, len(sids)
-    buf = cache.decode_buffers(b)
-    step = cache.step(sids, buf)
-    kernel = get_backend().kernel("paged_decode_attention")
-    hd, hl, kvl = cfg.head_dim, model.n_heads, model.n_kv
-    pos = np.asarray(positions).reshape(b)
-    v = model.shard.vocab
-    for i in range(b):                         # vocab-parallel embedding rows
-        t, p = int(ids[i]) - v.start, int(pos[i])
-        if 0 <= t < v.stop - v.start:
-            buf.x[i] = model.params["embed"][t]
-        else:
-            buf.x[i] = 0
-    model.sum_tp(buf.x)
-    upload(xp, buf.pos, pos.astype(np.float32).reshape(b, 1))
-    half = hd // 2
-    xp.multiply(buf.pos, model.inv_freq, out=buf.angle[:, :half])
-    buf.angle[:, half:] = buf.angle[:, :half]
-    for fn, dst in ((xp.cos, buf.cos), (xp.sin, buf.sin)):
-        fn(buf.angle, out=buf.trig)
-        dst[:, 0] = buf.trig                   # cast to the model's dtype
-    x, h = buf.x, buf.h
-    for layer, p in enumerate(model.params["layers"]):
-        op.rmsnorm(x, p["ln1"], eps=cfg.rms_norm_eps, out=h)
-        op.matmul(h, p["qkv"], out=buf.qkv)
-        q = buf.qkv[:, :hl * hd].reshape(b, hl, hd)
-        k = buf.qkv[:, hl * hd:(hl + kvl) * hd].reshape(b, kvl, hd)
-        vv = buf.qkv[:, (hl + kvl) * hd:].reshape(b, kvl, hd)
-        _rotate(xp, q, buf.cos, buf.sin, buf.rq, buf.q)
-        _rotate(xp, k, buf.cos, buf.sin, buf.rk, buf.k)
-        cache.write_decode(layer, sids, pos, buf.k, vv)
-        kp, vp, tables = step.layer(layer)
-        kernel(buf.q, kp, vp, tables, step.lens, seq_starts=step.starts, out=buf.attn)
-        step.prefetch(layer + 1)
-        op.matmul(buf.attn.reshape(b, hl * hd), p["o"], out=buf.part)
-        xp.add(x, model.sum_tp(buf.part), out=x)
-        op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps, out=h)
-        op.matmul(h, p["gate_up"], out=buf.gu)
-        f = buf.act.shape[1]
-        _silu_mul(xp, buf.gu[:, :f], buf.gu[:, f:], buf.act)
-        op.matmul(buf.act, p["down"], out=buf.part)
-        xp.add(x, model.sum_tp(buf.part), out=x)
-    op.rmsnorm(x, model.params["norm"], eps=cfg.rms_norm_eps, out=h)
-    return h
+def runner_for(model, cache, b: int, sampler) -> DecodeRunner:
+    """The cache's runner for ``b`` rows (padded to a bucket where the steps are captured), made
+    on first use.  Runners (and their graphs) are kept per cache and sampler settings."""
+    graphs = capturable(model, cache, sampler)
+    rows = next((x for x in BUCKETS if x >= b), b) if graphs else b
+    key = (rows, None if sampler is None else (sampler.temperature, sampler.seed))
+    r = cache.runners.get(key)
+    if r is None:
+        r = cache.runners[key] = DecodeRunner(model, cache, rows, sampler, graphs)
+    return r

@@ -33,11 +33,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import runtime as rt
-from .decode import DecodeBuffers, upload
 from .kv_blocks import BlockPool, PageTiers
-from .kv_storage import PageStorage
+from .kv_storage import PageStorage, upload
 
-__all__ = ["KVCache", "DecodeStep"]
+__all__ = ["KVCache", "DecodeStep", "StepTables"]
 
 
 @dataclass
@@ -47,11 +46,35 @@ class _Seq:
     start: int = 0                                # first position a query may see
 
 
+class StepTables:
+    """The persistent arrays a staged decode step fills: per-layer block tables as wide as the
+    pool (their shape never changes as sequences grow: without a window the width is made
+    once; a windowed sequence may outgrow it, and then the room doubles), keys and starts."""
+
+    def __init__(self, xp, layers: int, b: int, width: int):
+        self.xp, self.layers, self.b = xp, layers, b
+        self.lens, self.starts = xp.empty(b, np.int32), xp.empty(b, np.int32)
+        self.fit(width)
+
+    def fit(self, width: int) -> None:
+        cap = getattr(self, "_cap", 0)
+        if cap >= width:
+            return
+        self._cap = width if not cap else max(width, 2 * cap)
+        self._flat = self.xp.empty(self.layers * self.b * self._cap, np.int32)
+
+    def tables(self, width: int):
+        """``(layers, b, width)``: a contiguous view of the persistent array."""
+        self.fit(width)
+        return self._flat[:self.layers * self.b * width].reshape(self.layers, self.b, width)
+
+
 class DecodeStep:
-    """Block tables of one decode step, per layer, with the host pages staged one layer ahead.
+    """Block tables of one decode step, per layer, with the host pages staged one layer ahead
+    (the host tier's path: a layer's table points into the whole pool, staging included).
     Tables, lengths and starts are written into ``buf``'s persistent arrays (no allocation)."""
 
-    def __init__(self, cache: "KVCache", sids: Sequence[int], buf):
+    def __init__(self, cache: "KVCache", sids: Sequence[int], buf: StepTables):
         self.cache, c = cache, cache
         seqs = [c._seqs[s] for s in sids]
         width = max(1, max(len(s.blocks) for s in seqs))
@@ -148,7 +171,9 @@ class KVCache:
         self._next_id = 0
         self._reads = {"pages": 0, "device": 0}
         self.moved_to_host = 0
-        self._buffers: dict[int, DecodeBuffers] = {}
+        self._step_tables: dict[int, StepTables] = {}
+        self.runners: dict = {}            # inference.decode's per-batch-size step runners (and graphs)
+        self.workspaces: dict = {}         # inference.layers' activation buffers, by use
 
     # ---- sequences -------------------------------------------------------------------------
     def add(self) -> int:
@@ -309,30 +334,93 @@ class KVCache:
         host, slot = self.tiers.on_host[pages] & keep, self.tiers.slot[np.maximum(pages, 0)]
         self.storage.write(layer, keep & ~host, host, slot, rows, kk, vv)
 
-    def write_decode(self, layer: int, sids: Sequence[int], positions: np.ndarray, k: Any, v: Any) -> None:
-        """Store one position per sequence, ``k, v (B, Hkv_l, D)``: row by row into the pages
-        (basic slices, so nothing is allocated).  Decode writes into a sequence's last page,
-        which eviction keeps on the device.
+    def layer_pages(self, layer: int) -> tuple:
+        """``layer``'s device pages, indexed by device slot (views of the pool).
 
         Parameters
         ----------
         layer : int
             The layer.
-        sids : sequence of int
-            The sequences.
+
+        Returns
+        -------
+        tuple
+            ``(k, v)``, each ``(device slots, Hkv_l, block_size, D)``.
+        """
+        return self.storage.layer_k[layer], self.storage.layer_v[layer]
+
+    def slot_mapping(self, sid: int, positions: np.ndarray) -> tuple[np.ndarray, tuple | None]:
+        """Where positions of ``sid`` go (any layer: a page has the same slot in every layer).
+
+        Parameters
+        ----------
+        sid : int
+            The sequence (its positions reserved).
         positions : numpy.ndarray
-            ``(B,)``.
-        k, v : array
-            ``(B, Hkv_l, D)``.
+            The positions.
+
+        Returns
+        -------
+        tuple
+            int32 ``device slot * block_size + row`` per position (-1 for a dropped page or one
+            on the host tier), and for the host ones ``(index, host slot, row)`` arrays (None
+            when there are none).
         """
         bs = self.block_size
-        for i, (sid, p) in enumerate(zip(sids, positions)):
-            page = self._seqs[sid].blocks[int(p) // bs]
-            assert page >= 0 and not self.tiers.on_host[page], "decode writes into a device page"
-            self.storage.write_row(layer, int(self.tiers.slot[page]), int(p) % bs, k[i], v[i])
+        pos = np.asarray(positions, np.int64)
+        blocks = np.asarray(self._seqs[sid].blocks, np.int64)[pos // bs]
+        live = blocks >= 0
+        page = np.maximum(blocks, 0)
+        host = live & self.tiers.on_host[page]
+        slot = self.tiers.slot[page]
+        out = np.where(live & ~host, slot * bs + pos % bs, -1).astype(np.int32)
+        idx = np.flatnonzero(host)
+        return out, ((idx, slot[idx], (pos % bs)[idx]) if idx.size else None)
 
-    def decode_buffers(self, b: int) -> DecodeBuffers:
-        """The persistent buffers of a decode step at batch ``b`` (made on first use).
+    def slot_table(self, sids: Sequence[int], width: int) -> np.ndarray:
+        """Block tables of device slots (layer-independent: index a layer's ``layer_pages``).
+
+        Parameters
+        ----------
+        sids : sequence of int
+            The sequences.
+        width : int
+            Pages per row.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(len(sids), width)`` int32, -1 where a page was dropped, sits on the host tier,
+            or the sequence has ended.
+        """
+        t = np.full((len(sids), width), -1, np.int32)
+        for i, sid in enumerate(sids):
+            b = np.asarray(self._seqs[sid].blocks, np.int64)[:width]
+            ok = b >= 0
+            page = np.maximum(b, 0)
+            ok &= ~self.tiers.on_host[page]
+            t[i, :len(b)] = np.where(ok, self.tiers.slot[page], -1)
+        return t
+
+    def write_host_rows(self, layer: int, host: tuple, k: Any, v: Any) -> None:
+        """Store a prefill's rows whose pages sit on the host tier.
+
+        Parameters
+        ----------
+        layer : int
+            The layer.
+        host : tuple
+            ``(index, host slot, row)`` as ``slot_mapping`` returns them (indexes into k, v).
+        k, v : array
+            ``(T, Hkv_l, D)`` the prefill's roped keys and values.
+        """
+        idx, hslot, rows = host
+        xp = self.model.xp
+        take = xp.asarray(idx) if xp is not np else idx
+        self.storage.write_host(layer, hslot, rows, k[take], v[take])
+
+    def step_tables(self, b: int) -> StepTables:
+        """The persistent tables of a staged decode step (made on first use).
 
         Parameters
         ----------
@@ -341,30 +429,30 @@ class KVCache:
 
         Returns
         -------
-        DecodeBuffers
-            The buffers.
+        StepTables
+            Its arrays.
         """
-        buf = self._buffers.get(b)
+        buf = self._step_tables.get(b)
         if buf is None:
-            buf = self._buffers[b] = DecodeBuffers(self.model, self, b)
+            buf = self._step_tables[b] = StepTables(self.model.xp, self.layers, b, self.num_blocks)
         return buf
 
-    def step(self, sids: Sequence[int], buf: DecodeBuffers | None = None) -> DecodeStep:
-        """The tables of a decode step over ``sids`` (call after ``reserve``).
+    def step(self, sids: Sequence[int], buf: StepTables | None = None) -> DecodeStep:
+        """The per-layer tables of a staged decode step over ``sids`` (call after ``reserve``).
 
         Parameters
         ----------
         sids : sequence of int
             The sequences decoding.
-        buf : DecodeBuffers, optional
-            Persistent buffers (``decode_buffers``).
+        buf : StepTables, optional
+            Persistent buffers (``step_tables``).
 
         Returns
         -------
         DecodeStep
             Block tables, lengths and staging for the step.
         """
-        return DecodeStep(self, sids, buf if buf is not None else self.decode_buffers(len(sids)))
+        return DecodeStep(self, sids, buf if buf is not None else self.step_tables(len(sids)))
 
     def stats(self) -> dict:
         """Pages per tier, bytes per tier and the hot-tier hit ratio of page reads (per layer).

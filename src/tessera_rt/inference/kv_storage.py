@@ -13,9 +13,16 @@ from typing import Any
 import numpy as np
 
 from .. import runtime as rt
-from .decode import upload
 
-__all__ = ["PageStorage"]
+__all__ = ["PageStorage", "upload"]
+
+
+def upload(xp, dst, host: np.ndarray) -> None:
+    """``dst[...] = host`` with no device allocation (CuPy: one host->device copy into ``dst``)."""
+    if xp is np:
+        np.copyto(dst, host)
+    else:
+        dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
 
 
 def _host_empty(xp, shape, dtype):
@@ -37,6 +44,9 @@ class PageStorage:
         self.xp, self.layers, self.n_dev, self.n_host = xp, layers, n_dev, n_host
         flat = layers * n_dev + 2 * n_host           # device pages + two staging layers
         self.k, self.v = xp.zeros((flat,) + page, dtype), xp.zeros((flat,) + page, dtype)
+        # each layer's device pages, indexed by device slot (contiguous views of the pool)
+        self.layer_k = [self.k[i * n_dev:(i + 1) * n_dev] for i in range(layers)]
+        self.layer_v = [self.v[i * n_dev:(i + 1) * n_dev] for i in range(layers)]
         host = (layers, n_host) + page
         self.host_k, self.host_v = _host_empty(xp, host, dtype), _host_empty(xp, host, dtype)
 
@@ -92,13 +102,11 @@ class PageStorage:
             self.host_k[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, k, sel))
             self.host_v[layer, slot[sel], :, rows[sel]] = _to_host(_take(xp, v, sel))
 
-    def write_row(self, layer: int, slot: int, row: int, k: Any, v: Any) -> None:
-        """Store one position ``k, v (Hkv_l, D)`` at row ``row`` of device slot ``slot``."""
-        dst = layer * self.n_dev + slot
-        # through the row's view, so the copy touches only that row's bytes (a staging page
-        # of the same pool may be in flight on the io stream)
-        self.k[dst, :, row][...] = k
-        self.v[dst, :, row][...] = v
+    def write_host(self, layer: int, slot: np.ndarray, rows: np.ndarray, k: Any, v: Any) -> None:
+        """Store rows ``k, v (N, Hkv_l, D)`` of ``layer`` into host slots ``slot`` at page rows
+        ``rows`` (a prefill whose pages were moved to the host before it wrote them)."""
+        self.host_k[layer, slot, :, rows] = _to_host(k)
+        self.host_v[layer, slot, :, rows] = _to_host(v)
 
 
 def _to_host(a):

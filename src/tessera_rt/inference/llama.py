@@ -8,9 +8,11 @@ and LM head are vocab-parallel (the embedding's rows, the head's output columns;
 splits allowed).  ``from_pretrained`` reads each rank's slices straight from the
 safetensors files, so no rank ever holds the whole model.
 
-Attention runs through a callback so one layer stack serves three uses: a plain causal
-forward (``logits``), prefill that writes K/V into a paged ``KVCache``, and decode that
-reads the cache through block tables with the paged decode-attention kernel.
+One layer stack (``forward``) serves every use over packed token rows: a plain causal forward
+(``logits``), a batched variable-length prefill that writes K/V into a paged ``KVCache``, and
+a decode step that reads the cache through block tables; only the attention callable differs
+(``inference.layers``).  Every activation lives in a workspace, so a decode step allocates
+nothing and can be captured in a CUDA graph (``inference.decode``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import op
+from .. import runtime as rt
 from ..backend import get_backend
 from ..dist.comm import collectives as C
 from ..dist.tensor.shard import split_offsets, split_sizes
@@ -136,6 +138,7 @@ class Llama:
         dt = resolve_dtype(dtype)
         xp = get_backend().xp
         hd = cfg.head_dim
+        rt.stream("compute")          # the weights are uploaded where the model's kernels will read them
 
         def w(name, rows=None, cols=None, transpose=True):
             a = reader.read(name, rows, cols)
@@ -203,115 +206,88 @@ class Llama:
             raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) "
                              f"(rank {self.shard.index} of tp={self.shard.tp}); check the tokenizer matches the model")
 
-    # ---- the layer stack -------------------------------------------------------------------
-    def embed(self, ids: Any) -> Any:
-        """Vocab-parallel lookup: this rank's rows, zeros elsewhere, summed over tp.
+    # ---- the model: one definition for every use ---------------------------------------------
+    def embed(self, ids: Any, out: Any) -> Any:
+        """Vocab-parallel lookup of ``ids (T,)`` (int32/int64 on the model's device) into ``out
+        (T, hidden)``: this rank's rows, zeros elsewhere, summed over tp.
 
         Parameters
         ----------
         ids : array
-            Token ids ``(B, S)``.
+            Token ids.
+        out : array
+            Receives the rows.
 
         Returns
         -------
         array
-            ``(B, S, hidden)``.
+            ``out``.
         """
-        xp, v = self.xp, self.shard.vocab
-        ids = xp.asarray(ids)
-        local = ids - v.start
-        mine = (local >= 0) & (local < v.stop - v.start)
-        x = xp.take(self.params["embed"], xp.where(mine, local, 0), axis=0)
-        x *= mine[..., None].astype(x.dtype)
-        return self.sum_tp(x)
+        v = self.shard.vocab
+        get_backend().kernel("embedding")(ids, self.params["embed"], lo=v.start, out=out)
+        return self.sum_tp(out)
 
-    def rope(self, positions: Any) -> tuple:
-        """cos, sin of shape ``(..., head_dim)`` for integer positions (f32, as transformers).
-
-        Parameters
-        ----------
-        positions : array
-            Integer positions.
-
-        Returns
-        -------
-        tuple of array
-            ``(cos, sin)``.
-        """
-        xp = self.xp
-        f = xp.asarray(positions, dtype=np.float32)[..., None] * self.inv_freq
-        emb = xp.concatenate([f, f], axis=-1)
-        return xp.cos(emb).astype(self.dtype), xp.sin(emb).astype(self.dtype)
-
-    @staticmethod
-    def _rotate(x, cos, sin):
-        h = x.shape[-1] // 2
-        rot = x.copy()
-        rot[..., :h] = -x[..., h:]
-        rot[..., h:] = x[..., :h]
-        return x * cos + rot * sin
-
-    def hidden(self, ids: Any, positions: Any, attend: Callable) -> Any:
-        """Final-normed hidden states ``(B, S, hidden)`` of ids ``(B, S)`` at ``positions (B, S)``;
-        ``attend(layer, q, k, v)`` with q ``(B, Hl, S, D)``, k/v ``(B, Hkv_l, S, D)`` (roped).
+    def forward(self, ids: Any, attention: Callable, work: Any) -> Any:
+        """Final-normed hidden rows ``(T, hidden)`` (``work.h``) of the token rows ``ids (T,)``: the
+        one definition of the layer stack, for a packed prefill, a decode step and ``logits``
+        alike.  ``attention(layer, qkv, q, out)`` ropes, keeps K/V where the use keeps them and
+        attends (``inference.layers``); ``work`` holds every activation (``Workspace.view``),
+        so nothing is allocated.  A residual add rides in the next norm (``add_rmsnorm``).
 
         Parameters
         ----------
         ids : array
-            ``(B, S)`` token ids.
-        positions : array
-            ``(B, S)`` positions.
-        attend : callable
-            ``attend(layer, q, k, v)`` -> the attention output.
+            ``(T,)`` token ids on the model's device.
+        attention : callable
+            The use's attention.
+        work : namespace
+            ``x, h, qkv, q, attn, part, gu, act`` of T rows.
 
         Returns
         -------
         array
-            ``(B, S, hidden)``.
+            ``work.h``.
         """
-        cfg, xp = self.config, self.xp
-        b, s = ids.shape
-        hd, hl, kvl = cfg.head_dim, self.n_heads, self.n_kv
-        cos, sin = self.rope(positions)
-        cos, sin = cos[:, None], sin[:, None]               # broadcast over heads
-        # activations as (B*S, hidden) rows: one GEMM per projection (NumPy runs a (B, 1, K) @ (K, N)
-        # product as B separate GEMVs, reading the weights B times)
-        x = self.embed(ids).astype(self.dtype).reshape(b * s, cfg.hidden_size)
+        rt.stream("compute")          # the compute stream is CuPy's current one: the kernels go there
+        cfg, mm = self.config, get_backend().kernel("matmul")
+        norm, act = get_backend().kernel("add_rmsnorm"), get_backend().kernel("silu_mul")
+        eps, t = cfg.rms_norm_eps, work.x.shape[0]
+        x, h = self.embed(ids, work.x), work.h
+        attn = work.attn.reshape(t, -1)
+        delta = None
         for i, p in enumerate(self.params["layers"]):
-            h = op.rmsnorm(x, p["ln1"], eps=cfg.rms_norm_eps)
-            qkv = op.matmul(h, p["qkv"]).reshape(b, s, -1)
-            q = qkv[..., :hl * hd].reshape(b, s, hl, hd).transpose(0, 2, 1, 3)
-            k = qkv[..., hl * hd:(hl + kvl) * hd].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
-            v = qkv[..., (hl + kvl) * hd:].reshape(b, s, kvl, hd).transpose(0, 2, 1, 3)
-            dt = self.dtype               # bf16/fp16 weights: the cache and attention stay in that dtype
-            q, k = self._rotate(q, cos, sin).astype(dt, copy=False), self._rotate(k, cos, sin).astype(dt, copy=False)
-            a = attend(i, q, k, xp.ascontiguousarray(v, dtype=dt))
-            a = a.transpose(0, 2, 1, 3).reshape(b * s, hl * hd)
-            x = x + self.sum_tp(op.matmul(a, p["o"]))
-            h = op.rmsnorm(x, p["ln2"], eps=cfg.rms_norm_eps)
-            gu = op.matmul(h, p["gate_up"])
-            f = gu.shape[-1] // 2
-            x = x + self.sum_tp(op.matmul(op.silu(gu[..., :f]) * gu[..., f:], p["down"]))
-        return op.rmsnorm(x, self.params["norm"], eps=cfg.rms_norm_eps).reshape(b, s, cfg.hidden_size)
+            norm(x, delta, p["ln1"], eps=eps, out=h)
+            mm(h, p["qkv"], out=work.qkv)
+            attention(i, work.qkv, work.q, work.attn)
+            self.sum_tp(mm(attn, p["o"], out=work.part))
+            norm(x, work.part, p["ln2"], eps=eps, out=h)
+            mm(h, p["gate_up"], out=work.gu)
+            act(work.gu, out=work.act)
+            delta = self.sum_tp(mm(work.act, p["down"], out=work.part))
+        return norm(x, delta, self.params["norm"], eps=eps, out=h)
 
-    def local_logits(self, h: Any) -> Any:
-        """This rank's vocab slice of the logits, f32 ``(..., V_local)``.
+    def local_logits(self, h: Any, out: Any = None) -> Any:
+        """This rank's vocab slice of the logits ``(..., V_local)``, in the model's dtype (f32
+        for an f32 model).
 
         Parameters
         ----------
         h : array
             Hidden states ``(..., hidden)``.
+        out : array, optional
+            Receives them.
 
         Returns
         -------
         array
             ``(..., V_local)``.
         """
-        return op.matmul(h, self.params["head"]).astype(np.float32, copy=False)
+        return get_backend().kernel("matmul")(h, self.params["head"], out=out)
 
     def logits(self, ids: Any) -> Any:
         """Full-vocabulary f32 logits ``(B, S, V)`` of a causal forward with no cache (a test and
-        scoring path: it gathers the vocab, which decoding never does).
+        scoring path: it gathers the vocab, which decoding never does).  The B sequences run
+        packed through ``forward`` (block-diagonal causal attention).
 
         Parameters
         ----------
@@ -323,14 +299,20 @@ class Llama:
         array
             ``(B, S, V)``.
         """
+        from .layers import CausalAttention, Workspace
         ids = np.atleast_2d(np.asarray(ids))
         self.check_ids(ids, "Llama.logits")
-        pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-        h = self.hidden(ids, pos, lambda i, q, k, v: op.flash_attention(q, k, v, causal=True))
-        lg = self.local_logits(h)
+        b, s = ids.shape
+        xp = self.xp
+        rt.stream("compute")          # the uploads below and the forward: on the compute stream
+        pos = xp.asarray(np.tile(np.arange(s, dtype=np.int32), b))
+        cu = xp.asarray(np.arange(0, b * s + 1, s, dtype=np.int32))
+        work = Workspace(self, b * s).view(b * s)
+        h = self.forward(xp.asarray(ids.reshape(-1).astype(np.int32)), CausalAttention(self, pos, cu, s), work)
+        lg = self.local_logits(h).astype(np.float32, copy=False).reshape(b, s, -1)
         if self.shard.tp == 1:
             return lg
-        return C.all_gather(self.xp.ascontiguousarray(lg), axis=self.tp_axis, mesh=self.mesh, dim=lg.ndim - 1,
+        return C.all_gather(xp.ascontiguousarray(lg), axis=self.tp_axis, mesh=self.mesh, dim=lg.ndim - 1,
                             sizes=self.shard.vocab_sizes)
 
     def generate(self, cache: Any, prompts: Any, **kw) -> list[list[int]]:

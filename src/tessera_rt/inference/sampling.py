@@ -1,12 +1,16 @@
 """Vocab-parallel sampling: each tp rank holds its slice of the logits; no rank gathers them all.
 
 Every rule reduces to an argmax over candidates, decided by one small all_gather of
-``(value, id)`` pairs (seed 004's SAMPLING buffers):
+``(value, id)`` pairs (seed 004's SAMPLING buffers).  Greedy and plain temperature sampling
+also run on the device (``DeviceSampler``: the ``sample_argmax`` / ``sample_pick`` kernels,
+nothing read back but the token ids), which is what a captured decode step uses; ``sample``
+below is the host path, which top-k and top-p take:
 
 * greedy: each rank's (max, argmax); the lowest id wins a tie, as ``torch.argmax`` does.
 * temperature: the Gumbel-max trick, ``argmax(logits / T + g)`` with ``g`` Gumbel noise drawn
-  per *global* vocabulary id from a generator keyed by (seed, sequence, step) — an exact
-  sample of ``softmax(logits / T)`` that is the same token on any mesh.
+  per *global* vocabulary id by a counter hash of (seed, sequence, step, id)
+  (``kernels.decoder_ops.gumbel_hash``) — an exact sample of ``softmax(logits / T)`` that is
+  the same token on any mesh, and the same noise the device sampler draws.
 * top-k: each rank's local top-k, gathered (``k * tp`` pairs), the global top-k kept, then
   Gumbel-max among them.
 * top-p: candidates as top-k (``top_k`` or 256 at first, doubled until their mass reaches
@@ -23,9 +27,10 @@ import numpy as np
 from ..backend import get_backend
 from ..dist.comm import collectives as C
 from ..dist.ccl.buffers import take
-from .decode import upload
+from ..kernels.decoder_ops import gumbel_hash
+from .kv_storage import upload
 
-__all__ = ["sample", "check_sampling", "gumbel_noise"]
+__all__ = ["sample", "check_sampling", "gumbel_noise", "DeviceSampler"]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> None:
@@ -38,9 +43,52 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, v
 
 
 def gumbel_noise(seed: int, seq: int, step: int, vocab: int) -> np.ndarray:
-    """Gumbel(0, 1) noise for every global vocab id: the same on every rank and mesh."""
-    u = np.random.default_rng([int(seed), int(seq), int(step)]).random(vocab)
-    return -np.log(-np.log(np.clip(u, 1e-300, None)))
+    """Gumbel(0, 1) noise for every global vocab id: the same on every rank and mesh, and what
+    the device sampler draws."""
+    return gumbel_hash(seed, seq, step, np.arange(vocab))
+
+
+class DeviceSampler:
+    """Greedy or temperature sampling on the device: each rank's best ``(z, id)`` of its vocab
+    slice (``sample_argmax``), gathered over tp into ``cand``, the winner picked into ``tok``
+    (``sample_pick``, which also advances a decode batch's positions, step keys and token
+    history when given them).  Launches only: nothing is read back.
+
+    Parameters
+    ----------
+    model : Llama
+        The model (its mesh and vocab slice).
+    temperature : float
+        0: greedy.
+    seed : int
+        The noise's seed.
+    """
+
+    def __init__(self, model, temperature: float, seed: int):
+        self.model, self.temperature, self.seed = model, float(temperature), int(seed)
+        be = get_backend()
+        self.argmax, self.pick = be.kernel("sample_argmax"), be.kernel("sample_pick")
+
+    @staticmethod
+    def serves(temperature: float, top_k: int | None, top_p: float | None) -> bool:
+        """Whether these settings sample on the device (greedy, or temperature alone)."""
+        return temperature == 0 or top_k == 1 or (top_k is None and top_p is None)
+
+    def buffers(self, b: int) -> tuple:
+        """``(pairs (1, b, 2), cand (tp, b, 2))`` float64 for ``b`` rows (cand is pairs at tp=1)."""
+        xp, tp = self.model.xp, self.model.shard.tp
+        pairs = xp.empty((1, b, 2), np.float64)
+        return pairs, (pairs if tp == 1 else xp.empty((tp, b, 2), np.float64))
+
+    def __call__(self, logits, keys, pairs, cand, tok, advance: bool = False, **history) -> None:
+        """Sample ``logits (b, V_local)`` with ``keys (b, 2)`` int32 (sequence, step) into ``tok``;
+        ``advance``: a decode batch's step (keys' step +1, and ``pos``, ``hist``, ``hist_n`` as given)."""
+        m = self.model
+        self.argmax(logits, v0=m.shard.vocab.start, temperature=self.temperature, seed=self.seed, keys=keys,
+                    out=pairs[0])
+        if m.shard.tp > 1:
+            C.all_gather(pairs, axis=m.tp_axis, mesh=m.mesh, out=cand)
+        self.pick(cand, tok=tok, keys=keys if advance else None, **history)
 
 
 def _gather(model, pairs: np.ndarray) -> np.ndarray:

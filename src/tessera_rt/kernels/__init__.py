@@ -25,6 +25,9 @@ from . import fused_ref, embedding, multi_tensor
 from . import gemm_cuda, attention_cuda, rows_cuda, paged_attention_cuda  # GPU launchers: register, import CuPy only on call
 from . import fused_cuda, xent_cuda, embedding_cuda, optim_cuda
 from .varlen_attention import flash_attention_varlen
+from .prefill_attention import paged_prefill_attention
+# the fused ops of a decoder step (inference.Llama): references, then the GPU kernels
+from . import decoder_ops, decoder_cuda, varlen_attention_cuda
 from .gemm_epilogue import matmul_bias_act, matmul_fp8
 # vendor providers (cuDNN attention, cuBLASLt GEMMs): register, import their libraries only on use
 from . import providers, cudnn_attention, cudnn_varlen, cublaslt_gemm

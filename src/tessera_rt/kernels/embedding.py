@@ -81,14 +81,21 @@ def _check_args(op: str, g: Any, ids: Any, rows: int) -> None:
         raise ValueError(f"{op}: rows must be >= 0, got {rows}")
 
 
-def embedding_cpu(ids: Any, table: Any, *, lo: int = 0, stream: Any = None) -> np.ndarray:
-    """The CPU entry: a NumPy gather with the out-of-slice rows zeroed, the table's dtype."""
+def embedding_cpu(ids: Any, table: Any, *, lo: int = 0, out: Any = None, stream: Any = None) -> np.ndarray:
+    """The CPU entry: a NumPy gather with the out-of-slice rows zeroed, the table's dtype (into
+    ``out`` when given)."""
     _check_table("embedding", table)
     check_ids("embedding", ids)
     local, valid = _local(np.asarray(ids), table.shape[0], lo)
-    out = table[local]
-    out[~valid] = 0
-    return out.reshape(tuple(ids.shape) + (table.shape[1],))
+    shape = tuple(ids.shape) + (table.shape[1],)
+    if out is None:
+        res = table[local]
+        res[~valid] = 0
+        return res.reshape(shape)
+    flat = out.reshape(-1, table.shape[1])
+    np.take(table, local, axis=0, out=flat)
+    flat[~valid] = 0
+    return out
 
 
 def embedding_backward_cpu(g: Any, ids: Any, rows: int, *, lo: int = 0, stream: Any = None) -> np.ndarray:

@@ -121,9 +121,10 @@ def _ids(op: str, ids: Any) -> int:
     return int(ids.dtype == np.int64)
 
 
-def embedding_cuda(ids: Any, table: Any, *, lo: int = 0, stream: Any = None):
+def embedding_cuda(ids: Any, table: Any, *, lo: int = 0, out: Any = None, stream: Any = None):
     """``table[id - lo]`` for ids in ``[lo, lo + rows)``, a zero row otherwise, shape
-    ``ids.shape + (dim,)``: one launch, 16-byte copies where the rows allow."""
+    ``ids.shape + (dim,)`` (into ``out`` when given: contiguous, the table's dtype): one
+    launch, 16-byte copies where the rows allow."""
     import cupy
     op = "embedding"
     ref._check_table(op, table)
@@ -131,11 +132,18 @@ def embedding_cuda(ids: Any, table: Any, *, lo: int = 0, stream: Any = None):
     check_stream(op, stream)
     if not on_gpu(table):
         with launch_stream(stream):
-            return ref.embedding(ids, table, lo=lo)
+            r = ref.embedding(ids, table, lo=lo)
+            if out is None:
+                return r
+            out[...] = r
+            return out
     rows, dim = table.shape
+    shape = tuple(ids.shape) + (dim,)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != table.dtype or not out.flags.c_contiguous):
+        raise ValueError(f"{op}: out must be contiguous {shape} {table.dtype}, got {tuple(out.shape)} {out.dtype}")
     with launch_stream(stream):
         ids, table = dense(ids, table)
-        out = cupy.empty(tuple(ids.shape) + (dim,), table.dtype)
+        out = cupy.empty(shape, table.dtype) if out is None else out
         if out.size:
             vec = dim % (16 // table.itemsize) == 0 and all_aligned(16, table, out)
             items = ids.size * (dim // (16 // table.itemsize) if vec else dim)

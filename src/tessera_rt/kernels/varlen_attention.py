@@ -8,7 +8,7 @@ to its own keys (block-diagonal); ``causal`` aligns each sequence's mask bottom-
 Rows of q past ``cu_seqlens_q[-1]`` are not attended and come back 0.
 
 The GPU entry runs cuDNN's ragged attention where installed (``cudnn_varlen``), else the
-project's flash kernel once per sequence.
+project's own kernel (``varlen_attention_cuda``): one launch for all the sequences.
 """
 from __future__ import annotations
 
@@ -116,33 +116,24 @@ def flash_attention_varlen_cuda(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_se
                                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                                 causal: bool = False, scale: float | None = None, out: Any | None = None,
                                 stream: Any | None = None) -> Any:
-    """The project's own GPU path: the flash kernel once per sequence (the offsets are read
-    back to the host, one sync), results written into one packed array."""
-    import cupy
-    from .attention_cuda import _kernel_for, flash_attention_cuda
-    from .cuda_common import launch_stream
+    """The project's own GPU path: one launch for every sequence (``varlen_attention_cuda``),
+    the boundaries read on the device; q, k and v may be strided token rows (the heads of a
+    fused projection read in place).  Without ``max_seqlen_q`` the offsets are read back (one
+    sync) to size the grid and check them."""
+    from .cuda_common import io_name, launch_stream
     from .precision import note
+    from .varlen_attention_cuda import varlen_attention_launch
     op = "flash_attention_varlen"
     b, h, hkv, tq, tk, d = check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k)
-    check_stream(op, stream)
-    lq, lk = host_lengths(op, cu_seqlens_q, cu_seqlens_k, tq, tk)
-    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
-    note(op, _kernel_for(q, d, None))
-    with launch_stream(stream):
-        o = out if out is not None else cupy.empty(q.shape, q.dtype)
-        if cq[-1] < tq:
-            o[cq[-1]:] = 0
-        for i in range(b):
-            if lq[i] == 0:
-                continue
-            qs = q[cq[i]:cq[i + 1]].transpose(1, 0, 2)[None]
-            ks, vs = (t[ck[i]:ck[i + 1]].transpose(1, 0, 2)[None] for t in (k, v))
-            if lk[i] == 0:
-                o[cq[i]:cq[i + 1]] = 0
-                continue
-            r = flash_attention_cuda(qs, ks, vs, causal=causal, scale=scale, stream=stream)
-            o[cq[i]:cq[i + 1]] = r[0].transpose(1, 0, 2)
-    return o
+    if max_seqlen_q is None or not (is_cupy(cu_seqlens_q) and is_cupy(cu_seqlens_k)):
+        lq, _ = host_lengths(op, cu_seqlens_q, cu_seqlens_k, tq, tk)
+        max_seqlen_q = int(lq.max()) if lq.size else 0
+        import cupy
+        with launch_stream(stream):           # host offsets: copied in (the kernel reads them on the device)
+            cu_seqlens_q, cu_seqlens_k = cupy.asarray(cu_seqlens_q), cupy.asarray(cu_seqlens_k)
+    note(op, io_name(q.dtype) or dtype_name(q.dtype))
+    return varlen_attention_launch(op, q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, causal, scale,
+                                   out, stream)
 
 
 register_kernel("flash_attention_varlen", "cpu", flash_attention_varlen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _tracker
+from . import _capture, _tracker
 from ._dtypes14 import KERNEL_DTYPE_CHARS, check_kernel_dtypes  # noqa: F401  (re-exported)
 from .cuda import memory as _memory
 from .cuda.stream import current_stream_state, get_current_stream
@@ -69,6 +69,9 @@ def implicit_sync(kind: str) -> None:
     """A CuPy call that reads a count back before it can size its result (``nonzero``, boolean
     masks, ``unique``, ...): a small device->host copy and a wait for the current stream."""
     stream = get_current_stream()
+    cap = _capture.capture_of(stream._state)
+    if cap is not None:
+        _capture.refuse(cap, f"{kind}, which reads a count back to the host (a synchronous copy)")
     record(f"{kind} (count to the host)", state=stream._state, op_class="d2h", nbytes=8)
     stream._synchronize(kind)
 
@@ -90,9 +93,10 @@ def owner_of(res: np.ndarray, inputs):
     return None
 
 
-def wrap_result(res, inputs, fresh: list, views: list):
+def wrap_result(res, inputs, fresh: list, views: list, fill: bool = True):
     """A NumPy result as stand-in arrays: the input itself, a view of an input's memory, or
-    a fresh pool allocation holding a copy (appended to ``fresh``)."""
+    a fresh pool allocation holding a copy (appended to ``fresh``; left unfilled when not
+    ``fill``: a captured op's output, written only when the graph runs)."""
     from ._ndarray import ndarray
     if isinstance(res, np.ndarray):
         for x in inputs:
@@ -105,13 +109,14 @@ def wrap_result(res, inputs, fresh: list, views: list):
             return view
         out = new_device_array(res.shape, res.dtype, order="F" if res.flags.f_contiguous
                                and not res.flags.c_contiguous else "C")
-        out._a[...] = res
+        if fill:
+            out._a[...] = res
         fresh.append(out)
         return out
     if isinstance(res, np.generic):
-        return wrap_result(np.asarray(res), inputs, fresh, views)
+        return wrap_result(np.asarray(res), inputs, fresh, views, fill)
     if isinstance(res, (tuple, list)):
-        return type(res)(wrap_result(r, inputs, fresh, views) for r in res)
+        return type(res)(wrap_result(r, inputs, fresh, views, fill) for r in res)
     return res
 
 
@@ -127,6 +132,11 @@ def call_numpy(kind: str, fn, args: tuple, kwargs: dict, check_dtypes: bool = Tr
     np_kwargs = {k: (v if k == "out" else unwrap(v, reads)) for k, v in kwargs.items()}
     if check_dtypes:
         check_kernel_dtypes(kind, reads + writes)
+    state = current_stream_state()
+    cap = _capture.capture_of(state)
+    if cap is not None:
+        return _capture.deferred_numpy(cap, state, kind, fn, np_args, np_kwargs, reads, writes, check_dtypes,
+                                       wrap_result, accesses, check_kernel_dtypes)
     with np.errstate(all="ignore"):   # GPU kernels raise no floating-point warnings
         res = fn(*np_args, **np_kwargs)
     fresh: list = []
@@ -143,10 +153,35 @@ def call_numpy(kind: str, fn, args: tuple, kwargs: dict, check_dtypes: bool = Tr
 def host_to_device(kind: str, host: np.ndarray, dst=None, state=None, op_class: str = "h2d"):
     """Copy a host array into ``dst`` (or a fresh device array) as an op on ``state``;
     ``op_class="kernel"`` for data CuPy makes on the device (arange, random, ...)."""
+    state = current_stream_state() if state is None else state
+    cap = _capture.capture_of(state)
+    if cap is not None:
+        return _captured_h2d(cap, kind, host, dst, state, op_class)
     if dst is None:
         dst = new_device_array(host.shape, host.dtype)
     dst._a[...] = host
     record(kind, (), (dst,), state, op_class, host.nbytes)
+    return dst
+
+
+def _captured_h2d(cap, kind: str, host: np.ndarray, dst, state, op_class: str):
+    """A host->device copy in a capture: from pinned memory a memcpy node that reads the host
+    buffer at each launch; data CuPy makes on the device (arange, ...) a constant of the graph;
+    from pageable memory refused, as CUDA refuses it."""
+    from .cuda.pinned_memory import is_pinned
+    pinned = is_pinned(host)
+    if op_class == "h2d" and not pinned:
+        _capture.refuse(cap, f"{kind} from pageable host memory (copy from pinned memory: "
+                             "cupy.cuda.alloc_pinned_memory)")
+    if dst is None:
+        dst = new_device_array(host.shape, host.dtype)
+    src, target = (host if pinned else host.copy()), dst._a
+
+    def run(launch_state, src=src, target=target):
+        target[...] = src
+        if pinned:
+            _tracker.watch_pinned_source(launch_state, src, kind)
+    _capture.add_copy(cap, state, kind, op_class, host.nbytes, list(accesses((dst,), True)), run)
     return dst
 
 

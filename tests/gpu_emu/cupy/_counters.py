@@ -32,6 +32,9 @@ class DeviceWork:
     * ``casts``: dtype conversions of device data: ``astype`` to another dtype (a launch
       too) and implicit ones inside a kernel (an operand read as, or a result written to,
       another dtype than the loop's: no extra launch);
+    * ``graph_launches``: CUDA graph launches (``cupy.cuda.Graph.launch``); each node of a
+      launched graph counts as what it is (a launch, an h2d or d2h copy), with the site that
+      captured it; a capture itself counts nothing (nothing runs);
     * ``ops``: every device op (``launches + h2d + d2h``);
     * ``by_kind`` / ``syncs_by_kind`` / ``casts_by_kind``: ``Counter`` of what each was
       (op names as the tracker records them, e.g. ``cupy.add``, ``RawKernel adamw``);
@@ -42,7 +45,7 @@ class DeviceWork:
     """
 
     def __init__(self):
-        self.launches = self.syncs = self.h2d = self.d2h = self.casts = 0
+        self.launches = self.syncs = self.h2d = self.d2h = self.casts = self.graph_launches = 0
         self.h2d_bytes = self.d2h_bytes = 0
         self.by_kind: Counter = Counter()
         self.syncs_by_kind: Counter = Counter()
@@ -65,7 +68,8 @@ class DeviceWork:
 
     def report(self, top: int = 20) -> str:
         lines = [f"device work: {self.launches} launches, {self.syncs} syncs, {self.h2d} h2d "
-                 f"({self.h2d_bytes} B), {self.d2h} d2h ({self.d2h_bytes} B), {self.casts} casts"]
+                 f"({self.h2d_bytes} B), {self.d2h} d2h ({self.d2h_bytes} B), {self.casts} casts, "
+                 f"{self.graph_launches} graph launches"]
         for title, counter in (("ops by kind", self.by_kind), ("syncs", self.syncs_by_kind),
                                ("casts", self.casts_by_kind), ("launch sites", self.launch_sites),
                                ("cast sites", self.cast_sites)):
@@ -76,7 +80,7 @@ class DeviceWork:
 
     def __repr__(self) -> str:
         return (f"DeviceWork(launches={self.launches}, syncs={self.syncs}, h2d={self.h2d}, "
-                f"d2h={self.d2h}, casts={self.casts})")
+                f"d2h={self.d2h}, casts={self.casts}, graph_launches={self.graph_launches})")
 
 
 def count_device_work() -> DeviceWork:
@@ -99,6 +103,8 @@ def note_op(kind: str, op_class: str, nbytes: int = 0, where: str = "") -> None:
             elif op_class == "d2h":
                 w.d2h += 1
                 w.d2h_bytes += nbytes
+            elif op_class == "graph":
+                w.graph_launches += 1
             else:
                 w.launches += 1
                 w.launch_sites[where] += 1

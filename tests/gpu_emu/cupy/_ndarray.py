@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _bf16, _bridge, _counters, _tracker
+from . import _bf16, _bridge, _capture, _counters, _tracker
 from ._dtypes14 import check_creatable
 from ._indexing import SetItem, as_tuple, copy_host_indices, has_mask, is_basic, setitem_value
 from .cuda import memory as _memory
@@ -133,6 +133,9 @@ class ndarray:
             if out.shape != self.shape:
                 raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
         s = resolve_stream(stream)
+        cap = _capture.capture_of(s._state)
+        if cap is not None:
+            return self._captured_get(cap, s._state, out, blocking)
         host = _bridge.device_to_host("ndarray.get (device->host copy)", self, s._state)
         if out is None:
             out = np.empty(self.shape, self.dtype, order=order if order in "CF" else "C")
@@ -151,6 +154,24 @@ class ndarray:
         def land(out=out, host=host):
             out[...] = host
         _tracker.defer_until_complete(s._state, land)
+        return out
+
+    def _captured_get(self, cap, state, out, blocking):
+        """``get`` in a capture: only a non-blocking copy into pinned memory is a graph node (its
+        data lands when the host sees the launch complete); anything else waits: refused."""
+        if blocking or out is None or not is_pinned(out):
+            _capture.refuse(cap, "ndarray.get (a device->host copy the host waits for, or into pageable memory; "
+                                 "capture get(out=<pinned array>, blocking=False))")
+        src, kind = self._a, "ndarray.get (device->host copy)"
+
+        def run(launch_state, src=src, out=out):
+            data = np.array(src, copy=True)
+            out.reshape(-1).view(np.uint8).fill(0xFF)      # undefined until the host sees the launch done
+
+            def land(out=out, data=data):
+                out[...] = data
+            _tracker.defer_until_complete(launch_state, land)
+        _capture.add_copy(cap, state, kind, "d2h", self.nbytes, list(_bridge.accesses((self,), False)), run)
         return out
 
     def set(self, arr, stream=None) -> None:

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from . import _bridge, _tracker
+from . import _bridge, _capture, _tracker
 from ._ndarray import ndarray
 from .cuda.driver import CUDA_ERROR_INVALID_VALUE, CUDADriverError
 from .cuda.memory import MemoryPointer
@@ -128,6 +128,14 @@ class Kernel:
         self._check_limits(grid, block, int(shared_mem))
         packed = [pack_arg(a) for a in args]
         s = resolve_stream(stream)
+        cap = _capture.capture_of(s._state)
+        if cap is not None:             # a kernel node: launched (on the memory as it is then) by each replay
+            kernel, smem = self.kernel, int(shared_mem)
+
+            def run(_state, kernel=kernel, grid=grid, block=block, packed=packed, smem=smem):
+                kernel.launch(grid, block, packed, shared_mem=smem, buffers=_bridge.live_buffers())
+            cap.add(f"RawKernel {self.name}", "kernel", 0, list(self._accesses(args)), run, s._state)
+            return
         _tracker.record_op(f"RawKernel {self.name}", s._state, self._accesses(args))
         self.kernel.launch(grid, block, packed, shared_mem=int(shared_mem), buffers=_bridge.live_buffers())
 

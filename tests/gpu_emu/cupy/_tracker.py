@@ -38,6 +38,8 @@ _LOCK = threading.RLock()
 HAZARDS_ENABLED = os.environ.get("TESSERA_STANDIN_HAZARDS", "1") != "0"
 
 HOST_CLOCK: dict[int, int] = {}
+# stream ptr -> the capture sequence it belongs to (``_capture``: origin and joined streams)
+CAPTURING: dict = {}
 
 
 class StreamState:
@@ -221,6 +223,8 @@ def record_op(kind: str, state: StreamState, accesses, op_class: str = "kernel",
 
     Raises StreamOrderError (before recording) on a cross-stream hazard.
     """
+    if CAPTURING:
+        _check_capture(kind, state, op_class)
     with _LOCK:
         before_issue(state)
         op = Op(kind, state, state.seq + 1, caller_site())
@@ -233,6 +237,25 @@ def record_op(kind: str, state: StreamState, accesses, op_class: str = "kernel",
             _append_access(alloc.segment, Access(op, start, end, write, alloc.alloc_id))
     _counters.note_op(kind, op_class, nbytes, op.where)
     return op
+
+
+def _check_capture(kind: str, state: StreamState, op_class: str) -> None:
+    """An op reaching the tracker (so about to run now) on a capturing stream is one the
+    stand-in does not defer: a pageable host->device copy is CUDA's refusal, anything else
+    a gap of the model.  Work on the legacy stream while a blocking stream captures is
+    refused too (it would wait on the capture)."""
+    from . import _capture
+    from .cuda import runtime
+    cap = CAPTURING.get(state.ptr)
+    if cap is not None:
+        if op_class == "h2d":
+            _capture.refuse(cap, f"{kind} from pageable host memory")
+        from ._errors import StandinLimitation
+        raise StandinLimitation(f"{kind} on a capturing stream is not modelled by the stand-in's capture")
+    if state.ptr == NULL_STREAM_PTR:
+        for c in {id(c): c for c in CAPTURING.values()}.values():
+            if any(STREAMS[p].blocking for p, x in CAPTURING.items() if x is c):
+                _capture.refuse(c, f"{kind} on the legacy null stream", runtime.errorStreamCaptureImplicit)
 
 
 def _check_hazard(op: Op, alloc, start: int, end: int, write: bool) -> None:

@@ -35,6 +35,8 @@ class Device:
 
     def synchronize(self) -> None:
         """Every stream's work is done, and the host knows it."""
+        from .. import _capture
+        _capture.refuse_device_sync("Device.synchronize")
         _counters.note_sync("Device.synchronize")
         _tracker.host_synchronized_all()
 

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _tracker
 
 __all__ = ["MemoryPool", "MemoryPointer", "PooledMemory", "Memory", "get_default_memory_pool",
-           "ALLOCATION_UNIT_SIZE", "resolve_pointer", "live_allocations"]
+           "ALLOCATION_UNIT_SIZE", "resolve_pointer", "live_allocations", "set_allocator", "get_allocator"]
 
 ALLOCATION_UNIT_SIZE = 512
 _CUDA_MALLOC_ALIGN = 256
@@ -178,10 +178,15 @@ class MemoryPool:
                 if chunk.size > rounded:
                     arena.append(self._split(chunk, rounded))
             else:
+                from .. import _capture
+                _capture.check_unsafe_call("cudaMalloc (the memory pool growing)")
                 segment = _Segment(rounded, state.ptr)
                 bisect.insort(self._segments, segment, key=lambda s: s.base)
                 chunk = _Chunk(segment, 0, rounded)
             mem = PooledMemory(self, chunk, current_device_id(), size)
+            if _tracker.CAPTURING:
+                from .. import _capture
+                _capture.note_allocation()
             self._live[mem.ptr] = weakref.ref(mem)
             bisect.insort(self._live_ptrs, mem.ptr)
             self._used_bytes += chunk.size
@@ -287,8 +292,28 @@ def get_default_memory_pool() -> MemoryPool:
     return _DEFAULT_POOL
 
 
+_ALLOCATOR = None          # set_allocator's; None: the default pool's malloc
+
+
+def set_allocator(allocator=None) -> None:
+    """``cupy.cuda.set_allocator``: every device array is allocated by ``allocator(size)``
+    (e.g. a wrapper around ``get_default_memory_pool().malloc``).  CuPy's ``None`` (no pool,
+    cudaMalloc per array) is not modelled."""
+    global _ALLOCATOR
+    if allocator is None:
+        from .._errors import StandinLimitation
+        raise StandinLimitation("set_allocator(None) (unpooled cudaMalloc) is not modelled; pass "
+                                "cupy.get_default_memory_pool().malloc")
+    _ALLOCATOR = None if allocator == _DEFAULT_POOL.malloc else allocator
+
+
+def get_allocator():
+    """The allocator every device array comes from (``set_allocator``'s)."""
+    return _ALLOCATOR or _DEFAULT_POOL.malloc
+
+
 def alloc(size: int) -> MemoryPointer:
-    return _DEFAULT_POOL.malloc(size)
+    return _DEFAULT_POOL.malloc(size) if _ALLOCATOR is None else _ALLOCATOR(size)
 
 
 def resolve_pointer(ptr: int) -> tuple[PooledMemory, int]:

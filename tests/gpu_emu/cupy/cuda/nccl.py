@@ -180,6 +180,24 @@ class NcclCommunicator:
                     for w, pairs in ((False, reads), (True, writes)) for mem, view in pairs if view.nbytes]
         _tracker.record_op(f"nccl.{kind}", _tracker.stream_state(int(stream)), accesses)
 
+    def _captured(self, kind: str, stream: int, reads, writes, run) -> bool:
+        """On a capturing stream a collective is a graph node that reads its send buffer when the
+        graph runs (NCCL supports capture; every rank launches its graphs in the same order).
+        True when captured."""
+        from .. import _capture
+        state = _tracker.stream_state(int(stream))
+        cap = _capture.capture_of(state)
+        if cap is None:
+            return False
+        if _group_depth or kind in ("send", "recv"):
+            from .._errors import StandinLimitation
+            raise StandinLimitation(f"nccl.{kind} inside a stream capture{' group' if _group_depth else ''} is not "
+                                    "modelled by the stand-in (collectives outside groups are)")
+        accesses = [(mem, view.ctypes.data, view.ctypes.data + view.nbytes, w)
+                    for w, pairs in ((False, reads), (True, writes)) for mem, view in pairs if view.nbytes]
+        cap.add(f"nccl.{kind}", "kernel", 0, accesses, lambda _state: run(), state)
+        return True
+
     def _issue(self, run) -> None:
         if _group_depth:
             _group_queue.append(("collective", run))
@@ -207,6 +225,9 @@ class NcclCommunicator:
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream) -> None:
         (smem, send), (rmem, recv) = (self._view(sendbuf, count, datatype, "send"),
                                       self._view(recvbuf, count, datatype, "recv"))
+        if self._captured("allReduce", stream, [(smem, send)], [(rmem, recv)],
+                          lambda: recv.__setitem__(Ellipsis, self._reduce(send.copy(), op))):
+            return
         self._record("allReduce", stream, [(smem, send)], [(rmem, recv)])
         data = send.copy()
         self._issue(lambda: recv.__setitem__(Ellipsis, self._reduce(data, op)))
@@ -214,13 +235,20 @@ class NcclCommunicator:
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream) -> None:
         smem, send = self._view(sendbuf, recvcount * self._ndev, datatype, "send")
         rmem, recv = self._view(recvbuf, recvcount, datatype, "recv")
+        lo = self._rank * recvcount
+        if self._captured("reduceScatter", stream, [(smem, send)], [(rmem, recv)],
+                          lambda: recv.__setitem__(Ellipsis, self._reduce(send.copy(), op)[lo:lo + recvcount])):
+            return
         self._record("reduceScatter", stream, [(smem, send)], [(rmem, recv)])
-        data, lo = send.copy(), self._rank * recvcount
+        data = send.copy()
         self._issue(lambda: recv.__setitem__(Ellipsis, self._reduce(data, op)[lo:lo + recvcount]))
 
     def allGather(self, sendbuf, recvbuf, sendcount, datatype, stream) -> None:
         smem, send = self._view(sendbuf, sendcount, datatype, "send")
         rmem, recv = self._view(recvbuf, sendcount * self._ndev, datatype, "recv")
+        if self._captured("allGather", stream, [(smem, send)], [(rmem, recv)],
+                          lambda: recv.__setitem__(Ellipsis, self._gathered(send.copy()).reshape(-1))):
+            return
         self._record("allGather", stream, [(smem, send)], [(rmem, recv)])
         data = send.copy()
         self._issue(lambda: recv.__setitem__(Ellipsis, self._gathered(data).reshape(-1)))
@@ -229,6 +257,15 @@ class NcclCommunicator:
         is_root = root == self._rank
         rmem, recv = self._view(recvbuf, count, datatype, "recv")
         reads = [self._view(sendbuf, count, datatype, "send")] if is_root else []
+
+        sview = reads[0][1] if is_root else None       # (views only: a graph holds no allocation)
+
+        def bcast():
+            buf = sview.copy() if is_root else np.empty_like(recv)
+            self._mpi.Bcast(buf.view(np.uint8), root)
+            recv[...] = buf
+        if self._captured("broadcast", stream, reads, [(rmem, recv)], bcast):
+            return
         self._record("broadcast", stream, reads, [(rmem, recv)])
         data = reads[0][1].copy() if is_root else None
 
@@ -244,6 +281,15 @@ class NcclCommunicator:
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream) -> None:
         smem, send = self._view(sendbuf, count, datatype, "send")
         writes = [self._view(recvbuf, count, datatype, "recv")] if root == self._rank else []
+
+        rview = writes[0][1] if writes else None
+
+        def reduce_now():
+            result = self._reduce(send.copy(), op)
+            if rview is not None:
+                rview[...] = result
+        if self._captured("reduce", stream, [(smem, send)], writes, reduce_now):
+            return
         self._record("reduce", stream, [(smem, send)], writes)
         data = send.copy()
 
@@ -256,6 +302,7 @@ class NcclCommunicator:
     # -- point to point --------------------------------------------------
     def send(self, sendbuf, count, datatype, peer, stream) -> None:
         mem, view = self._view(sendbuf, count, datatype, "send")
+        self._captured("send", stream, [(mem, view)], (), None)
         self._record("send", stream, [(mem, view)])
         data = view.copy().view(np.uint8)
         if _group_depth:
@@ -265,6 +312,7 @@ class NcclCommunicator:
 
     def recv(self, recvbuf, count, datatype, peer, stream) -> None:
         mem, view = self._view(recvbuf, count, datatype, "recv")
+        self._captured("recv", stream, (), [(mem, view)], None)
         self._record("recv", stream, (), [(mem, view)])
         target = view.view(np.uint8)
         if _group_depth:

@@ -4,19 +4,54 @@ from __future__ import annotations
 import os
 
 __all__ = ["CUDARuntimeError", "getDeviceCount", "getDevice", "setDevice", "getDeviceProperties",
-           "deviceSynchronize", "memGetInfo", "runtimeGetVersion", "driverGetVersion"]
+           "deviceSynchronize", "memGetInfo", "runtimeGetVersion", "driverGetVersion",
+           "streamCaptureModeGlobal", "streamCaptureModeThreadLocal", "streamCaptureModeRelaxed"]
 
 # cudaError_t values used here (CUDA runtime API)
 errorInvalidValue = 1
 errorInvalidDevice = 101
 errorInvalidResourceHandle = 400
 errorNotReady = 600
+errorIllegalState = 401
+# stream capture (cudaError_t 900-908)
+errorStreamCaptureUnsupported = 900
+errorStreamCaptureInvalidated = 901
+errorStreamCaptureMerge = 902
+errorStreamCaptureUnmatched = 903
+errorStreamCaptureUnjoined = 904
+errorStreamCaptureIsolation = 905
+errorStreamCaptureImplicit = 906
+errorCapturedEvent = 907
+errorStreamCaptureWrongThread = 908
+
+# cudaStreamCaptureMode
+streamCaptureModeGlobal = 0
+streamCaptureModeThreadLocal = 1
+streamCaptureModeRelaxed = 2
 
 _ERROR_NAMES = {
     errorInvalidValue: ("cudaErrorInvalidValue", "invalid argument"),
     errorInvalidDevice: ("cudaErrorInvalidDevice", "invalid device ordinal"),
     errorInvalidResourceHandle: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
     errorNotReady: ("cudaErrorNotReady", "device not ready"),
+    errorIllegalState: ("cudaErrorIllegalState", "the operation cannot be performed in the present state"),
+    errorStreamCaptureUnsupported: ("cudaErrorStreamCaptureUnsupported",
+                                    "operation not permitted when stream is capturing"),
+    errorStreamCaptureInvalidated: ("cudaErrorStreamCaptureInvalidated",
+                                    "operation failed due to a previous error during capture"),
+    errorStreamCaptureMerge: ("cudaErrorStreamCaptureMerge", "operation would result in a merge of separate "
+                              "capture sequences"),
+    errorStreamCaptureUnmatched: ("cudaErrorStreamCaptureUnmatched", "capture was not ended in the same stream "
+                                  "as it began"),
+    errorStreamCaptureUnjoined: ("cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work"),
+    errorStreamCaptureIsolation: ("cudaErrorStreamCaptureIsolation", "dependency created on uncaptured work in "
+                                  "another stream"),
+    errorStreamCaptureImplicit: ("cudaErrorStreamCaptureImplicit", "operation would make the legacy stream "
+                                 "depend on a capturing blocking stream"),
+    errorCapturedEvent: ("cudaErrorCapturedEvent", "operation not permitted on an event last recorded in a "
+                         "capturing stream"),
+    errorStreamCaptureWrongThread: ("cudaErrorStreamCaptureWrongThread", "attempt to terminate a thread-local "
+                                    "capture sequence from another thread"),
 }
 
 
@@ -82,7 +117,8 @@ def getDeviceProperties(device_id: int) -> dict:
 
 
 def deviceSynchronize() -> None:
-    from .. import _counters, _tracker
+    from .. import _capture, _counters, _tracker
+    _capture.refuse_device_sync("cudaDeviceSynchronize")
     _counters.note_sync("cudaDeviceSynchronize")
     _tracker.host_synchronized_all()
 

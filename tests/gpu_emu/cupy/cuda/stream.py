@@ -38,12 +38,20 @@ class BaseStream:
 
     def _synchronize(self, kind: str) -> None:
         """A host wait for this stream (counted as a sync, as ``kind``)."""
+        from .. import _capture
+        cap = _capture.capture_of(self._state)
+        if cap is not None:
+            _capture.refuse(cap, f"{kind} (a host wait for a capturing stream)")
         _counters.note_sync(kind)
         _tracker.host_observed(self._state.snapshot())
 
     @property
     def done(self) -> bool:
         # a query (cudaStreamQuery) does not wait: not counted as a sync
+        from .. import _capture
+        cap = _capture.capture_of(self._state)
+        if cap is not None:
+            _capture.refuse(cap, "Stream.done (cudaStreamQuery of a capturing stream)")
         state = self._state
         if state.queried != state.seq and _tracker.pending(state.snapshot()):
             state.queried = state.seq
@@ -59,8 +67,30 @@ class BaseStream:
         return event
 
     def wait_event(self, event: "Event") -> None:
+        from .. import _capture
+        if _capture.wait_event(self._state, event):
+            return
         if event._clock is not None:      # an unrecorded event orders nothing (as in CUDA)
             _tracker.wait_clock(self._state, event._clock)
+
+    def begin_capture(self, mode=None) -> None:
+        """Begin capturing this stream's work into a CUDA graph (``end_capture`` returns it).
+        Default mode: relaxed, as CuPy's (the memory pool may grow meanwhile)."""
+        from .. import _capture
+        from . import runtime
+        if self.ptr in (0, LEGACY_STREAM_HANDLE):
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        _capture.begin(self._state, runtime.streamCaptureModeRelaxed if mode is None else int(mode))
+
+    def end_capture(self):
+        """End the capture begun on this stream: the ``cupy.cuda.Graph`` of its work."""
+        from .. import _capture
+        from .graph import Graph
+        return Graph._from_capture(_capture.end(self._state))
+
+    def is_capturing(self) -> bool:
+        from .. import _capture
+        return _capture.capture_of(self._state) is not None
 
     def use(self) -> "BaseStream":
         _local.current = self
@@ -156,17 +186,24 @@ class Event:
         self.disable_timing = disable_timing
         self.interprocess = interprocess
         self._clock: dict[int, int] | None = None   # the recording stream's snapshot
+        self._captured = None                        # (capture, its clock) when recorded in a capture
         self._queried = False                        # a query answered "still running"
         self._time: float | None = None
 
     def record(self, stream=None) -> None:
+        from .. import _capture
         state = resolve_stream(stream)._state
+        if _capture.record_event(self, state):
+            self._clock = None          # a node of the capture, not a point on the stream
+            return
         _tracker.before_issue(state)
         self._clock = state.snapshot()
         self._queried = False
         self._time = time.perf_counter()
 
     def synchronize(self) -> None:
+        from .. import _capture
+        _capture.host_wait_on_event(self, "Event.synchronize")
         _counters.note_sync("Event.synchronize")
         self._observed()
 
@@ -178,6 +215,8 @@ class Event:
     def done(self) -> bool:
         """As ``BaseStream.done``: False once while the covered work is not known complete
         (a query: not counted as a sync)."""
+        from .. import _capture
+        _capture.host_wait_on_event(self, "Event.done")
         if not self._queried and self._clock is not None and _tracker.pending(self._clock):
             self._queried = True
             return False
