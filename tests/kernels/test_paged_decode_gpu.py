@@ -11,20 +11,11 @@ from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import paged_attention as R
 from tessera_rt.kernels import paged_attention_cuda as PC
 from test_gpu import cp
+from test_grouped_gemm_gpu import MANT, dev, host    # device copies and ulps of f16/bf16/f32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]
 
 BF16 = resolve_dtype("bf16")
-MANT = {np.dtype(np.float16): 10, BF16: 7, np.dtype(np.float32): 23}
-
-
-def dev(a):
-    a = np.ascontiguousarray(a)
-    return cp.asarray(a.view(np.uint16)).view(BF16) if a.dtype == BF16 else cp.asarray(a)
-
-
-def host(a):
-    return a.view(cp.uint16).get().view(BF16) if a.dtype == BF16 else a.get()
 
 
 def case(b, h, hkv, d, bs, lens, starts=None, dtype=np.float16, seed=0):
