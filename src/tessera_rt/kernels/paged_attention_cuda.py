@@ -28,7 +28,8 @@ import numpy as np
 from ..backend import register_kernel
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import ELEM_IO, IO_CODES, MAX_GRID_YZ, aligned, get_function, io_name, launch_stream
+from .cuda_common import (ELEM_IO, IO_CODES, MAX_GRID_YZ, VEC16_TO_F32, aligned, get_function, io_name,
+                          launch_stream, sm_count)
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 from .precision import note
 from .providers import dispatching
@@ -39,7 +40,7 @@ PAGED_HEAD_DIMS = (32, 64, 128, 256)
 PMAX = 256                      # positions per partition at most (the scores' shared memory)
 NWARPS = 4
 
-PAGED_SOURCE = ELEM_IO + r"""
+PAGED_SOURCE = ELEM_IO + VEC16_TO_F32 + r"""
 #define NW 4
 #define NT (NW * 32)
 #define NV (D / VEC)                       // 16-byte vectors per row
@@ -52,12 +53,6 @@ PAGED_SOURCE = ELEM_IO + r"""
 #define SCAT (GB < TG ? GB : TG)           // lanes a head's scores are scattered over
 #define AR_MASK (TG / SCAT - 1)            // low lane bits whose steps add whole values
 #define CNT (GB / SCAT)                    // scores a lane holds after the reduce-scatter
-
-__device__ __forceinline__ void ts_vec_to_f(const uint4& u, float* f) {
-  const io_t* e = reinterpret_cast<const io_t*>(&u);
-  #pragma unroll
-  for (int i = 0; i < VEC; ++i) f[i] = ts_f(e[i]);
-}
 
 // Sum `C` values over the lanes that share the bits below 2*O of their lane index, leaving
 // value i of the sum in acc[i] for i < C / (lanes) at the lanes that kept that half: at each
@@ -114,7 +109,7 @@ ts_paged_split(const io_t* __restrict__ Q, const io_t* __restrict__ KP, const io
     #pragma unroll
     for (int v = 0; v < VPL; ++v) {
       const uint4 u = *reinterpret_cast<const uint4*>(Q + ((long long)b * H + h0 + g) * D + (tl + TG * v) * VEC);
-      ts_vec_to_f(u, &q[g][v * VEC]);
+      ts_vec16_f(u, &q[g][v * VEC]);
       #pragma unroll
       for (int e = 0; e < VEC; ++e) q[g][v * VEC + e] *= scale_log2;
     }
@@ -146,7 +141,7 @@ ts_paged_split(const io_t* __restrict__ Q, const io_t* __restrict__ KP, const io
       #pragma unroll
       for (int v = 0; v < VPL; ++v) {
         float k[VEC];
-        ts_vec_to_f(kv[u][v], k);
+        ts_vec16_f(kv[u][v], k);
         #pragma unroll
         for (int g = 0; g < GB; ++g)
           #pragma unroll
@@ -204,7 +199,7 @@ ts_paged_split(const io_t* __restrict__ Q, const io_t* __restrict__ KP, const io
       #pragma unroll
       for (int v = 0; v < VPL; ++v) {
         float x[VEC];
-        ts_vec_to_f(vv[u][v], x);
+        ts_vec16_f(vv[u][v], x);
         #pragma unroll
         for (int g = 0; g < GB; ++g) {
           const float p = s_buf[g * PMAX + j];
@@ -289,16 +284,8 @@ def _heads_per_block(g: int) -> int:
     return next(c for c in (8, 4, 2, 1) if g % c == 0)
 
 
-_SMS: dict = {}
-
-
 def _sm_count() -> int:
-    """Streaming multiprocessors of the current device (asked once per device)."""
-    import cupy
-    dev = cupy.cuda.Device().id
-    if dev not in _SMS:
-        _SMS[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-    return _SMS[dev]
+    return sm_count()
 
 
 def paged_plan(b: int, blocks_per_seq: int, max_len: int, sms: int) -> tuple[int, int]:
