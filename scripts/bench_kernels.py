@@ -16,7 +16,7 @@ decode beside a device-to-device copy of the same bytes; each with TFLOP/s or GB
 fraction of the device's peak.  Where the kernel table runs a vendor library by default
 (``kernels.providers``: cuDNN, cuBLASLt, cuBLAS per group) a row times the project's own
 kernel (``use_providers(False)``) and that default side by side ("default (provider)"); every
-new kernel is checked against its reference before it is timed (scripts/bench_sections.py).
+new kernel is checked against its reference before it is timed (scripts/_bench_sections.py).
 CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA, and the fused
 Numba kernels the CPU kernel table picks beside those references (``--fused``).  On the CuPy
 stand-in (tests/gpu_emu) the GPU path runs in the emulation harness at tiny shapes: the
@@ -39,8 +39,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # bench_sections beside this file
-from bench_sections import epilogues, fp8_quantize, grouped, own_and_default, paged_decode  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # _bench_sections beside this file
+from _bench_sections import epilogues, fp8_quantize, grouped, own_and_default, paged_decode  # noqa: E402
 
 # dense fp16/bf16 tensor-core TFLOP/s and HBM TB/s (vendor datasheets); first match wins
 PEAKS = {"H100 PCIe": (756.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0),
@@ -331,11 +331,11 @@ class Bench:
         paged_decode(self)
 
     def grouped(self):
-        """The MoE experts' grouped GEMMs (scripts/bench_sections.py)."""
+        """The MoE experts' grouped GEMMs (scripts/_bench_sections.py)."""
         grouped(self)
 
     def epilogues(self):
-        """The cuBLASLt-served GEMMs, own vs default (scripts/bench_sections.py)."""
+        """The cuBLASLt-served GEMMs, own vs default (scripts/_bench_sections.py)."""
         epilogues(self)
 
     def fused(self):

@@ -16,7 +16,8 @@ channel ``c``).  Given scales: one launch (``ts_fp8_quant``).  Computed scales:
   quantizes them while they are in L1/L2.
 
 Divisions and the scale are IEEE (compiled without fast math), so the bits equal the NumPy
-reference's; stochastic rounding hashes (seed, flat index) as before.
+reference's; stochastic rounding hashes (seed, flat index) as before.  The format (e4m3/e5m2) and the
+rounding are launch arguments, the dtype, access width and scale geometry compile-time.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ NT = 256
 
 FP8_SOURCE = ELEM_IO + VEC16_TO_F32 + r"""
 #include <cuda_fp8.h>
-#define FMT (E5M2 ? __NV_E5M2 : __NV_E4M3)
 #define NT 256
 // VE (from the launcher): elements a thread reads at once, 16 bytes' worth or 1
 
@@ -47,8 +47,8 @@ __device__ __forceinline__ unsigned hash_u32(unsigned long long x) {   // splitm
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return (unsigned)(x ^ (x >> 31));
 }
-__device__ __forceinline__ float fp8_to_f(unsigned char q) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, FMT);
+__device__ __forceinline__ float fp8_to_f(unsigned char q, __nv_fp8_interpretation_t fmt) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, fmt);
   return __half2float(__half(h));
 }
 __device__ __forceinline__ void ts_load_ve(const io_t* p, float* f) {
@@ -138,15 +138,16 @@ ts_fp8_amax(const io_t* __restrict__ x, float* __restrict__ part, long long R, i
 #endif
 }
 
-// q = fp8(x / scale), saturating (stochastic when SR).  MODE as ts_fp8_amax (the scale's
+// q = fp8(x / scale), saturating; e4m3 or e5m2 (e5m2 != 0), stochastic when sr != 0.  MODE as ts_fp8_amax (the scale's
 // geometry; in MODE 2 row r has channel r % C).  SRC 0: the scales are given (sc); 1: from
 // ts_fp8_amax's nparts partials; 2 (MODE 2, C == R): the block's rows' maxima.  Computed
 // scales are written to sc_out.  Blocks run in reverse order (the rows read last first).
 extern "C" __global__ void __launch_bounds__(NT, 4)
 ts_fp8_quant(const io_t* __restrict__ x, const float* __restrict__ sc, const float* __restrict__ part, int nparts,
              float* __restrict__ sc_out, unsigned char* __restrict__ q, long long R, int W, int C, int vwp,
-             float fmax, unsigned long long seed) {
+             float fmax, int e5m2, int sr, unsigned long long seed) {
   __shared__ float red[32];
+  const __nv_fp8_interpretation_t fmt = e5m2 ? __NV_E5M2 : __NV_E4M3;
   const int t = threadIdx.x, rl = t / vwp, vl = t % vwp, rpb = NT / vwp, VW = W / VE;
   const int bx = gridDim.x - 1 - blockIdx.x, by = gridDim.y - 1 - blockIdx.y;
 #if MODE == 0
@@ -222,19 +223,17 @@ ts_fp8_quant(const io_t* __restrict__ x, const float* __restrict__ sc, const flo
         const float se = s;
 #endif
         const float y = fminf(fmaxf(f[e] / se, -fmax), fmax);
-        unsigned char rq = (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, FMT);
-#if SR
-        const float d = fp8_to_f(rq);
+        unsigned char rq = (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, fmt);
+        const float d = sr ? fp8_to_f(rq, fmt) : y;
         if (y != d) {                       // step one ulp toward y, then keep rq with prob 1-p
           const bool away = (y > d) == (d >= 0.f);
           unsigned char o = (d == 0.f) ? (y >= 0.f ? 0x01 : 0x81) : (unsigned char)(rq + (away ? 1 : -1));
-          const float od = fp8_to_f(o);
+          const float od = fp8_to_f(o, fmt);
           const float p = fabsf(y - d) / fabsf(od - d);
           const unsigned long long i = (unsigned long long)(i0 + e);
           const float u = (hash_u32(seed ^ (i * 0x2545F4914F6CDD1Dull)) >> 8) * (1.f / 16777216.f);
           if (u < p && isfinite(od)) rq = o;
         }
-#endif
         b[e] = rq;
       }
 #if VE == 8
@@ -252,10 +251,12 @@ ts_fp8_quant(const io_t* __restrict__ x, const float* __restrict__ sc, const flo
 }
 
 extern "C" __global__ void ts_dequantize_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scale,
-                                             float* __restrict__ y, long long total, long long inner, int channels) {
+                                             float* __restrict__ y, long long total, long long inner, int channels,
+                                             int e5m2) {
+  const __nv_fp8_interpretation_t fmt = e5m2 ? __NV_E5M2 : __NV_E4M3;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += (long long)gridDim.x * blockDim.x)
-    y[i] = fp8_to_f(q[i]) * scale[(i / inner) % channels];
+    y[i] = fp8_to_f(q[i], fmt) * scale[(i / inner) % channels];
 }
 """
 
@@ -263,22 +264,20 @@ _MODES = {"tensor": 0, "column": 1, "row": 2}
 _SRCS = {"given": 0, "partials": 1, "fused": 2}
 
 
-def render_fp8(e5m2: bool = False, sr: bool = False, io: str = "f32", vec: bool = True, mode: str = "tensor",
-               src: str = "given") -> str:
-    """CUDA C of the FP8 kernels for one format, rounding, input dtype, access width and scale."""
+def render_fp8(io: str = "f32", vec: bool = True, mode: str = "tensor", src: str = "given") -> str:
+    """CUDA C of the FP8 kernels for one input dtype, access width and scale geometry (the format
+    and the rounding are launch arguments: fewer modules to compile)."""
     ve = (16 // {"f32": 4, "f16": 2, "bf16": 2}[io]) if vec else 1
-    return (f"#define E5M2 {int(e5m2)}\n#define SR {int(sr)}\n#define VEC16 {int(vec)}\n#define VE {ve}\n"
-            f"#define MODE {_MODES[mode]}\n"
+    return (f"#define VEC16 {int(vec)}\n#define VE {ve}\n#define MODE {_MODES[mode]}\n"
             f"#define SRC {_SRCS[src]}\n#define TS_IO {IO_CODES[io]}\n"
             + FP8_SOURCE)
 
 
 register_source(KernelSource(
     "fp8", render_fp8, ("ts_fp8_amax", "ts_fp8_quant", "ts_dequantize_fp8"),
-    configs=[dict(e5m2=e, sr=s) for e in (False, True) for s in (False, True)]
-    + [dict(io=io, mode=m, src=src) for io in ("f16", "bf16") for m, src in
-       (("tensor", "partials"), ("column", "partials"), ("row", "partials"), ("row", "fused"), ("column", "given"))]
-    + [dict(vec=False, mode="column", src="partials", sr=True)],
+    configs=[dict(), dict(vec=False, mode="column", src="partials")]
+    + [dict(io=io, mode=m, src=src) for io in ("f32", "f16", "bf16") for m, src in
+       (("tensor", "partials"), ("column", "partials"), ("row", "partials"), ("row", "fused"), ("column", "given"))],
     fast_math=False))
 
 _IN = (np.dtype(np.float32), np.dtype(np.float16), resolve_dtype("bf16"))
@@ -363,8 +362,7 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
         vec = w % ve == 0 and xc.data.ptr % 16 == 0 and q.data.ptr % ve == 0
         vwp, agrid, qgrid = fp8_grids(mode, r, w, ve if vec else 1, sm_count())
         src = "given" if given else ("fused" if mode == "row" and r == c else "partials")
-        cfg = dict(e5m2=dt == resolve_dtype("fp8_e5m2"), sr=bool(stochastic_round), io=io_name(xc.dtype), vec=vec,
-                   mode=mode, src=src)
+        cfg = dict(io=io_name(xc.dtype), vec=vec, mode=mode, src=src)
         part, nparts = None, 0
         if src == "partials":
             nparts = {"tensor": agrid[0] * agrid[1], "column": agrid[1], "row": r}[mode]
@@ -375,7 +373,8 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
         null = np.uint64(0)
         quant(qgrid, (NT,), (xc, null if s_given is None else s_given, null if part is None else part,
                              np.int32(nparts), null if given else s_out, q, np.int64(r), np.int32(w), np.int32(c),
-                             np.int32(vwp), np.float32(fmax), np.uint64(seed)))
+                             np.int32(vwp), np.float32(fmax), np.int32(dt == resolve_dtype("fp8_e5m2")),
+                             np.int32(bool(stochastic_round)), np.uint64(seed)))
     return q, s_out
 
 
@@ -396,10 +395,9 @@ def dequantize_fp8_bits_cuda(bits: Any, scale: Any, dtype="fp8_e4m3", *, axis: i
         ax = axis % max(bits.ndim, 1)
         inner = int(np.prod(bits.shape[ax + 1:])) if channels > 1 else 1
         y = out if out is not None else cupy.empty(bits.shape, np.float32)
-        fn = get_function("fp8", "ts_dequantize_fp8", dict(e5m2=dt == resolve_dtype("fp8_e5m2")), render_fp8,
-                          fast_math=False)
+        fn = get_function("fp8", "ts_dequantize_fp8", {}, render_fp8, fast_math=False)
         fn((min(65535, (q.size + 255) // 256),), (256,),
-           (q, s, y, np.int64(q.size), np.int64(inner), np.int32(channels)))
+           (q, s, y, np.int64(q.size), np.int64(inner), np.int32(channels), np.int32(dt == resolve_dtype("fp8_e5m2"))))
     return y
 
 

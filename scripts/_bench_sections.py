@@ -1,5 +1,6 @@
 """The sections of scripts/bench_kernels.py that set the project's own kernels beside the kernel
-table's default (a vendor provider where one runs) and a peer, each checked before it is timed:
+table's default (a vendor provider where one runs) and a peer, each checked before it is timed
+(bench_kernels.py's library; ``python scripts/_bench_sections.py`` runs them alone):
 
 * the grouped GEMM of the MoE experts (``kernels.grouped_gemm``): the one-launch kernel on
   device offsets, the table's default with host offsets (one cuBLAS call per expert), and one
@@ -168,3 +169,26 @@ def epilogues(bench) -> None:
     bench.add("matmul_fp8 e4m3 (per-tensor scales)", f"{m}x{k}x{n} -> f16", ms, "cuBLAS f16 GEMM", peer_ms,
               flops=2 * m * k * n, default_ms=default_ms, provider=provider,
               note="" if default else "own: dequantize + f32 GEMM")
+
+
+def main(argv=None) -> int:
+    """These sections alone, with bench_kernels.py's options (its library otherwise)."""
+    import bench_kernels
+    args = bench_kernels.argparse.ArgumentParser(
+        description="The sections of scripts/bench_kernels.py that set the own kernels beside the kernel "
+                    "table's default provider (grouped GEMM, paged decode, FP8 quantize, cuBLASLt GEMMs).")
+    args.add_argument("--quick", action="store_true", help="small sizes, few reps")
+    args.add_argument("--reps", type=int, default=None, help="samples per side (median taken)")
+    ns = args.parse_args(argv)
+    bench = bench_kernels.Bench(bench_kernels.argparse.Namespace(device="auto", quick=ns.quick, reps=ns.reps))
+    for section in (grouped, epilogues, fp8_quantize, paged_decode):
+        section(bench)
+    print("\n".join(bench_kernels.format_rows(bench.rows, markdown=False)))
+    return 1 if any(r["check"].startswith("MISMATCH") for r in bench.rows) else 0
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
