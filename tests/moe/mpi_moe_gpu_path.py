@@ -125,3 +125,26 @@ def test_dropless_routing_waits_once_for_the_exchanged_counts():
     want = 0 if SIZE == 1 else 1
     assert fwd.syncs_by_kind.get("ndarray.get", 0) == want, fwd.report()
     assert both.syncs_by_kind.get("ndarray.get", 0) == want, both.report()
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 4e-3), ("bfloat16", 3e-2)])
+def test_16_bit_experts_on_the_tensor_core_kernels(dtype, tol):
+    # f16/bf16 parameters and tokens: the grouped GEMMs' mma.sync path and the fused SwiGLU
+    # kernels, forward against the dense reference and gradients against the f32 layer's (both
+    # on the same rounded values), relative to the largest magnitude
+    b = get_backend()
+    m = op.moe(num_experts=6, top_k=2, capacity_factor=None, d_model=32, d_ff=48)
+    p32 = {k: b.to_host(b.xp.asarray(v).astype(dtype)).astype(np.float32) for k, v in m.init(0).items()}
+    xg = b.to_host(b.xp.asarray(np.random.default_rng(3).standard_normal((40, 32)).astype(np.float32))
+                   .astype(dtype)).astype(np.float32)
+    P16 = {k: b.xp.asarray(v).astype(dtype) for k, v in p32.items()}
+    y, _ = m(P16, b.xp.asarray(xg).astype(dtype))
+    yr = dense_reference(p32, xg, 2)[0]
+    assert np.abs(b.to_host(y).astype(np.float32) - yr).max() <= tol * np.abs(yr).max()
+    loss = lambda w, x: op.sum(op.astype(m(w, x)[0], "float32"))
+    g16 = ts.grad(loss, argnums=(0,))(P16, b.xp.asarray(xg).astype(dtype))[0]
+    g32 = ts.grad(loss, argnums=(0,))({k: b.xp.asarray(v) for k, v in p32.items()}, b.xp.asarray(xg))[0]
+    for k in ("w1", "w3", "w2"):
+        assert np.dtype(g16[k].dtype).name == dtype, g16[k].dtype
+        got, want = b.to_host(g16[k]).astype(np.float32), b.to_host(g32[k])
+        assert np.abs(got - want).max() <= 4 * tol * np.abs(want).max(), k

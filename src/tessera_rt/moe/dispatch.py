@@ -305,7 +305,8 @@ class TokenDispatcher:
         k, kept = lay.top_k, r.kept
         gdt = lay.grad_dtype(gy.dtype)
         # combine: y_t = sum_j w_tj o_tj, w = top / sum(top)
-        gw = xp.matmul(o.reshape(t, k, d), gy[:, :, None])[..., 0] * kept.reshape(t, k)
+        # a product and a sum, not a batched matmul (CuPy 14.2's refuses bf16)
+        gw = (o.reshape(t, k, d) * gy[:, None, :]).sum(axis=-1) * kept.reshape(t, k)
         gtop = (gw - (gw * r.weight).sum(axis=1, keepdims=True)) / r.denom
         gp = xp.zeros(pl.shape, pl.dtype)
         e_all = pl.shape[1]                   # put_along_axis, spelled with a flat index (CuPy has no put_along_axis)
