@@ -10,8 +10,13 @@
 GPU: the tile GEMM beside cuBLAS (cupy.matmul) at 4096^3 fp16 and bf16 and two skinny decode
 shapes, the dual GEMM and SwiGLU beside two matmuls, flash attention forward and backward
 beside PyTorch's scaled_dot_product_attention (when torch sees the GPU; else the fraction of
-the tensor-core peak), the row kernels, FP8 quantize and paged decode beside a
-device-to-device copy; each with TFLOP/s or GB/s and the fraction of the device's peak.
+the tensor-core peak), the MoE grouped GEMMs beside one dense cuBLAS GEMM over the same tokens,
+the cuBLASLt epilogue/FP8 GEMMs, the row kernels, FP8 quantize (per scale geometry) and paged
+decode beside a device-to-device copy of the same bytes; each with TFLOP/s or GB/s and the
+fraction of the device's peak.  Where the kernel table runs a vendor library by default
+(``kernels.providers``: cuDNN, cuBLASLt, cuBLAS per group) a row times the project's own
+kernel (``use_providers(False)``) and that default side by side ("default (provider)"); every
+new kernel is checked against its reference before it is timed (scripts/_bench_sections.py).
 CPU: the NumPy references beside NumPy's own matmul / a memcpy / torch SDPA, and the fused
 Numba kernels the CPU kernel table picks beside those references (``--fused``).  On the CuPy
 stand-in (tests/gpu_emu) the GPU path runs in the emulation harness at tiny shapes: the
@@ -32,6 +37,9 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # _bench_sections beside this file
+from _bench_sections import epilogues, fp8_quantize, grouped, own_and_default, paged_decode  # noqa: E402
 
 # dense fp16/bf16 tensor-core TFLOP/s and HBM TB/s (vendor datasheets); first match wins
 PEAKS = {"H100 PCIe": (756.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0),
@@ -81,15 +89,20 @@ class Clock:
 
     def pair(self, ours, peer=None):
         """(ours ms, peer ms or None): medians over ``reps`` samples each, interleaved."""
-        sides = [ours] + ([peer] if peer is not None else [])
-        iters = [self._iters(fn) for fn in sides]
-        times: list[list[float]] = [[] for _ in sides]
+        return tuple(self.sides(ours, peer))
+
+    def sides(self, *fns):
+        """Median ms of each function (None for a None), sampled in turn, the order reversed
+        every other round."""
+        live = [fn for fn in fns if fn is not None]
+        iters = [self._iters(fn) for fn in live]
+        times: list[list[float]] = [[] for _ in live]
         for r in range(self.reps):
-            order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+            order = range(len(live)) if r % 2 == 0 else reversed(range(len(live)))
             for i in order:
-                times[i].append(self._sample(sides[i], iters[i]))
-        meds = [statistics.median(t) for t in times]
-        return meds[0], (meds[1] if peer is not None else None)
+                times[i].append(self._sample(live[i], iters[i]))
+        meds = iter(statistics.median(t) for t in times)
+        return [next(meds) if fn is not None else None for fn in fns]
 
 
 def max_rel_err(got, want) -> float:
@@ -160,14 +173,18 @@ class Bench:
                 return fn()
         return run
 
-    def add(self, kernel, shape, ms, peer="", peer_ms=None, *, flops=None, nbytes=None, check="", note=""):
+    def add(self, kernel, shape, ms, peer="", peer_ms=None, *, flops=None, nbytes=None, check="", note="",
+            default_ms=None, provider=None):
+        """One row: ``ms`` the project's own kernel; ``default_ms`` the kernel table's default when a
+        vendor ``provider`` runs it (None: the own kernel is the default); the peer's ``peer_ms``."""
         unit, work = ("TFLOP/s", flops / 1e9) if flops is not None else ("GB/s", nbytes / 1e6)
         r = work / ms
         peak = (self.peak_tf if unit == "TFLOP/s" else (self.peak_bw * 1e3 if self.peak_bw else None))
         self.rows.append(dict(
             kernel=kernel, shape=shape, ms=ms, rate=r, unit=unit, of_peak=r / peak if peak else None, peer=peer,
             peer_ms=peer_ms, peer_rate=work / peer_ms if peer_ms else None, speedup=peer_ms / ms if peer_ms else None,
-            check=check, note=note))
+            provider=provider if default_ms is not None else None, default_ms=default_ms,
+            default_rate=work / default_ms if default_ms else None, check=check, note=note))
 
     def checked(self, got, want, tol) -> str:
         err = max_rel_err(self.be.to_host(got), self.be.to_host(want))
@@ -292,10 +309,15 @@ class Bench:
                 peer = "torch SDPA"
                 ref = fwd_peer()
                 check = self.checked(o, self.xp.from_dlpack(ref) if self.gpu else ref.numpy(), 2e-2)
-            ms, peer_ms = self.clock.pair(lambda: fa(q, k, v, causal=causal), fwd_peer)
-            self.add("flash_attention fwd", label, ms, peer, peer_ms, flops=flops, check=check, note=roofline)
-            ms, peer_ms = self.clock.pair(lambda: fab(q, k, v, o, do, lse, causal=causal), bwd_peer)
+            own, default, provider = own_and_default(self, "flash_attention", lambda: fa(q, k, v, causal=causal))
+            ms, default_ms, peer_ms = self.clock.sides(own, default, fwd_peer)
+            self.add("flash_attention fwd", label, ms, peer, peer_ms, flops=flops, check=check, note=roofline,
+                     default_ms=default_ms, provider=provider)
+            own, default, provider = own_and_default(self, "flash_attention_backward",
+                                                     lambda: fab(q, k, v, o, do, lse, causal=causal))
+            ms, default_ms, peer_ms = self.clock.sides(own, default, bwd_peer)
             self.add("flash_attention bwd", label, ms, peer + (" backward" if peer else ""), peer_ms,
+                     default_ms=default_ms, provider=provider,
                      flops=2.5 * flops, note=roofline)
 
     def memory_bound(self):
@@ -310,28 +332,16 @@ class Bench:
                          ("bias_silu", lambda: kern("bias_act")(x, bvec, act="silu"))):
             ms, peer_ms = self.clock.pair(fn, x.copy)
             self.add(name, f"{shape} {dt}", ms, copy, peer_ms, nbytes=nbytes)
-        xf = self.arr(shape, np.float32, scale=3)
-        same_bytes = xp.zeros(xf.size * 5 // 2, np.uint8)       # its copy reads + writes 5 B per element of xf
-        ms, peer_ms = self.clock.pair(lambda: kern("quantize_fp8")(xf, "fp8_e4m3", scale="per_channel"),
-                                      same_bytes.copy)
-        self.add("quantize_fp8 e4m3/ch", f"{shape} f32", ms, f"{copy}, same bytes", peer_ms, nbytes=xf.size * 5)
-        self.paged_decode()
+        fp8_quantize(self)
+        paged_decode(self)
 
-    def paged_decode(self):
-        xp, kern = self.xp, self.be.kernel
-        b, h, hkv, d, bs, n = self.pick((2, 4, 2, 64, 16, 40), (4, 8, 2, 64, 16, 256), (16, 32, 8, 128, 16, 2048),
-                                        (4, 8, 2, 64, 16, 512))
-        per = -(-n // bs)
-        nb = b * per
-        tables = xp.asarray(np.random.default_rng(1).permutation(nb).reshape(b, per).astype(np.int32))
-        lens = xp.asarray(np.full(b, n, np.int32))
-        q, kp, vp = self.arr((b, h, d)), self.arr((nb, hkv, bs, d)), self.arr((nb, hkv, bs, d))
-        item = np.dtype(q.dtype).itemsize
-        nbytes = 2 * b * n * hkv * d * item + 2 * q.size * item     # K and V read, q read, out written
-        # a copy of the K pages reads and writes as many bytes as the kernel reads from K and V
-        ms, peer_ms = self.clock.pair(lambda: kern("paged_decode_attention")(q, kp, vp, tables, lens), kp.copy)
-        self.add("paged_decode_attention", f"B{b} H{h}/{hkv} D{d} len {n} page {bs}", ms,
-                 f"{'D2D copy' if self.gpu else 'memcpy'} of the K pages", peer_ms, nbytes=nbytes)
+    def grouped(self):
+        """The MoE experts' grouped GEMMs (scripts/_bench_sections.py)."""
+        grouped(self)
+
+    def epilogues(self):
+        """The cuBLASLt-served GEMMs, own vs default (scripts/_bench_sections.py)."""
+        epilogues(self)
 
     def fused(self):
         """CPU: the fused Numba kernels (kernels.cpu_fused, cpu_attention) beside the NumPy
@@ -426,11 +436,13 @@ class Bench:
 
 
 def format_rows(rows: list[dict], markdown: bool) -> list[str]:
-    head = ("kernel", "shape", "ms", "rate", "of peak", "peer", "peer ms", "peer rate", "speedup vs peer", "check")
+    head = ("kernel", "shape", "ms", "rate", "of peak", "default (provider)", "default ms", "peer", "peer ms",
+            "peer rate", "speedup vs peer", "check")
     def fmt(v, spec, suffix=""):
         return "" if v is None else f"{v:{spec}}{suffix}"
     cells = [(r["kernel"], r["shape"], fmt(r["ms"], ".3f"), fmt(r["rate"], ".3g", " " + r["unit"]),
-              fmt(r["of_peak"], ".1%"), r["peer"], fmt(r["peer_ms"], ".3f"), fmt(r["peer_rate"], ".3g"),
+              fmt(r["of_peak"], ".1%"), r.get("provider") or "own", fmt(r.get("default_ms"), ".3f"),
+              r["peer"], fmt(r["peer_ms"], ".3f"), fmt(r["peer_rate"], ".3g"),
               fmt(r["speedup"], ".2f", "x"), (r["check"] + " " + r["note"]).strip()) for r in rows]
     if markdown:
         return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(c) + " |" for c in cells]
@@ -450,8 +462,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     bench = Bench(args)
     errors = []
-    sections = (bench.fused,) if args.fused else (bench.gemm, bench.dual, bench.attention, bench.memory_bound,
-                                                  bench.conv, bench.fused)
+    sections = (bench.fused,) if args.fused else (bench.gemm, bench.dual, bench.grouped, bench.attention,
+                                                  bench.epilogues, bench.memory_bound, bench.conv, bench.fused)
     for section in sections:
         try:
             section()

@@ -299,27 +299,30 @@ def test_row_kernel_matches_reference(mode, request):
 def test_fp8_quantize_bits_match_ml_dtypes(fmt, request):
     e5m2 = fmt == "e5m2"
     fp8, fmax = (ml_dtypes.float8_e5m2, 57344.0) if e5m2 else (ml_dtypes.float8_e4m3fn, 448.0)
-    fn = build(render_fp8(e5m2=e5m2, sr=False), "fp8").get_function("ts_quantize_fp8")
+    fn = build(render_fp8(), "fp8").get_function("ts_fp8_quant")
     rng = np.random.default_rng(7)
     x = (rng.standard_normal(3000) * 10.0 ** rng.integers(-8, 6, 3000)).astype(np.float32)
     x[:4] = [fmax * 3, -fmax * 3, np.inf, -np.inf]          # saturate
     scale = np.array([1.5], np.float32)
     dev = Device()
     q = dev.empty(x.shape, np.uint8)
-    seconds = dev.launch(fn, (x.size + 255) // 256, 256, dev.put(x), dev.put(scale), q, np.int64(x.size),
-                         np.int64(1), np.int32(1), np.float32(fmax), np.uint64(0))
+    # one row of 3000, 16-byte reads (32 lanes of 4 floats, 8 rows a block), a given scale
+    seconds = dev.launch(fn, (24, 1), 256, dev.put(x), dev.put(scale), None, np.int32(0), None, q, np.int64(1),
+                         np.int32(x.size), np.int32(1), np.int32(32), np.float32(fmax), np.int32(e5m2), np.int32(0),
+                         np.uint64(0))
     request.node.user_properties.append(("emulation_seconds", seconds))
     want = np.clip(x / scale[0], -fmax, fmax).astype(fp8).view(np.uint8)
     np.testing.assert_array_equal(q, want)
 
 
 def test_fp8_stochastic_rounding_picks_a_neighbour_without_bias():
-    fn = build(render_fp8(e5m2=False, sr=True), "fp8").get_function("ts_quantize_fp8")
+    fn = build(render_fp8(), "fp8").get_function("ts_fp8_quant")
     x = np.full(20000, 1.0 + 1 / 32, np.float32)            # a quarter of the way from 1 to 1.125
     dev = Device()
     q = dev.empty(x.shape, np.uint8)
-    dev.launch(fn, 80, 256, dev.put(x), dev.put(np.ones(1, np.float32)), q, np.int64(x.size), np.int64(1),
-               np.int32(1), np.float32(448.0), np.uint64(3))
+    dev.launch(fn, (157, 1), 256, dev.put(x), dev.put(np.ones(1, np.float32)), None, np.int32(0), None, q,
+               np.int64(1), np.int32(x.size), np.int32(1), np.int32(32), np.float32(448.0), np.int32(0), np.int32(1),
+               np.uint64(3))
     vals = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     assert set(np.unique(vals)) == {1.0, 1.125}
     np.testing.assert_allclose(vals.mean(), 1 + 1 / 32, rtol=3e-3)

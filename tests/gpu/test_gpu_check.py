@@ -44,7 +44,11 @@ def test_gpu_check_runs_on_the_standin(tmp_path):
         assert part["status"] == "ok" and part["rows"], part
         assert f"| {part['title']} |" in table
     kernels = {r["item"].split(" ")[0] for r in res["parts"][1]["rows"]}
-    assert {"swiglu", "flash_attention", "rmsnorm", "quantize_fp8", "paged_decode_attention"} <= kernels
+    assert {"swiglu", "flash_attention", "rmsnorm", "quantize_fp8", "paged_decode_attention", "grouped_matmul",
+            "grouped_matmul_wgrad", "matmul_bias_act"} <= kernels
+    # the grouped GEMM beside the table's default with host offsets (cuBLAS per group), checked first
+    grouped = [r for r in res["parts"][1]["rows"] if r["item"].startswith("grouped_matmul ")]
+    assert grouped and "default cublas per group" in grouped[0]["note"] and "ok (err" in grouped[0]["note"]
     assert all("emulated" in r["note"] for r in res["parts"][1]["rows"])
     assert "equal" in res["parts"][2]["rows"][0]["note"]
     # the training step against torch: both sides' f32 gradients within 1e-4 of float64 first
@@ -77,6 +81,14 @@ def test_clock_interleaves_the_two_sides():
     # each side: a warm-up and a calibration call, then the samples alternate which side goes first
     assert calls[:4] == ["ours", "ours", "peer", "peer"]
     assert calls[4:] == ["ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours"]
+
+
+def test_clock_sides_skip_the_missing_ones():
+    calls = []
+    clock = bench_kernels.Clock(gpu=False, reps=2, target_ms=0.0, max_iters=1)
+    got = clock.sides(lambda: calls.append("own"), None, lambda: calls.append("peer"))
+    assert got[1] is None and got[0] is not None and got[2] is not None
+    assert calls[4:] == ["own", "peer", "peer", "own"]
 
 
 def test_forward_peer_runs_without_autograd(monkeypatch):

@@ -52,6 +52,20 @@ def test_kernels_run_through_their_launchers_on_the_standin():
     assert proc.returncode == 0 and " passed" in tail and "skipped" not in tail, tail
 
 
+@pytest.mark.timeout(600)
+def test_grouped_gemm_paged_decode_and_fp8_kernels_on_the_standin():
+    # the MoE grouped GEMMs, split-K paged decode and FP8 quantize as written for a GPU, in a
+    # process of their own: the harness keeps each loaded kernel module's fiber stacks mapped
+    # (two mappings a thread), and with the files above one process would pass the kernel's
+    # limit on mappings (vm.max_map_count)
+    files = ["test_grouped_gemm_gpu.py", "test_paged_decode_gpu.py", "test_fp8_gpu.py"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(str(ROOT / "tests" / "kernels" / f) for f in files)],
+                          cwd=ROOT, env=mpi_env(1, "cuda", standin_env()), capture_output=True, text=True)
+    tail = proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and " passed" in tail and "skipped" not in tail, tail
+
+
 # What `scripts/test.sh` runs on a GPU machine, in miniature: CPU-written tests from each area
 # around a few gpu-marked ones (so the backend switches both ways), in a process where CuPy
 # sees one GPU (the stand-in) and TESSERA_DEVICE is unset.

@@ -83,3 +83,68 @@ def test_expert_fetch_waits_for_compute_before_reusing_a_block():
     for e, stacked in enumerate(got):
         for g, h in zip(stacked, host):
             np.testing.assert_array_equal(b.to_host(g), h[e:e + 1])
+
+
+def _grad_and_work(m, P, X):
+    cp = get_backend().xp
+    m(P, X)                                         # warm-up: buffers and kernels
+    loss = lambda w, x: op.sum(op.square(m(w, x)[0]))
+    with cp.testing.count_device_work() as fwd:
+        m(P, X)
+    with cp.testing.count_device_work() as both:
+        ts.grad(loss, argnums=(0, 1))(P, X)
+    return fwd, both
+
+
+def test_dropless_routing_counts_stay_on_the_device_with_one_position():
+    # one ep position (plain arrays): the counts never reach the host, the experts run the grouped
+    # kernels on device offsets (2 launches forward, 2 + 4 with the backward) and nothing pads
+    b = get_backend()
+    m = op.moe(num_experts=6, top_k=2, capacity_factor=None, d_model=16, d_ff=24)
+    p = m.init(0)
+    P = {k: b.xp.asarray(v) for k, v in p.items()}
+    xg = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)
+    fwd, both = _grad_and_work(m, P, b.xp.asarray(xg))
+    assert fwd.syncs == 0 and both.syncs == 0, fwd.report() + "\n" + both.report()
+    grouped = lambda w: sum(n for k, n in w.by_kind.items() if k.startswith("RawKernel ts_grouped"))
+    assert grouped(fwd) == 2 and grouped(both) == 2 + 4, both.report()
+    y, _ = m(P, b.xp.asarray(xg))
+    np.testing.assert_allclose(b.to_host(y), dense_reference(p, xg, 2)[0], rtol=1e-5, atol=2e-5)
+
+
+def test_dropless_routing_waits_once_for_the_exchanged_counts():
+    # over ep ranks the host learns the counts once per forward (the payload exchanges' sizes);
+    # the backward reuses them
+    b = get_backend()
+    dist.init()
+    mesh = dist.Mesh(axes=["ep"], shape={"ep": SIZE})
+    m = op.moe(num_experts=2 * SIZE, top_k=2, capacity_factor=None, d_model=16, d_ff=24, mesh=mesh)
+    rows = dist.ShardSpec(partition=("row",), mesh_axes=("ep",))
+    xg = np.random.default_rng(4).standard_normal((8 * SIZE, 16)).astype(np.float32)
+    fwd, both = _grad_and_work(m, m.shard(m.init(0)), dist.distribute(b.xp.asarray(xg), layout=rows, mesh=mesh))
+    want = 0 if SIZE == 1 else 1
+    assert fwd.syncs_by_kind.get("ndarray.get", 0) == want, fwd.report()
+    assert both.syncs_by_kind.get("ndarray.get", 0) == want, both.report()
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 4e-3), ("bfloat16", 3e-2)])
+def test_16_bit_experts_on_the_tensor_core_kernels(dtype, tol):
+    # f16/bf16 parameters and tokens: the grouped GEMMs' mma.sync path and the fused SwiGLU
+    # kernels, forward against the dense reference and gradients against the f32 layer's (both
+    # on the same rounded values), relative to the largest magnitude
+    b = get_backend()
+    m = op.moe(num_experts=6, top_k=2, capacity_factor=None, d_model=32, d_ff=48)
+    p32 = {k: b.to_host(b.xp.asarray(v).astype(dtype)).astype(np.float32) for k, v in m.init(0).items()}
+    xg = b.to_host(b.xp.asarray(np.random.default_rng(3).standard_normal((40, 32)).astype(np.float32))
+                   .astype(dtype)).astype(np.float32)
+    P16 = {k: b.xp.asarray(v).astype(dtype) for k, v in p32.items()}
+    y, _ = m(P16, b.xp.asarray(xg).astype(dtype))
+    yr = dense_reference(p32, xg, 2)[0]
+    assert np.abs(b.to_host(y).astype(np.float32) - yr).max() <= tol * np.abs(yr).max()
+    loss = lambda w, x: op.sum(op.astype(m(w, x)[0], "float32"))
+    g16 = ts.grad(loss, argnums=(0,))(P16, b.xp.asarray(xg).astype(dtype))[0]
+    g32 = ts.grad(loss, argnums=(0,))({k: b.xp.asarray(v) for k, v in p32.items()}, b.xp.asarray(xg))[0]
+    for k in ("w1", "w3", "w2"):
+        assert np.dtype(g16[k].dtype).name == dtype, g16[k].dtype
+        got, want = b.to_host(g16[k]).astype(np.float32), b.to_host(g32[k])
+        assert np.abs(got - want).max() <= 4 * tol * np.abs(want).max(), k

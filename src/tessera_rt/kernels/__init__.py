@@ -15,6 +15,8 @@ from .fp8 import dequantize_fp8, fake_quantize_fp8, quantize_fp8
 from .mlp import bias_act, bias_gelu, bias_silu, dual_matmul, gelu, silu, swiglu
 from .attention import flash_attention, flash_attention_backward
 from .paged_attention import paged_decode_attention
+from .grouped_gemm import (grouped_dual_matmul, grouped_matmul, grouped_matmul_wgrad, grouped_matmul_wgrad_dual,
+                           grouped_swiglu)
 from .spectral import conv2d_direct, conv2d_fft, fft2d, ifft2d
 # the fused CPU kernels (Numba) replace the references in the CPU kernel table; the references
 # stay importable from their modules as the oracle
@@ -23,14 +25,14 @@ from .cpu_fused import softmax_cross_entropy
 # the fused training-step ops (kernel table only): references and CPU entries, then GPU launchers
 from . import fused_ref, embedding, multi_tensor
 from . import gemm_cuda, attention_cuda, rows_cuda, paged_attention_cuda  # GPU launchers: register, import CuPy only on call
-from . import fused_cuda, xent_cuda, embedding_cuda, optim_cuda
+from . import fused_cuda, xent_cuda, embedding_cuda, optim_cuda, grouped_gemm_cuda
 from .varlen_attention import flash_attention_varlen
 from .prefill_attention import paged_prefill_attention
 # the fused ops of a decoder step (inference.Llama): references, then the GPU kernels
 from . import decoder_ops, decoder_cuda, varlen_attention_cuda
 from .gemm_epilogue import matmul_bias_act, matmul_fp8
 # vendor providers (cuDNN attention, cuBLASLt GEMMs): register, import their libraries only on use
-from . import providers, cudnn_attention, cudnn_varlen, cublaslt_gemm
+from . import providers, cudnn_attention, cudnn_varlen, cublaslt_gemm, cublas_grouped
 from .providers import providers_enabled, use_providers
 from . import tile
 from .tile_kernels import saxpy
@@ -43,6 +45,7 @@ __all__ = [
     "quantize_fp8", "dequantize_fp8", "fake_quantize_fp8",
     "bias_act", "bias_gelu", "bias_silu", "gelu", "silu", "swiglu", "dual_matmul",
     "flash_attention", "flash_attention_backward", "flash_attention_varlen", "paged_decode_attention",
+    "grouped_matmul", "grouped_dual_matmul", "grouped_swiglu", "grouped_matmul_wgrad", "grouped_matmul_wgrad_dual",
     "softmax_cross_entropy", "matmul_bias_act", "matmul_fp8",
     "conv2d_fft", "conv2d_direct", "fft2d", "ifft2d",
     "saxpy", "tile", "inspect_ir", "autotune",

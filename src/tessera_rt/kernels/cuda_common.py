@@ -18,7 +18,8 @@ import threading
 from typing import Any, Callable
 
 __all__ = ["MAX_GRID_YZ", "MMA_HEADER", "SMEM_TILE", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
-           "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned"]
+           "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned",
+           "sm_count", "VEC16_TO_F32"]
 
 # A row kernel's I/O element type: ``in_t`` is float, __half or __nv_bfloat16 as TS_IO is 0, 1
 # or 2 (``IO_CODES``); ``to_f``/``from_f`` convert to and from the f32 the kernel computes in.
@@ -471,3 +472,41 @@ def aligned(a: Any, nbytes: int):
     aligned, so a copy always is.  Call inside the launch's stream context.
     """
     return a if is_aligned(a, nbytes) else a.copy()
+
+
+_SMS: dict = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CuPy device (asked once per device): what a
+    launcher sizes a grid by to give every SM enough blocks."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _SMS:
+        _SMS[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return _SMS[dev]
+
+
+# A 16-byte word of ELEM_IO's io_t (f32, f16 or bf16) to f32 by bit operations only: taking
+# the word's address to read it as io_t (ts_load) can put it in local memory (a stack frame).
+VEC16_TO_F32 = r"""
+__device__ __forceinline__ float ts_half_bits_f(unsigned h) {
+#if TS_IO == 1
+  return __half2float(__ushort_as_half((unsigned short)h));
+#else
+  return __uint_as_float(h << 16);                  // bf16 is the top half of an f32
+#endif
+}
+__device__ __forceinline__ void ts_vec16_f(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#if TS_IO == 0
+    f[i] = __uint_as_float(w[i]);
+#else
+    f[2 * i] = ts_half_bits_f(w[i] & 0xffffu);
+    f[2 * i + 1] = ts_half_bits_f(w[i] >> 16);
+#endif
+  }
+}
+"""

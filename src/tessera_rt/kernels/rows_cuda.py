@@ -1,5 +1,5 @@
-"""Memory-bound RawKernels: softmax, layernorm, rmsnorm (one block per row), bias+activation,
-FP8 quantize/dequantize.
+"""Memory-bound RawKernels: softmax, layernorm, rmsnorm (one block per row), bias+activation
+(FP8 quantize/dequantize: ``fp8_cuda``).
 
 Row kernels read a row once into registers (up to ``ROW_MAX`` elements), reduce in f32
 with warp shuffles and a 32-float shared scratch, and write once: 2 bytes in + 2 bytes out
@@ -17,8 +17,9 @@ from ..dtypes import resolve_dtype
 from ._common import check_float, check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import HALF_IO, IO_CODES, get_function, io_name, launch_stream
-from .fp8 import compute_scale, fp8_max
 from . import mlp, norms
+# the FP8 kernels moved to fp8_cuda; their names stay importable from here
+from .fp8_cuda import dequantize_fp8_bits_cuda, quantize_fp8_cuda, render_fp8  # noqa: F401
 
 __all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda",
            "bias_act_cuda", "quantize_fp8_cuda", "dequantize_fp8_bits_cuda", "ROW_MAX"]
@@ -122,54 +123,6 @@ extern "C" __global__ void ts_bias_act(const in_t* __restrict__ x, const in_t* _
 }
 """
 
-FP8_SOURCE = r"""
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#define FMT (E5M2 ? __NV_E5M2 : __NV_E4M3)
-
-__device__ __forceinline__ unsigned hash_u32(unsigned long long x) {   // splitmix64, low half
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return (unsigned)(x ^ (x >> 31));
-}
-__device__ __forceinline__ float fp8_to_f(unsigned char q) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, FMT);
-  return __half2float(__half(h));
-}
-
-// q[i] = fp8(x[i] / scale[(i / inner) % channels]); saturating; stochastic when SR.
-extern "C" __global__ void ts_quantize_fp8(const float* __restrict__ x, const float* __restrict__ scale,
-                                           unsigned char* __restrict__ q, long long total, long long inner,
-                                           int channels, float fmax, unsigned long long seed) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const float s = scale[(i / inner) % channels];
-    const float y = fminf(fmaxf(x[i] / s, -fmax), fmax);
-    unsigned char r = (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, FMT);
-#if SR
-    const float d = fp8_to_f(r);
-    if (y != d) {                       // step one ulp toward y, then keep r with prob 1-p
-      const bool away = (y > d) == (d >= 0.f);
-      unsigned char o = (d == 0.f) ? (y >= 0.f ? 0x01 : 0x81) : (unsigned char)(r + (away ? 1 : -1));
-      const float od = fp8_to_f(o);
-      const float p = fabsf(y - d) / fabsf(od - d);
-      const float u = (hash_u32(seed ^ ((unsigned long long)i * 0x2545F4914F6CDD1Dull)) >> 8) * (1.f / 16777216.f);
-      if (u < p && isfinite(od)) r = o;
-    }
-#endif
-    q[i] = r;
-  }
-}
-
-extern "C" __global__ void ts_dequantize_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scale,
-                                             float* __restrict__ y, long long total, long long inner, int channels) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x)
-    y[i] = fp8_to_f(q[i]) * scale[(i / inner) % channels];
-}
-"""
-
 _ACTS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3, "identity": 4}
 _MODES = {"softmax": 0, "layernorm": 1, "rmsnorm": 2}
 
@@ -179,16 +132,9 @@ def render_rows(mode: str = "softmax", act: str = "gelu", io: str = "f16") -> st
             f"#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n" + ROWS_SOURCE)
 
 
-def render_fp8(e5m2: bool = False, sr: bool = False) -> str:
-    return f"#define E5M2 {int(e5m2)}\n#define SR {int(sr)}\n" + FP8_SOURCE
-
-
 register_source(KernelSource("rows", render_rows, ("ts_rows", "ts_bias_act"),
                              configs=[dict(mode=m, io=io) for m in _MODES for io in ("f16", "bf16", "f32")]
                              + [dict(mode="softmax", act=a) for a in _ACTS if a != "gelu"]))
-register_source(KernelSource("fp8", render_fp8, ("ts_quantize_fp8", "ts_dequantize_fp8"),
-                             configs=[dict(e5m2=e, sr=s) for e in (False, True) for s in (False, True)]))
-
 _GPU_DT = (np.dtype(np.float16), np.dtype(np.float32), resolve_dtype("bf16"))
 
 
@@ -274,66 +220,9 @@ def bias_act_cuda(x: Any, bias: Any = None, *, act: str = "gelu", out: Any = Non
         return mlp.bias_act(x, bias, act=act, out=out, stream=stream, policy=policy)
 
 
-def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", axis: int = -1,
-                      stochastic_round: bool = False, seed: int = 0, out: Any = None, stream: Any = None,
-                      policy: Any = None):
-    """FP8 quantize on the GPU; returns ``(q, scale)`` with ``q`` as uint8 bit patterns (CuPy has
-    no FP8 dtype): view them with ``ml_dtypes`` after ``.get()``."""
-    import cupy
-    if policy is not None:
-        dtype = policy.dtype if policy.quantizes else dtype
-        scale = policy.scale or scale
-        stochastic_round = policy.stochastic_round
-    dt = resolve_dtype(dtype)
-    check_float("quantize_fp8", "x", x, (np.float32, np.float16), min_ndim=0)
-    check_stream("quantize_fp8", stream)
-    check_out("quantize_fp8", out, x.shape, np.uint8, xp=cupy)   # FP8 bit patterns, written in place
-    with launch_stream(stream):
-        xf = cupy.ascontiguousarray(x, dtype=np.float32)
-        s = compute_scale(xf, dt, scale, axis) if isinstance(scale, str) else cupy.asarray(scale, np.float32)
-        ax = axis % max(x.ndim, 1)
-        channels = s.size
-        inner = int(np.prod(x.shape[ax + 1:])) if channels > 1 else 1
-        q = out if out is not None else cupy.empty(x.shape, np.uint8)
-        fn = get_function("fp8", "ts_quantize_fp8", dict(e5m2=dt == resolve_dtype("fp8_e5m2"),
-                                                         sr=bool(stochastic_round)), render_fp8)
-        fn((min(65535, (x.size + 255) // 256),), (256,),
-           (xf, cupy.ascontiguousarray(s.ravel()), q, np.int64(x.size), np.int64(inner), np.int32(channels),
-            np.float32(fp8_max(dt)), np.uint64(seed)))
-    return q, s
-
-
 register_kernel("softmax", "cuda", softmax_cuda)
 for _n in ("layernorm", "layernorm_safe"):
     register_kernel(_n, "cuda", layernorm_cuda)
 for _n in ("rmsnorm", "rmsnorm_safe"):
     register_kernel(_n, "cuda", rmsnorm_cuda)
 register_kernel("bias_act", "cuda", bias_act_cuda)
-register_kernel("quantize_fp8", "cuda", quantize_fp8_cuda)
-
-
-def dequantize_fp8_bits_cuda(bits: Any, scale: Any, dtype="fp8_e4m3", *, axis: int = -1, out: Any = None,
-                             stream: Any = None):
-    """f32 values of FP8 bit patterns on the GPU (``ts_dequantize_fp8``); NumPy reference:
-    ``kernels.fp8.dequantize_fp8_bits``.  ``scale``: one value or one per index of ``axis``."""
-    import cupy
-    dt = resolve_dtype(dtype)
-    check_stream("dequantize_fp8_bits", stream)
-    if bits.dtype != np.uint8:
-        raise TypeError(f"dequantize_fp8_bits: bits must be uint8 FP8 bit patterns, got {bits.dtype}")
-    check_out("dequantize_fp8_bits", out, bits.shape, np.float32, xp=cupy)
-    with launch_stream(stream):
-        q = cupy.ascontiguousarray(bits)
-        s = cupy.ascontiguousarray(cupy.asarray(scale, np.float32).ravel())
-        channels = int(s.size)
-        ax = axis % max(bits.ndim, 1)
-        inner = int(np.prod(bits.shape[ax + 1:])) if channels > 1 else 1
-        y = out if out is not None else cupy.empty(bits.shape, np.float32)
-        fn = get_function("fp8", "ts_dequantize_fp8", dict(e5m2=dt == resolve_dtype("fp8_e5m2"), sr=False),
-                          render_fp8)
-        fn((min(65535, (q.size + 255) // 256),), (256,),
-           (q, s, y, np.int64(q.size), np.int64(inner), np.int32(channels)))
-    return y
-
-
-register_kernel("dequantize_fp8_bits", "cuda", dequantize_fp8_bits_cuda)

@@ -4,7 +4,7 @@
 * ``TokenDispatcher.preprocess``: route (top-k, capacity), learn how many rows each ep
   position sends each local expert, pack this rank's rows in send order;
 * ``dispatch``: send them over ``layer.transport`` and ``unpack`` what arrives into the
-  experts' batch (expert-major, one batched GEMM per weight in ``experts.py``);
+  experts' rows (expert-major, no padding: grouped GEMMs over ragged groups in ``experts.py``);
 * ``combine``: pack the experts' rows back, send them home, weighted sum per token.
 
 The backward runs ``combine_backward``, the experts' backward, then ``dispatch_backward``:
@@ -20,7 +20,10 @@ through the combine weights and into ``x`` and the expert weights through the ex
 
 Exchanges on ``ep`` per forward: the two payload exchanges, plus one of per-expert counts
 when the sizes are not known in advance (dropless routing, or plain-array tokens whose
-per-rank count the layout does not give).  Packing and unpacking run on the ``a2a`` stream,
+per-rank count the layout does not give); the host waits once for those counts (the payload
+exchanges need their sizes).  With one ep position nothing is exchanged and the host never
+waits: the rows stay in send order, which is already expert-major, and the grouped GEMMs read
+the experts' offsets on the device.  Packing and unpacking run on the ``a2a`` stream,
 ordered against ``compute`` with events.  Every staging buffer comes from
 ``DispatchBuffers``: two persistent sets used alternately (seed 004's double buffers), so a
 step allocates nothing once the sizes are seen; under ``ts.grad`` the activations the
@@ -50,34 +53,42 @@ class Dispatch:
     """One call's dispatch: made by ``preprocess``, completed by ``unpack``, read by ``combine``
     and the backward."""
     route: Route            # this rank's routing decision (its ``split``: rows sent to each position)
-    counts: np.ndarray      # (positions, local experts) rows each position sends each local expert
+    counts: np.ndarray | None   # (positions, local experts) rows each position sends each local expert
+    #                         (None: one position, dropless: only on the device, as route.counts)
     recv_rows: list         # rows received from each position
     tokens: int             # this rank's tokens
     send: Any               # (route.send_rows, d) the packed rows
-    rows_at: Any = None     # each received row's row in the experts' batch seen as (-1, d)
+    rows_at: Any = None     # each received row's row in the experts' rows (None: the same row)
+    offsets: Any = None     # (experts + 1,) each expert's first row in the experts' rows (host or device)
     active: Any = None      # expert tiers: the local experts that received rows (None: all)
+
+    def host_counts(self) -> np.ndarray:
+        """``counts`` on the host (with one position and dropless routing, a wait for the device)."""
+        if self.counts is None:
+            self.counts = np.asarray(get_backend().to_host(self.route.counts)).reshape(1, -1)
+        return self.counts
 
 
 class MoESaved(NamedTuple):
     """What ``moe_ffn``'s forward hands its VJP."""
     plan: Dispatch
-    acts: ExpertActs        # the experts' batch and SwiGLU activations
+    acts: ExpertActs        # the experts' rows, offsets and SwiGLU activations
     out_rows: Any           # (T*k, d) each pair's expert output, before the combine weights
     weights: tuple          # (w1, w3, w2) the local experts' arrays the forward used
 
 
-def _rows_index(xp, cnt):
-    """For recv rows (ordered sender-major, then local expert), their row in the expert-major
-    batch flattened to (experts * M, d), and M (the largest local expert's load)."""
+def _expert_rows(cnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows received sender-major (then by local expert) with ``cnt (senders, experts)``:
+    each row's row among the experts' rows (expert-major, senders in order within an expert)
+    and the experts' offsets ``(experts + 1,)``."""
     n, nle = cnt.shape
     per_e = cnt.sum(axis=0)
-    m = int(per_e.max()) if per_e.size else 0
-    off = np.cumsum(cnt, axis=0) - cnt                   # rows of earlier senders, per expert
+    offsets = np.concatenate([[0], np.cumsum(per_e)]).astype(np.int64)
+    before = np.cumsum(cnt, axis=0) - cnt                # rows of earlier senders, per expert
     sizes = cnt.reshape(-1)
     block = np.repeat(np.arange(n * nle), sizes)
     within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    flat = (block % nle) * m + off.reshape(-1)[block] + within
-    return xp.asarray(flat), m
+    return offsets[block % nle] + before.reshape(-1)[block] + within, offsets
 
 
 class TokenDispatcher:
@@ -151,23 +162,24 @@ class TokenDispatcher:
             r = route(xp, pl, k, cap, lay.ranges)
             # rows each sender puts in each local expert's part: the counts (dropless), or the
             # sender's capacity (padded parts), known from x's layout or exchanged for arrays
-            if cap is None:
-                mine = r.counts
-            elif src is None:
-                mine = xp.full(lay.num_experts, cap, dtype=np.int64)
+            if cap is None and n == 1:
+                cnt = None                      # stays on the device: nothing to exchange
+            elif cap is None or src is None:
+                mine = r.counts if cap is None else xp.full(lay.num_experts, cap, dtype=np.int64)
+                cnt, mine_h = lay.transport.counts(mine, lay.ranges, bufs.get("counts", (n * nle,), np.int64))
+                if r.split is None:
+                    r.split = [int(mine_h[a:b].sum()) for a, b in lay.ranges]
             else:
-                mine = None
-            if mine is None:
                 cnt = np.array([[capacity(cf, ts_, k, lay.num_experts)] * nle for ts_ in src], dtype=np.int64)
-            else:
-                cnt = lay.transport.counts(mine, lay.ranges, bufs.get("counts", (n * nle,), np.int64))
             clock.lap("route")
-            kept = r.kept
             tok = xp.arange(t * k) // k
-            send = bufs.get("send", (r.send_rows, d), xl.dtype, zero=cap is not None)
-            send[r.slot[kept]] = xl[tok[kept]]
+            # a dropped pair writes the spare row past the buffer's rows (no mask: no host sync)
+            full = bufs.get("send", (r.send_rows + (cap is not None), d), xl.dtype, zero=cap is not None)
+            full[r.dest] = xl[tok]
+            send = full[:r.send_rows]
             clock.lap("pack")
-        return Dispatch(r, cnt, [int(c) for c in cnt.sum(axis=1)], t, send)
+        recv = [r.send_rows] if cnt is None else [int(c) for c in cnt.sum(axis=1)]
+        return Dispatch(r, cnt, recv, t, send)
 
     def dispatch(self, plan: Dispatch, clock: Clock) -> Any:
         """The packed rows to their experts' positions; returns the rows this rank received.
@@ -189,8 +201,9 @@ class TokenDispatcher:
         return got
 
     def unpack(self, plan: Dispatch, got: Any, fresh: bool, clock: Clock) -> Any:
-        """The received rows as the experts' batch ``(experts, M, d)`` (the active experts only
-        under tiers); ``fresh``: a new array the backward may keep, not a staging buffer.
+        """The received rows as the experts' rows ``(R, d)``, expert-major with no padding (the
+        active experts only under tiers), and ``plan.offsets``; ``fresh``: a new array the
+        backward may keep, not a staging buffer.
 
         Parameters
         ----------
@@ -206,17 +219,28 @@ class TokenDispatcher:
         Returns
         -------
         array
-            ``(experts, M, d)``.
+            ``(R, d)``.
         """
-        xp = get_backend().xp
+        xp, lay = get_backend().xp, self.layer
         with A2AStream():
-            cnt = plan.counts if plan.active is None else plan.counts[:, plan.active]
-            plan.rows_at, m = _rows_index(xp, cnt)
-            shape = (cnt.shape[1], m, got.shape[1])
-            xe = xp.zeros(shape, got.dtype) if fresh else self.layer.buffers.get("xe", shape, got.dtype, zero=True)
-            xe.reshape(-1, shape[2])[plan.rows_at] = got
+            if lay.ep_size == 1:
+                # one sender: the rows arrive in send order, expert-major already
+                plan.rows_at = None
+                if plan.counts is None:
+                    plan.offsets = plan.route.bounds            # on the device: the host never reads it
+                else:
+                    cnt = plan.counts if plan.active is None else plan.counts[:, plan.active]
+                    plan.offsets = np.concatenate([[0], np.cumsum(cnt.sum(axis=0))]).astype(np.int64)
+                xr = got.copy() if fresh else got
+            else:
+                cnt = plan.counts if plan.active is None else plan.counts[:, plan.active]
+                rows_at, plan.offsets = _expert_rows(cnt)
+                plan.rows_at = xp.asarray(rows_at)
+                shape = (int(rows_at.size), got.shape[1])
+                xr = xp.empty(shape, got.dtype) if fresh else lay.buffers.get("xr", shape, got.dtype)
+                xr[plan.rows_at] = got                          # a permutation: every row written once
             clock.lap("pack")
-        return xe
+        return xr
 
     def combine(self, plan: Dispatch, ye: Any, clock: Clock) -> tuple:
         """The experts' rows back home, summed per token with the combine weights: ``y (T, d)``
@@ -227,7 +251,7 @@ class TokenDispatcher:
         plan : Dispatch
             ``preprocess``'s result.
         ye : array
-            The experts' outputs ``(experts, M, d)``.
+            The experts' output rows ``(R, d)``.
         clock : Clock
             Times the phases (``MoEAux``'s timings).
 
@@ -239,8 +263,10 @@ class TokenDispatcher:
         xp, lay, r = get_backend().xp, self.layer, plan.route
         d = ye.shape[-1]
         with A2AStream():
-            back_send = lay.buffers.get("back_send", (int(plan.rows_at.size), d), plan.send.dtype)
-            xp.take(ye.reshape(-1, d), plan.rows_at, axis=0, out=back_send)
+            back_send = ye
+            if plan.rows_at is not None:
+                back_send = lay.buffers.get("back_send", (int(plan.rows_at.size), d), plan.send.dtype)
+                xp.take(ye, plan.rows_at, axis=0, out=back_send)
             clock.lap("pack")
         back = self.send(back_send, plan.recv_rows, r.split, "back", lay.quantize_fp8)
         clock.lap("exchange")
@@ -251,10 +277,10 @@ class TokenDispatcher:
             clock.lap("combine")
         return y, o
 
-    def combine_backward(self, plan: Dispatch, gy: Any, o: Any, pl: Any, batch: tuple, clock: Clock) -> tuple:
+    def combine_backward(self, plan: Dispatch, gy: Any, o: Any, pl: Any, clock: Clock) -> tuple:
         """From the cotangent ``gy (T, d)`` of ``y``: the probabilities' (through the combine
-        weights; ``pl``'s shape) and the experts' outputs' ``gye`` (``batch`` = (experts, M),
-        the forward's batch), sent back to the experts' positions.
+        weights; ``pl``'s shape) and the experts' output rows' ``gye (R, d)``, sent back to the
+        experts' positions.
 
         Parameters
         ----------
@@ -266,8 +292,6 @@ class TokenDispatcher:
             ``combine``'s per-pair outputs.
         pl : array
             The probabilities.
-        batch : tuple
-            ``(experts, M)``.
         clock : Clock
             Times the phases (``MoEAux``'s timings).
 
@@ -281,32 +305,37 @@ class TokenDispatcher:
         k, kept = lay.top_k, r.kept
         gdt = lay.grad_dtype(gy.dtype)
         # combine: y_t = sum_j w_tj o_tj, w = top / sum(top)
-        gw = xp.matmul(o.reshape(t, k, d), gy[:, :, None])[..., 0] * kept.reshape(t, k)
+        # a product and a sum, not a batched matmul (CuPy 14.2's refuses bf16)
+        gw = (o.reshape(t, k, d) * gy[:, None, :]).sum(axis=-1) * kept.reshape(t, k)
         gtop = (gw - (gw * r.weight).sum(axis=1, keepdims=True)) / r.denom
         gp = xp.zeros(pl.shape, pl.dtype)
         e_all = pl.shape[1]                   # put_along_axis, spelled with a flat index (CuPy has no put_along_axis)
         gp.reshape(-1)[(xp.arange(t)[:, None] * e_all + r.idx).reshape(-1)] = gtop.astype(pl.dtype).reshape(-1)
-        # the cotangent of each kept pair's expert output goes back where the pair came from
+        # the cotangent of each kept pair's expert output goes back where the pair came from (a
+        # dropped pair's goes to the spare row past the buffer's rows: no mask, no host sync)
         tok = xp.arange(t * k) // k
-        wk = r.weight.reshape(-1)[kept].astype(gy.dtype)
-        gsend = lay.buffers.get("gsend", (r.send_rows, d), gdt, zero=True)
-        gsend[r.slot[kept]] = (gy[tok[kept]] * wk[:, None]).astype(gdt)
+        wk = (r.weight.reshape(-1) * kept).astype(gy.dtype)
+        capped = lay.capacity_factor is not None
+        full = lay.buffers.get("gsend", (r.send_rows + capped, d), gdt, zero=capped)
+        full[r.dest] = (gy[tok] * wk[:, None]).astype(gdt)
         clock.lap("bwd_combine")
-        grecv = self.send(gsend, r.split, plan.recv_rows, "grecv", False)
+        grecv = self.send(full[:r.send_rows], r.split, plan.recv_rows, "grecv", False)
         clock.lap("bwd_exchange")
-        gye = lay.buffers.get("gye", tuple(batch) + (d,), gy.dtype, zero=True)
-        gye.reshape(-1, d)[plan.rows_at] = grecv
+        if plan.rows_at is None:
+            return gp, grecv
+        gye = lay.buffers.get("gye", grecv.shape, gy.dtype)
+        gye[plan.rows_at] = grecv
         return gp, gye
 
     def dispatch_backward(self, plan: Dispatch, dxe: Any, dtype: Any, clock: Clock) -> Any:
-        """The cotangent of the dispatched rows ``dxe`` back to their tokens: ``dx (T, d)``.
+        """The cotangent of the experts' rows ``dxe (R, d)`` back to their tokens: ``dx (T, d)``.
 
         Parameters
         ----------
         plan : Dispatch
             ``preprocess``'s result.
         dxe : array
-            ``(experts, M, d)``.
+            ``(R, d)``.
         dtype : dtype
             The cotangent's dtype.
         clock : Clock
@@ -318,9 +347,12 @@ class TokenDispatcher:
             ``dx (T, d)``.
         """
         xp, lay, r = get_backend().xp, self.layer, plan.route
-        d = dxe.shape[-1]
-        dsend = lay.buffers.get("dsend", (int(plan.rows_at.size), d), lay.grad_dtype(dtype))
-        dsend[...] = xp.take(dxe.reshape(-1, d), plan.rows_at, axis=0)
+        d, gdt = dxe.shape[-1], lay.grad_dtype(dtype)
+        if plan.rows_at is None:
+            dsend = dxe if dxe.dtype == gdt else dxe.astype(gdt)
+        else:
+            dsend = lay.buffers.get("dsend", dxe.shape, gdt)
+            dsend[...] = xp.take(dxe, plan.rows_at, axis=0)
         clock.lap("bwd_experts")
         dback = self.send(dsend, plan.recv_rows, r.split, "dback", False)
         clock.lap("bwd_exchange")
@@ -375,10 +407,10 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
     plan = dsp.preprocess(x, _local(x, None, None), _local(probs, None, None), clock)
     got = dsp.dispatch(plan, clock)
     if layer.prefetch is not None:             # tiers: only the experts that got rows, from the cache
-        plan.active = np.nonzero(plan.counts.sum(axis=0))[0]
+        plan.active = np.nonzero(plan.host_counts().sum(axis=0))[0]
         ws = layer.prefetch.gather(plan.active, w1, w3, w2)
-    xe = dsp.unpack(plan, got, save, clock)
-    ye, acts = swiglu_experts(xe, *ws)
+    xr = dsp.unpack(plan, got, save, clock)
+    ye, acts = swiglu_experts(xr, plan.offsets, *ws, save=save)
     clock.lap("experts")
     y, o = dsp.combine(plan, ye, clock)
     info = {"route": plan.route, "counts": plan.counts, "tokens": plan.tokens}
@@ -441,9 +473,9 @@ def _moe_vjp(g, out, args, kw, needs):
     if type(g) is DTensor and g.layout != x.layout:
         g = g.redistribute(x.layout)          # e.g. a pending sum over tp from a row-parallel layer
     gy = g._local if type(g) is DTensor else g
-    gp, gye = dsp.combine_backward(plan, gy, s.out_rows, _local(probs, None, None), s.acts.xe.shape[:2], clock)
-    dxe, *gws = swiglu_experts_backward(gye, s.acts, *s.weights, layer.buffers)
-    dx = dsp.dispatch_backward(plan, dxe, gy.dtype, clock)
+    gp, gye = dsp.combine_backward(plan, gy, s.out_rows, _local(probs, None, None), clock)
+    dxr, *gws = swiglu_experts_backward(gye, s.acts, *s.weights)
+    dx = dsp.dispatch_backward(plan, dxr, gy.dtype, clock)
     lo, hi = layer.ranges[layer.ep_index]
     part = layer.token_axes_besides_ep(x)
     grads = []

@@ -1,61 +1,94 @@
-"""The local experts: a SwiGLU FFN over the expert-major batch ``xe (experts, M, d)``, one
-batched GEMM per weight, and its backward (seed 002 §2.7).  Nothing here communicates: the
-dispatcher fills ``xe`` and takes the output rows back."""
+"""The local experts: a SwiGLU FFN over the experts' rows, grouped GEMMs over ragged groups
+(seed 002 §2.7).  Nothing here communicates: the dispatcher fills the rows and takes the
+output rows back.
+
+The batch is ``xr (R, d)``: expert 0's rows, then expert 1's, ... with ``offsets (E+1,)``
+(``offsets[e]`` the first row of expert ``e``; NumPy on the host, or a device array that the
+host never reads).  No expert is padded: each grouped GEMM (``kernels.grouped_gemm``, one
+launch on the GPU, one BLAS call per expert on the CPU) multiplies every expert's own rows.
+Forward: ``h1, h3 = x @ w1, x @ w3`` (one pass over x), ``a = silu(h1) * h3``, ``y = a @ w2``;
+without a backward to feed, the fused ``grouped_swiglu`` skips ``h1``/``h3``.  Backward: the
+fused SwiGLU gradient and four grouped products, ``dx = dh1 @ w1.T + dh3 @ w3.T`` in one.
+"""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from ..backend import get_backend
 
 __all__ = ["ExpertActs", "swiglu_experts", "swiglu_experts_backward"]
 
-_T = (0, 2, 1)                   # transposed views: BLAS reads them with its trans flags
-
 
 class ExpertActs(NamedTuple):
-    """The activations the experts' backward reads: ``silu(h1) * h3 @ w2`` with
-    ``h1 = xe @ w1``, ``h3 = xe @ w3``, ``sig = sigmoid(h1)``, ``act = silu(h1)``, ``a = act * h3``."""
-    xe: Any
+    """What the experts' backward reads: the rows ``xr``, their ``offsets``, ``h1 = xr @ w1``,
+    ``h3 = xr @ w3`` and ``a = silu(h1) * h3`` (all ``(R, .)``, None when not saved)."""
+    xr: Any
+    offsets: Any
     h1: Any
     h3: Any
-    sig: Any
-    act: Any
     a: Any
 
 
-def swiglu_experts(xe, w1, w3, w2) -> tuple[Any, ExpertActs]:
-    """``ye (experts, M, d)`` and the activations its backward needs."""
-    xp = get_backend().xp
-    mm = get_backend().kernel("matmul", like=xe)
-    h1, h3 = mm(xe, w1), mm(xe, w3)
-    # in place: each temporary of this size is a fresh allocation and its page faults
-    sig = xp.negative(h1)
-    xp.exp(sig, out=sig)
-    sig += 1
-    xp.reciprocal(sig, out=sig)                            # sigmoid(h1)
-    act = h1 * sig                                         # silu(h1)
-    a = act * h3
-    return mm(a, w2), ExpertActs(xe, h1, h3, sig, act, a)
+def swiglu_experts(xr, offsets, w1, w3, w2, save: bool = True) -> tuple[Any, ExpertActs]:
+    """``ye (R, d)``: each expert's rows through its SwiGLU FFN; and the activations its
+    backward needs (``save``).
+
+    Parameters
+    ----------
+    xr : array
+        ``(R, d)`` the experts' rows, expert-major.
+    offsets : array
+        ``(E + 1,)`` each expert's first row (host or device).
+    w1, w3 : array
+        ``(E, d, f)``.
+    w2 : array
+        ``(E, f, d)``.
+    save : bool
+        Keep ``h1``, ``h3``, ``a`` for the backward.
+
+    Returns
+    -------
+    tuple
+        ``(ye, ExpertActs)``.
+    """
+    kern = get_backend().kernel
+    w1, w3, w2 = (w if w.dtype == xr.dtype else w.astype(xr.dtype) for w in (w1, w3, w2))
+    if not save and not isinstance(offsets, np.ndarray):
+        # device offsets (the grouped kernels): one pass for silu(x@w1) * (x@w3), no h1/h3
+        a = kern("grouped_swiglu", like=xr)(xr, w1, w3, offsets)
+        return kern("grouped_matmul", like=a)(a, w2, offsets), ExpertActs(xr, offsets, None, None, None)
+    h1, h3 = kern("grouped_dual_matmul", like=xr)(xr, w1, w3, offsets)
+    a = kern("swiglu_gate", like=h1)(h1, h3)
+    ye = kern("grouped_matmul", like=a)(a, w2, offsets)
+    return ye, ExpertActs(xr, offsets, h1, h3, a) if save else ExpertActs(xr, offsets, None, None, None)
 
 
-def swiglu_experts_backward(gye, acts: ExpertActs, w1, w3, w2, buffers) -> tuple:
-    """``(dxe, gw1, gw3, gw2)`` from the output cotangent ``gye`` (experts, M, d)."""
-    xp = get_backend().xp
-    mm = get_backend().kernel("matmul", like=acts.xe)
-    gw2 = mm(acts.a.transpose(_T), gye)
-    da = mm(gye, w2.transpose(_T))
-    dh3 = da * acts.act
-    da *= acts.h3
-    sig = acts.sig
-    dsilu = buffers.get("dsilu", sig.shape, sig.dtype)
-    xp.subtract(1, sig, out=dsilu)       # d silu / d h1 = sig * (1 + h1 * (1 - sig)), in place
-    dsilu *= acts.h1
-    dsilu += 1
-    dsilu *= sig
-    da *= dsilu
-    dh1 = da
-    xet = acts.xe.transpose(_T)
-    gw1, gw3 = mm(xet, dh1), mm(xet, dh3)
-    dxe = mm(dh1, w1.transpose(_T))
-    dxe += mm(dh3, w3.transpose(_T))
-    return dxe, gw1, gw3, gw2
+def swiglu_experts_backward(gye, acts: ExpertActs, w1, w3, w2) -> tuple:
+    """``(dxr, gw1, gw3, gw2)`` from the output rows' cotangent ``gye (R, d)``.
+
+    Parameters
+    ----------
+    gye : array
+        ``(R, d)``.
+    acts : ExpertActs
+        The forward's saved activations.
+    w1, w3, w2 : array
+        The forward's weights.
+
+    Returns
+    -------
+    tuple of array
+        ``dxr (R, d)`` and the weights' gradients in their shapes.
+    """
+    kern = get_backend().kernel
+    like, off = acts.xr, acts.offsets
+    w1, w3, w2 = (w if w.dtype == like.dtype else w.astype(like.dtype) for w in (w1, w3, w2))
+    gye = gye if gye.dtype == like.dtype else gye.astype(like.dtype)
+    gw2 = kern("grouped_matmul_wgrad", like=like)(acts.a, gye, off)                     # a.T @ gy per expert
+    da = kern("grouped_matmul", like=like)(gye, w2, off, trans_w=True)                # gy @ w2.T
+    dh1, dh3 = kern("swiglu_backward", like=da)(da, acts.h1, acts.h3)
+    gw1, gw3 = kern("grouped_matmul_wgrad_dual", like=like)(acts.xr, dh1, dh3, off)    # one pass over x
+    dxr = kern("grouped_matmul", like=like)(dh1, w1, off, trans_w=True, x2=dh3, w2=w3)
+    return dxr, gw1, gw3, gw2

@@ -46,16 +46,20 @@ def topk(xp, probs, k: int):
 class Route:
     """One rank's routing decision.  ``slot[p]`` is pair p's row in the send buffer (rows are
     expert-major: experts in order, each expert's pairs in token order), ``kept[p]`` whether
-    it fits the capacity, ``weight`` (T, k) the renormalized probabilities."""
+    it fits the capacity, ``weight`` (T, k) the renormalized probabilities.  Nothing here is
+    read on the host: ``split`` (rows to each ep position) is known without the device under a
+    capacity, and filled in by the dispatcher, from its one wait for the counts, when dropless."""
     idx: Any            # (T, k) experts
     weight: Any         # (T, k) combine weights (sum to 1 per token)
     denom: Any          # (T, 1) sum of the top-k probabilities (for the gradient)
     kept: Any           # (T*k,) bool
     slot: Any           # (T*k,) row in the send buffer (0 for dropped pairs: weight 0)
+    dest: Any           # (T*k,) the row a pair's scatter writes: slot, or send_rows (a spare row) if dropped
     counts: Any         # (E,) pairs sent per expert after capacity (int64)
     routed: Any         # (E,) pairs routed per expert before capacity
+    bounds: Any         # (E+1,) dropless: each expert's first row in the send buffer, then send_rows
     send_rows: int      # rows of the send buffer
-    split: list         # rows sent to each ep position
+    split: list | None  # rows sent to each ep position (None: dropless, not yet read)
 
     @property
     def dropped(self) -> int:
@@ -64,32 +68,37 @@ class Route:
 
 def route(xp, probs, k: int, cap: int | None, ranges: list[tuple[int, int]]) -> Route:
     """Route this rank's tokens: top-k, renormalize, assign slots under capacity ``cap``
-    (None: every pair is kept; rows are then packed with no padding)."""
+    (None: every pair is kept; rows are then packed with no padding).  No host sync: the
+    per-expert counts come from a sort and a binary search on the device."""
     t, e = probs.shape
     idx = topk(xp, probs, k)
     top = xp.take_along_axis(probs, idx, axis=1)
     denom = top.sum(axis=1, keepdims=True)
     weight = top / denom
-    flat = idx.reshape(-1)
-    routed = xp.bincount(flat, minlength=e).astype(np.int64)
+    flat = idx.reshape(-1).astype(np.int64)
     # expert-major, token order within an expert: unique keys make any sort give this order
-    order = xp.argsort(flat.astype(np.int64) * flat.size + xp.arange(flat.size))
-    starts = xp.cumsum(routed) - routed
+    order = xp.argsort(flat * flat.size + xp.arange(flat.size))
+    sorted_e = flat[order]
+    bounds = xp.searchsorted(sorted_e, xp.arange(e + 1, dtype=np.int64))     # pairs before each expert
+    routed = (bounds[1:] - bounds[:-1]).astype(np.int64)
+    starts = bounds[:-1]
     pos = xp.empty_like(flat)
-    pos[order] = xp.arange(flat.size) - starts[flat[order]]
+    pos[order] = xp.arange(flat.size) - starts[sorted_e]
     if cap is None:
         kept = xp.ones(flat.size, dtype=bool)
         counts = routed
         slot = starts[flat] + pos
         rows = int(flat.size)
-        split = [int(routed[lo:hi].sum()) for lo, hi in ranges]
+        dest = slot
+        split = [rows] if len(ranges) == 1 else None
     else:
         kept = pos < cap
         counts = xp.minimum(routed, cap)
         slot = xp.where(kept, flat * cap + pos, 0)
         rows = e * cap
+        dest = xp.where(kept, slot, rows)
         split = [(hi - lo) * cap for lo, hi in ranges]
-    return Route(idx, weight, denom, kept, slot, counts, routed, rows, split)
+    return Route(idx, weight, denom, kept, slot, dest, counts, routed, bounds, rows, split)
 
 
 def gate_noise(seed: int, step: int, shape: tuple, rows: slice, std: float) -> np.ndarray:

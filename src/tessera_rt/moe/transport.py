@@ -70,9 +70,10 @@ class Transport(abc.ABC):
             ``out``.
         """
 
-    def counts(self, mine: object, ranges: list, out: object) -> np.ndarray:
+    def counts(self, mine: object, ranges: list, out: object) -> tuple[np.ndarray, np.ndarray]:
         """Per-expert row counts: ``mine`` (E,) this rank sends to each expert; returns the host
-        (positions, local experts) counts every position sends this rank's experts.
+        (positions, local experts) counts every position sends this rank's experts, and
+        ``mine`` on the host (one wait for both: the payload exchanges need both sizes).
 
         Parameters
         ----------
@@ -85,13 +86,15 @@ class Transport(abc.ABC):
 
         Returns
         -------
-        numpy.ndarray
-            ``(positions, local experts)``.
+        tuple of numpy.ndarray
+            ``(positions, local experts)`` counts and ``(E,)`` ``mine``.
         """
         xp = get_backend().xp
         nle = ranges[self.index][1] - ranges[self.index][0]
-        got = self.exchange(xp.ascontiguousarray(mine), [hi - lo for lo, hi in ranges], [nle] * self.size, out)
-        return np.asarray(get_backend().to_host(got)).reshape(self.size, nle)
+        mine = xp.ascontiguousarray(mine).astype(np.int64, copy=False)
+        got = self.exchange(mine, [hi - lo for lo, hi in ranges], [nle] * self.size, out)
+        both = np.asarray(get_backend().to_host(xp.concatenate([got.reshape(-1), mine])))
+        return both[:self.size * nle].reshape(self.size, nle), both[self.size * nle:]
 
 
 class AllToAll(Transport):
