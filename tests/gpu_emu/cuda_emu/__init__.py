@@ -3,8 +3,9 @@
 ``compile_module(code)`` builds a kernel source into a shared library: the source is
 force-included after ``include/cuda_emu.h`` (the device language on the host), with
 ``include/`` ahead of the system headers so that ``<cuda_fp16.h>`` & co. are the emulated
-ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync, ldmatrix,
-cp.async with its commit/wait groups).  The
+ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync m16n8k16
+f16/bf16 and m16n8k8 tf32, ldmatrix, cp.async with its commit/wait groups; ``cuda_emu.h`` has
+cvt.rna.tf32.f32).  The
 kernel translation unit is compiled with ``-fsanitize=thread`` but linked without libtsan:
 the runtime defines the ``__tsan_*`` callbacks, so every global and shared memory access
 is checked (bounds against the launch's buffers, alignment, shared-memory races).
