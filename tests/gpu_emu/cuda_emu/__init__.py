@@ -307,6 +307,16 @@ class Module:
             self._lib.ts_emu_name_shared(ctypes.c_ulonglong(offset), ctypes.c_ulonglong(size), sym)
         self._functions: dict[str, Function] = {}
 
+    def set_tf32_accumulation(self, model: str) -> str:
+        """How this module's mma.sync m16n8k8 .tf32 sums: "nearest" (sequential f32 adds rounded
+        to nearest, the default) or "truncate" (the A100 model of runtime.cpp: groups of four k
+        aligned to the largest term without guard bits, truncated toward zero).  Returns the
+        previous model."""
+        models = ("nearest", "truncate")
+        if model not in models:
+            raise ValueError(f"tf32 accumulation {model!r}: use one of {models}")
+        return models[self._lib.ts_emu_set_tf32_accumulation(models.index(model))]
+
     def get_function(self, name: str) -> "Function":
         if name not in self.entries:
             raise EmuError(f"cuda_emu: module {self.name} has no extern \"C\" __global__ function {name!r}; "

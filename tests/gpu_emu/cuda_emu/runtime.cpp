@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <mutex>
 #include <random>
 #include <string>
@@ -373,6 +375,36 @@ void compute_mma(Warp& w) {
 // largest and truncates: a few f32 ulps apart at most, not modelled).
 float tf32_operand(unsigned reg) { return std::bit_cast<float>(reg & 0xffffe000u); }
 
+// How the tf32 MMA sums (ts_emu_set_tf32_accumulation): 0, sequential f32 adds rounded to
+// nearest (as the f16/bf16 model); 1, a model of the A100's tensor cores after Fasi, Higham,
+// Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor cores" (PeerJ CS, 2021): for each
+// group of four k, c and the four exact products are aligned to the largest in magnitude with
+// no guard bits (each truncated toward zero at that one's f32 ulp), summed, and the sum is
+// truncated toward zero to f32.  Biased toward zero, so an upper estimate of the hardware's
+// accumulation error, for checking that a kernel's accuracy does not rest on round-to-nearest.
+int g_tf32_accumulation = 0;
+
+float truncate_to_f32(double x) {
+  float r = (float)x;
+  if (std::isfinite(r) && fabs((double)r) > fabs(x)) r = nextafterf(r, 0.f);
+  return r;
+}
+
+float fused_group(float c, const float* a, const float* b, int n) {
+  double terms[5] = {c, 0, 0, 0, 0};
+  for (int i = 0; i < n; ++i) terms[i + 1] = (double)a[i] * (double)b[i];   // exact: 11 x 11 bits
+  int emax = INT32_MIN;
+  for (int i = 0; i <= n; ++i) {
+    if (!std::isfinite(terms[i])) return (float)(terms[0] + terms[1] + terms[2] + terms[3] + terms[4]);
+    if (terms[i] != 0) emax = std::max(emax, std::ilogb(terms[i]));
+  }
+  if (emax == INT32_MIN) return c + 0.f;
+  const double ulp = std::ldexp(1.0, emax - 23);
+  double sum = 0;
+  for (int i = 0; i <= n; ++i) sum += std::trunc(terms[i] / ulp) * ulp;   // exact: multiples of ulp below 2^28 ulp
+  return truncate_to_f32(sum);
+}
+
 void compute_mma_tf32(Warp& w) {
   float A[16][8], B[8][8];
   for (int l = 0; l < 32; ++l) {
@@ -384,7 +416,17 @@ void compute_mma_tf32(Warp& w) {
     B[t][g] = tf32_operand(w.b[l][0]);
     B[t + 4][g] = tf32_operand(w.b[l][1]);
   }
-  accumulate(w, A, B);
+  if (!g_tf32_accumulation) return accumulate(w, A, B);
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r >> 1) * 8, col = 2 * t + (r & 1);
+      float acc = w.c[l][r], bk[8];
+      for (int k = 0; k < 8; ++k) bk[k] = B[k][col];
+      acc = fused_group(acc, A[row], bk, 4);
+      w.d[l][r] = fused_group(acc, A[row] + 4, bk + 4, 4);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------- memory checks
@@ -791,6 +833,14 @@ TS_EMU_EXPORT void __tsan_init(void) {}
 
 // ------------------------------------------------------------------------------- host API (ctypes)
 TS_EMU_EXPORT unsigned long long ts_emu_static_smem_bytes(void) { return static_bytes(); }
+
+// The tf32 MMA's summation model (g_tf32_accumulation); returns the previous one.
+TS_EMU_EXPORT int ts_emu_set_tf32_accumulation(int model) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const int before = g_tf32_accumulation;
+  g_tf32_accumulation = model;
+  return before;
+}
 
 // Names static __shared__ variables in race messages (offsets within the section).
 TS_EMU_EXPORT void ts_emu_name_shared(unsigned long long offset, unsigned long long size, const char* name) {
