@@ -16,8 +16,8 @@ Conventions, mapped once here:
   natural log, shape ``(B, H, Sq, 1)`` f32 (the frontend's reference, test/python/sdpa): the
   project's ``lse (B, H, Sq)``, the same memory with a unit last dim, no conversion.
 
-Only f16/bf16: f32 attention keeps the project's exact GEMM path (``attention_gemm_cuda``)
-unless the float32 matmul precision is "medium", which allows bf16 (``kernels.precision``).
+Only f16/bf16: f32 attention keeps the project's f32 flash kernels (``flash_f32_cuda``, 3xTF32
+or TF32) unless the float32 matmul precision is "medium", which allows bf16 (``kernels.precision``).
 The backward asks cuDNN for its deterministic algorithm, as the project's own backward is.
 """
 from __future__ import annotations
