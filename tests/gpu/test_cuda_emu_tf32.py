@@ -5,8 +5,9 @@ ties away from zero, to 10 mantissa bits; subnormals, overflow, infinities and N
 The MMA is checked against NumPy through test kernels that load the fragments by the PTX ISA's
 table (directly, and by ldmatrix from f32 rows in shared memory); planted fragment mistakes
 must give numbers the comparison rejects.  An operand passed without the cvt is truncated to
-its top 19 bits, as sm_80/sm_90 tensor cores read it; and 3xTF32 (hi = tf32(x),
-lo = tf32(x - hi), three MMAs) is f32-accurate where one TF32 MMA is not.
+its top 19 bits, as sm_80/sm_90 tensor cores read it; 3xTF32 (hi = tf32(x),
+lo = tf32(x - hi), three MMAs) is f32-accurate where one TF32 MMA is not; and the optional
+truncating summation model (the A100's, after Fasi et al. 2021) sums as its NumPy model does.
 """
 import numpy as np
 import pytest
@@ -161,6 +162,49 @@ def test_3xtf32_is_f32_accurate_where_one_tf32_mma_is_not(tf32_module):
     err3 = np.abs(run_mma(tf32_module, a, b, c, 4) - exact).max() / scale
     err1 = np.abs(run_mma(tf32_module, a, b, c, 0) - exact).max() / scale
     assert err3 < 1e-6 and err1 > 1e-4, (err3, err1)
+
+
+def truncating_model(a, b, c):
+    """The A100 summation model, from NumPy: per output and per group of four k, c and the exact
+    products aligned to the largest (each truncated toward zero at its f32 ulp), summed, and the
+    sum truncated toward zero to f32."""
+    a64, b64 = rna_model(a).astype(np.float64), rna_model(b).astype(np.float64)
+    out = c.astype(np.float32).copy()
+    for i in range(16):
+        for j in range(8):
+            acc = out[i, j]
+            for k0 in range(0, a.shape[1], 4):
+                terms = np.array([acc] + [a64[i, k] * b64[k, j] for k in range(k0, k0 + 4)], np.float64)
+                nz = terms[terms != 0]
+                if nz.size == 0:
+                    continue
+                ulp = np.ldexp(1.0, int(np.max(np.frexp(nz)[1])) - 1 - 23)     # frexp: x = m 2^e, m in [0.5, 1)
+                total = float(np.sum(np.trunc(terms / ulp) * ulp))
+                r = np.float32(total)
+                if abs(float(r)) > abs(total):
+                    r = np.nextafter(r, np.float32(0))
+                acc = r
+            out[i, j] = acc
+    return out
+
+
+def test_the_truncating_summation_model(tf32_module):
+    """set_tf32_accumulation("truncate"): each group of four k summed as the model above says, bit
+    for bit; biased toward zero where every product is positive; "nearest" restored after."""
+    a, b, c = operands(ksteps=2, seed=5)
+    before = tf32_module.set_tf32_accumulation("truncate")
+    try:
+        got = run_mma(tf32_module, a, b, c, 0).astype(np.float32)
+        pos = run_mma(tf32_module, np.abs(a), np.abs(b), np.abs(c), 0)
+    finally:
+        assert tf32_module.set_tf32_accumulation(before) == "truncate"
+    np.testing.assert_array_equal(got, truncating_model(a, b, c))
+    exact = rna_model(np.abs(a)).astype(np.float64) @ rna_model(np.abs(b)).astype(np.float64) + np.abs(c)
+    assert (pos <= exact).all() and (pos < exact).any()
+    nearest = run_mma(tf32_module, a, b, c, 0).astype(np.float32)
+    assert not np.array_equal(nearest, got)
+    with pytest.raises(ValueError, match="tf32 accumulation"):
+        tf32_module.set_tf32_accumulation("stochastic")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

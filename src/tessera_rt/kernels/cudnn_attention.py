@@ -191,8 +191,8 @@ class CudnnProvider(Provider):
         if dt == _F32:
             if f32_compute() == "bf16":
                 return _BF16, None
-            return None, ("float32: cuDNN's fused attention takes f16/bf16; f32 keeps the project's exact "
-                          "GEMM path (set_float32_matmul_precision('medium') allows bf16)")
+            return None, ("float32: cuDNN's fused attention takes f16/bf16; f32 keeps the project's f32 "
+                          "kernels (set_float32_matmul_precision('medium') allows bf16)")
         return None, f"{dtype_name(dt)}: cuDNN's fused attention takes f16/bf16"
 
     def head_dim(self, d: int, kind: str = "prefill") -> str | None:
