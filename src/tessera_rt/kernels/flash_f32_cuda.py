@@ -12,10 +12,11 @@ equals x to 2^-22 relative; the dropped lo_a lo_b is below 2^-22 |a b|; the thre
 products are exact in f32 and summed in f32.  So each product is within a few 2^-23 of
 a b -- f32's own rounding of a product is 2^-24 -- and the errors of a dot product over the
 head dim (or a tile of keys) are random in sign: scores, P V and the gradients come out within
-~1e-6 of float64, like the f32 GEMMs this replaces.  The cost is three MMAs per product
-(TF32 runs at half the f16 rate: 3xTF32 is 6x the f16 kernel's tensor work per product, about
-the rate of f32 FMA on the SIMT units, on a tensor pipe that runs beside them), plus the
-splits (two cvt and a subtraction per fragment element loaded).  ``precision="tf32"`` (the
+~1e-6 of float64, like the f32 GEMMs this replaces.  The cost is three MMAs per product:
+TF32 runs at half the f16 rate, so 3xTF32 takes 6x the f16 kernel's tensor time per product;
+by the datasheets' peaks that is still ~2.5x f32 FMA on the SIMT units (A100 52 vs 19.5
+TFLOPS, H100 SXM 165 vs 67).  Plus the splits: two cvt.rna and a subtraction per fragment
+element loaded (about 1.7 cvt per MMA in the PTX), on the ALUs beside the tensor pipe.  ``precision="tf32"`` (the
 float32 matmul precision "high") keeps hi only: one MMA, TF32's ~1e-3 relative error.
 
 Tiles are f32 in shared memory, rows padded to LD = D + 4 floats: 16-byte cp.async chunks,
