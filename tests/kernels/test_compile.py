@@ -34,7 +34,7 @@ def test_source_compiles_and_fits(case):
         assert u.spill_stores == 0 and u.spill_loads == 0, f"spills: {u}"
         assert u.smem_static <= 48 * 1024, u
         if src.smem_dynamic is not None:
-            dyn = src.smem_dynamic(**cfg, kernel=entry) if name == "flash_attention" else src.smem_dynamic(**cfg)
+            dyn = src.smem_dynamic(**cfg, kernel=entry) if name.startswith("flash_attention") else src.smem_dynamic(**cfg)
             assert dyn <= 227 * 1024, (entry, dyn)
 
 
@@ -46,6 +46,23 @@ def test_tensor_core_kernels_use_mma_ldmatrix_and_cp_async():
                       "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
                       "cp.async.wait_group"):
             assert instr in ptx, (name, instr)
+
+
+def test_f32_attention_runs_tf32_mma_without_fast_math_and_fits_sm80():
+    """The f32 flash kernels: TF32 MMAs on cvt.rna-rounded operands, ldmatrix and cp.async, no
+    flush-to-zero or approximate log/reciprocal (compiled without fast math), and shared memory
+    within sm_80's 163 KiB per block for every head-dim bucket."""
+    from tessera_rt.kernels.flash_f32_cuda import FLASH32_CONFIGS, flash32_smem_bytes
+    src = SOURCES["flash_attention_f32"]
+    assert not src.fast_math
+    ptx = nvrtc_compile(src.render(head_dim=64), "f32.cu", "sm_80", fast_math=False)
+    for instr in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
+                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global", "rcp.rn.f32"):
+        assert instr in ptx, instr
+    assert ".ftz" not in ptx and "lg2.approx" not in ptx and "m16n8k16" not in ptx
+    for d in FLASH32_CONFIGS:
+        for entry in src.entries:
+            assert flash32_smem_bytes(d, entry) <= 163 * 1024, (d, entry)
 
 
 def test_gemm_shared_memory_is_dynamic_and_fits():

@@ -198,7 +198,7 @@ def test_attention_falls_back_to_the_own_kernel_and_says_why(fake_vendor, notes,
         assert len(fake_vendor.cudnn.LOG["graphs"]) == 1 and cudnn_attention.graph_cache_info()["refused"] == 1
 
 
-def test_f32_keeps_the_exact_gemm_path(fake_vendor, notes, compute_type_switch):
+def test_f32_keeps_the_own_f32_kernels(fake_vendor, notes, compute_type_switch):
     q, k, v = (x.astype(np.float32) for x in _attention())
     kernel("flash_attention")(q, k, v)
     assert not fake_vendor.cudnn.LOG["executions"]

@@ -199,7 +199,7 @@ def _fa_params(kw):
 class _FlashSaved(NamedTuple):
     """What flash attention's forward hands its VJP."""
     lse: Any                # logsumexp of each query row's scores (the backward recomputes P)
-    locs: list | None       # the q, k, v the kernel saw: DTensors' local pieces, GPU arrays' contiguous copies
+    locs: list | None       # DTensors: the local q, k, v pieces the kernel saw (None: arrays)
     decision: Any           # DTensors: the dispatch decision (layouts, mesh) it ran under
 
 
@@ -215,14 +215,6 @@ def _fa_forward(fn, vals, kw):
             o_loc, lse = kern(*locs, causal=causal, scale=scale, return_lse=True, policy=policy)
         o = DTensor._wrap(o_loc, meta_of(dec.layout, dec.shape, o_loc.dtype, dec.mesh))
         return o, _FlashSaved(lse, locs, dec)
-    copies = getattr(kern, "contiguous_inputs", None)
-    if copies is not None and copies(q):
-        # a kernel that reads contiguous inputs only (the GPU's f32 path) would copy the heads of
-        # a projection (strided views) in the forward and again in the backward: copy once
-        xp = get_backend().xp
-        q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
-        o, lse = fn(q, k, v, **dict(kw, return_lse=True))
-        return ((o, lse) if kw.get("return_lse") else o), _FlashSaved(lse, [q, k, v], None)
     o, lse = fn(q, k, v, **dict(kw, return_lse=True))
     return ((o, lse) if kw.get("return_lse") else o), _FlashSaved(lse, None, None)
 
@@ -236,7 +228,7 @@ def _flash_attention(g, out, args, kw, needs):
     lse, dec = s.lse, s.decision
     bwd = get_backend().kernel("flash_attention_backward")
     if dec is None:
-        q, k, v = s.locs if s.locs is not None else args[:3]
+        q, k, v = args[:3]
         with compute_region("flash_attention_backward"):
             dq, dk, dv = bwd(q, k, v, out, g, lse, causal=causal, scale=scale, policy=policy)
         return (dq, dk, dv) + (None,) * (len(args) - 3)

@@ -27,7 +27,7 @@ from .numerics import NumericPolicy, accum_dtype, result_dtype
 
 __all__ = ["flash_attention", "flash_attention_backward", "check_attention", "check_attention_backward", "GPU_HEAD_DIMS"]
 
-GPU_HEAD_DIMS = (64, 128)          # the flash kernel's; f32 (cuBLAS GEMMs) takes any
+GPU_HEAD_DIMS = (64, 128)          # the 16-bit flash kernels'; the f32 ones take multiples of 8 up to 128
 _GPU_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32)) | {np.dtype(resolve_dtype("bf16"))}
 
 
@@ -56,8 +56,8 @@ def check_attention(op: str, q: Any, k: Any, v: Any, gpu: bool = False) -> tuple
             raise ValueError(f"{op}: head_dim {d} is not supported by the GPU kernel; use one of "
                              f"{GPU_HEAD_DIMS} (pad the head dim) or call the CPU reference")
         if np.dtype(q.dtype) not in _GPU_DTYPES:
-            raise TypeError(f"{op}: the GPU kernels take float16, bf16 or float32 (float32 runs as f32 "
-                            f"GEMMs), got {dtype_name(q.dtype)}")
+            raise TypeError(f"{op}: the GPU kernels take float16, bf16 or float32 (float32 runs on TF32 "
+                            f"tensor cores in 3xTF32), got {dtype_name(q.dtype)}")
     return b, h, hkv, sq, sk, d
 
 

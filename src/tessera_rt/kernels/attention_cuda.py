@@ -1,17 +1,20 @@
 """Flash attention forward/backward on the GPU: the launchers of the tensor-core kernels.
 
-The kernels (``flash_cuda``: FlashAttention-2's structure with ldmatrix and cp.async
-pipelines; forward, and a deterministic backward with no atomics: a delta pre-pass, a dK/dV
-kernel and a dQ kernel) compute on f16 or bf16 operands, and f16 and bf16 inputs run at their
-own type.  They read per-(batch, head, row) strides, so the heads of a projection are read in
-place (``_operand``); O and dQ come back in q's layout, dK and dV in k's.  f32 inputs are never
-rounded to 16 bits unasked: they run as f32 GEMMs (``attention_gemm_cuda``), unless the float32
-matmul precision is "medium", which allows bf16 (``kernels.precision``).  head_dim is 64 or 128.
+Two kernel families with one interface (entries, parameters, launch geometry): ``flash_cuda``
+(FlashAttention-2's structure with ldmatrix and cp.async pipelines on f16 or bf16 operands;
+forward, and a deterministic backward with no atomics: a delta pre-pass, a dK/dV kernel and a
+dQ kernel) and ``flash_f32_cuda`` (the same structure on f32 operands and TF32 tensor cores).
+They read per-(batch, head, row) strides, so the heads of a projection are read in place
+(``_operand``); O and dQ come back in q's layout, dK and dV in k's.  f16 and bf16 inputs run at
+their own type (head dim 64 or 128).  f32 inputs follow the float32 matmul precision
+(``kernels.precision``): "highest" runs the f32 kernels in 3xTF32 (f32-accurate), "high" in
+1xTF32, "medium" the bf16 kernel; never fp16.  The f32 kernels take head dims that are
+multiples of 8 up to 128; other shapes, f64 and numeric policies run the CuPy reference.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,9 +23,9 @@ from ..dtypes import resolve_dtype
 from ._common import check_out, check_policy, check_stream
 from .attention import check_attention, flash_attention as fa_reference, \
     flash_attention_backward as fa_bwd_reference
-from .attention_gemm_cuda import attention_f32, attention_f32_backward
 from .cuda_common import MAX_GRID_YZ, aligned, get_function, is_aligned, launch_stream
 from .flash_cuda import FLASH_TILES, flash_rows, flash_smem_bytes, flash_threads, render_flash
+from .flash_f32_cuda import flash32_rows, flash32_smem_bytes, flash32_supports, flash32_threads, render_flash32
 from .precision import f32_compute, note
 from .providers import dispatching
 
@@ -34,20 +37,51 @@ _ELEM = {np.dtype(np.float16): "f16", resolve_dtype("bf16"): "bf16"}
 
 
 def _kernel_for(q: Any, d: int, policy: Any) -> str:
-    """What attention of ``q``'s dtype runs on the GPU: "f16"/"bf16" (the flash kernel at that
-    element type), "f32" (attention_gemm_cuda: cuBLAS GEMMs around f32 softmax), or
-    "reference" (the CuPy reference: f64, policies, head dims the flash kernel lacks).
-    f32 follows the float32 matmul precision; "medium" runs the bf16 flash kernel."""
+    """What attention of ``q``'s dtype runs on the GPU: "f16"/"bf16" (the 16-bit flash kernels
+    at that element type), "f32"/"tf32" (the f32 kernels in 3xTF32 / 1xTF32), or "reference"
+    (the CuPy reference: f64, policies, head dims the kernels lack).  f32 follows the float32
+    matmul precision: "highest" f32, "high" tf32, "medium" bf16 where the bf16 kernel has the
+    head dim (else tf32, still within what "medium" allows)."""
     dt = np.dtype(q.dtype)
     if policy is not None:
         return "reference"
     if dt in _ELEM:
         return _ELEM[dt] if d in FLASH_TILES else "reference"
     if dt == _F32:
-        # "high" allows TF32, but CuPy's batched GEMM (the scores and P·V) has no TF32 mode
-        # (gemmStridedBatchedEx runs COMPUTE_32F): attention stays f32 there
-        return "bf16" if f32_compute() == "bf16" and d in FLASH_TILES else "f32"
+        compute = f32_compute()
+        if compute == "bf16" and d in FLASH_TILES:
+            return "bf16"
+        if flash32_supports(d):
+            return "f32" if compute == "f32" else "tf32"
     return "reference"
+
+
+class _Kernels(NamedTuple):
+    """One kernel family at one (kind, head dim): its element type and, per entry, the compiled
+    function, threads per block, rows per block and dynamic shared memory."""
+    kind: str
+    d: int
+    elem: np.dtype
+
+    def fn(self, entry: str):
+        if self.kind in ("f32", "tf32"):      # exp2f/log2f to 2 ulp: compiled without fast math
+            return get_function("flash_attention_f32", entry, dict(head_dim=self.d, precision=self.kind),
+                                render_flash32, dynamic_smem=self.smem(entry), fast_math=False)
+        return get_function("flash_attention", entry, dict(head_dim=self.d, dtype=self.kind), render_flash,
+                            dynamic_smem=self.smem(entry))
+
+    def threads(self, entry: str) -> int:
+        return (flash32_threads if self.elem == _F32 else flash_threads)(self.d, entry)
+
+    def rows(self, entry: str) -> int:
+        return (flash32_rows if self.elem == _F32 else flash_rows)(self.d, entry)
+
+    def smem(self, entry: str) -> int:
+        return (flash32_smem_bytes if self.elem == _F32 else flash_smem_bytes)(self.d, entry)
+
+
+def _kernels(kind: str, d: int) -> _Kernels:
+    return _Kernels(kind, d, _F32 if kind in ("f32", "tf32") else np.dtype(resolve_dtype(kind)))
 
 
 def _strides(a) -> tuple:
@@ -56,10 +90,9 @@ def _strides(a) -> tuple:
 
 
 def _readable(a) -> bool:
-    """Whether the kernel reads ``a`` as it is: D contiguous, every row on a 16-byte boundary
-    (load_rows reads ``uint4``s), strides whole elements."""
-    return (a.strides[-1] == a.itemsize and all(x % (8 * a.itemsize) == 0 for x in a.strides[:3])
-            and is_aligned(a, 16))
+    """Whether the kernels read ``a`` as it is: D contiguous, every row on a 16-byte boundary
+    (their cp.async copies 16 bytes)."""
+    return a.strides[-1] == a.itemsize and all(x % 16 == 0 for x in a.strides[:3]) and is_aligned(a, 16)
 
 
 def _operand(xp, elem: np.dtype, a):
@@ -86,12 +119,6 @@ def _same_layout(xp, like, a):
     return a if a.strides == like.strides and is_aligned(a, 16) else _laid_like(xp, like, like.dtype, a)
 
 
-def contiguous_inputs(q: Any) -> bool:
-    """Whether attention of ``q``'s dtype copies its inputs contiguous (the f32 GEMM path): then
-    autodiff copies once and keeps the copies for the backward."""
-    return np.dtype(q.dtype) == _F32 and f32_compute() != "bf16"
-
-
 def _batch_slices(b: int, heads: int):
     """Batch ranges whose ``(batch x heads)`` fits grid.y, which CUDA caps at 65535."""
     per = max(1, MAX_GRID_YZ // heads)
@@ -101,8 +128,8 @@ def _batch_slices(b: int, heads: int):
 def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
                          return_lse: bool = False, block_kv: int | None = None, out: Any | None = None,
                          stream: Any | None = None, policy: Any = None):
-    """GPU forward: the flash kernel for f16/bf16 (head dim 64/128), f32 exactly through cuBLAS
-    (or TF32 / bf16 per the float32 matmul precision), the CuPy reference otherwise."""
+    """GPU forward: the flash kernels (f16/bf16 at their type; f32 in 3xTF32, TF32 or bf16 per
+    the float32 matmul precision), the CuPy reference otherwise."""
     import cupy
     op = "flash_attention"
     shape = check_attention(op, q, k, v)
@@ -117,12 +144,9 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check_out(op, out, q.shape, q.dtype, xp=cupy)
     note(op, kind)
-    if kind == "f32":
-        o, lse = attention_f32(q, k, v, shape, causal=causal, scale=scale, out=out, stream=stream)
-        return (o, lse) if return_lse else o
-    elem = resolve_dtype(kind)
-    smem = flash_smem_bytes(d, "ts_flash_fwd")
-    fn = get_function("flash_attention", "ts_flash_fwd", dict(head_dim=d, dtype=kind), render_flash, dynamic_smem=smem)
+    kern = _kernels(kind, d)
+    elem, entry = kern.elem, "ts_flash_fwd"
+    fn = kern.fn(entry)
     with launch_stream(stream):
         qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
         vh = _same_layout(cupy, kh, v)
@@ -131,10 +155,10 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
         lse = cupy.empty((b, h, sq), np.float32)
         strides = tuple(np.int64(x) for x in _strides(qh) + _strides(kh))
         for bs in _batch_slices(b, h):
-            grid = (-(-sq // FLASH_TILES[d][0]), (bs.stop - bs.start) * h)
-            fn(grid, (flash_threads(d, "ts_flash_fwd"),),
+            grid = (-(-sq // kern.rows(entry)), (bs.stop - bs.start) * h)
+            fn(grid, (kern.threads(entry),),
                (qh[bs], kh[bs], vh[bs], o[bs], lse[bs], np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk),
-                np.float32(scale * math.log2(math.e)), np.int32(bool(causal))) + strides, shared_mem=smem)
+                np.float32(scale * math.log2(math.e)), np.int32(bool(causal))) + strides, shared_mem=kern.smem(entry))
         if out is not None and o is not out:
             out[...] = o
             o = out
@@ -146,8 +170,8 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
 def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, *,
                                   causal: bool = False, scale: float | None = None,
                                   out: tuple | None = None, stream: Any | None = None, policy: Any = None):
-    """GPU backward (delta pre-pass, dK/dV kernel, dQ kernel; deterministic, no atomics) for
-    f16/bf16; f32 through cuBLAS as the forward; the CuPy reference otherwise."""
+    """GPU backward (delta pre-pass, dK/dV kernel, dQ kernel; deterministic, no atomics) in the
+    forward's precision; the CuPy reference otherwise."""
     import cupy
     op = "flash_attention_backward"
     shape = check_attention(op, q, k, v)
@@ -159,15 +183,10 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
     check_stream(op, stream)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     note(op, kind)
-    if kind == "f32":
-        return attention_f32_backward(q, k, v, o, do, lse, shape, causal=causal, scale=scale, stream=stream)
-    elem = resolve_dtype(kind)
-    cfg = dict(head_dim=d, dtype=kind)
+    kern = _kernels(kind, d)
+    elem = kern.elem
     args = (np.int32(h), np.int32(hkv), np.int32(sq), np.int32(sk), np.float32(scale), np.int32(bool(causal)))
-    delta_fn = get_function("flash_attention", "ts_flash_bwd_delta", cfg, render_flash)
-    smem_kv, smem_q = flash_smem_bytes(d, "ts_flash_bwd_dkdv"), flash_smem_bytes(d, "ts_flash_bwd_dq")
-    dkdv_fn = get_function("flash_attention", "ts_flash_bwd_dkdv", cfg, render_flash, dynamic_smem=smem_kv)
-    dq_fn = get_function("flash_attention", "ts_flash_bwd_dq", cfg, render_flash, dynamic_smem=smem_q)
+    delta_fn, dkdv_fn, dq_fn = (kern.fn(e) for e in ("ts_flash_bwd_delta", "ts_flash_bwd_dkdv", "ts_flash_bwd_dq"))
     with launch_stream(stream):
         qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
         vh, oh, doh = _same_layout(cupy, kh, v), _same_layout(cupy, qh, o), _same_layout(cupy, qh, do)
@@ -176,23 +195,22 @@ def flash_attention_backward_cuda(q: Any, k: Any, v: Any, o: Any, do: Any, lse: 
         dq, dk, dv = _laid_like(cupy, qh, elem), _laid_like(cupy, kh, elem), _laid_like(cupy, kh, elem)
         qs, ks = tuple(np.int64(x) for x in _strides(qh)), tuple(np.int64(x) for x in _strides(kh))
         rows = b * h * sq
-        per = flash_rows(d, "ts_flash_bwd_delta")
-        delta_fn((-(-rows // per),), (flash_threads(d, "ts_flash_bwd_delta"),),
+        per = kern.rows("ts_flash_bwd_delta")
+        delta_fn((-(-rows // per),), (kern.threads("ts_flash_bwd_delta"),),
                  (oh, doh, delta, np.int64(rows), np.int32(h), np.int32(sq)) + qs)
-        kv_rows, q_rows = flash_rows(d, "ts_flash_bwd_dkdv"), flash_rows(d, "ts_flash_bwd_dq")
+        kv_rows, q_rows = kern.rows("ts_flash_bwd_dkdv"), kern.rows("ts_flash_bwd_dq")
         for bs in _batch_slices(b, h):     # h >= hkv: slices that fit the dq grid fit dkdv's too
             nb = bs.stop - bs.start
-            dkdv_fn((-(-sk // kv_rows), nb * hkv), (flash_threads(d, "ts_flash_bwd_dkdv"),),
+            dkdv_fn((-(-sk // kv_rows), nb * hkv), (kern.threads("ts_flash_bwd_dkdv"),),
                     (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dk[bs], dv[bs]) + args + qs + ks,
-                    shared_mem=smem_kv)
-            dq_fn((-(-sq // q_rows), nb * h), (flash_threads(d, "ts_flash_bwd_dq"),),
-                  (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dq[bs]) + args + qs + ks, shared_mem=smem_q)
+                    shared_mem=kern.smem("ts_flash_bwd_dkdv"))
+            dq_fn((-(-sq // q_rows), nb * h), (kern.threads("ts_flash_bwd_dq"),),
+                  (qh[bs], kh[bs], vh[bs], doh[bs], lse32[bs], delta[bs], dq[bs]) + args + qs + ks,
+                  shared_mem=kern.smem("ts_flash_bwd_dq"))
         return tuple(t.astype(q.dtype, copy=False) for t in (dq, dk, dv))
 
 
 # the kernel table's entries try the vendor providers first (kernels.providers: cuDNN), then these
-_forward = dispatching("flash_attention", flash_attention_cuda)
-_forward.contiguous_inputs = contiguous_inputs
-register_kernel("flash_attention", "cuda", _forward)
+register_kernel("flash_attention", "cuda", dispatching("flash_attention", flash_attention_cuda))
 register_kernel("flash_attention_backward", "cuda",
                 dispatching("flash_attention_backward", flash_attention_backward_cuda))

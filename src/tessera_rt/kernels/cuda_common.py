@@ -10,6 +10,9 @@ For lane ``l``, ``g = l / 4`` and ``t = l % 4``:
 * B (16x8, "col"): regs b0, b1 hold k = 2t (+0/+1) and 2t+8 (+0/+1) of column n = g.
 * C (16x8, f32): c0, c1 are row g, cols 2t, 2t+1; c2, c3 are row g+8.
 
+f32 operands use ``mma.sync.aligned.m16n8k8`` with .tf32 (``ts_mma_tf32``, ``ts_tf32``,
+``ts_split_tf32``/``ts_mma_3xtf32`` for f32-accurate products; layouts beside them).
+
 CuPy is imported inside the launch helpers only.
 """
 from __future__ import annotations
@@ -204,6 +207,51 @@ __device__ __forceinline__ void ts_mma(float* d, const unsigned* a, const unsign
     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
+}
+
+// ---- TF32 tensor cores for f32 operands: mma.sync m16n8k8 .tf32 (sm_80+).  Fragments, for lane l,
+// g = l / 4, t = l % 4, one element per 32-bit register: A (16x8) a0..a3 = A[g][t], A[g+8][t],
+// A[g][t+4], A[g+8][t+4]; B (8x8, "col") b0, b1 = B[t][g], B[t+4][g]; C as m16n8k16's.
+// ts_tf32: cvt.rna.tf32.f32, x rounded to 10 mantissa bits (nearest, ties away from zero), as
+// the f32 bit pattern with the low 13 bits zero.  An operand passed without it is truncated by
+// the tensor core (the ISA leaves the use of the low 13 bits to the implementation).
+__device__ __forceinline__ unsigned ts_tf32(float x) {
+#ifdef TS_CUDA_EMULATOR
+  return ts_emu_cvt_rna_tf32(x);
+#else
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+#endif
+}
+
+// d += a * b for one m16n8k8 tile of tf32 operands, f32 accumulators.
+__device__ __forceinline__ void ts_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
+#ifdef TS_CUDA_EMULATOR
+  ts_emu_mma_m16n8k8_tf32(d, a, b);
+#else
+  asm volatile(
+    "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in f32), so that
+// a b = hi_a hi_b + hi_a lo_b + lo_a hi_b + lo_a lo_b, where the dropped last term is below
+// 2^-22 |a b| and each kept one is an exact f32 product in the tensor core.
+__device__ __forceinline__ void ts_split_tf32(float x, unsigned& hi, unsigned& lo) {
+  hi = ts_tf32(x);
+  lo = ts_tf32(x - __uint_as_float(hi));
+}
+// d += a * b in 3xTF32 from split fragments: the two small cross terms first, so that they
+// are added to the accumulator before the large term can swamp their low bits.
+__device__ __forceinline__ void ts_mma_3xtf32(float* d, const unsigned* a_hi, const unsigned* a_lo,
+                                              const unsigned* b_hi, const unsigned* b_lo) {
+  ts_mma_tf32(d, a_lo, b_hi);
+  ts_mma_tf32(d, a_hi, b_lo);
+  ts_mma_tf32(d, a_hi, b_hi);
 }
 
 // A fragment of a 16x16 tile at `s` (row-major, leading dim `ld` elements, ld even).

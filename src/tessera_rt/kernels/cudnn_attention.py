@@ -16,8 +16,8 @@ Conventions, mapped once here:
   natural log, shape ``(B, H, Sq, 1)`` f32 (the frontend's reference, test/python/sdpa): the
   project's ``lse (B, H, Sq)``, the same memory with a unit last dim, no conversion.
 
-Only f16/bf16: f32 attention keeps the project's exact GEMM path (``attention_gemm_cuda``)
-unless the float32 matmul precision is "medium", which allows bf16 (``kernels.precision``).
+Only f16/bf16: f32 attention keeps the project's f32 flash kernels (``flash_f32_cuda``, 3xTF32
+or TF32) unless the float32 matmul precision is "medium", which allows bf16 (``kernels.precision``).
 The backward asks cuDNN for its deterministic algorithm, as the project's own backward is.
 """
 from __future__ import annotations
@@ -191,8 +191,8 @@ class CudnnProvider(Provider):
         if dt == _F32:
             if f32_compute() == "bf16":
                 return _BF16, None
-            return None, ("float32: cuDNN's fused attention takes f16/bf16; f32 keeps the project's exact "
-                          "GEMM path (set_float32_matmul_precision('medium') allows bf16)")
+            return None, ("float32: cuDNN's fused attention takes f16/bf16; f32 keeps the project's f32 "
+                          "kernels (set_float32_matmul_precision('medium') allows bf16)")
         return None, f"{dtype_name(dt)}: cuDNN's fused attention takes f16/bf16"
 
     def head_dim(self, d: int, kind: str = "prefill") -> str | None:

@@ -108,15 +108,7 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
     const float* ls = sL + st * KV_BQ;
     const float* ds = sDl + st * KV_BQ;
     const bool edge = m0 + KV_BQ > SQ || n0 + KV_BN > SK || (causal && n0 + KV_BN - 1 > m0 + offset);
-    #pragma unroll
-    for (int j = 0; j < KV_BQ / 8; ++j)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int krow = krow0 + g + (e >> 1) * 8, qc = j * 8 + 2 * t + (e & 1), qrow = m0 + qc;
-        const bool ok = !edge || (qrow < SQ && krow < SK && (!causal || krow <= qrow + offset));
-        p[j][e] = ok ? exp2f(p[j][e] * scale_log2 - ls[qc] * LOG2E) : 0.f;
-        dp[j][e] = p[j][e] * (dp[j][e] - ds[qc]);      // dS^T
-      }
+    flash_bwd_ds_t<KV_BQ / 8>(p, dp, ls, ds, krow0, m0, edge, SQ, SK, causal, offset, scale_log2, g, t);
     #pragma unroll
     for (int kc = 0; kc < KV_BQ / 16; ++kc) {
       unsigned ap[4], ads[4];
@@ -128,17 +120,9 @@ ts_flash_bwd_dkdv(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, co
     __syncthreads();                                    // every warp is done with stage st
   }
   ts_cp_async_wait<0>();                                // with no query tile, K and V are still in flight
-  #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int krow = krow0 + g + r * 8;
-    if (krow >= SK) continue;
-    #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const long long off = kv_base + (long long)krow * kss + j * 8 + 2 * t;
-      *reinterpret_cast<elem2_t*>(dK + off) = ts_pack(dk[j][2 * r] * scale, dk[j][2 * r + 1] * scale);
-      *reinterpret_cast<elem2_t*>(dV + off) = ts_pack(dv[j][2 * r], dv[j][2 * r + 1]);
-    }
-  }
+  const float scales[2] = {scale, scale}, ones[2] = {1.f, 1.f};
+  flash_store_rows<D / 8>(dK + kv_base, kss, krow0, SK, dk, scales, g, t);
+  flash_store_rows<D / 8>(dV + kv_base, kss, krow0, SK, dv, ones, g, t);
 }
 
 // ---------------------------------------------------------------------------------- dQ
@@ -218,15 +202,7 @@ ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, cons
         ts_mma(dp[j + 1], of[kk], bv + 2);
       }
     const bool edge = m0 + DQ_BM > SQ || n0 + DQ_BN > SK || (causal && n0 + DQ_BN - 1 > m0 + offset);
-    #pragma unroll
-    for (int j = 0; j < DQ_BN / 8; ++j)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + g + (e >> 1) * 8, col = n0 + j * 8 + 2 * t + (e & 1);
-        const bool ok = !edge || (row < SQ && col < SK && (!causal || col <= row + offset));
-        const float pv = ok ? exp2f(s[j][e] * scale_log2 - lse[e >> 1]) : 0.f;
-        dp[j][e] = pv * (dp[j][e] - dl[e >> 1]);        // dS
-      }
+    flash_bwd_ds<DQ_BN / 8>(s, dp, lse, dl, row0, n0, edge, SQ, SK, causal, offset, scale_log2, g, t);
     #pragma unroll
     for (int kc = 0; kc < DQ_BN / 16; ++kc) {
       unsigned a[4];
@@ -235,14 +211,7 @@ ts_flash_bwd_dq(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, cons
     }
     __syncthreads();
   }
-  #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + r * 8;
-    if (row >= SQ) continue;
-    #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<elem2_t*>(dQ + q_base + (long long)row * qss + j * 8 + 2 * t) =
-          ts_pack(dq[j][2 * r] * scale, dq[j][2 * r + 1] * scale);
-  }
+  const float scales[2] = {scale, scale};
+  flash_store_rows<D / 8>(dQ + q_base, qss, row0, SQ, dq, scales, g, t);
 }
 """

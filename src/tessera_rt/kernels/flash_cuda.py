@@ -28,7 +28,8 @@ from .compile import KernelSource, register_source
 from .cuda_common import MMA_HEADER, SMEM_TILE
 from .flash_bwd_cuda import FLASH_BWD_SOURCE
 
-__all__ = ["FLASH_CONFIGS", "FLASH_TILES", "render_flash", "flash_smem_bytes", "flash_threads", "flash_rows"]
+__all__ = ["FLASH_CONFIGS", "FLASH_TILES", "FLASH_COMMON", "FLASH_DELTA", "render_flash", "flash_smem_bytes",
+           "flash_threads", "flash_rows"]
 
 # Per head dim: forward (warps, m16 tiles per warp, keys per tile), dK/dV (warps -> 16 keys
 # each, queries per tile, K/V fragments kept in registers), dQ (warps -> 16 queries each, keys
@@ -41,12 +42,145 @@ FLASH_CONFIGS = {
 FLASH_TILES = {d: (c["fwd"][0] * 16 * c["fwd"][1], c["fwd"][2]) for d, c in FLASH_CONFIGS.items()}
 DELTA_WARPS = 4
 
-FLASH_SOURCE = r"""
+# What the f16/bf16 kernels and the f32 ones (flash_f32_cuda) share, on f32 C fragments of a
+# warp's 16 rows: the constants, the forward's online softmax, the backward's P and dS, and
+# the stores of the results.
+FLASH_COMMON = r"""
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+// Masks only where the tile crosses the sequence's end or the causal diagonal (row0: the tile's
+// first query row; m0: the block's), scales to the log2 domain, takes the new row maxima,
+// P = exp2(s - m) in place, l = l alpha + rowsum(P), acc *= alpha.
+template <int NT, int NO>
+__device__ __forceinline__ void flash_online_softmax(float (*s)[4], float* m_i, float* l_i, float (*acc)[4], int row0,
+                                                     int n0, int m0, int SK, int causal, int offset, float scale_log2,
+                                                     int g, int t) {
+  const bool edge = n0 + NT * 8 > SK || (causal && n0 + NT * 8 - 1 > m0 + offset);
+  float mx[2] = {m_i[0], m_i[1]};
+  #pragma unroll
+  for (int j = 0; j < NT; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + g + (e >> 1) * 8, col = n0 + j * 8 + 2 * t + (e & 1);
+      const bool ok = !edge || (col < SK && (!causal || col <= row + offset));
+      s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+    }
+  float alpha[2], ms[2], rs[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = ts_quad_max(mx[r]);
+    ms[r] = mx[r] == -INFINITY ? 0.f : mx[r];           // a row with no key yet: keep exp2 finite
+    alpha[r] = exp2f(m_i[r] - ms[r]);
+    m_i[r] = mx[r];
+  }
+  #pragma unroll
+  for (int j = 0; j < NT; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = exp2f(s[j][e] - ms[e >> 1]);
+      rs[e >> 1] += s[j][e];
+    }
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) l_i[r] = l_i[r] * alpha[r] + ts_quad_sum(rs[r]);
+  #pragma unroll
+  for (int j = 0; j < NO; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= alpha[e >> 1];
+}
+
+// dK/dV: P^T = exp2(S^T scale log2e - lse log2e) over S^T (rows: keys from krow0; columns:
+// queries from m0, their lse and delta in ls, ds), and dS^T = P^T (dP^T - delta) over dP^T.
+template <int NT>
+__device__ __forceinline__ void flash_bwd_ds_t(float (*p)[4], float (*dp)[4], const float* ls, const float* ds,
+                                               int krow0, int m0, bool edge, int SQ, int SK, int causal, int offset,
+                                               float scale_log2, int g, int t) {
+  #pragma unroll
+  for (int j = 0; j < NT; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int krow = krow0 + g + (e >> 1) * 8, qc = j * 8 + 2 * t + (e & 1), qrow = m0 + qc;
+      const bool ok = !edge || (qrow < SQ && krow < SK && (!causal || krow <= qrow + offset));
+      p[j][e] = ok ? exp2f(p[j][e] * scale_log2 - ls[qc] * LOG2E) : 0.f;
+      dp[j][e] = p[j][e] * (dp[j][e] - ds[qc]);
+    }
+}
+
+// dQ: dS = P (dP - delta) over dP, P = exp2(S scale log2e - lse log2e) (rows: queries from
+// row0, lse log2e and delta in lse, dl; columns: keys from n0).
+template <int NT>
+__device__ __forceinline__ void flash_bwd_ds(const float (*s)[4], float (*dp)[4], const float* lse, const float* dl,
+                                             int row0, int n0, bool edge, int SQ, int SK, int causal, int offset,
+                                             float scale_log2, int g, int t) {
+  #pragma unroll
+  for (int j = 0; j < NT; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + g + (e >> 1) * 8, col = n0 + j * 8 + 2 * t + (e & 1);
+      const bool ok = !edge || (row < SQ && col < SK && (!causal || col <= row + offset));
+      const float pv = ok ? exp2f(s[j][e] * scale_log2 - lse[e >> 1]) : 0.f;
+      dp[j][e] = pv * (dp[j][e] - dl[e >> 1]);
+    }
+}
+
+__device__ __forceinline__ void ts_store2(elem_t* p, float a, float b) {
+  *reinterpret_cast<elem2_t*>(p) = ts_pack(a, b);
+}
+__device__ __forceinline__ void ts_store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+// Rows row0 + g and row0 + g + 8 (those below `limit`) of NO n8 accumulator tiles, row r's
+// times mul[r], to dst + row * ld: two columns per store.
+template <int NO, class T>
+__device__ __forceinline__ void flash_store_rows(T* dst, long long ld, int row0, int limit, const float (*acc)[4],
+                                                 const float* mul, int g, int t) {
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + r * 8;
+    if (row >= limit) continue;
+    #pragma unroll
+    for (int j = 0; j < NO; ++j)
+      ts_store2(dst + row * ld + j * 8 + 2 * t, acc[j][2 * r] * mul[r], acc[j][2 * r + 1] * mul[r]);
+  }
+}
+
+// The forward's results for a warp's m16 tile: O = acc / l (0 for a row with no visible key)
+// and the natural-log lse = (m + log2 l) ln 2 (-inf for such a row).
+template <int NO, class T>
+__device__ __forceinline__ void flash_store_out(T* o, long long ld, float* lse, int row0, int limit, const float (*acc)[4],
+                                                const float* m_i, const float* l_i, int g, int t) {
+  const float inv[2] = {l_i[0] > 0.f ? 1.f / l_i[0] : 0.f, l_i[1] > 0.f ? 1.f / l_i[1] : 0.f};
+  flash_store_rows<NO>(o, ld, row0, limit, acc, inv, g, t);
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + r * 8;
+    if (t == 0 && row < limit) lse[row] = l_i[r] > 0.f ? (m_i[r] + log2f(l_i[r])) * LN2 : -INFINITY;
+  }
+}
+"""
+
+# The backward's pre-pass, shared likewise (DELTA_T: the element type, ts_float its widening).
+FLASH_DELTA = r"""
+// delta[row] = sum_d dO[row, d] * O[row, d] (rows: (batch, head, position) in order); one warp per row.
+extern "C" __global__ void ts_flash_bwd_delta(const DELTA_T* __restrict__ O, const DELTA_T* __restrict__ dO,
+                                              float* __restrict__ delta, long long rows, int H, int SQ,
+                                              long long qsb, long long qsh, long long qss) {
+  const long long row = (long long)blockIdx.x * DELTA_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const long long bh = row / SQ, at = (bh / H) * qsb + (bh % H) * qsh + (row % SQ) * qss;
+  float sum = 0.f;
+  for (int d = lane; d < D; d += 32) sum += ts_float(O[at + d]) * ts_float(dO[at + d]);
+  #pragma unroll
+  for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+  if (lane == 0) delta[row] = sum;
+}
+"""
+
+FLASH_SOURCE = r"""
 #define DCH (D / 8)                 // 16-byte chunks per row of a [rows][D] tile
 
 // ldmatrix.x4 row addresses per lane.  "A" (row l % 16, column half l / 16): the A fragment of a
@@ -149,42 +283,10 @@ ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
           ts_mma(s[i][j + 1], qf[i][kk], bf + 2);
         }
       }
-    // masks only where the tile crosses the sequence's end or the causal diagonal
-    const bool edge = n0 + FWD_BN > SK || (causal && n0 + FWD_BN - 1 > m0 + offset);
     #pragma unroll
-    for (int i = 0; i < FWD_MT; ++i) {
-      float mx[2] = {m_i[i][0], m_i[i][1]};
-      #pragma unroll
-      for (int j = 0; j < FWD_BN / 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = wrow + i * 16 + g + (e >> 1) * 8, col = n0 + j * 8 + 2 * t + (e & 1);
-          const bool ok = !edge || (col < SK && (!causal || col <= row + offset));
-          s[i][j][e] = ok ? s[i][j][e] * scale_log2 : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[i][j][e]);
-        }
-      float alpha[2], ms[2], rs[2] = {0.f, 0.f};
-      #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = ts_quad_max(mx[r]);
-        ms[r] = mx[r] == -INFINITY ? 0.f : mx[r];       // a row with no key yet: keep exp2 finite
-        alpha[r] = exp2f(m_i[i][r] - ms[r]);
-        m_i[i][r] = mx[r];
-      }
-      #pragma unroll
-      for (int j = 0; j < FWD_BN / 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[i][j][e] = exp2f(s[i][j][e] - ms[e >> 1]);
-          rs[e >> 1] += s[i][j][e];
-        }
-      #pragma unroll
-      for (int r = 0; r < 2; ++r) l_i[i][r] = l_i[i][r] * alpha[r] + ts_quad_sum(rs[r]);
-      #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] *= alpha[e >> 1];
-    }
+    for (int i = 0; i < FWD_MT; ++i)
+      flash_online_softmax<FWD_BN / 8, D / 8>(s[i], m_i[i], l_i[i], acc[i], wrow + i * 16, n0, m0, SK, causal, offset,
+                                              scale_log2, g, t);
     #pragma unroll
     for (int kc = 0; kc < FWD_BN / 16; ++kc)
       #pragma unroll
@@ -197,33 +299,7 @@ ts_flash_fwd(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
   }
   #pragma unroll
   for (int i = 0; i < FWD_MT; ++i)
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wrow + i * 16 + g + r * 8;
-      if (row >= SQ) continue;
-      const float inv = l_i[i][r] > 0.f ? 1.f / l_i[i][r] : 0.f;
-      elem_t* o = O + q_base + row * qss;
-      #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        *reinterpret_cast<elem2_t*>(o + j * 8 + 2 * t) = ts_pack(acc[i][j][2 * r] * inv, acc[i][j][2 * r + 1] * inv);
-      if (t == 0)
-        LSE[(long long)bh * SQ + row] = l_i[i][r] > 0.f ? (m_i[i][r] + log2f(l_i[i][r])) * LN2 : -INFINITY;
-    }
-}
-
-// delta[row] = sum_d dO[row, d] * O[row, d] (rows: (batch, head, position) in order); one warp per row.
-extern "C" __global__ void ts_flash_bwd_delta(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
-                                              float* __restrict__ delta, long long rows, int H, int SQ,
-                                              long long qsb, long long qsh, long long qss) {
-  const long long row = (long long)blockIdx.x * DELTA_WARPS + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const int lane = threadIdx.x & 31;
-  const long long bh = row / SQ, at = (bh / H) * qsb + (bh % H) * qsh + (row % SQ) * qss;
-  float sum = 0.f;
-  for (int d = lane; d < D; d += 32) sum += ts_float(O[at + d]) * ts_float(dO[at + d]);
-  #pragma unroll
-  for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
-  if (lane == 0) delta[row] = sum;
+    flash_store_out<D / 8>(O + q_base, qss, LSE + (long long)bh * SQ, wrow + i * 16, SQ, acc[i], m_i[i], l_i[i], g, t);
 }
 """
 
@@ -233,8 +309,9 @@ def render_flash(head_dim: int = 64, dtype: str = "f16") -> str:
     (fw, fmt, fbn), (kw, kbq, kregs), (qw, qbn) = c["fwd"], c["dkdv"], c["dq"]
     defs = (f"#define D {head_dim}\n#define TS_BF16 {int(dtype == 'bf16')}\n#define FWD_WARPS {fw}\n"
             f"#define FWD_MT {fmt}\n#define FWD_BN {fbn}\n#define KV_WARPS {kw}\n#define KV_BQ {kbq}\n"
-            f"#define KV_REGS {kregs}\n#define DQ_WARPS {qw}\n#define DQ_BN {qbn}\n#define DELTA_WARPS {DELTA_WARPS}\n")
-    return defs + MMA_HEADER + SMEM_TILE + FLASH_SOURCE + FLASH_BWD_SOURCE
+            f"#define KV_REGS {kregs}\n#define DQ_WARPS {qw}\n#define DQ_BN {qbn}\n#define DELTA_WARPS {DELTA_WARPS}\n"
+            "#define DELTA_T elem_t\n")
+    return defs + MMA_HEADER + SMEM_TILE + FLASH_COMMON + FLASH_SOURCE + FLASH_DELTA + FLASH_BWD_SOURCE
 
 
 def flash_threads(head_dim: int, kernel: str) -> int:

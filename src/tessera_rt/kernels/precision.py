@@ -3,10 +3,12 @@
 One process-wide switch, as ``torch.set_float32_matmul_precision``:
 
 * ``"highest"`` (the default): f32 means f32.  GEMMs on f32 operands run cuBLAS in f32
-  (``CUBLAS_COMPUTE_32F``), and f32 attention runs as f32 GEMMs around an f32 softmax;
+  (``CUBLAS_COMPUTE_32F``), and f32 attention runs the f32 flash kernels in 3xTF32 (each
+  operand split into two TF32 parts, three tensor-core products: f32-accurate, see
+  ``flash_f32_cuda``);
 * ``"high"``: f32 GEMMs may use TF32 tensor cores (inputs rounded to 10 mantissa bits, f32
-  accumulation: about 1e-3 relative error per product); attention stays f32 (its batched
-  GEMMs have no TF32 mode in CuPy);
+  accumulation: about 1e-3 relative error per product), and so does attention (the same
+  kernels with one TF32 product);
 * ``"medium"``: f32 GEMMs and attention round their operands to bf16 (8 mantissa bits) for
   the bf16 tensor cores, accumulate in f32 and return f32.
 

@@ -3,8 +3,9 @@
 ``compile_module(code)`` builds a kernel source into a shared library: the source is
 force-included after ``include/cuda_emu.h`` (the device language on the host), with
 ``include/`` ahead of the system headers so that ``<cuda_fp16.h>`` & co. are the emulated
-ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync, ldmatrix,
-cp.async with its commit/wait groups).  The
+ones, and linked with ``runtime.cpp`` (fibers, barriers, warp collectives, mma.sync m16n8k16
+f16/bf16 and m16n8k8 tf32, ldmatrix, cp.async with its commit/wait groups; ``cuda_emu.h`` has
+cvt.rna.tf32.f32).  The
 kernel translation unit is compiled with ``-fsanitize=thread`` but linked without libtsan:
 the runtime defines the ``__tsan_*`` callbacks, so every global and shared memory access
 is checked (bounds against the launch's buffers, alignment, shared-memory races).
@@ -305,6 +306,16 @@ class Module:
         for (offset, size, _), sym in zip(shared, self._shared_names):
             self._lib.ts_emu_name_shared(ctypes.c_ulonglong(offset), ctypes.c_ulonglong(size), sym)
         self._functions: dict[str, Function] = {}
+
+    def set_tf32_accumulation(self, model: str) -> str:
+        """How this module's mma.sync m16n8k8 .tf32 sums: "nearest" (sequential f32 adds rounded
+        to nearest, the default) or "truncate" (the A100 model of runtime.cpp: groups of four k
+        aligned to the largest term without guard bits, truncated toward zero).  Returns the
+        previous model."""
+        models = ("nearest", "truncate")
+        if model not in models:
+            raise ValueError(f"tf32 accumulation {model!r}: use one of {models}")
+        return models[self._lib.ts_emu_set_tf32_accumulation(models.index(model))]
 
     def get_function(self, name: str) -> "Function":
         if name not in self.entries:

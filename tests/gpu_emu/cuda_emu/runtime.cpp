@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <mutex>
 #include <random>
 #include <string>
@@ -324,6 +326,19 @@ int shfl_source(int lane, int kind, int arg, int width) {
 //   B (16x8,  "col"):      b0 = B[2t, 2t+1][g]     b1 = B[2t+8, 2t+9][g]
 //   C/D (16x8, f32):       c0, c1 = C[g][2t, 2t+1] c2, c3 = C[g+8][2t, 2t+1]
 // Products of two f16 (or bf16) are exact in f32; the sum is accumulated in f32, k ascending.
+// D = A B + C into each lane's C/D fragment (c0, c1 = row g, cols 2t, 2t+1; c2, c3 = row g+8).
+template <int K> void accumulate(Warp& w, const float (&A)[16][K], const float (&B)[K][8]) {
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r >> 1) * 8, col = 2 * t + (r & 1);
+      float acc = w.c[l][r];
+      for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+      w.d[l][r] = acc;
+    }
+  }
+}
+
 float unpack_half(unsigned reg, int high, int is_bf16) {
   const unsigned short bits = (unsigned short)(high ? reg >> 16 : reg & 0xffffu);
   return is_bf16 ? ts_emu_bf16_bits_to_f32(bits) : ts_emu_f16_bits_to_f32(bits);
@@ -342,13 +357,74 @@ void compute_mma(Warp& w) {
       B[2 * t + 8 + h][g] = unpack_half(w.b[l][1], h, w.is_bf16);
     }
   }
+  accumulate(w, A, B);
+}
+
+// ------------------------------------------------------------------------------- mma.sync m16n8k8 tf32
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k8" with .tf32): each register holds one element, g = l / 4, t = l % 4:
+//   A (16x8, row-major):  a0 = A[g][t]   a1 = A[g+8][t]   a2 = A[g][t+4]   a3 = A[g+8][t+4]
+//   B (8x8,  "col"):      b0 = B[t][g]   b1 = B[t+4][g]
+//   C/D (16x8, f32):      as m16n8k16: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
+// A .tf32 operand is a 32-bit register of which the ISA fixes only "at least 10 mantissa bits"
+// (its layout is implementation-defined; cvt.rna.tf32.f32 produces it).  sm_80/sm_90 tensor
+// cores read the sign, exponent and top 10 mantissa bits and ignore the low 13, so an f32
+// passed without the cvt is truncated toward zero; that is modelled here (CUTLASS's
+// round_half_ulp_truncate conversion relies on it).  Products of two tf32 values are exact in
+// f32; the sum is accumulated in f32, k ascending (the hardware aligns the products to the
+// largest and truncates: a few f32 ulps apart at most, not modelled).
+float tf32_operand(unsigned reg) { return std::bit_cast<float>(reg & 0xffffe000u); }
+
+// How the tf32 MMA sums (ts_emu_set_tf32_accumulation): 0, sequential f32 adds rounded to
+// nearest (as the f16/bf16 model); 1, a model of the A100's tensor cores after Fasi, Higham,
+// Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor cores" (PeerJ CS, 2021): for each
+// group of four k, c and the four exact products are aligned to the largest in magnitude with
+// no guard bits (each truncated toward zero at that one's f32 ulp), summed, and the sum is
+// truncated toward zero to f32.  Biased toward zero, so an upper estimate of the hardware's
+// accumulation error, for checking that a kernel's accuracy does not rest on round-to-nearest.
+int g_tf32_accumulation = 0;
+
+float truncate_to_f32(double x) {
+  float r = (float)x;
+  if (std::isfinite(r) && fabs((double)r) > fabs(x)) r = nextafterf(r, 0.f);
+  return r;
+}
+
+float fused_group(float c, const float* a, const float* b, int n) {
+  double terms[5] = {c, 0, 0, 0, 0};
+  for (int i = 0; i < n; ++i) terms[i + 1] = (double)a[i] * (double)b[i];   // exact: 11 x 11 bits
+  int emax = INT32_MIN;
+  for (int i = 0; i <= n; ++i) {
+    if (!std::isfinite(terms[i])) return (float)(terms[0] + terms[1] + terms[2] + terms[3] + terms[4]);
+    if (terms[i] != 0) emax = std::max(emax, std::ilogb(terms[i]));
+  }
+  if (emax == INT32_MIN) return c + 0.f;
+  const double ulp = std::ldexp(1.0, emax - 23);
+  double sum = 0;
+  for (int i = 0; i <= n; ++i) sum += std::trunc(terms[i] / ulp) * ulp;   // exact: multiples of ulp below 2^28 ulp
+  return truncate_to_f32(sum);
+}
+
+void compute_mma_tf32(Warp& w) {
+  float A[16][8], B[8][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    A[g][t] = tf32_operand(w.a[l][0]);
+    A[g + 8][t] = tf32_operand(w.a[l][1]);
+    A[g][t + 4] = tf32_operand(w.a[l][2]);
+    A[g + 8][t + 4] = tf32_operand(w.a[l][3]);
+    B[t][g] = tf32_operand(w.b[l][0]);
+    B[t + 4][g] = tf32_operand(w.b[l][1]);
+  }
+  if (!g_tf32_accumulation) return accumulate(w, A, B);
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, t = l & 3;
     for (int r = 0; r < 4; ++r) {
       const int row = g + (r >> 1) * 8, col = 2 * t + (r & 1);
-      float acc = w.c[l][r];
-      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-      w.d[l][r] = acc;
+      float acc = w.c[l][r], bk[8];
+      for (int k = 0; k < 8; ++k) bk[k] = B[k][col];
+      acc = fused_group(acc, A[row], bk, 4);
+      w.d[l][r] = fused_group(acc, A[row] + 4, bk + 4, 4);
     }
   }
 }
@@ -650,6 +726,20 @@ void ts_emu_mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, int is_
   for (int i = 0; i < 4; ++i) d[i] = w.d[lane][i];
 }
 
+void ts_emu_mma_m16n8k8_tf32(float* d, const unsigned* a, const unsigned* b) {
+  const int lane = L.current->linear % 32;
+  Warp& w = L.warps[L.current->linear / 32];
+  warp_collective(
+      "mma.sync.m16n8k8 (tf32)",
+      [&](Warp& ww, int l) {
+        for (int i = 0; i < 4; ++i) { ww.a[l][i] = a[i]; ww.c[l][i] = d[i]; }
+        ww.b[l][0] = b[0];
+        ww.b[l][1] = b[1];
+      },
+      compute_mma_tf32);
+  for (int i = 0; i < 4; ++i) d[i] = w.d[lane][i];
+}
+
 void ts_emu_ldmatrix(unsigned* r, const void* p, int num, int trans) {
   Fiber* f = L.current;
   const int lane = f->linear % 32;
@@ -743,6 +833,14 @@ TS_EMU_EXPORT void __tsan_init(void) {}
 
 // ------------------------------------------------------------------------------- host API (ctypes)
 TS_EMU_EXPORT unsigned long long ts_emu_static_smem_bytes(void) { return static_bytes(); }
+
+// The tf32 MMA's summation model (g_tf32_accumulation); returns the previous one.
+TS_EMU_EXPORT int ts_emu_set_tf32_accumulation(int model) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const int before = g_tf32_accumulation;
+  g_tf32_accumulation = model;
+  return before;
+}
 
 // Names static __shared__ variables in race messages (offsets within the section).
 TS_EMU_EXPORT void ts_emu_name_shared(unsigned long long offset, unsigned long long size, const char* name) {

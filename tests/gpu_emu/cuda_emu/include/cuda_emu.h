@@ -76,6 +76,9 @@ unsigned long long ts_emu_shfl(unsigned mask, unsigned long long bits, int kind,
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, d = a*b + d, as a
 // warp collective; fragment layouts as in the PTX ISA (see runtime.cpp).
 void ts_emu_mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, int is_bf16);
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, d = a*b + d (runtime.cpp): A 16x8 in four
+// 32-bit registers, B 8x8 in two, C/D 16x8 f32 in four; an operand's low 13 bits are ignored.
+void ts_emu_mma_m16n8k8_tf32(float* d, const unsigned* a, const unsigned* b);
 // ldmatrix.sync.aligned.m8n8.x{num}{.trans}.shared.b16 r, [p], as a warp collective (runtime.cpp).
 void ts_emu_ldmatrix(unsigned* r, const void* p, int num, int trans);
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size; commit_group; wait_group n;
@@ -131,6 +134,19 @@ inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
 inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+
+// cvt.rna.tf32.f32 (PTX ISA, cvt): f32 to tf32, rounded to nearest with ties away from zero, to
+// 10 explicit mantissa bits.  The result is an f32 bit pattern whose low 13 bits are zero (how
+// the tensor cores read a .tf32 register).  Adding half a tf32 ulp (0x1000) to the magnitude
+// bits and clearing the low 13 rounds ties away from zero, carries into the exponent (the
+// largest finite values round to infinity, as rna does without .satfinite) and treats
+// subnormals the same way; infinities stay infinite, a NaN stays a NaN (canonical 0x7fffffff).
+inline unsigned ts_emu_cvt_rna_tf32(float x) {
+  const unsigned u = std::bit_cast<unsigned>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffffffu;
+  if ((u & 0x7fffffffu) == 0x7f800000u) return u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
 
 // ----------------------------------------------------------------------------- entry trampolines
 // The Python side appends TS_EMU_ENTRY(name) for every `extern "C" __global__` kernel:
