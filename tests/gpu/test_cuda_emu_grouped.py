@@ -132,13 +132,17 @@ def test_many_groups_cross_the_scans_32_group_steps():
     same_bits(run(x, w, off, tile=(64, 128, 32)), exact_grouped([(x, w)], off), np.float16)
 
 
-def test_sum_of_two_products_continues_one_accumulator():
+@pytest.mark.parametrize("tile", [(128, 128, 32), (64, 128, 32)])
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_kn", "w_nk"])
+def test_sum_of_two_products_continues_one_accumulator(tile, trans_w):
     off = offsets([3, 0, 150, 18])
     r, k, n = int(off[-1]), 80, 136
     a1, a2 = rnd((r, k), seed=8), rnd((r, k), seed=9)
-    w1, w2 = rnd((4, n, k), seed=10, scale=0.2), rnd((4, n, k), seed=11, scale=0.2)
+    w1, w2 = rnd((4, n, k), seed=10, scale=0.2), rnd((4, n, k), seed=11, scale=0.2)      # (N, K) each
     want = exact_grouped([(a1, w1), (a2, w2)], off, trans=True)
-    same_bits(run(a1, w1, off, trans_w=True, a2=a2, b2=w2, mode="sum2"), want, np.float16)
+    if not trans_w:
+        w1, w2 = (np.ascontiguousarray(np.swapaxes(w, 1, 2)) for w in (w1, w2))
+    same_bits(run(a1, w1, off, trans_w=trans_w, a2=a2, b2=w2, mode="sum2", tile=tile), want, np.float16)
 
 
 @pytest.mark.parametrize("tile", [(128, 128, 32), (64, 64, 32)])
