@@ -5,7 +5,7 @@ import is still a dependency). ``from pkg import name`` is an arrow to the submo
 ``name`` is one, otherwise to the package (importing a package runs its ``__init__``).
 
 Layers, lowest first; an arrow may point to the same or a lower layer only:
-  0 backend, cpu_streams, dtypes, _format, runtime     (the backend-level base)
+  0 backend, cpu_streams, dtypes, formatting, runtime (the backend-level base)
   1 kernels
   2 dist, in floors of its own (each subpackage's __init__ says what it owns):
     2a dist.comm        MPI, process group, communicators, meshes, the seam, collectives
@@ -38,7 +38,7 @@ PKG = "tessera_rt"
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LAYERS = [
-    ["backend", "cpu_streams", "dtypes", "_format", "runtime"],
+    ["backend", "cpu_streams", "dtypes", "formatting", "runtime"],
     ["kernels"],
     ["dist.comm"],
     ["dist.checks"],
@@ -292,7 +292,7 @@ stub = types.ModuleType("tessera_rt")
 stub.__path__ = list(importlib.util.find_spec("tessera_rt").submodule_search_locations)
 sys.modules["tessera_rt"] = stub          # tessera_rt/__init__.py (every layer) is not run
 from tessera_rt import dist, kernels
-low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "_format", "runtime")
+low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "formatting", "runtime")
 above = sorted(m for m in sys.modules if m.startswith("tessera_rt.") and m.split(".")[1] not in low)
 assert not above, above
 mesh = dist.Mesh(axes=["tp"], shape={"tp": 1})

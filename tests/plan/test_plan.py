@@ -392,15 +392,15 @@ def test_uneven_batch_is_gathered_and_run_whole():
 
 
 def test_calibration_times_its_parts_in_rounds():
-    from tessera_rt.plan.calibrate import _elementwise_bw, _rounds
+    from tessera_rt.plan.calibrate import elementwise_bw, timed_rounds
     calls = []
-    t = _rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, calls=2)
+    t = timed_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, calls=2)
     # one warm-up call each, then per round a's two timed calls (and _cpu_time's warm-up) before b's
     assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 3 and all(len(v) == 3 for v in t.values())
     rates = {"gemm": 5e10, "gemm_bwd": 5e10, "attention": 3e9, "attention_bwd": 4e9, "hbm_bw": 7e9}
-    slow, fast = _elementwise_bw(rates, 8e-3), _elementwise_bw(rates, 6e-3)
+    slow, fast = elementwise_bw(rates, 8e-3), elementwise_bw(rates, 6e-3)
     assert 0 < slow < fast                        # a block that takes longer leaves a lower rate
-    assert _elementwise_bw(rates, 1e-6) == 7e9    # nothing left after the math: op.add's rate
+    assert elementwise_bw(rates, 1e-6) == 7e9    # nothing left after the math: op.add's rate
 
 
 def test_measure_compute_on_one_rank():

@@ -13,7 +13,7 @@ from ..dtypes import resolve_dtype
 from ..dist.tensor import dispatch
 from ..dist.tensor.dtensor import DTensor, meta_of
 from ..kernels import cpu_fused
-from ..kernels.mlp import _check_pair as check_pair
+from ..kernels.mlp import check_pair
 from ..kernels.numerics import result_dtype
 from ..autodiff.tape import vjp_rule
 from .nn_ops import embedding_backward

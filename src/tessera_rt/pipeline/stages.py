@@ -20,6 +20,7 @@ from ..nn import register_part
 
 __all__ = ["StagePlan", "split_layers", "stage_meshes"]
 
+# cache: (mesh, pp axis) -> the per-stage sub-meshes (made once, collectively)
 _STAGE_MESHES: dict = {}
 
 

@@ -47,8 +47,8 @@ def traced_activation_bytes(fn: Callable, params, *args) -> int:
     """Run ``fn(params, *args)`` under a ``ts.grad`` trace and count the bytes its tape keeps
     alive for the backward (outputs, saved arguments and residuals of every recorded op),
     each buffer once, the parameters not counted.  The trace is dropped without a backward."""
-    from ..autodiff.engine import _trace
-    tape, _, _, groups, _ = _trace(fn, (params,) + tuple(args), 0, getattr(fn, "__name__", "fn"))
+    from ..autodiff.engine import trace
+    tape, _, _, groups, _ = trace(fn, (params,) + tuple(args), 0, getattr(fn, "__name__", "fn"))
     leaves = {id(_owner(a)) for vs, _ in groups for v in vs for a in _arrays(v.value)}
     seen: dict[int, int] = {}
     for node in tape.nodes:

@@ -341,7 +341,7 @@ static void keep_out(Collective *c, PyObject *p, PyObject *out) {
     Py_XSETREF(c->m_out[i], out);
 }
 
-/* collectives._group's hot path: the axis group of mesh (None: the current mesh, or the
+/* work.resolve_group's hot path: the axis group of mesh (None: the current mesh, or the
  * world group with no mesh at all), if it has been made (borrowed: the mesh holds it).
  * NULL (no error set): let the Python function find or make it. */
 static PyObject *group_of(PyObject *mesh, PyObject *axis) {

@@ -18,7 +18,7 @@ import numpy as np
 
 from ... import runtime as rt
 from ...dtypes import dtype_name
-from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
+from .communicators import _MPI_NATIVE, MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
 from .interface import REDUCE_OPS
 from .calls import ALONE, group_state, sig
 from .mesh import AxisGroup
@@ -26,10 +26,12 @@ from .packing import _even, _pack, with_dim
 from .process_group import world
 from .trace import TAGS
 
-__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made", "check_dtype"]
+__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made", "check_dtype", "mpi_direct"]
 
+# the plan table (a cache: key -> Plan), read live by dist/comm/_hot.c; owned here (clear_plans)
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
+# plans built in this process (plans_made: the tests check caching)
 _MADE = [0]
 _CLEARS = [0]              # times the table was emptied: dist/comm/_hot.c's memo of its last plan checks it
 
@@ -71,6 +73,7 @@ def plans_made() -> int:
 
 # --------------------------------------------------------------------------- shared checks
 
+# [the world's backend], looked up once
 _BACKEND: list = []
 
 
@@ -184,9 +187,11 @@ class Plan:
         self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype, self.pack) if direct else None
 
 
-def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
+def mpi_direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
     """True when the blocking CPU call may go straight to mpi4py (what the communicator
-    method would do anyway, minus its dispatch)."""
+    method would do anyway, minus its dispatch): an MPI communicator, blocking, and a dtype
+    MPI moves (``reducing``: and reduces with ``op``) itself.  The plans and compiled
+    redistribution steps ask this before taking the raw call."""
     if async_op or comm.__class__ is not MpiCommunicator:
         return False
     if reducing:
@@ -211,9 +216,9 @@ def all_reduce_plan(g, x, op, tag, role, async_op) -> Plan:
     x = check_array("all_reduce", g, x)
     _reduce_checks("all_reduce", g, x, op)
     comm, extra = _comm("all_reduce", g, x, tag, op)
-    direct = _direct(comm, async_op, x.dtype, True, op)
+    direct = mpi_direct(comm, async_op, x.dtype, True, op)
     return Plan("all_reduce", g, comm, x, x.shape, extra, x.shape, role, async_op,
-                fn=comm.mpi.Allreduce if direct else None, mop=_MPI_OPS[op], rop=op)
+                fn=comm.mpi.Allreduce if direct else None, mop=MPI_OPS[op], rop=op)
 
 
 def _even_pack(shape: tuple, dim: int, n: int, part: int):
@@ -249,9 +254,9 @@ def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
         pack = _even_pack(x.shape, dim, g.size, mine)
     else:
         pack = lambda x: _pack(x, dim, sizes, False)      # noqa: E731
-    direct = counts is None and _direct(comm, async_op, x.dtype, True, op)
+    direct = counts is None and mpi_direct(comm, async_op, x.dtype, True, op)
     return Plan(name, g, comm, x, shape, extra, x.shape, role, async_op, dim=dim, counts=counts, pack=pack,
-                fn=comm.mpi.Reduce_scatter_block if direct else None, mop=_MPI_OPS[op], rop=op)
+                fn=comm.mpi.Reduce_scatter_block if direct else None, mop=MPI_OPS[op], rop=op)
 
 
 def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
@@ -275,7 +280,7 @@ def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
     shape = with_dim(x.shape, dim, sum(sizes))
     comm, extra = _comm(name, g, x, tag, dim)
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1          # communicators see flat buffers
-    direct = flat and counts is None and _direct(comm, async_op, x.dtype, False)
+    direct = flat and counts is None and mpi_direct(comm, async_op, x.dtype, False)
     return Plan(name, g, comm, x, shape, extra, x.shape if not given else with_dim(x.shape, dim, -1), role,
                 async_op, dim=dim, sizes=sizes, even=even, counts=counts, flat=flat,
                 fn=comm.mpi.Allgather if direct else None)
@@ -323,7 +328,7 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
     fixed = _even(send_counts) and send_counts == recv_counts
     flat = concat_dim == 0 or math.prod(shape[:concat_dim]) == 1
     even_recv = _even(recv_sizes)
-    direct = fixed and flat and _direct(comm, async_op, x.dtype, False)
+    direct = fixed and flat and mpi_direct(comm, async_op, x.dtype, False)
     return Plan(name, g, comm, x, shape, extra, gshape, role, async_op, dim=concat_dim, sizes=recv_sizes,
                 even=even_recv, counts=(None, None) if fixed else (send_counts, recv_counts), flat=flat,
                 pack=_pack_plan(x.shape, split_dim, split_sizes), fn=comm.mpi.Alltoall if direct else None)
@@ -339,7 +344,7 @@ def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
     if not 0 <= root < g.size:
         raise ValueError(f"{where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     comm, extra = _comm(name, g, x, tag, root)
-    direct = _direct(comm, async_op, x.dtype, False)
+    direct = mpi_direct(comm, async_op, x.dtype, False)
     return Plan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,
                 fn=comm.mpi.Bcast if direct else None)
 

@@ -107,6 +107,7 @@ class TensorMeta:
         return hit
 
 
+# interned metadata: (layout, shape, dtype, mesh) -> its one TensorMeta (cache; bounded by what exists)
 _METAS: dict[tuple, TensorMeta] = {}
 _REDIST_MAX = 64          # targets remembered per meta (a loop making new specs must not grow it)
 

@@ -25,7 +25,7 @@ from .plan_steps import Step, direct_step, one_axis_steps
 
 # Plan.run's repeat path in C (guard, the check's remembered site, the compiled function),
 # with the collectives' C path; None keeps it in Python (TESSERA_HOT=0, no compiler)
-_fast_run = C._hot.run_compiled if C._hot is not None else None
+_fast_run = C.HOT.run_compiled if C.HOT is not None else None
 
 __all__ = ["Step", "Plan", "plan_redistribute"]
 
