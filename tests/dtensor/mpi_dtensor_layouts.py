@@ -353,7 +353,7 @@ def test_compiled_plans_3d_and_direct(world, kind):
 
 
 def _steps_by_hand(plan, x):
-    """``plan``'s steps as the array collectives, one call each (what ``Plan.run`` ran while
+    """``plan``'s steps as the array collectives, one call each (what ``RedistributionPlan.run`` ran while
     something watched collectives before it had one executor): the reference for its records."""
     mesh = plan.mesh
 
@@ -548,7 +548,7 @@ def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world
 
 
 def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
-    """From the second run at one call site, DTensor.redistribute and Plan.run take the
+    """From the second run at one call site, DTensor.redistribute and RedistributionPlan.run take the
     compiled plan's C path (dist/comm/_hot.c: guard, the check's remembered site, the compiled
     function); results match; a rank that disagrees later at that site is still caught by the
     sampled check (every run here) on every rank, and the ranks go on in step."""
@@ -563,7 +563,7 @@ def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
         hits = C.HOT.compiled_hits()
         outs = [Xa.redistribute(dst).to_local() for _ in range(4)]
         plan = Xa.explain_redistribute(dst)
-        more = [Xa._meta.last[1][0].run(Xa.to_local()) for _ in range(3)]     # Plan.run itself
+        more = [Xa._meta.last[1][0].run(Xa.to_local()) for _ in range(3)]     # RedistributionPlan.run itself
         if SIZE > 1:
             assert plan.collectives
             assert C.HOT.compiled_hits() - hits >= 2 + 2, (dst, C.HOT.compiled_hits() - hits)

@@ -133,8 +133,8 @@ def test_swiglu_backward_keeps_the_pre_activations(monkeypatch):
     want = _grads(_ops_swiglu, x, w1, w3)
     for g, e in zip(got, want):
         close(g, e, np.float32, scale=10.0)
-    # rematerialized: the same gradient, and ts.checkpoint's forward keeps nothing
-    remat = _grads(ts.checkpoint(lambda a, b_, c: op.swiglu(a, b_, c)), x, w1, w3)
+    # rematerialized: the same gradient, and ts.remat's forward keeps nothing
+    remat = _grads(ts.remat(lambda a, b_, c: op.swiglu(a, b_, c)), x, w1, w3)
     for g, e in zip(remat, want):
         close(g, e, np.float32, scale=10.0)
 

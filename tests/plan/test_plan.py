@@ -29,13 +29,13 @@ def test_tiny_params_by_hand():
     embed = 10 * 8 + 8 * 10 + 8                 # table, head, final norm
     assert TINY.total_params() == 2 * layer + embed
     # tp=2: attention and MLP halve, norms stay; vocab 10 -> 5 rows each
-    got = plan.param_counts(TINY, plan.Layout(tp=2))
+    got = plan.param_counts(TINY, plan.ParallelConfig(tp=2))
     assert got["total"] == 2 * (4 * 32 + 2 * 8 + 3 * 8 * 8) + 5 * 8 + 8 * 5 + 8
 
 
 def test_tiny_memory_by_hand():
     c = plan.get_cluster("nvl72")
-    lay = plan.Layout(tp=1, dp=1, micro_batch=4)
+    lay = plan.ParallelConfig(tp=1, dp=1, micro_batch=4)
     mem = plan.memory_per_gpu(TINY, c, lay, workload="train", batch=4, seq=4)
     n = TINY.total_params()
     assert mem["params"] == n * 4 and mem["grads"] == n * 4
@@ -45,7 +45,7 @@ def test_tiny_memory_by_hand():
     outside = 1 * 8 + 1 * 10
     assert mem["activations"] == tokens * 4 * (2 * per_layer + outside)
     # remat every block keeps one d-vector per token per layer, plus one block's transient
-    lay_r = plan.Layout(micro_batch=4, remat="every")
+    lay_r = plan.ParallelConfig(micro_batch=4, remat="every")
     mem_r = plan.memory_per_gpu(TINY, c, lay_r, workload="train", batch=4, seq=4)
     assert mem_r["activations"] == tokens * 4 * (2 * 8 + outside)
     assert mem_r["transient"] == tokens * 4 * per_layer
@@ -60,7 +60,7 @@ def test_decode_kv_cache_by_hand():
     c = plan.get_cluster("galaxy")
     # tp=8: one of the 8 kv heads per GPU; tp=32: kv heads replicated, still one per GPU
     for tp, dp in ((8, 4), (32, 1)):
-        mem = plan.memory_per_gpu(m, c, plan.Layout(tp=tp, dp=dp), workload="decode", batch=32, seq=1024)
+        mem = plan.memory_per_gpu(m, c, plan.ParallelConfig(tp=tp, dp=dp), workload="decode", batch=32, seq=1024)
         assert mem["kv_cache"] == 2 * 80 * 1 * 128 * (32 // dp) * 1024 * 2
         assert mem["grads"] == mem["optimizer"] == 0
 
@@ -87,7 +87,7 @@ def test_memory_model_matches_the_runtime(remat):
     params = model.init(0)
     rng = np.random.default_rng(0)
     x, y = (model.batch(rng.integers(0, spec.vocab, (8, spec.seq_len))) for _ in range(2))
-    lay = plan.Layout(micro_batch=8, remat={"all": "every"}.get(remat, remat))
+    lay = plan.ParallelConfig(micro_batch=8, remat={"all": "every"}.get(remat, remat))
     mem = plan.memory_per_gpu(spec, plan.get_cluster("local"), lay, workload="train", batch=8, seq=spec.seq_len)
     assert local_bytes(params) == mem["params"]
     measured = traced_activation_bytes(model.loss, params, x, y)
@@ -113,15 +113,15 @@ def test_bus_factors_and_algorithms():
 def test_pipeline_bubble_per_schedule():
     m, c = plan.get_model("llama3-8b"), plan.get_cluster("nvl72")
     kw = dict(workload="train", batch=64, seq=2048)
-    one = plan.step_time(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1), **kw)
-    inter = plan.step_time(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1, schedule="interleaved"), **kw)
+    one = plan.step_time(m, c, plan.ParallelConfig(tp=4, pp=2, dp=9, micro_batch=1), **kw)
+    inter = plan.step_time(m, c, plan.ParallelConfig(tp=4, pp=2, dp=9, micro_batch=1, schedule="interleaved"), **kw)
     assert one["n_micro"] == 64 // 9 + 1
     assert one["pp_bubble"] == pytest.approx(one["per_microbatch"])     # (pp - 1) micro-batch slots
     assert one["compute"] > one["n_micro"] * one["per_microbatch"]      # + the optimizer
     assert inter["pp_bubble"] == pytest.approx(one["pp_bubble"] / 2)
     # memory: 1F1B keeps pp micro-batches in flight on stage 0, GPipe all of them
     n = one["n_micro"]
-    mem = {s: plan.memory_per_gpu(m, c, plan.Layout(tp=4, pp=2, dp=9, micro_batch=1, schedule=s), workload="train",
+    mem = {s: plan.memory_per_gpu(m, c, plan.ParallelConfig(tp=4, pp=2, dp=9, micro_batch=1, schedule=s), workload="train",
                                   batch=64, seq=2048, n_micro=n)["activations"] for s in ("1f1b", "gpipe")}
     assert mem["gpipe"] == pytest.approx(mem["1f1b"] * n / 2)
 
@@ -257,7 +257,7 @@ def _host(**kw):
 
 
 def _train(spec, cluster, **lay):
-    return plan.step_time(spec, cluster, plan.Layout(**lay), workload="train", batch=spec.batch, seq=spec.seq_len)
+    return plan.step_time(spec, cluster, plan.ParallelConfig(**lay), workload="train", batch=spec.batch, seq=spec.seq_len)
 
 
 def test_per_op_cost_adds_its_count_to_the_step():
@@ -363,7 +363,7 @@ def test_char_moe_prices_its_all_to_alls():
     stats = plan.collective_time(_host(), "all_reduce", 8 * 8, 2)[0]
     assert t["sync"] == pytest.approx(spec.n_layers * stats + plan.collective_time(_host(), "all_reduce", 8, 2)[0]
                                       + plan.collective_time(_host(), "all_reduce", 4, 2)[0])
-    assert plan.param_counts(spec, plan.Layout(ep=2))["expert"] == spec.n_layers * 2 * 3 * 64 * 256
+    assert plan.param_counts(spec, plan.ParallelConfig(ep=2))["expert"] == spec.n_layers * 2 * 3 * 64 * 256
 
 
 def test_calibration_of_the_op_mix_and_share():
@@ -432,8 +432,8 @@ def _runtime_rules(m, k) -> list:
     """pipeline.schedules.layout_problems with the flags the candidate's command passes."""
     from tessera_rt.pipeline.schedules import layout_problems
     return layout_problems(n_layers=m.n_layers, pp=k.pp, microbatches=k.step_time["n_micro"],
-                           schedule=k.layout.schedule, virtual=2 if k.layout.schedule == "interleaved" else 1,
-                           batch=m.batch, rows_multiple=k.dp * k.ep if m.n_experts else 1, remat=k.layout.remat,
+                           schedule=k.config.schedule, virtual=2 if k.config.schedule == "interleaved" else 1,
+                           batch=m.batch, rows_multiple=k.dp * k.ep if m.n_experts else 1, remat=k.config.remat,
                            moe=m.name == "char-moe")
 
 
@@ -445,9 +445,9 @@ def test_search_ranks_only_what_the_runtime_runs(model, cluster, uncalibrated):
     assert cands[0].feasible
     for k in cands:
         rules = _runtime_rules(m, k)
-        assert (k.feasible and not rules) or (not k.feasible and set(rules) <= set(k.violations)), (k.layout, rules)
+        assert (k.feasible and not rules) or (not k.feasible and set(rules) <= set(k.violations)), (k.config, rules)
         if c.devices_per_node:                               # tp stays inside a node
-            assert k.tp <= c.devices_per_node, k.layout
+            assert k.tp <= c.devices_per_node, k.config
 
 
 @pytest.mark.parametrize("flags", [["--experts", "4", "--remat", "every_other"],

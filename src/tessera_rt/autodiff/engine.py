@@ -1,9 +1,9 @@
-"""``grad``, ``value_and_grad``, ``vjp`` and ``checkpoint``: the reverse sweep over a tape.
+"""``grad``, ``value_and_grad``, ``vjp`` and ``remat``: the reverse sweep over a tape.
 
     gW = ts.grad(loss_fn)(W)                        # seed 002 §2.5
     loss, grads = ts.value_and_grad(loss_fn)(params, batch)   # params: a pytree
     y, pullback = ts.vjp(f, x); (gx,) = pullback(gy)          # non-scalar outputs
-    block = ts.checkpoint(block_fn)                  # activation remat (seed 000 §3.5)
+    block = ts.remat(block_fn)                       # activation remat (seed 000 §3.5)
 
 A DTensor parameter's gradient comes back in the parameter's layout.  When a parameter's
 gradient is complete (every op that read it has been swept) and only pending sums stand
@@ -20,13 +20,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backend import get_backend
+from ..deprecation import aliases
 from ..dist.tensor.dtensor import DTensor, full, zeros
 from .buckets import grad_bucket_bytes
 from .finish import GRAD_ROLE, Finisher, reduce_grads
 from .pytree import tree_flatten, tree_unflatten
 from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, float_kind, detach, no_grad, ops, vjp_rule
 
-__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
+__all__ = ["grad", "value_and_grad", "vjp", "remat", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads", "trace", "add_cotangents"]
 
 
@@ -199,7 +200,7 @@ def trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True,
     planner's ``measure`` counts the bytes the tape keeps)."""
     if STATE.tape is not None:
         raise NotImplementedError(f"ts.grad({fn_name}) inside another ts.grad: higher-order gradients are "
-                                  "not supported; compute the inner gradient outside, or use ts.checkpoint")
+                                  "not supported; compute the inner gradient outside, or use ts.remat")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         if not -len(args) <= n < len(args):
@@ -416,11 +417,12 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
     return (values if many else values[0]), pullback
 
 
-# --------------------------------------------------------------------------- checkpoint
+# --------------------------------------------------------------------------- remat
 
-def checkpoint(fn: Callable) -> Callable:
+def remat(fn: Callable) -> Callable:
     """Activation rematerialization (seed 000 §3.5): the forward keeps only ``fn``'s inputs;
     the backward runs ``fn`` again to rebuild its activations and sweeps them at once.
+    (``ts.checkpoint`` before; distributed checkpoints are ``dist.save``/``dist.load``.)
 
     Parameters
     ----------
@@ -446,13 +448,13 @@ def checkpoint(fn: Callable) -> Callable:
             return fn(*args)
         for _, p in parents:
             if p.tape is not tape:
-                raise ValueError(f"ts.checkpoint({name}): an argument belongs to another trace")
+                raise ValueError(f"ts.remat({name}): an argument belongs to another trace")
         with no_grad():
             out = fn(*args)
         if type(out) is Var or isinstance(out, (tuple, list, dict)):
-            raise TypeError(f"ts.checkpoint({name}) must return one array or DTensor, got {type(out).__name__}")
+            raise TypeError(f"ts.remat({name}) must return one array or DTensor, got {type(out).__name__}")
         plain = tuple(x.value if type(x) is Var else x for x in leaves)
-        v = Var(out, tape, "checkpoint", plain, {"fn": fn, "struct": struct}, parents)
+        v = Var(out, tape, "remat", plain, {"fn": fn, "struct": struct}, parents)
         for _, p in parents:
             p.uses += 1
         tape.nodes.append(v)
@@ -460,8 +462,8 @@ def checkpoint(fn: Callable) -> Callable:
     return wrapped
 
 
-@vjp_rule("checkpoint")
-def _checkpoint_vjp(g, out, args, kw, needs):
+@vjp_rule("remat")
+def _remat_vjp(g, out, args, kw, needs):
     fn, struct = kw["fn"], kw["struct"]
     sub = Tape()
     leaves = [Var(a, sub) if need else a for a, need in zip(args, needs)]
@@ -475,3 +477,7 @@ def _checkpoint_vjp(g, out, args, kw, needs):
     backward(sub, y, g)
     sub.nodes.clear()
     return [lv.grad if type(lv) is Var else None for lv in leaves]
+
+
+# renamed (issue 41: "checkpoint" is dist.save/dist.load's word), kept for one release
+__getattr__ = aliases(__name__, {"checkpoint": ("tessera_rt.remat", lambda: remat)})

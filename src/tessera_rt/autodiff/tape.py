@@ -160,7 +160,7 @@ def _check_mix(name: str, vals) -> None:
 
 
 def _foreign(name: str, a: Var, tape: Tape) -> None:
-    raise ValueError(f"{name}: an argument is a traced value from another ts.grad/ts.checkpoint trace (a "
+    raise ValueError(f"{name}: an argument is a traced value from another ts.grad/ts.remat trace (a "
                      "value captured from outside the function); pass it to the function as an argument")
 
 
@@ -168,7 +168,7 @@ def _foreign(name: str, a: Var, tape: Tape) -> None:
 
 class no_grad:
     """Inside the block ops on traced values run on their plain values and record nothing
-    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator:
+    (for evaluation, metrics, and the forward of ``ts.remat``).  Also a decorator:
     ``@no_grad()``.  Takes no parameters."""
 
     def __enter__(self) -> "no_grad":

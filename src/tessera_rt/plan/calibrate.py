@@ -224,7 +224,7 @@ def elementwise_bw(rates: dict, block_s: float) -> float:
     model's elementwise bytes; op.add's bandwidth (``rates["hbm_bw"]``) if nothing is left."""
     import dataclasses
 
-    from .memory import Layout
+    from .memory import ParallelConfig
     from .cluster import Cluster
     from .specs import MODELS
     from .timing import _mlp_ops, _roofline, compute_ops
@@ -232,7 +232,7 @@ def elementwise_bw(rates: dict, block_s: float) -> float:
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
                     alpha=0.0, topology="host", op_rates={k: rates[k] for k in ("gemm", "gemm_bwd", "attention",
                                                                                  "attention_bwd")})
-    ops = compute_ops(ref, Layout(), 256, 64, causal=0.5) + _mlp_ops(ref, Layout(), 256, False)
+    ops = compute_ops(ref, ParallelConfig(), 256, 64, causal=0.5) + _mlp_ops(ref, ParallelConfig(), 256, False)
     math_ops = [o for o in ops if o[0] != "elementwise"]
     modeled = _roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True)
     elem_bytes = 3 * sum(o[2] for o in ops if o[0] == "elementwise")     # forward + twice for the backward

@@ -110,6 +110,8 @@ def runtime_counts(spec, mesh) -> dict:
     """
     from .. import nn
     from ..autodiff import value_and_grad
+    if spec.n_experts:
+        from .. import moe as _moe  # noqa: F401  (nn.Transformer(moe=...)'s block plugs in when moe is imported)
     moe = (dict(num_experts=spec.n_experts, top_k=spec.top_k, capacity_factor=spec.capacity_factor)
            if spec.n_experts else None)
     rng = np.random.default_rng(0)

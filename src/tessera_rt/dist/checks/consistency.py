@@ -211,8 +211,8 @@ def configure(on: bool) -> None:
 def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     """Called by a collective before it moves data, from the frame of the function the user
     called (its caller is the call site); collectives with a cached plan call ``check_sig``.
-    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``Plan.run``
-    (which calls this for each of its collectives, so no ``Plan.run`` frame lies between
+    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``RedistributionPlan.run``
+    (which calls this for each of its collectives, so no ``RedistributionPlan.run`` frame lies between
     here and the user to read it from)."""
     check_sig(g.__dict__.get("_consistency") or group_state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
@@ -279,7 +279,7 @@ def check_plan(p, depth: int = 2, _c=STATE) -> None:
 
 
 def check_run(plan, checks, _c=STATE) -> None:
-    """The checks of a compiled redistribution plan's collectives, made by ``Plan.run``
+    """The checks of a compiled redistribution plan's collectives, made by ``RedistributionPlan.run``
     before the first one moves data (``checks``: (op, group, dtype, shape, extra) each).
 
     A run from the call site that last verified them all takes ``plan._verified`` (the depth
@@ -311,7 +311,7 @@ def check_run(plan, checks, _c=STATE) -> None:
 def _remember(plan, checks):
     """``check_run``'s fast-path record for the run that just verified (None when the user's
     frame cannot be found): the keys ``check_sig`` made, rebuilt from the same parts."""
-    depth, f = 2, _getframe(2)             # 2: Plan.run's caller, seen from check_run
+    depth, f = 2, _getframe(2)             # 2: RedistributionPlan.run's caller, seen from check_run
     while f is not None and _is_internal(f.f_code):
         depth, f = depth + 1, f.f_back
     if f is None:

@@ -2,7 +2,7 @@
 a call's interned signature (``sig``) and a group's call count and verified keys
 (``group_state``).
 
-They sit here, below the checkers, because a collective's plan (``plans.Plan``) and the C
+They sit here, below the checkers, because a collective's plan (``plans.CallPlan``) and the C
 path keep them per call: a plan carries its group's state and its signature, so the
 agreement check (``checks.consistency``) looks nothing up on a repeat call, and the
 collectives build the ``Call`` a watcher (``checks.debug``'s recorder, the profiler,

@@ -31,7 +31,7 @@ from ...backend import CpuWorkerStream
 from . import c_path
 from .cpu_async import after_role_worker
 from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
-from .plans import (Plan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
+from .plans import (CallPlan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
                     all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
 from .plans import bad_out as _bad_out, untaggable as _untaggable
 from .hooks import SEAM as _SEAM
@@ -144,7 +144,7 @@ def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "
     return out
 
 
-def run_all_reduce(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_all_reduce(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_reduce after its checks (the plain collective, and dist.ccl's library path)."""
     if WATCHERS:
         g, op = p.g, p.rop
@@ -206,7 +206,7 @@ def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str
     return out
 
 
-def run_reduce_scatter(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_reduce_scatter(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned reduce_scatter after its checks (the plain collective, and dist.ccl's library path)."""
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if p.pack is None else p.pack(x)
@@ -272,7 +272,7 @@ def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int
     return out
 
 
-def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_all_gather(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
     info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if WATCHERS else None
     if not p.flat:                    # communicators take flat buffers: gather, then lay out along dim

@@ -1,6 +1,6 @@
 """Compiled redistribution plans: a plan's steps turned, once, into communicator calls.
 
-A ``Plan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
+A ``RedistributionPlan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
 and this rank's mesh position, so everything its collectives work out per call -- the
 group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is the same on
 every call.  ``compile_plan`` works it out once, on the plan's first run, and returns the
@@ -14,7 +14,7 @@ one function that runs the plan from then on, doing only what must happen per ca
   mpi4py call where the array collective's direct path would make one (``step_caller``);
 * the local steps (slices, partialize) as the plan made them.
 
-``Plan.run`` makes the agreement check for every collective (the signature the array
+``RedistributionPlan.run`` makes the agreement check for every collective (the signature the array
 collective would pass, returned here) before the first step moves data.  While something
 watches collectives (``trace_collectives``, the profiler, ``TESSERA_DEBUG``, deterministic
 reductions: ``hooks.SEAM.watchers``) each communicator call goes through the array

@@ -15,7 +15,8 @@ import numpy as np
 
 from ...backend import get_backend
 from ..comm.hooks import SEAM as _SEAM
-from .dtensor_type import DTensor, TensorMeta, meta_of, use_dispatcher
+from .dtensor_type import DTensor, TensorMeta, meta_of
+from .entries import use_dispatcher
 from ..comm.process_group import world
 from ..checks import determinism
 from .cost import on_change
