@@ -511,6 +511,10 @@ def _train(args: argparse.Namespace) -> dict:
     params = model.init(args.seed)            # with --pp: this rank's stage only
     pipe = Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
                     schedule=args.schedule) if piped else None
+    if rank0 and not args.quiet:         # the layout this run has (a plan's launch line is checked against it)
+        print(f"train.py: layout tp={tp} dp={dp} pp={pp} ep={ep}, batch {args.batch}, remat {args.remat}"
+              + (f", schedule {pipe.schedule}, microbatches {pipe.microbatches}" if pipe is not None else ""),
+              flush=True)
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
 

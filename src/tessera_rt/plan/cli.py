@@ -98,11 +98,19 @@ def _table(cands: list) -> str:
     return "\n".join(rows)
 
 
+def _uncalibrated(c) -> bool:
+    """A cluster whose figures are stand-ins until measured (the ``local`` preset before
+    ``--calibrate``): its own note says so, and the report repeats it."""
+    return not c.calibrated and "uncalibrated" in c.notes.lower()
+
+
 def _report(a, m, c, cands: list) -> str:
     batch, seq = a.batch or m.batch, a.seq or m.seq_len
     out = [f"{m.name} ({m.total_params() / 1e9:.3g}B params) on {c.name} ({c.n_gpus} x {c.hbm_bytes / GB:.0f} GB), "
            f"{a.workload}, global batch {batch} sequences of {seq}"
            + ("" if a.batch else " (the model's default; --batch changes it)")]
+    if _uncalibrated(c):
+        out.append(f"note: cluster {c.name!r}: {c.notes}")
     if not c.devices_per_node and c.topology != "host":          # host: ranks of one machine
         out.append(f"note: cluster {c.name!r} gives no devices_per_node, so tp may cross nodes; add "
                    '"devices_per_node" (e.g. 8 for H100 nodes) to the cluster file to keep tp inside a node')
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"tessera-plan: error: {e}", file=sys.stderr)
         return 2
+    if a.json and _uncalibrated(c):                  # (stdout stays the JSON list)
+        print(f"tessera-plan: note: cluster {c.name!r}: {c.notes}", file=sys.stderr)
     try:
         print(json.dumps([k.to_json() for k in cands], indent=1) if a.json else _report(a, m, c, cands))
     except BrokenPipeError:                          # piped into head

@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..pipeline.schedules import layout_problems
 from .memory import REMATS, ParallelConfig, memory_per_gpu
@@ -19,7 +24,7 @@ from .specs import ModelSpec, get_model
 from .timing import duration, step_time
 
 __all__ = ["Candidate", "search", "evaluate", "factorizations", "RECIPES", "recipes", "GB", "runtime_problems",
-           "launch_command", "TRAIN_PY_MODELS"]
+           "launch_command", "tessera_run", "TRAIN_PY_MODELS"]
 
 # The models scripts/train.py builds, and the flags that build them (beside the mesh flags)
 TRAIN_PY_MODELS = {"char": [], "char-moe": ["--experts", "4", "--capacity-factor", "1.25"]}
@@ -154,19 +159,38 @@ def _moe_without_remat(m: ModelSpec) -> bool:
     return bool(m.n_experts) and m.name in TRAIN_PY_MODELS
 
 
+def tessera_run() -> str:
+    """``tessera-run`` as this process can start it from the current directory: the bare name
+    when the one on PATH is this Python's; else its path beside this Python
+    (``.venv/bin/tessera-run`` from the repository root when the venv is not activated);
+    else ``python -m tessera_run`` with this Python (the same launcher)."""
+    here = Path(sys.executable).parent / "tessera-run"
+    found = shutil.which("tessera-run")
+    if here.exists():
+        if found and Path(found).resolve() == here.resolve():
+            return "tessera-run"
+        rel = os.path.relpath(here)
+        return shlex.quote(rel if not rel.startswith("..") else str(here))
+    if found:
+        return "tessera-run"
+    return f"{shlex.quote(sys.executable)} -m tessera_run"
+
+
 def launch_command(k: "Candidate", model: str, batch: int) -> str:
-    """The launch line of a candidate: scripts/train.py with its flags for the models it
-    builds (TRAIN_PY_MODELS), else the mesh flags for the user's own script."""
+    """The launch line of a candidate, as it runs from the repository root: scripts/train.py
+    with its flags for the models it builds (TRAIN_PY_MODELS), else the mesh flags for the
+    user's own script; ``tessera_run()`` says how tessera-run is started."""
     t = k.step_time
     flags = ["--tp", k.tp, "--dp", k.dp, "--pp", k.pp]
     if k.ep > 1 or model == "char-moe":
         flags += ["--ep", k.ep]
     if k.pp > 1 or t["n_micro"] > 1:
         flags += ["--schedule", k.config.schedule, "--microbatches", t["n_micro"]]
+    run = f"{tessera_run()} -n {k.tp * k.ep * k.pp * k.dp}"
     if model not in TRAIN_PY_MODELS:
-        return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} YOUR_SCRIPT.py " + " ".join(map(str, flags))
+        return f"{run} YOUR_SCRIPT.py " + " ".join(map(str, flags))
     flags += ["--batch", batch, "--remat", REMAT_FLAG[k.config.remat]] + TRAIN_PY_MODELS[model]
-    return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} scripts/train.py " + " ".join(map(str, flags))
+    return f"{run} scripts/train.py " + " ".join(map(str, flags))
 
 
 def _check(m: ModelSpec, c: Cluster, lay: ParallelConfig, mem: dict, workload: str, n_micro: int = 1,
