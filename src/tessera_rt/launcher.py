@@ -66,7 +66,7 @@ from .launch_hosts import (HOST_LINE, HostError, check_hosts, is_local, parse_ho
 from .launch_ranks import RUN_DIR_VAR, TAG_VAR, RankRecords
 
 __all__ = ["main", "build_command", "find_mpiexec", "rank_env", "HostError", "parse_hosts", "read_hostfile", "place",
-           "is_local", "check_hosts", "copy_stdout", "is_open_mpi", "run_mpiexec"]
+           "is_local", "check_hosts"]
 
 
 def find_mpiexec() -> str | None:
