@@ -433,6 +433,7 @@ __device__ __forceinline__ void ts_load_tile(elem_t* s, const elem_t* g, long lo
 
 MAX_GRID_YZ = 65535     # CUDA caps gridDim.y and gridDim.z here (gridDim.x at 2**31 - 1)
 
+# cache: (source, name, options, device) -> the compiled RawKernel function
 _FUNCS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
@@ -522,6 +523,7 @@ def aligned(a: Any, nbytes: int):
     return a if is_aligned(a, nbytes) else a.copy()
 
 
+# cache: device id -> its multiprocessor count
 _SMS: dict = {}
 
 
