@@ -29,7 +29,7 @@ from ..backend import register_kernel
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import (ELEM_IO, IO_CODES, MAX_GRID_YZ, VEC16_TO_F32, aligned, get_function, io_name,
-                          launch_stream, sm_count)
+                          launch_stream, scratch, sm_count)
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 from .precision import note
 from .providers import dispatching
@@ -333,7 +333,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
         qc, kc, vc = (aligned(cupy.ascontiguousarray(t), 16) for t in (q, k_pages, v_pages))
         o = out if out is not None and out.flags.c_contiguous else cupy.empty(q.shape, q.dtype)
         if b:
-            part = cupy.empty(b * h * s * (d + 2), np.float32) if s > 1 else None
+            part = scratch("paged_decode_partials", b * h * s * (d + 2), np.float32) if s > 1 else None
             ml = None if part is None else part[:b * h * s * 2]
             acc = None if part is None else part[b * h * s * 2:]
             tables, lens = cupy.ascontiguousarray(block_tables), cupy.ascontiguousarray(seq_lens)
