@@ -321,7 +321,7 @@ class Bench:
                      flops=2.5 * flops, note=roofline)
 
     def memory_bound(self):
-        xp, kern = self.xp, self.be.kernel
+        kern = self.be.kernel
         shape = self.pick((8, 256), (256, 1024), (8192, 4096), (2048, 1024))
         x, w, bvec = self.arr(shape, scale=2), self.arr(shape[-1:]), self.arr(shape[-1:])
         nbytes = 2 * x.size * x.dtype.itemsize                     # read x, write y

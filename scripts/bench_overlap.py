@@ -46,7 +46,7 @@ from tessera_rt import runtime as rt
 from tessera_rt.autodiff.buckets import grad_bucket_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train as train_script  # noqa: E402  (scripts/train.py: its model, data and batches)
+import train as train_script  # scripts/train.py: its model, data and batches
 
 
 def slowest(w, seconds: float) -> float:

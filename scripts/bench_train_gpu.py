@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     use_torch = not args.no_torch
     if use_torch:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
         except ImportError:
             print("torch is not installed: timing tessera only")
             use_torch = False

@@ -439,7 +439,7 @@ def main(argv=None) -> int:
         return worker(args)
     if not args.no_torch:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
         except ImportError:
             print("bench_vs_torch: torch is not installed: timing tessera only (pip install torch for the peer)")
             args.no_torch = True

@@ -57,7 +57,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from tessera_rt.dist.comm.script import UsageError  # noqa: E402  (a flag mistake: exit status 2)
+from tessera_rt.dist.comm.script import UsageError  # a flag mistake: exit status 2
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "data" / "seeds"

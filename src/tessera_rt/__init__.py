@@ -8,15 +8,18 @@ collectives as first-class operations, launched with ``tessera-run`` / ``mpirun`
     grads = ts.grad(loss_fn)(W)
 """
 # the layers bottom up; each upper one plugs into the ones below as it is imported (autodiff
-# into dist.comm.hooks, op into autodiff's VJP table and traced values' operators, moe into op)
+# into dist.comm.hooks, op into autodiff's VJP table and traced values' operators, moe into op);
+# kept in this order, not sorted:
+# isort: off
 from . import backend, dtypes, runtime
 from . import kernels
 from . import dist
 from . import autodiff
 from . import op, graph, nn, optim, profiler
-from . import moe
+from . import moe  # noqa: F401  (plugs op.moe and nn.Transformer's MoE block in)
 from .inference import KVCache as _KVCache, Llama as _Llama
 from .pipeline import Pipeline as _Pipeline
+# isort: on
 from .autodiff import checkpoint, detach, grad, no_grad, value_and_grad, vjp
 from .backend import get_backend
 from .dtypes import resolve_dtype

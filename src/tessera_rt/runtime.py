@@ -16,7 +16,7 @@ collectives on it run while the caller computes.
 from __future__ import annotations
 
 import atexit
-from typing import Iterable
+from typing import Iterable, Any
 
 from .backend import get_backend
 
@@ -29,7 +29,7 @@ ROLES = ("compute", "tp_collective", "a2a", "io")
 _DEFAULT_MAP = {"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3}
 
 _stream_map: dict[str, int] = dict(_DEFAULT_MAP)
-_slots: dict[int, object] = {}            # slot -> Stream, created on first use
+_slots: dict[int, Any] = {}               # slot -> Stream, created on first use
 _role_streams: dict[str, object] = {}     # role -> Stream, the hot-path cache
 # None means "every role overlaps with every other" (the default).
 _overlap: set[frozenset] | None = None

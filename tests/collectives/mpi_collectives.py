@@ -239,7 +239,7 @@ def test_errors_name_rank_axis_and_shapes(line, world):
 def _cases(n):
     """(name, shape (or rank -> shape), dtype, call(x, mesh), reference(every rank's data, my rank))."""
     sizes = [(i + 1) % 3 for i in range(n)]                      # uneven, zeros included
-    splits = lambda r: [(r + d) % 3 + 1 for d in range(n)]      # noqa: E731  (rank r sends to rank d)
+    splits = lambda r: [(r + d) % 3 + 1 for d in range(n)]      # rank r sends to rank d
     return [
         ("all_reduce", (3, 5), np.float32, lambda x, m: dist.all_reduce(x, "x", mesh=m),
          lambda d, me: sum(d)),

@@ -147,7 +147,7 @@ def test_the_sampled_check_on_the_c_path_catches_a_later_disagreement(world):
     if w.size < 2:
         pytest.skip("needs 2 ranks")
     mesh = dist.Mesh(axes=["x"], shape=(w.size,))
-    site = lambda x: dist.all_reduce(x, "x", mesh=mesh)      # noqa: E731  (one call site)
+    site = lambda x: dist.all_reduce(x, "x", mesh=mesh)      # one call site
     old, consistency._cfg.mask = consistency._cfg.mask, 0     # TESSERA_CHECK_EVERY=1
     try:
         for _ in range(3):

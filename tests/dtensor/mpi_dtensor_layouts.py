@@ -571,7 +571,7 @@ def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
             np.testing.assert_array_equal(o, want)
     if SIZE < 2:
         return
-    site = lambda X: X.redistribute(R)                                  # noqa: E731  (one call site)
+    site = lambda X: X.redistribute(R)                                  # one call site
     for _ in range(3):
         site(Xa), site(Xb)
     old, consistency._cfg.mask = consistency._cfg.mask, 0

@@ -21,7 +21,7 @@ if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__tessera_standin
     pytest.skip(f"the real CuPy ({sys.modules['cupy'].__file__}) is loaded in this process; the "
                 "stand-in's own tests run where CuPy is not installed", allow_module_level=True)
 
-import cupy  # noqa: E402  (the stand-in: tests/gpu_emu is first on sys.path)
+import cupy  # the stand-in: tests/gpu_emu is first on sys.path
 from cupy import _raw  # noqa: E402
 
 assert getattr(cupy, "__tessera_standin__", False), f"imported the real CuPy from {cupy.__file__}"

@@ -37,7 +37,7 @@ def ckpts():
     data = None
     if RANK == 0:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
             data = {n: (str(p), r) for n, (p, r) in L.cached_bundle().items()}
         except ImportError:
             pass

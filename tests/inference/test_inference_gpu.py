@@ -19,7 +19,7 @@ from tessera_rt.inference.prefill import Chunk, run_prefill
 from tessera_rt.inference.sampling import DeviceSampler
 
 import llama_tiny as L
-from llama_tiny import ckpts  # noqa: F401  (the fixture)
+from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest looks in this module)
 
 
 def _cupy():

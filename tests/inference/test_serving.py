@@ -9,7 +9,7 @@ from tessera_rt import nn
 from tessera_rt.kernels import flash_attention
 
 import llama_tiny as L
-from llama_tiny import ckpts  # noqa: F401  (the fixture)
+from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest looks in this module)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -81,7 +81,7 @@ def test_collective_counts_are_the_runtimes(model, axis):
 
     def calls(where, op, on, shape=lambda s: True):
         return sum(n for (o, a, s), n in got[f"collectives_{where}"].items() if o == op and a == on and shape(s))
-    wide = lambda s: s.split("[")[1].split(",")[2:] == [f"{spec.d_model}]"]      # noqa: E731  (batch, seq, d)
+    wide = lambda s: s.split("[")[1].split(",")[2:] == [f"{spec.d_model}]"]      # batch, seq, d
     if axis == "tp":
         assert calls("per_layer", "all_reduce", "tp") == calls("per_layer", "all_reduce", "tp", wide) \
             == spec.tp_ar_per_layer

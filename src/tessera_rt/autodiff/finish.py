@@ -49,7 +49,7 @@ class Finisher:
     def __init__(self, bucket_mb: float | None = None):
         self.pending: list = []
         self.bucket_mb = bucket_mb
-        self.buckets = None
+        self.buckets: GradBuckets | None = None
 
     def plan(self, params: list) -> None:
         """Size the buckets for ``params``: the default cap depends on their DTensors' global

@@ -66,13 +66,13 @@ def _positional(args: tuple, kw: dict, argnames: tuple) -> tuple[tuple, dict]:
     closure cell there, a cost on every traced op.)"""
     if not any(n in kw for n in argnames):
         return args, kw
-    kw, args = dict(kw), list(args)
+    kw, pos = dict(kw), list(args)
     for i, n in enumerate(argnames):
         if n in kw:
-            while len(args) <= i:
-                args.append(None)
-            args[i] = kw.pop(n)
-    return tuple(args), kw
+            while len(pos) <= i:
+                pos.append(None)
+            pos[i] = kw.pop(n)
+    return tuple(pos), kw
 
 
 def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: tuple):

@@ -6,10 +6,13 @@ and ``engine``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..dist.comm.hooks import TRACE as STATE
 from ..dist.comm.hooks import differentiable
+
+if TYPE_CHECKING:
+    from .finish import Finisher
 
 __all__ = ["Var", "Tape", "register_ops", "ops", "current_tape", "is_traced"]
 
@@ -62,7 +65,7 @@ class Var:
         self.uses = 0
         self.leaf = op is None
         self.name = None                 # a leaf's path in the argument pytree (for errors)
-        self.finish = None               # a leaf's hook when its gradient is complete
+        self.finish: Finisher | None = None  # a leaf's hook when its gradient is complete
 
     # metadata --------------------------------------------------------------------
     shape = property(lambda self: tuple(self.value.shape))
@@ -106,8 +109,8 @@ class Var:
     def __le__(self, o): return _ops.less_equal(self, o)
     def __gt__(self, o): return _ops.greater(self, o)
     def __ge__(self, o): return _ops.greater_equal(self, o)
-    def __eq__(self, o): return _ops.equal(self, o)           # type: ignore[override]
-    def __ne__(self, o): return _ops.not_equal(self, o)       # type: ignore[override]
+    def __eq__(self, o): return _ops.equal(self, o)
+    def __ne__(self, o): return _ops.not_equal(self, o)
     def __getitem__(self, index): return _ops.getitem(self, index)
 
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":

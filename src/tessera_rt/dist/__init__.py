@@ -10,6 +10,7 @@
 The collectives here take arrays or DTensors: an array is communicated as it is; a DTensor
 (routed to ``dtensor_collectives``) becomes a layout change run by the redistribution planner.
 """
+from typing import Any
 from .comm.collectives import (
     CollectiveRecord, all_gather, all_reduce, all_to_all, broadcast, bus_factor, reduce_scatter, trace_collectives,
 )
@@ -17,7 +18,7 @@ from .comm.p2p import barrier
 from .comm.work import Work, world_group
 from .tensor.dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
 from .tensor.dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
-from .tensor import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
+from .tensor import cost, dispatch as _dispatch, interop as _interop  # noqa: F401  (dispatch, interop: plug-ins)
 from .tensor.layout import (
     Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
 )
@@ -26,11 +27,14 @@ from .comm.process_group import World, abort, get_rank, get_world_size, init, is
 from .tensor.redistribute import Plan, Step, plan_redistribute
 from .tensor.rules import RuleError, register_rule
 from .tensor.shard import local_shape, local_slices, split_offsets, split_sizes
-from .tensor import cost
 from .checks import debug
 from .checkpoint import CheckpointError, async_save, load, save
 from .checks.debug import CollectiveMismatchError, flight_records
 from .checks.determinism import deterministic, is_deterministic, set_deterministic
+
+# dist.Pipeline: the pipeline runner (tessera_rt.pipeline, a layer above) is attached here by
+# the package root; declared for type checkers
+Pipeline: Any
 
 __all__ = [
     "init", "world", "World", "is_initialized", "get_rank", "get_world_size", "abort",

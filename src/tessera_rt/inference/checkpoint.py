@@ -324,7 +324,7 @@ def _layer_of(name: str) -> int | None:
 
 
 def _n_layers(names) -> int:
-    return 1 + max((_layer_of(n) for n in names if _layer_of(n) is not None), default=-1)
+    return 1 + max((i for i in map(_layer_of, names) if i is not None), default=-1)
 
 
 def _bf16_slice(f: Path, name: str, shape: list, idx: tuple) -> np.ndarray:

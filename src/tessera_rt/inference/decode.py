@@ -61,6 +61,13 @@ class DecodeBatch:
         Block-table width (pages a sequence may hold).
     """
 
+    # views of the state array (set in __init__, by name)
+    tok: Any
+    pos: Any
+    keys: Any
+    hist_n: Any
+    tables: Any
+
     def __init__(self, model, cache, b: int, width: int):
         xp = model.xp
         self.xp, self.b, self.width = xp, b, width

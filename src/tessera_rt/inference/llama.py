@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import runtime as rt
+from ..dist.comm.mesh import Mesh
 from ..backend import get_backend
 from ..dist.comm import collectives as C
 from ..dist.tensor.shard import split_offsets, split_sizes

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Any
 
 import numpy as np
 
 from .. import op
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.dtensor import DTensor, distribute
 from ..dist.tensor.layout import ShardSpec
 from ..nn import Embedding, Linear, Module, RMSNorm, SwiGLUMLP, TransformerBlock, cross_entropy
@@ -56,7 +57,7 @@ class RopeAttention(Module):
             raise ValueError(f"RopeAttention: n_heads={n_heads} and n_kv_heads={n_kv_heads} must both be multiples "
                              f"of the mesh's {tp_axis}={tp} (each rank holds whole heads); change --heads/--kv-heads "
                              f"or --tp")
-        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        kw: dict[str, Any] = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.q = Linear(d_model, n_heads * self.hd, parallel="column", **kw)
         self.k, self.v = (Linear(d_model, n_kv_heads * self.hd, parallel="column", **kw) for _ in range(2))
         self.o = Linear(n_heads * self.hd, d_model, parallel="row", std=1.0 / math.sqrt(2 * d_model), **kw)
@@ -91,11 +92,13 @@ class RopeAttention(Module):
 class LlamaBlock(TransformerBlock):
     """``nn.TransformerBlock`` (pre-norm, residual adds; its ``init`` and ``__call__``) with
     rotary grouped-query attention."""
+    # the block's attention, rotary: not an nn.Attention, with the same interface (init, __call__)
+    attn: RopeAttention  # type: ignore[assignment]  # the base's is an nn.Attention
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, hidden: int, seq_len: int, *, mesh=None,
                  tp_axis: str = "tp", dtype="float32", eps: float = 1e-6):
         Module.__init__(self, mesh, tp_axis, dtype)
-        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        kw: dict[str, Any] = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.norm1, self.norm2 = RMSNorm(d_model, eps=eps, **kw), RMSNorm(d_model, eps=eps, **kw)
         self.attn = RopeAttention(d_model, n_heads, n_kv_heads, seq_len, **kw)
         self.mlp = SwiGLUMLP(d_model, hidden, **kw)
@@ -135,7 +138,7 @@ class LlamaLM(Module):
                  n_kv_heads: int | None = None, hidden: int | None = None, mesh: Mesh | None = None,
                  tp_axis: str = "tp", dp_axis: str = "dp", dtype: object = "float32", eps: float = 1e-6):
         super().__init__(mesh, tp_axis, dtype)
-        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        kw: dict[str, Any] = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.vocab, self.d, self.seq_len, self.eps = vocab, d_model, seq_len, eps
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         self.hidden, self.n_layers = hidden or 4 * d_model, n_layers
@@ -163,7 +166,7 @@ class LlamaLM(Module):
                 "blocks": [b.init(seed, f"blocks.{i}") for i, b in enumerate(self.blocks)],
                 "norm": self.norm.init(seed, "norm"), "head": self.head.init(seed, "head")}
 
-    def batch(self, tokens: np.ndarray) -> object:
+    def batch(self, tokens: np.ndarray) -> Any:
         """A global (B, S) int batch (the same on every rank), its batch dim over dp.
 
         Parameters
@@ -182,7 +185,7 @@ class LlamaLM(Module):
         spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
         return distribute(tokens, layout=spec, mesh=self.mesh)
 
-    def logits(self, p: dict, tokens: object) -> object:
+    def logits(self, p: dict, tokens: Any) -> Any:
         """The LM head's logits.
 
         Parameters
@@ -202,7 +205,7 @@ class LlamaLM(Module):
             x = blk(bp, x)
         return self.head(p["head"], self.norm(p["norm"], x))
 
-    def loss(self, p: dict, tokens: object, targets: object) -> object:
+    def loss(self, p: dict, tokens: Any, targets: Any) -> Any:
         """The mean token cross-entropy.
 
         Parameters

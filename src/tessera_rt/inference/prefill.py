@@ -48,6 +48,17 @@ class PrefillBatch:
         The step's chunks, in order.
     """
 
+    # views of the step's one upload (set in __init__, by name); context and tables: None when
+    # no chunk continues its prompt
+    ids: Any
+    pos: Any
+    slots: Any
+    cu: Any
+    last: Any
+    keys: Any
+    context: Any
+    tables: Any
+
     def __init__(self, model, cache, chunks: Sequence[Chunk]):
         lens = np.array([len(c.tokens) for c in chunks], np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -6,6 +6,8 @@ themselves, so the CPU path and a CuPy fallback are the same code.  CuPy is look
 """
 from __future__ import annotations
 
+from numpy.typing import DTypeLike
+
 import sys
 from typing import Any, Iterable
 
@@ -50,7 +52,7 @@ def _dtype_set(allowed) -> frozenset:
     return s
 
 
-def check_float(op: str, name: str, a: Any, allowed: Iterable[np.dtype] = FLOAT_DTYPES,
+def check_float(op: str, name: str, a: Any, allowed: Iterable[DTypeLike] = FLOAT_DTYPES,
                 min_ndim: int = 1) -> None:
     """TypeError unless ``a`` is an array of an allowed float dtype with at least ``min_ndim`` dims."""
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
@@ -75,7 +77,7 @@ def check_stream(op: str, stream: Any) -> None:
                         f"got {type(stream).__name__}")
 
 
-def widen(a: Any, dtype: np.dtype):
+def widen(a: Any, dtype: DTypeLike):
     """``a`` as ``dtype`` without a copy when it already is."""
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -94,7 +96,7 @@ def finish(op: str, result: Any, out: Any | None, dtype: np.dtype):
     return out
 
 
-def check_out(op: str, out: Any | None, shape: tuple, dtype: np.dtype, xp=None) -> None:
+def check_out(op: str, out: Any | None, shape: tuple, dtype: DTypeLike, xp=None) -> None:
     """Check ``out`` before a launch (GPU kernels write into it directly, so it must be contiguous)."""
     if out is None:
         return

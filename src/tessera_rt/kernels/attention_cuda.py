@@ -151,7 +151,7 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
         qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
         vh = _same_layout(cupy, kh, v)
         direct = out is not None and out.dtype == elem and out.strides == qh.strides and is_aligned(out, 16)
-        o = out if direct else _laid_like(cupy, qh, elem)          # O in q's layout: (B, S, H, D) stays so
+        o: Any = out if direct else _laid_like(cupy, qh, elem)     # O in q's layout: (B, S, H, D) stays so
         lse = cupy.empty((b, h, sq), np.float32)
         strides = tuple(np.int64(x) for x in _strides(qh) + _strides(kh))
         for bs in _batch_slices(b, h):

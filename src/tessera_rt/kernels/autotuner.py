@@ -161,7 +161,7 @@ class Autotuner:
         if not times:
             raise ValueError(f"autotune {self.name}: no candidate config ran for this input:\n  "
                              + "\n  ".join(errors))
-        winner = min(times, key=times.get)
+        winner = min(times, key=times.__getitem__)
         cfg = {k: _from_json(v) for k, v in json.loads(winner).items()}
         self._best[key] = cfg
         self.timings[key] = times

@@ -139,7 +139,8 @@ def ptxas_resources(ptx: str, arch: str = "sm_80") -> dict[str, ResourceUsage]:
     if proc.returncode != 0:
         raise CompileError(f"ptxas -arch={arch} failed:\n{proc.stderr}")
     out: dict[str, ResourceUsage] = {}
-    entry = frame = None
+    entry: str | None = None
+    frame: tuple[int, ...] = (0, 0, 0)
     for line in proc.stderr.splitlines():
         if m := _ENTRY.search(line):
             entry, frame = m.group(1), (0, 0, 0)

@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import os
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Any
 
 __all__ = ["set_float32_matmul_precision", "get_float32_matmul_precision", "float32_matmul_precision",
            "PRECISIONS", "note", "add_listener", "remove_listener", "f32_compute", "own_kernel_of"]
@@ -147,7 +147,7 @@ def own_kernel_of(op: str, why: str | None) -> Iterator[list]:
     stack = getattr(_FALLBACK, "stack", None)
     if stack is None:
         stack = _FALLBACK.stack = []
-    entry = [op, why, False]
+    entry: list[Any] = [op, why, False]
     stack.append(entry)
     noted = [False]
     try:

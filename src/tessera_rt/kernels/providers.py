@@ -243,7 +243,7 @@ def dispatching(op: str, own: Callable) -> Callable:
     entry.__name__ = getattr(own, "__name__", op)
     entry.__qualname__ = entry.__name__
     entry.__doc__ = own.__doc__
-    entry.__wrapped__ = own
+    entry.__wrapped__ = own  # type: ignore[attr-defined]  # as functools.wraps sets it
     return entry
 
 

@@ -9,6 +9,8 @@ dispatch buffers, ``reference`` a dense NumPy oracle, and ``tiers`` expert resid
 prefetch.  ``op.moe``, ``op.set_router``,
 ``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
 """
+from typing import Any, Callable
+
 from .. import op as _op
 from .dispatch import TokenDispatcher, moe_ffn
 from .layer import GATES, MoE, MoEAux

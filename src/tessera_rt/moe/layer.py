@@ -20,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import op
+from ..kernels.numerics import NumericPolicy
+from ..dist.comm.mesh import Mesh
 from ..autodiff.tape import Var, detach
 from ..backend import get_backend
 from ..dist.comm import collectives as C
@@ -309,7 +311,7 @@ class MoE:
         t_local = lv.to_local().shape[0] if type(lv) is DTensor else lv.shape[0]
         if self.gate == "topk_softmax_noisy":
             # deterministic mode: noise is a function of (seed, step, global token) alone
-            seed = self.seed if is_deterministic() else int(np.random.SeedSequence().entropy & 0xFFFFFFFF)
+            seed = self.seed if is_deterministic() else int(np.random.SeedSequence().generate_state(1)[0])
             rows = self._row_slice(x)
             noise = gate_noise(seed, self.step, (detach(x).shape[0], self.num_experts), rows, self.noise_std)
             logits = logits + self._rowwise(noise, logits)

@@ -3,6 +3,10 @@
 packing or unpacking work on the ``a2a`` stream, ordered against ``compute``)."""
 from __future__ import annotations
 
+from numpy.typing import DTypeLike
+
+from typing import Any
+
 import math
 import time
 
@@ -36,7 +40,7 @@ class DispatchBuffers:
         """
         self._cur ^= 1
 
-    def get(self, name: str, shape: tuple, dtype: object, zero: bool = False) -> object:
+    def get(self, name: str, shape: tuple, dtype: DTypeLike, zero: bool = False) -> Any:
         """A buffer of the current set for ``name`` (grown when too small; counted in
         ``allocations``).
 

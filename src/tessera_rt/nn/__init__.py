@@ -21,10 +21,17 @@ runs on plain arrays (the single-process reference).
 """
 from __future__ import annotations
 
-from .blocks import Attention, SwiGLUMLP, TransformerBlock, register_part
+from typing import Any
+
+from .blocks import Attention, SwiGLUMLP, TransformerBlock, register_part as register_part  # for moe, pipeline
 from .layers import Embedding, Linear, RMSNorm, cross_entropy, one_hot, vocab_iota
 from .module import Module
 from .transformer import Transformer
+
+# nn.Llama, nn.KVCache: the inference model and its cache (tessera_rt.inference, a layer above)
+# are attached here by the package root; declared for type checkers
+Llama: Any
+KVCache: Any
 
 __all__ = [
     "Module", "Linear", "Embedding", "RMSNorm", "Attention", "SwiGLUMLP", "TransformerBlock", "Transformer",

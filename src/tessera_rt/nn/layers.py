@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .. import op
+from ..dist.comm.mesh import Mesh
 from ..backend import get_backend
 from ..autodiff import detach, no_grad
 from ..dist.tensor.dtensor import DTensor, distribute

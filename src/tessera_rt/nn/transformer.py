@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import op
+from ..dist.comm.mesh import Mesh
 from ..backend import get_backend
 from ..autodiff import checkpoint
 from ..dist.tensor.dtensor import distribute
@@ -228,7 +229,8 @@ class Transformer(Module):
         dict
             This rank's parameter tree.
         """
-        plan, p = self.stage_plan, {}
+        plan = self._stages()
+        p: dict[str, Any] = {}
         if 0 in plan.chunks:
             p["embed"] = self.embed.init(seed, "embed")
             p["pos"] = self._place(_rng_normal(seed, "pos", (self.seq_len, self.d), 0.02), None)
@@ -237,6 +239,13 @@ class Transformer(Module):
             p["norm"] = self.norm.init(seed, "norm")
             p["head"] = self.head.init(seed, "head")
         return p
+
+    def _stages(self) -> Any:
+        """The StagePlan: a model split over pipeline stages has one."""
+        if self.stage_plan is None:
+            raise ValueError("Transformer: this model is not split over pipeline stages (build it with a mesh "
+                             "that has a pp axis)")
+        return self.stage_plan
 
     def split_params(self, params: dict) -> list[dict]:
         """``stage_init``'s tree as one tree per local chunk (virtual stage), in chunk order.
@@ -251,7 +260,7 @@ class Transformer(Module):
         list of dict
             One tree per local chunk.
         """
-        plan, out, at = self.stage_plan, [], 0
+        plan, out, at = self._stages(), [], 0
         for vs in plan.chunks:
             n = len(plan.layers[vs])
             cp = {"blocks": params["blocks"][at:at + n]}
@@ -354,7 +363,7 @@ class Transformer(Module):
         DTensor or array
             The activation (``(activation, aux)`` with MoE blocks), or the loss on the last stage.
         """
-        plan = self.stage_plan
+        plan = self._stages()
         if vs == 0:
             h = op.add(self.embed(p["embed"], h), p["pos"])
         for i in plan.layers[vs]:

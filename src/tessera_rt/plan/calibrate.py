@@ -274,16 +274,16 @@ def measure_collectives(mesh, axes, reps: int = 20, sizes=SIZES) -> dict:
             mine.append(_after_gap(lambda: dist.all_reduce(x, axis=axis, mesh=mesh), gap, reps))
             world.Barrier()
             peer.append(_after_gap(lambda: raw.Allreduce(x, buf), gap, reps))
-        mine, peer = np.array(mine), np.array(peer)
-        world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        world.Allreduce(MPI.IN_PLACE, peer, op=MPI.MAX)
+        mine_s, peer_s = np.array(mine), np.array(peer)
+        world.Allreduce(MPI.IN_PLACE, mine_s, op=MPI.MAX)
+        world.Allreduce(MPI.IN_PLACE, peer_s, op=MPI.MAX)
         key = str(n)
-        fits = [fit_alpha_beta(sizes, mine)]
+        fits = [fit_alpha_beta(sizes, mine_s)]
         if key in out["all_reduce"]:                      # two axes of the same size: average
             fits.append(tuple(out["all_reduce"][key]))
         out["all_reduce"][key] = [float(np.mean([f[0] for f in fits])), float(np.mean([f[1] for f in fits]))]
-        out["peer"][key] = list(fit_alpha_beta(sizes, peer))
-        out["points"][f"{axis}:{n}"] = {"sizes": list(sizes), "tessera_s": mine.tolist(), "peer_s": peer.tolist()}
+        out["peer"][key] = list(fit_alpha_beta(sizes, peer_s))
+        out["points"][f"{axis}:{n}"] = {"sizes": list(sizes), "tessera_s": mine_s.tolist(), "peer_s": peer_s.tolist()}
     return out
 
 

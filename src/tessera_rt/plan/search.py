@@ -264,6 +264,7 @@ def evaluate(model: object, cluster: object, *, tp: int = 1, ep: int = 1, pp: in
         key = (bool(bad), t["total"] if not bad else mem["total"])
         if best is None or key < best[0]:
             best = (key, lay, mem, t, bad)
+    assert best is not None                            # (_settings yields at least one)
     _, lay, mem, t, bad = best
     k = Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, c, lay, mem, t), bad, label)
     k.launch = launch_command(k, m.name, batch)

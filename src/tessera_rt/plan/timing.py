@@ -152,7 +152,7 @@ def collective_time(cluster: Cluster, op: str, size: float, n: int, *, span: int
             raise ValueError(f"collective_time: {algorithm!r} is not available for {op} on a {cluster.topology} "
                              f"cluster; choose from {sorted(options)}")
         return options[algorithm], algorithm
-    best = min(options, key=options.get)
+    best = min(options, key=options.__getitem__)
     return options[best], best
 
 

@@ -202,7 +202,7 @@ class Profile(ProfileReport):
         w = world()
         mine = (self.events, self.overlap_ratio)
         every = w.mpi.gather(mine, root=0) if w.size > 1 else [mine]
-        if w.rank == 0:
+        if every is not None:                   # (rank 0's)
             self.all_events = [e for e, _ in every]
             self.rank_overlaps = [o for _, o in every]
             if self.trace_path and exc[0] is None:

@@ -37,7 +37,7 @@ class _Entry:
 
     def __init__(self, key: str, sig: tuple, site: str, sets: list[dict]):
         self.key, self.sig, self.site, self.sets, self.idx = key, sig, site, sets, 0
-        self.last = None                 # the set handed out last
+        self.last: dict | None = None    # the set handed out last
         self.cpu = not world().backend.is_gpu     # synchronous calls: a dropped set may be taken again
         self.nbytes = sum(a.nbytes for s in sets for a in s.values())
 

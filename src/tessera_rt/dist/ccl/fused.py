@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ...kernels.mlp import dual_reads_x_once
+from ..comm.mesh import Mesh
 from ..comm import collectives as C
 from . import buffers
 from ._common import check_array, resolve, where
@@ -157,7 +158,7 @@ _ORDER: dict = {}      # (n, heads, kv heads, head_dim) -> column order, on the 
 def _head_order(n: int, h: int, hkv: int, d: int) -> list[int]:
     """Columns of [Q | K | V] reordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank i's heads)."""
     hl, kl = h // n, hkv // n
-    cols = []
+    cols: list = []
     for i in range(n):
         for base, per in ((0, hl), (h, kl), (h + hkv, kl)):
             first = (base + i * per) * d

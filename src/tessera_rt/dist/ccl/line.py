@@ -13,6 +13,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from ...dtypes import dtype_name
+from ..comm.mesh import Mesh
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
 from ..comm.interface import REDUCE_OPS
@@ -62,6 +63,25 @@ class _Plan:
 
     __slots__ = ("mesh", "axis", "g", "dim", "sizes", "given", "algo", "shape", "sig", "shapes", "counts", "offs",
                  "progs", "nbytes", "flat", "check", "coll", "coll_async", "entry")
+    mesh: Mesh
+    axis: Any
+    g: Any
+    dim: Any
+    sizes: Any
+    given: Any
+    algo: Any
+    shape: Any
+    sig: Any
+    shapes: Any
+    counts: Any
+    offs: Any
+    progs: Any
+    nbytes: Any
+    flat: Any
+    check: Any
+    coll: Any
+    coll_async: Any
+    entry: Any
 
     def __init__(self, **kw):
         for k in self.__slots__:

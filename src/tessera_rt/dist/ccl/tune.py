@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 from ..comm.mpi import MPI
+from ..comm.mesh import Mesh
 
 from ..comm import collectives as C
 from ._common import resolve, set_algo_table

@@ -9,6 +9,8 @@ every rank (the ranks stay in step).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import difflib
 import os
 
@@ -86,7 +88,7 @@ def _check_requests(w, path: str, mine: dict) -> str | None:
     return None
 
 
-def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
+def load(path: str, like: object = None, *, cleanup: bool = False) -> Any:
     """Read a checkpoint written by :func:`save`; collective over every rank of the job.
 
     Parameters
@@ -159,6 +161,7 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
             pass                        # another process writes there: its files are not leftovers
     xp = get_backend().xp
     final = {}
+    assert result is not None                       # (else _all_or_raise raised)
     for key, v in result.items():
         if isinstance(v, tuple) and v and v[0] == "dt":
             _, local, lay, mesh, shape = v

@@ -106,7 +106,8 @@ def _prepare(w, state: dict, path: str, copy: bool, keep: int = 1) -> _Save:
     # the commit: no other writer's files are ever taken for leftovers), removes what failed
     # or killed saves left (a full disk stays full otherwise), makes this save's directory
     metas = w.mpi.gather((entries, values), root=0)
-    plan, s = None, None
+    plan: tuple | None = None
+    s: _Save | None = None
     if w.rank == 0:
         sid = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         lock = None
@@ -171,7 +172,7 @@ def _write(s: _Save, rank: int) -> None:
         files._write_atomic(os.path.join(s.path, s.data_dir, fname), blob)
         s.report = (_sha(blob), len(blob), {k: s.hashes.get(k) or _sha(np.ascontiguousarray(a).tobytes())
                                             for k, a in mine.items()})
-    except Exception as e:  # noqa: BLE001 - any failure of this rank's write is the save's error
+    except Exception as e:  # any failure of this rank's write is the save's error
         why = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         s.err = f"rank {rank}: dist.save({s.path!r}): writing {s.data_dir}/{fname} failed: {why}"
 
@@ -240,7 +241,7 @@ def _commit(w, s: _Save) -> SaveInfo:
     """Phase 3 of a synchronous save: all three parts in a row."""
     try:
         index = _agree(w, s)
-        if w.rank == 0:
+        if index is not None:                          # (rank 0's)
             _write_index(s, index)
         return _share(w, s)
     finally:

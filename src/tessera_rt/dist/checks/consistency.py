@@ -162,7 +162,7 @@ class _Cfg:
     # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
     metas: dict = {}
     mask = 1023                       # verify when (call count on the group) & mask == 0
-    ring = deque(maxlen=64)           # the last calls of this rank, for the watchdog
+    ring: deque = deque(maxlen=64)    # the last calls of this rank, for the watchdog
 
 
 _cfg = _Cfg()

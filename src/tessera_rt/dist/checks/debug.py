@@ -284,7 +284,7 @@ def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
     parts = []
     for gid in dict.fromkeys(d[8] for d in everyone):
         members = [(pos, d) for pos, d in enumerate(everyone) if d[8] == gid]
-        shapes = {}
+        shapes: dict = {}
         for pos, d in members:
             shapes.setdefault(d[9], []).append(pos)
         if len(shapes) > 1:

@@ -46,7 +46,7 @@ from ..comm.nccl import NCCL_COMMS
 try:
     from ..comm import _hot                  # the collectives' C path: its call in progress (pending)
 except ImportError:
-    _hot = None
+    _hot = None  # type: ignore[assignment]  # no C path (built without a compiler)
 from ..comm.calls import group_key
 from ..comm.hooks import PKG_DIR, SEAM, is_internal
 from ..comm.mesh import AxisGroup
@@ -328,7 +328,7 @@ def disagreement(states: dict, finished=()):
     waits = {r: a["wait"] for r, a in states.items()
              if a is not None and a["wait"] is not None and a["waited"] >= PROBE_MIN_WAIT_S}
     finished = set(finished) - set(waits)
-    needs = {}
+    needs: dict = {}
     for r, w in waits.items():
         gkey, n = w[0], w[1]
         needs[r] = set()

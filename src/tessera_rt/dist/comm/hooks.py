@@ -45,6 +45,7 @@ import functools
 import os
 import sys
 import threading
+from types import FrameType
 from typing import Callable
 
 __all__ = ["count_copy", "bytes_copied", "SEAM", "Seam", "Agreement", "note", "user_frame", "caller", "is_internal", "known_internal", "TRACE", "differentiable", "vjp_rule",
@@ -153,7 +154,7 @@ def is_internal(code) -> bool:
 def user_frame(depth: int, lasti: bool = False):
     """(code, line) of the first caller outside tessera_rt, ``depth`` frames up from the caller
     of this function (``lasti``: the instruction offset in place of the line)."""
-    f = sys._getframe(depth + 1)
+    f: FrameType | None = sys._getframe(depth + 1)
     internal = _INTERNAL
     while f is not None:
         code = f.f_code

@@ -88,6 +88,7 @@ class NcclCommunicator(Communicator):
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = mpi_comm.bcast(uid, root=0)
         self.raw = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self.algo_env: str | None = None  # the NCCL_ALGO it was made with (None: the environment's)
         NCCL_COMMS.add(self)           # the watchdog aborts it (ncclCommAbort) before MPI_Abort
 
     _ALGO_NAMES = {"tree": "Tree", "ring": "Ring"}

@@ -7,6 +7,7 @@ its array in place.  A DTensor's ``send``/``recv`` are in ``dist.tensor.dtensor_
 from __future__ import annotations
 
 from .hooks import SEAM as _SEAM
+from .mesh import Mesh
 from .plans import backend, check_array
 from .plans import check_peer as _peer
 from .process_group import world

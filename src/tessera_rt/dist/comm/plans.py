@@ -369,6 +369,7 @@ _plan_get = _PLANS.get
 def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
     """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
     array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
+    key: tuple | None
     try:
         key = (name, id(g), x.__class__, x.shape, x.dtype) + args
         p = _plan_get(key)

@@ -62,7 +62,7 @@ class World:
     local_size: int
     host: str
     backend: Backend
-    mpi: MPI.Comm
+    mpi: MPI.Intracomm
     seats: tuple[Seat, ...]
     comm_preference: str = ""
     _comm: Communicator | None = field(default=None, repr=False)
@@ -280,7 +280,7 @@ def _install_excepthook(rank: int) -> None:
             return previous(etype, value, tb)
         report_failure(etype, value, tb, rank, size)
 
-    hook._tessera = True
+    hook._tessera = True  # type: ignore[attr-defined]  # a mark: this hook is ours (read with getattr)
     sys.excepthook = hook
 
 

@@ -8,6 +8,8 @@ goes straight to MPI on the caller's thread; an async one runs on its role's wor
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ... import runtime as rt
 from ...backend import CpuWorkerStream
 from .calls import Call as _Call
@@ -44,12 +46,12 @@ class Work:
 
     __slots__ = ("_event", "_result", "_then", "_done", "_call", "_keep")
 
-    def __init__(self, event: object, result: object, then: object = None, keep: object = None) -> None:
+    def __init__(self, event: Any, result: Any, then: Any = None, keep: Any = None) -> None:
         self._event = event
         self._result = result
         self._then = then
         self._done = False
-        self._call = None          # set while hooks watch this collective
+        self._call: _Call | None = None  # set while hooks watch this collective
         # Every buffer the pending collective reads or writes (the caller's array, the
         # contiguous copy, the pack temporaries).  CuPy's pool hands a freed block to the
         # next allocation on the stream it came from with no event, so dropping these
@@ -57,7 +59,7 @@ class Work:
         # is still reading on its own stream.
         self._keep = keep
 
-    def wait(self) -> object:
+    def wait(self) -> Any:
         """Order the compute stream after the collective and return its result (once done, again
         without waiting).
 

@@ -19,7 +19,7 @@ from .dtensor_type import DTensor, TensorMeta, meta_of, use_dispatcher
 from ..comm.process_group import world
 from ..checks import determinism
 from .cost import on_change
-from .redistribute import plan_redistribute
+from .redistribute import Plan, plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
 from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions', norms' and attention's rules)
 
@@ -155,7 +155,7 @@ def _decide(op: str, params: tuple, kinds: tuple) -> Decision:
         raise NotImplementedError(f"no sharding rule for DTensor op {op!r}; rules exist for "
                                   f"{sorted(RULES)}") from None
     strat = rule(op, kinds, params)
-    plans = []
+    plans: list[Plan | None] = []
     for k, tgt in zip(kinds, strat.inputs):
         if isinstance(k, TensorMeta) and tgt is not None and tgt != k.layout:
             tgt.validate(k.shape, mesh, what=f"{op} input layout")

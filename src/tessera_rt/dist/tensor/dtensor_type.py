@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +135,10 @@ class DTensor:
     """A distributed tensor: ``layout`` over ``mesh``, global ``shape``, this rank's piece."""
 
     __slots__ = ("_local", "_meta")
-    __hash__ = None                   # == is elementwise
+    _local: Any                       # this rank's piece: a NumPy or CuPy array
+    _meta: TensorMeta
+    # == is elementwise, so unhashable (as NumPy arrays are); typeshed spells it this way too
+    __hash__ = None  # type: ignore[assignment]  # mypy wants a callable; None: unhashable
 
     def __init__(self, *args, **kwargs):
         raise TypeError("make a DTensor with dist.distribute, dist.from_local, dist.tensor, dist.zeros, "
@@ -221,7 +225,7 @@ class DTensor:
                             (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
 
     # access --------------------------------------------------------------------
-    def to_local(self) -> object:
+    def to_local(self) -> Any:
         """This rank's piece (the array itself, not a copy).
 
         Returns
@@ -231,7 +235,7 @@ class DTensor:
         """
         return self._local
 
-    def full_tensor(self) -> object:
+    def full_tensor(self) -> Any:
         """The whole tensor on every rank (the collectives its layout needs).
 
         Returns
@@ -345,8 +349,8 @@ class DTensor:
     def __le__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("le", self, o)
     def __gt__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("gt", self, o)
     def __ge__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ge", self, o)
-    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ne", self, o)  # type: ignore[override]
+    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("eq", self, o)
+    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ne", self, o)
 
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
         """``op.sum(self, axis, keepdims)``: over a sharded dim, a pending reduction.

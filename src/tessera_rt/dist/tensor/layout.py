@@ -66,7 +66,7 @@ class Placement:
 REPLICATE_P = Placement("R")
 
 
-def Replicate() -> Placement:           # noqa: N802 (PyTorch spelling)
+def Replicate() -> Placement:           # PyTorch spelling
     """The replicated placement, ``R``.
 
     Returns
@@ -263,7 +263,7 @@ class Layout:
 REPLICATE_CACHE: dict[int, Layout] = {}
 
 
-def REPLICATE(ndim: int) -> Layout:      # noqa: N802 (a constant per ndim)
+def REPLICATE(ndim: int) -> Layout:      # a constant per ndim
     lay = REPLICATE_CACHE.get(ndim)
     if lay is None:
         lay = REPLICATE_CACHE[ndim] = Layout(((),) * ndim)
@@ -423,7 +423,7 @@ class PartialSpec:
 
 
 def _dim(p, ndim: int, spec, shape) -> int:
-    d = _DIM_NAMES.get(p, p) if isinstance(p, str) else p
+    d = _DIM_NAMES[p] if isinstance(p, str) else p      # (a name is one of them: checked on construction)
     if not -ndim <= d < ndim:
         raise LayoutError(f"{spec!r}: partition entry {p!r} is dim {d}, out of range for a "
                           f"{ndim}-dim tensor of shape {shape}")

@@ -15,9 +15,14 @@ the same compiled form for a repeat.
 """
 from __future__ import annotations
 
+from numpy.typing import DTypeLike
+
+from typing import Any, Iterable
+
 from functools import lru_cache
 
 from ..comm import collectives as C
+from ..comm.mesh import Mesh
 from ..comm.hooks import SEAM
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
@@ -50,7 +55,8 @@ class Plan:
 
     __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name", "check_meta", "_exec", "_verified")
 
-    def __init__(self, shape: tuple, src: Layout, dst: Layout, mesh: Mesh, steps: tuple, dtype_name: str) -> None:
+    def __init__(self, shape: tuple, src: Layout, dst: Layout, mesh: Mesh, steps: Iterable[Step],
+                 dtype_name: str) -> None:
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
         self.steps: tuple[Step, ...] = tuple(steps)
         self.dtype_name = dtype_name
@@ -61,7 +67,7 @@ class Plan:
         self._exec = None
         self._verified = None            # consistency.check_run's record of the last verified run
 
-    def run(self, x: object, out: object = None) -> object:
+    def run(self, x: Any, out: Any = None) -> Any:
         """This rank's piece ``x`` in ``dst`` (written into ``out``, a C-contiguous array of the
         result's local shape and dtype, when given).  Every run takes the compiled form
         (``compiled_plan``, made on the first run; a repeat on a plain array runs it from C):
@@ -197,7 +203,7 @@ def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dt
 on_change(_plan_cached.cache_clear)
 
 
-def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: object, *,
+def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: DTypeLike, *,
                       direct: bool | None = None) -> Plan:
     """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``.
 

@@ -228,13 +228,12 @@ def norm_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     target = _free_dim_target(meta, d)
     inputs = (target,) + tuple(None if isinstance(k, (ConstKind, ScalarKind)) else Layout(((),)) for k in extra)
     kw: dict = {} if policy is None else {"policy": policy}
-    if op == "softmax":
-        def local(x):
-            return _kernel("softmax")(x, axis=d, **kw)
-    else:
-        def local(x, *wb):
-            return _kernel(op)(x, *wb, eps=eps, **kw)
-    return Strategy(inputs, target, meta.shape, local)
+    def softmax_local(x):
+        return _kernel("softmax")(x, axis=d, **kw)
+
+    def norm_local(x, *wb):
+        return _kernel(op)(x, *wb, eps=eps, **kw)
+    return Strategy(inputs, target, meta.shape, softmax_local if op == "softmax" else norm_local)
 
 
 # --------------------------------------------------------------------------- attention

@@ -15,6 +15,7 @@ from functools import lru_cache
 from itertools import product
 
 from .layout import Layout
+from ..comm.mesh import Mesh
 
 __all__ = [
     "split_sizes", "split_offsets", "dim_extent", "dim_extents_all", "local_shape", "local_offsets",

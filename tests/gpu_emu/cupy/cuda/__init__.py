@@ -1,6 +1,12 @@
 """``cupy.cuda``: streams, events, devices, the memory pool, runtime/driver errors, NCCL."""
-from . import driver, memory, nccl, pinned_memory, runtime  # nccl imports mpi4py.MPI only when used
-from . import graph
+from . import (
+    driver,
+    graph,  # noqa: F401  (cupy.cuda.graph)
+    memory,
+    nccl,  # imports mpi4py.MPI only when used
+    pinned_memory,
+    runtime,
+)
 from .device import Device
 from .driver import CUDADriverError
 from .graph import Graph
