@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["CpuEvent", "CpuStream", "CpuWorkerStream", "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS"]
 
@@ -51,7 +51,7 @@ class CpuEvent:
     def query(self) -> bool:
         return all(work.test() for work in self._pending)
 
-    def elapsed_ms(self, end: "CpuEvent") -> float:
+    def elapsed_ms(self, end: CpuEvent) -> float:
         _check_timing(self, end)
         end.synchronize()
         self.synchronize()
@@ -141,7 +141,7 @@ class _Task:
 
     __slots__ = ("stream", "seq", "fn", "t0", "t1")
 
-    def __init__(self, stream: "CpuWorkerStream", seq: int, fn: Callable):
+    def __init__(self, stream: CpuWorkerStream, seq: int, fn: Callable):
         self.stream, self.seq, self.fn = stream, seq, fn
         self.t0 = self.t1 = None
 

@@ -139,7 +139,7 @@ def place(hosts: list[tuple[str, int | None]], nranks: int | None, where: str) -
     return [(h, c) for h, c in zip(names, counts) if c]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_local(host: str) -> bool:
     """Whether ``host`` names this machine (mpiexec starts its ranks without ssh).
 

@@ -48,7 +48,6 @@ a Ctrl-C while the package imports gives one line, not a traceback per process.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 import glob
 import os
 import re
@@ -59,11 +58,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .dist.checkpoint.lock import LOCK_NAME, DirLock
-from .launch_hosts import (HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here,  # noqa: F401
-                           read_hostfile)
+from .launch_hosts import HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here, read_hostfile
 from .launch_ranks import RUN_DIR_VAR, TAG_VAR, RankRecords
 
 __all__ = ["main", "build_command", "find_mpiexec", "rank_env", "HostError", "parse_hosts", "read_hostfile", "place",

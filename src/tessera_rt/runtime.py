@@ -16,7 +16,8 @@ collectives on it run while the caller computes.
 from __future__ import annotations
 
 import atexit
-from typing import Iterable, Any
+from collections.abc import Iterable
+from typing import Any
 
 from .backend import get_backend
 

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from tessera_rt import dist, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_tiny as L  # noqa: E402
+import llama_tiny as L
 
 COMM = MPI.COMM_WORLD
 SIZE, RANK = COMM.Get_size(), COMM.Get_rank()

@@ -16,7 +16,8 @@ import pytest
 import tessera_rt.kernels as K
 from tessera_rt.backend import get_backend
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import cudnn_attention, cublaslt_gemm, providers
+from tessera_rt.kernels import cublaslt_gemm, cudnn_attention, providers
+
 from vendor_mocks import (
     fixture_compute_type_switch,  # noqa: F401  (a fixture: pytest looks for it in this module)
     fixture_fake_vendor,  # noqa: F401  (a fixture)

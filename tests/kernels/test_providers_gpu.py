@@ -15,6 +15,7 @@ import tessera_rt.kernels as K
 from tessera_rt.backend import get_backend
 from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import providers
+
 from vendor_mocks import (
     FAKE,
     _drop,

@@ -15,7 +15,8 @@ rest of the backward pass; the sweep waits for them all at the end.  Pytrees: ``
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -10,7 +10,6 @@ reduction overlaps the rest of the backward pass; ``Finisher.wait`` collects the
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import numpy as np

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..dist.comm.hooks import TRACE as STATE
-from ..dist.comm.hooks import differentiable
+from ..dist.comm.hooks import TRACE as STATE, differentiable
 
 if TYPE_CHECKING:
     from .finish import Finisher
@@ -113,7 +112,7 @@ class Var:
     def __ne__(self, o): return _ops.not_equal(self, o)
     def __getitem__(self, index): return _ops.getitem(self, index)
 
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The sum over ``axis`` (``op.sum``), traced.
 
         Parameters
@@ -130,7 +129,7 @@ class Var:
         """
         return _ops.sum(self, axis, keepdims)
 
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The mean over ``axis`` (``op.mean``), traced.
 
         Parameters
@@ -147,7 +146,7 @@ class Var:
         """
         return _ops.mean(self, axis, keepdims)
 
-    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The maximum over ``axis`` (``op.max``), traced.
 
         Parameters
@@ -164,7 +163,7 @@ class Var:
         """
         return _ops.max(self, axis, keepdims)
 
-    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The minimum over ``axis`` (``op.min``), traced.
 
         Parameters
@@ -181,7 +180,7 @@ class Var:
         """
         return _ops.min(self, axis, keepdims)
 
-    def astype(self, dtype: Any) -> "Var":
+    def astype(self, dtype: Any) -> Var:
         """This value converted to ``dtype`` (``op.astype``), traced.
 
         Parameters
@@ -196,7 +195,7 @@ class Var:
         """
         return _ops.astype(self, dtype)
 
-    def transpose(self, *axes) -> "Var":
+    def transpose(self, *axes) -> Var:
         """The transpose (``op.transpose``), traced.
 
         Parameters
@@ -213,9 +212,9 @@ class Var:
                                else (axes or None))
 
     @property
-    def T(self): return _ops.transpose(self, None)              # noqa: N802
+    def T(self): return _ops.transpose(self, None)
 
-    def reshape(self, *shape) -> "Var":
+    def reshape(self, *shape) -> Var:
         """This value with a new shape (``op.reshape``), traced.
 
         Parameters
@@ -230,7 +229,7 @@ class Var:
         """
         return _ops.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
-    def redistribute(self, layout: Any) -> "Var":
+    def redistribute(self, layout: Any) -> Var:
         """The traced DTensor in another layout (``DTensor.redistribute``; its VJP moves the
         gradient back).
 
@@ -246,7 +245,7 @@ class Var:
         """
         return _redistribute(self, layout)
 
-    def full_tensor(self) -> "Var":
+    def full_tensor(self) -> Var:
         """The traced DTensor gathered to a full array on every rank (``DTensor.full_tensor``).
 
         Returns
@@ -256,7 +255,7 @@ class Var:
         """
         return _full_tensor(self)
 
-    def to_local(self) -> "Var":
+    def to_local(self) -> Var:
         """This rank's local piece of the traced DTensor (``DTensor.to_local``).
 
         Returns

@@ -27,13 +27,14 @@ parallelism over a host-staged communicator, and ``TESSERA_CUDA_GRAPHS=0``.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import runtime as rt
-from .layers import DecodeAttention, Workspace, host_int32, kernel
 from .kv_storage import upload
+from .layers import DecodeAttention, Workspace, host_int32, kernel
 
 __all__ = ["DecodeBatch", "DecodeRunner", "BUCKETS", "HISTORY", "graphs_enabled"]
 

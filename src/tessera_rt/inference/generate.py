@@ -11,7 +11,8 @@ prompts and settings), so a bad prompt is one clear ValueError rather than a han
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 

@@ -6,12 +6,12 @@ themselves, so the CPU path and a CuPy fallback are the same code.  CuPy is look
 """
 from __future__ import annotations
 
-from numpy.typing import DTypeLike
-
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..dtypes import dtype_name
 from .numerics import FLOAT_DTYPES, NumericPolicy

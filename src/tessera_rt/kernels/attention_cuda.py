@@ -21,8 +21,7 @@ import numpy as np
 from ..backend import register_kernel
 from ..dtypes import resolve_dtype
 from ._common import check_out, check_policy, check_stream
-from .attention import check_attention, flash_attention as fa_reference, \
-    flash_attention_backward as fa_bwd_reference
+from .attention import check_attention, flash_attention as fa_reference, flash_attention_backward as fa_bwd_reference
 from .cuda_common import MAX_GRID_YZ, aligned, get_function, is_aligned, launch_stream
 from .flash_cuda import FLASH_TILES, flash_rows, flash_smem_bytes, flash_threads, render_flash
 from .flash_f32_cuda import flash32_rows, flash32_smem_bytes, flash32_supports, flash32_threads, render_flash32

@@ -22,8 +22,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..dtypes import dtype_name
 from ._common import is_cupy

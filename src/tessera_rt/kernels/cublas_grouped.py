@@ -51,8 +51,9 @@ class CublasPerGroup(Provider):
         return None
 
     def run(self, x: Any, *args: Any, stream: Any = None, **kwargs: Any) -> Any:
-        from .gemm_cuda import _cublas
         import cupy
+
+        from .gemm_cuda import _cublas
         with launch_stream(stream):
             op = self.op
             if op == "grouped_matmul":

@@ -21,9 +21,18 @@ from typing import Any
 import numpy as np
 
 from ._common import check_stream, is_cupy
-from .cudnn_attention import (CudnnProvider, _checked, _io_type, cached_graph, causal_mask, dense, execute,
-                              give_back, short)
 from .cuda_common import launch_stream
+from .cudnn_attention import (
+    CudnnProvider,
+    _checked,
+    _io_type,
+    cached_graph,
+    causal_mask,
+    dense,
+    execute,
+    give_back,
+    short,
+)
 from .paged_attention import check_paged
 from .precision import note
 from .providers import register_provider

@@ -9,11 +9,10 @@ keep their mean, which round-to-nearest loses.
 """
 from __future__ import annotations
 
-from numpy.typing import DTypeLike
-
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name, resolve_dtype

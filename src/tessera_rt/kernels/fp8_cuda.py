@@ -323,6 +323,7 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
     scale or one scale per row of a 2-D ``x`` (``axis=0``), else two (partial maxima, then the
     scale and the quantization); f32, f16 or bf16 ``x`` read as it is."""
     import cupy
+
     from .fp8 import _fp8
     op = "quantize_fp8"
     if policy is not None:

@@ -18,12 +18,18 @@ import numpy as np
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name, resolve_dtype
+from . import grouped_gemm as ref
 from ._common import check_float, check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, get_function, launch_stream
-from . import grouped_gemm as ref
-from .grouped_gemm_src import (SIMT_TILE, grouped_smem_bytes, grouped_threads, grouped_tiles_m, render_grouped_mma,
-                               render_grouped_simt)
+from .grouped_gemm_src import (
+    SIMT_TILE,
+    grouped_smem_bytes,
+    grouped_threads,
+    grouped_tiles_m,
+    render_grouped_mma,
+    render_grouped_simt,
+)
 from .norms import NORM_DTYPES
 from .precision import note
 from .providers import dispatching

@@ -82,7 +82,7 @@ class NumericPolicy:
             parts.append("deterministic=True")
         return f"numeric({', '.join(parts)})"
 
-    def __enter__(self) -> "NumericPolicy":
+    def __enter__(self) -> NumericPolicy:
         """``with op.numeric(deterministic=True):`` (the seeds' spelling) turns fixed-order
         reductions on for the block (``tessera_rt.dist.deterministic``); the other fields
         apply per op, where a policy is passed.  A mode switch, not communication."""

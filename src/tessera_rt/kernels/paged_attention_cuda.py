@@ -29,8 +29,17 @@ from ..backend import register_kernel
 from ..dtypes import dtype_name
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import (ELEM_IO, IO_CODES, MAX_GRID_YZ, VEC16_TO_F32, aligned, get_function, io_name,
-                          launch_stream, sm_count)
+from .cuda_common import (
+    ELEM_IO,
+    IO_CODES,
+    MAX_GRID_YZ,
+    VEC16_TO_F32,
+    aligned,
+    get_function,
+    io_name,
+    launch_stream,
+    sm_count,
+)
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 from .precision import note
 from .providers import dispatching

@@ -28,7 +28,8 @@ import contextlib
 import inspect
 import os
 import threading
-from typing import Callable, Iterator, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["set_float32_matmul_precision", "get_float32_matmul_precision", "float32_matmul_precision",
            "PRECISIONS", "note", "add_listener", "remove_listener", "f32_compute", "own_kernel_of"]
@@ -99,7 +100,7 @@ def f32_compute() -> str:
 
 # --------------------------------------------------------------------------- the record
 
-_LISTENERS: list[Callable[[str, str, "str | None", "str | None"], None]] = []
+_LISTENERS: list[Callable[[str, str, str | None, str | None], None]] = []
 # while a provider dispatcher runs the project's own kernel (``providers.dispatch``): op -> why
 # the vendor providers declined; a note for that op without a provider is the own kernel's
 _FALLBACK = threading.local()

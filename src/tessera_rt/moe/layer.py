@@ -14,22 +14,22 @@ statistics on first read with one small all_reduce over the token axes.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from .. import op
-from ..kernels.numerics import NumericPolicy
-from ..dist.comm.mesh import Mesh
 from ..autodiff.tape import Var, detach
 from ..backend import get_backend
 from ..dist.comm import collectives as C
+from ..dist.comm.mesh import Mesh
+from ..dist.comm.process_group import world
 from ..dist.tensor.dtensor import DTensor, distribute, from_local
 from ..dist.tensor.layout import ShardSpec
-from ..dist.comm.process_group import world
 from ..dist.tensor.shard import dim_extent
 from ..dtypes import resolve_dtype
+from ..kernels.numerics import NumericPolicy
 from .dispatch import TokenDispatcher, moe_ffn
 from .routing import expert_ranges, gate_noise, remote_mask
 from .staging import Clock, DispatchBuffers
@@ -325,7 +325,7 @@ class MoE:
             logits = logits - penalty * self.regularizer["weight"] * self.regularizer["scale"]
         return logits, penalty
 
-    def __call__(self, params: dict, x) -> tuple[Any, "MoEAux"]:
+    def __call__(self, params: dict, x) -> tuple[Any, MoEAux]:
         self._check(params, x)
         if type(detach(x)) is DTensor:            # plain x: this rank's tokens, global weights
             params = {k: self._placed(k, v) for k, v in params.items()}

@@ -3,14 +3,12 @@
 packing or unpacking work on the ``a2a`` stream, ordered against ``compute``)."""
 from __future__ import annotations
 
-from numpy.typing import DTypeLike
-
-from typing import Any
-
 import math
 import time
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import runtime as rt
 from ..backend import get_backend

@@ -15,16 +15,14 @@ one uint8 row, so the scales need no message of their own); any transport carrie
 """
 from __future__ import annotations
 
-from ..dist.comm.mesh import Mesh
-
-from typing import Any
-
 import abc
+from typing import Any
 
 import numpy as np
 
 from ..backend import get_backend
 from ..dist.comm import collectives as C
+from ..dist.comm.mesh import Mesh
 
 __all__ = ["Transport", "AllToAll", "to_wire", "from_wire"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from . import ops as op
+from ..autodiff.tape import _kind, vjp_rule
 from ..backend import get_backend
 from ..dist.tensor.dtensor import DTensor
-from ..autodiff.tape import _kind, vjp_rule
+from . import ops as op
 
 __all__ = ["sum_to", "broadcast_like"]
 

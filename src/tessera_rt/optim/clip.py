@@ -10,8 +10,8 @@ import numpy as np
 
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
-from ..dist.tensor.dtensor import DTensor
 from ..backend import get_backend
+from ..dist.tensor.dtensor import DTensor
 from .finite import _agree_on_device, check_finite
 from .optimizers import _local
 

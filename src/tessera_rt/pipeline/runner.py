@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 
 from .. import runtime as rt
-from ..dist.comm.mesh import Mesh
 from ..autodiff import reduce_grads, vjp
 from ..dist.comm import collectives as C, p2p
+from ..dist.comm.hooks import note
+from ..dist.comm.mesh import Mesh
+from ..dist.comm.process_group import world
 from ..dist.tensor import dtensor_collectives as DC
 from ..dist.tensor.dtensor import DTensor, full, zeros
-from ..dist.comm.hooks import note
 from ..dist.tensor.layout import as_layout
-from ..dist.comm.process_group import world
 from ..dist.tensor.shard import split_sizes
 from ..nn.transformer import Transformer
 from .schedules import check_link_order, layout_problems, schedule_for

@@ -10,12 +10,12 @@ The planner sits above the runtime: it reads collectives and kernels only to cal
 lends its time model to the runtime's redistribution choices through ``dist.cost``
 (``use_calibrated``).
 """
-from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
-from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .cluster import CLUSTERS, Cluster, get_cluster, local_cluster_path
+from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
+from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
+from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .specs import MODELS, ModelSpec, get_model
 from .timing import BUS_FACTOR, collective_time, step_time
-from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
 
 __all__ = [
     "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",

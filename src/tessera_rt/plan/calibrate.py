@@ -150,7 +150,7 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
         mats.append((a, b, rng.standard_normal((m, n)).astype(f32)))
     flops = sum(2 * m * k * n for m, k, n in shapes)
     q, k_, v = (rng.standard_normal((8, 4, 64, 16)).astype(f32) for _ in range(3))
-    att = lambda q, k, v: op.flash_attention(q, k, v, causal=True)          # noqa: E731
+    att = lambda q, k, v: op.flash_attention(q, k, v, causal=True)
     both = value_and_grad(lambda q, k, v: op.sum(att(q, k, v)), argnums=(0, 1, 2))
     att_flops = 4 * 8 * 4 * 64 * 64 * 16 * 0.5
     x, y = rng.standard_normal((512, 64)).astype(f32), rng.standard_normal((512, 64)).astype(f32)
@@ -224,8 +224,8 @@ def _elementwise_bw(rates: dict, block_s: float) -> float:
     model's elementwise bytes; op.add's bandwidth (``rates["hbm_bw"]``) if nothing is left."""
     import dataclasses
 
-    from .memory import Layout
     from .cluster import Cluster
+    from .memory import Layout
     from .specs import MODELS
     from .timing import _mlp_ops, _roofline, compute_ops
     ref = dataclasses.replace(MODELS["char"], n_layers=1)

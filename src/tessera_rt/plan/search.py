@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..pipeline.schedules import layout_problems
-from .memory import REMATS, Layout, memory_per_gpu
 from .cluster import Cluster, get_cluster
+from .memory import REMATS, Layout, memory_per_gpu
 from .specs import ModelSpec, get_model
 from .timing import duration, step_time
 
@@ -147,7 +147,7 @@ def _moe_without_remat(m: ModelSpec) -> bool:
     return bool(m.n_experts) and m.name in TRAIN_PY_MODELS
 
 
-def launch_command(k: "Candidate", model: str, batch: int) -> str:
+def launch_command(k: Candidate, model: str, batch: int) -> str:
     """The launch line of a candidate: scripts/train.py with its flags for the models it
     builds (TRAIN_PY_MODELS), else the mesh flags for the user's own script."""
     t = k.step_time
@@ -188,7 +188,7 @@ def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str, n_mi
 
 
 def _why(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, t: dict) -> list[str]:
-    g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
+    g = lambda x: f"{x / GB:.3g}"
     ms = duration
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
            f"{g(mem['optimizer'])}" + (f" (+{g(mem['host_tier'])} in host tier)" if mem["host_tier"] else "")

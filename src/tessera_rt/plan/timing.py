@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from ..autodiff.buckets import grad_bucket_bytes
-from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .cluster import Cluster
+from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
 from .specs import ModelSpec
 
 __all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration", "param_tensors"]
@@ -328,7 +328,7 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
     dp_comm, dp_algo, gather = 0.0, "none", 0.0
     if gathered:          # the batch gathered at each reshape (all_gather sizes: the output), blocking
         g_d, g_f, g_v = m.uneven_gathers
-        ag = lambda width: collective_time(cluster, "all_gather", tokens * width * b, lay.data_ranks)[0]  # noqa: E731
+        ag = lambda width: collective_time(cluster, "all_gather", tokens * width * b, lay.data_ranks)[0]
         gather = n_micro * (layers * (g_d * ag(m.d_model) + g_f * ag(_ceil_div(m.ffn_hidden, lay.tp)))
                             + g_v * ag(v_local))
     elif train and lay.data_ranks > 1:

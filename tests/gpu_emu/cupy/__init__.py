@@ -14,12 +14,30 @@ casts (``_counters``).
 import numpy as _np
 
 from . import _core, _ndarray, cuda, fft, random, testing
-from ._creation import (arange, array, asanyarray, asarray, ascontiguousarray, asfortranarray,
-                        asnumpy, empty, empty_like, eye, from_dlpack, full, full_like,
-                        get_array_module, identity, linspace, ones, ones_like, zeros, zeros_like)
+from ._creation import (
+    arange,
+    array,
+    asanyarray,
+    asarray,
+    ascontiguousarray,
+    asfortranarray,
+    asnumpy,
+    empty,
+    empty_like,
+    eye,
+    from_dlpack,
+    full,
+    full_like,
+    get_array_module,
+    identity,
+    linspace,
+    ones,
+    ones_like,
+    zeros,
+    zeros_like,
+)
 from ._errors import StandinLimitation, StreamOrderError
-from ._functions import build_namespace as _build_namespace
-from ._functions import ufunc
+from ._functions import build_namespace as _build_namespace, ufunc
 from ._ndarray import ndarray
 from ._raw import RawKernel, RawModule
 from .cuda import get_default_memory_pool

@@ -19,11 +19,12 @@ names both and where the key was first made.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..checks import consistency
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
+from ..checks import consistency
 from ..comm.plans import clear_plans
 from ..comm.process_group import world
 

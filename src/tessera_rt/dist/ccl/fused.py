@@ -3,11 +3,12 @@ makes QKV heads, and an all-gather that concatenates heads.  Each equals its unf
 composition (tests/collectives/mpi_ccl.py checks it)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ...kernels.mlp import dual_reads_x_once
-from ..comm.mesh import Mesh
 from ..comm import collectives as C
+from ..comm.mesh import Mesh
 from . import buffers
 from ._common import check_array, resolve, where
 from .line import line_all_gather, line_reduce_scatter

@@ -16,16 +16,14 @@ local q/k/v, two K/V blocks, and (backward) two dk/dv blocks: O(S/n).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ... import runtime as rt
-from ..comm.mesh import Mesh
 from ...backend import get_backend
-from ..comm import collectives as C
 from ..comm.hooks import SEAM, differentiable, vjp_rule
+from ..comm.mesh import Mesh
 from ..tensor.shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 

@@ -20,9 +20,9 @@ all-gather receives straight into place.  The ops that plan and call these are i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import accumulate
-from typing import Callable, Sequence
 
 from ... import runtime as rt
 from ..comm import collectives as C

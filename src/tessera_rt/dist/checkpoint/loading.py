@@ -9,22 +9,22 @@ every rank (the ranks stay in step).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import difflib
 import os
+from typing import Any
 
 import numpy as np
 
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
+from ..comm.process_group import world
 from ..tensor.dtensor import DTensor, from_local
 from ..tensor.layout import Layout
-from ..comm.process_group import world
 from ..tensor.shard import local_offsets, local_shape
 from .files import _in_use, _leftovers, _lock, _Reader, _remove, _where, read_index
-from .saving import wait_pending
 from .format import CheckpointError, _all_or_raise, _describe, _flatten, _from_disk, _like_shape, _unflatten
+from .saving import wait_pending
+
 
 def _assemble(reader: _Reader, key: str, t: dict, offs, shape) -> np.ndarray:
     """The region [offs, offs+shape) of saved tensor ``key`` from the pieces that overlap it."""

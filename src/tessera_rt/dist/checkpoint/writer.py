@@ -20,10 +20,31 @@ from ..tensor.dtensor import DTensor
 from ..tensor.layout import Layout
 from ..tensor.shard import local_offsets, local_shape
 from . import files
-from .files import (INDEX, SaveInfo, _committed, _encode_file, _fsync_dir, _in_use, _keep_previous, _leftovers,
-                    _left_note, _lock, _remove, _retired)
+from .files import (
+    INDEX,
+    SaveInfo,
+    _committed,
+    _encode_file,
+    _fsync_dir,
+    _in_use,
+    _keep_previous,
+    _left_note,
+    _leftovers,
+    _lock,
+    _remove,
+    _retired,
+)
 from .format import (
-    _FORMAT, _VERSION, CheckpointError, _all_or_raise, _flatten, _fname, _host, _merge, _sha, _to_disk,
+    _FORMAT,
+    _VERSION,
+    CheckpointError,
+    _all_or_raise,
+    _flatten,
+    _fname,
+    _host,
+    _merge,
+    _sha,
+    _to_disk,
 )
 
 

@@ -41,10 +41,11 @@ import time
 import traceback
 
 from ...dtypes import dtype_name
-from . import consistency
 from ..comm.nccl import NCCL_COMMS
+from . import consistency
+
 try:
-    from ..comm import _hot                  # the collectives' C path: its call in progress (pending)
+    from ..comm import _hot  # the collectives' C path: its call in progress (pending)
 except ImportError:
     _hot = None  # type: ignore[assignment]  # no C path (built without a compiler)
 from ..comm.calls import group_key

@@ -11,15 +11,27 @@ import sys
 import threading
 import time
 
-from ..comm.mpi import MPI
-
-from . import consistency
 from ..comm.calls import group_seqs
-from ..comm.process_group import abort
+from ..comm.mpi import MPI
 from ..comm.nccl import NCCL_COMMS
-from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S, UNANSWERED_PROBES, WATCHDOG_EXIT_CODE,
-                       disagreement, divergence, hot_pending, in_collective, main_frame, recorder_config, status,
-                       wait_members, wait_state)
+from ..comm.process_group import abort
+from . import consistency
+from .watchdog import (
+    PROBE_AFTER_S,
+    PROBE_EVERY_S,
+    PROBE_MIN_WAIT_S,
+    UNANSWERED_PROBES,
+    WATCHDOG_EXIT_CODE,
+    disagreement,
+    divergence,
+    hot_pending,
+    in_collective,
+    main_frame,
+    recorder_config,
+    status,
+    wait_members,
+    wait_state,
+)
 
 __all__ = ["Watchdog"]
 

@@ -75,7 +75,7 @@ class GroupState:
         self.seq, self.seen, self.comm, self.g = 0, set(), None, g
 
 
-_STATES: "weakref.WeakSet" = weakref.WeakSet()      # every group's state, for group_seqs
+_STATES: weakref.WeakSet = weakref.WeakSet()      # every group's state, for group_seqs
 
 
 def group_state(g) -> GroupState:

@@ -23,24 +23,40 @@ from the environment for the whole run): there the tag is recorded and changes n
 """
 from __future__ import annotations
 
-from typing import Sequence, Any
-
-from .mpi import MPI, MPI_ERROR
-from .mesh import Mesh
+from collections.abc import Sequence
+from typing import Any
 
 from ...backend import CpuWorkerStream
 from . import c_path
 from .cpu_async import after_role_worker
+from .hooks import SEAM as _SEAM
+from .mesh import Mesh
+from .mpi import MPI, MPI_ERROR
+
 # with_dim, check_array, check_sizes, norm_dim, where: re-exported, dist.ccl checks and shapes as these do
 from .packing import then_unpack as _then_unpack, with_dim as with_dim
-from .plans import (Plan, backend, check_array as check_array, check_dtype, check_sizes as check_sizes,
-                    norm_dim as norm_dim, _tup, where as where,
-                    all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
-from .plans import bad_out as _bad_out, untaggable as _untaggable
-from .hooks import SEAM as _SEAM
+from .plans import (
+    Plan,
+    _tup,
+    all_gather_plan,
+    all_reduce_plan,
+    all_to_all_plan,
+    backend,
+    bad_out as _bad_out,
+    broadcast_plan,
+    check_array as check_array,
+    check_dtype,
+    check_sizes as check_sizes,
+    norm_dim as norm_dim,
+    plan_for,
+    reduce_scatter_plan,
+    untaggable as _untaggable,
+    where as where,
+)
 from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
+
 # the issue path (work.py); _issue is also a compiled redistribution plan's step (dist.tensor)
-from .work import _HOOKS, _ROLE_STREAMS, _WORLD_GROUP, _group, _hooked, _issue, _run  # noqa: F401
+from .work import _HOOKS, _ROLE_STREAMS, _WORLD_GROUP, _group, _hooked, _issue, _run
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "trace_collectives", "CollectiveRecord",

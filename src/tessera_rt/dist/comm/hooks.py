@@ -45,8 +45,8 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 __all__ = ["count_copy", "bytes_copied", "SEAM", "Seam", "Agreement", "note", "user_frame", "caller", "is_internal", "known_internal", "TRACE", "differentiable", "vjp_rule",
            "VJPS", "FORWARDS", "EFFECT_OPS", "SOURCE_OPS"]

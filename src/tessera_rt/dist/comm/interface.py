@@ -31,7 +31,7 @@ class Communicator:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
-    def tagged(self, op: str, tag: str) -> "Communicator":
+    def tagged(self, op: str, tag: str) -> Communicator:
         """The communicator that runs ``op`` with the ``tag`` ("tree"/"ring") hint.  MPI has no
         per-call algorithm choice (MPICH reads MPIR_CVAR_<OP>_INTRA_ALGORITHM for the run), so
         by default the hint is only recorded and this communicator serves it."""

@@ -12,16 +12,15 @@ A group's communicator is made on the first collective over it, by its members o
 from __future__ import annotations
 
 import math
-
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
-from .mpi import MPI
 
 from .communicators import make_communicator
 from .interface import Communicator
+from .mpi import MPI
 from .process_group import world
 
 __all__ = ["Mesh", "mesh", "AxisGroup", "current_mesh", "set_mesh"]
@@ -334,7 +333,7 @@ class Mesh:
         return self._coords
 
     # default mesh ------------------------------------------------------------
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> Mesh:
         _CURRENT.append(self)
         return self
 

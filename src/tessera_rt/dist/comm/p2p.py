@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from .hooks import SEAM as _SEAM
 from .mesh import Mesh
-from .plans import backend, check_array
-from .plans import check_peer as _peer
+from .plans import backend, check_array, check_peer as _peer
 from .process_group import world
 from .work import _HOOKS, Work, _group, _hooked, _issue
 

@@ -14,14 +14,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from .mpi import MPI
-
-from ... import backend as backend_mod
-from ... import runtime
+from ... import backend as backend_mod, runtime
 from ...backend import Backend, get_backend
 from .communicators import make_communicator
-from .interface import Communicator
 from .hooks import PKG_DIR
+from .interface import Communicator
+from .mpi import MPI
 
 __all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort", "on_abort"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["exit_once", "job_rank", "UsageError", "USAGE_EXIT_CODE"]
 

@@ -89,7 +89,7 @@ class trace_collectives:
     def __init__(self):
         self.records: list[CollectiveRecord] = []
 
-    def __enter__(self) -> "trace_collectives":
+    def __enter__(self) -> trace_collectives:
         _HOOKS.append(self)
         return self
 

@@ -97,7 +97,7 @@ class Work:
         return self._done or self._event.query()
 
     @classmethod
-    def completed(cls, result) -> "Work":
+    def completed(cls, result) -> Work:
         """A handle for work that already ran (the same API for every ``async_op=True`` path)."""
         w = cls(None, result)
         w._done = True

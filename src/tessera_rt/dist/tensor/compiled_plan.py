@@ -28,15 +28,15 @@ from __future__ import annotations
 import functools
 import math
 from collections import namedtuple
-from typing import Callable
+from collections.abc import Callable
 
-from ..comm import collectives as C
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
+from ..comm import collectives as C
 from ..comm.communicators import _MPI_OPS
 from ..comm.hooks import SEAM
-from ..comm.plans import _direct as _mpi_direct
 from ..comm.packing import with_dim
+from ..comm.plans import _direct as _mpi_direct
 from ..comm.process_group import world
 from .shard import local_shape
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..comm import collectives as C, p2p
 from ..comm.hooks import differentiable
 from ..comm.mesh import Mesh
-from ..comm import collectives as C, p2p
+from ..comm.process_group import world
 from ..comm.work import Work
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
-from ..comm.process_group import world
 from .redistribute import plan_redistribute
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv"]

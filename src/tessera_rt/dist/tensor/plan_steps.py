@@ -25,8 +25,8 @@ metadata and this rank's mesh position.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from itertools import product
-from typing import Callable
 
 from ..comm import collectives as C
 from ..comm.mesh import Mesh

@@ -15,15 +15,15 @@ the same compiled form for a repeat.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any
+
 from numpy.typing import DTypeLike
 
-from typing import Any, Iterable
-
-from functools import lru_cache
-
 from ..comm import collectives as C
-from ..comm.mesh import Mesh
 from ..comm.hooks import SEAM
+from ..comm.mesh import Mesh
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .plan_steps import Step, direct_step, one_axis_steps
@@ -228,7 +228,8 @@ def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype:
     Plan
         The plan (cached per shape, layouts, mesh and dtype).
     """
-    from ...dtypes import dtype_name
     import numpy as np
+
+    from ...dtypes import dtype_name
     dt = np.dtype(dtype)
     return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt), direct)

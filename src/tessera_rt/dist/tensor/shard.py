@@ -14,8 +14,8 @@ from __future__ import annotations
 from functools import lru_cache
 from itertools import product
 
-from .layout import Layout
 from ..comm.mesh import Mesh
+from .layout import Layout
 
 __all__ = [
     "split_sizes", "split_offsets", "dim_extent", "dim_extents_all", "local_shape", "local_offsets",

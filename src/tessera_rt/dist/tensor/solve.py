@@ -8,8 +8,9 @@ by the registered cost model (``dist.cost``); ties keep the old rule, the larges
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice, product
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -10,12 +10,10 @@ from . import (
 from .device import Device
 from .driver import CUDADriverError
 from .graph import Graph
-from .memory import (MemoryPointer, MemoryPool, PooledMemory, get_allocator, get_default_memory_pool,
-                     set_allocator)
+from .memory import MemoryPointer, MemoryPool, PooledMemory, get_allocator, get_default_memory_pool, set_allocator
 from .pinned_memory import PinnedMemoryPointer, alloc_pinned_memory
 from .runtime import CUDARuntimeError
-from .stream import (BaseStream, Event, ExternalStream, Stream, get_current_stream,
-                     get_elapsed_time)
+from .stream import BaseStream, Event, ExternalStream, Stream, get_current_stream, get_elapsed_time
 
 __all__ = ["Device", "Graph", "Stream", "ExternalStream", "BaseStream", "Event", "get_current_stream",
            "get_elapsed_time", "get_default_memory_pool", "MemoryPool", "MemoryPointer",
