@@ -236,18 +236,28 @@ def render_vs_torch(outputs, ctx) -> str:
     rows = [r for r in rows if re.fullmatch(r"[\d.]+", r[-1] or "")]
     if not rows:
         return text
-    def bars():
-        fig, ax = _plt().subplots(figsize=(9, 1.6 + 0.4 * len(rows)))
-        ratios = [float(r[-1]) for r in rows]
-        drawn = ax.barh(range(len(rows)), ratios, color=["tab:green" if v >= 1 else "tab:orange" for v in ratios])
-        ax.bar_label(drawn, fmt="%.2f", fontsize=8)
-        ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_yticks(range(len(rows)), [r[0].replace("`", "")[:60] for r in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("torch time / tessera_rt time (> 1: tessera_rt faster)")
-        fig.suptitle("The same step in tessera_rt and PyTorch", fontsize=10)
-        return fig
-    return text + "\n\n" + ctx.plot("bench_vs_torch.png", "torch time over tessera_rt time per workload", bars)
+    return text + "\n\n" + ctx.plot("bench_vs_torch.png", "torch time over tessera_rt time per workload",
+                                    lambda: vs_torch_figure(rows))
+
+
+def vs_torch_figure(rows: list[list[str]]):
+    """The vs-torch bars: one per table row (workload, ..., ratio).  Each workload's name is
+    wrapped onto lines of its own (never cut), the figure grows with the lines, and the x range
+    leaves room for the value printed past the longest bar."""
+    import textwrap
+    labels = ["\n".join(textwrap.wrap(r[0].replace("`", ""), 34)) for r in rows]
+    lines = sum(lb.count("\n") + 1 for lb in labels)
+    fig, ax = _plt().subplots(figsize=(9, 1.4 + 0.22 * lines + 0.15 * len(rows)))
+    ratios = [float(r[-1]) for r in rows]
+    drawn = ax.barh(range(len(rows)), ratios, color=["tab:green" if v >= 1 else "tab:orange" for v in ratios])
+    ax.bar_label(drawn, fmt="%.2f", fontsize=8, padding=3, bbox=dict(fc="white", ec="none", pad=0.5))
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlim(0, max(ratios + [1.0]) * 1.12)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("torch time / tessera_rt time (> 1: tessera_rt faster)")
+    fig.suptitle("The same step in tessera_rt and PyTorch", fontsize=10)
+    return fig
 
 
 def render_train(outputs, ctx) -> str:

@@ -93,7 +93,7 @@ def load_tokenizer(model_dir: Path):
 
 def what_model(model_dir: Path) -> str:
     """"hf" (config.json), "run" (a train.py checkpoint), or SystemExit saying what was looked for."""
-    from tessera_rt.inference.llama_train import run_checkpoint
+    from tessera_rt.inference.runs import run_checkpoint
     if (model_dir / "config.json").is_file():
         return "hf"
     if run_checkpoint(model_dir) is not None:
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     mesh = dist.Mesh(axes=["dp", "tp"], shape={"dp": args.dp, "tp": tp})
     try:
         if kind == "run":
-            from tessera_rt.inference.llama_train import load_run
+            from tessera_rt.inference.runs import load_run
             model, chars = load_run(model_dir, mesh=mesh, dtype=args.dtype)
             tok = CharTokenizer(chars)
         else:

@@ -358,12 +358,12 @@ def part_multirank(run: Run, limit: float, log: Path) -> list[dict]:
 
 
 # (name, title, limit in seconds on a GPU, on the stand-in with --quick, on the stand-in)
-PARTS = [("tests", "gpu tests", part_tests, 150, 60, 500),
-         ("kernels", "kernels vs the vendor library", part_kernels, 150, 60, 300),
-         ("train", "train.py GPU vs CPU", part_train, 60, 60, 120),
-         ("train_torch", "training step vs torch", part_train_torch, 150, 90, 150),
-         ("decode", "decode vs transformers", part_decode, 150, 60, 90),
-         ("multirank", "multi-rank suites on one GPU", part_multirank, 150, 60, 400)]
+PARTS = [("tests", "gpu tests", part_tests, 100, 60, 500),
+         ("kernels", "kernels vs the vendor library", part_kernels, 120, 60, 300),
+         ("train", "train.py GPU vs CPU", part_train, 40, 60, 120),
+         ("train_torch", "training step vs torch", part_train_torch, 120, 90, 150),
+         ("decode", "decode vs transformers", part_decode, 100, 60, 90),
+         ("multirank", "multi-rank suites on one GPU", part_multirank, 80, 60, 400)]
 
 
 # ------------------------------------------------------------------------------------ decode
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a subset and small sizes (the suite runs this)")
     ap.add_argument("--out", default=None, help="output folder (default: $OUT, else ./gpu_check_out)")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds for all the parts together")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all the parts together")
     ap.add_argument("--emulate", action="store_true", help="run on the stand-in even where a GPU is present")
     ap.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv

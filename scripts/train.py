@@ -426,8 +426,8 @@ def moe_config(args: argparse.Namespace) -> dict | None:
 
 
 def llama_model(args: argparse.Namespace, vocab: int, mesh):
-    """train.py --arch llama: a Llama-shaped model (tessera_rt.inference.llama_train.LlamaLM)."""
-    from tessera_rt.inference.llama_train import LlamaLM
+    """train.py --arch llama: a Llama-shaped model (tessera_rt.models.llama.LlamaLM)."""
+    from tessera_rt.models.llama import LlamaLM
     if args.pp > 1 or args.microbatches or args.experts or args.remat != "none":
         raise UsageError("train.py: --arch llama trains a dense model without --pp, --microbatches, --experts or --remat; "
                          "drop those flags or use --arch transformer")
@@ -500,14 +500,21 @@ def _train(args: argparse.Namespace) -> dict:
     if bad:
         raise UsageError(f"train.py: {'; '.join(bad)} (flags --layers, --pp, --microbatches, --schedule, "
                          "--virtual-stages, --batch, --remat)")
+    # the parts of nn.Transformer that live above nn plug in when their package is imported
+    from tessera_rt import moe  # noqa: F401  (registers the MoE block: --experts)
+    from tessera_rt.pipeline import Pipeline          # (also nn.Transformer's stage split: --pp)
     if args.arch == "llama":
         model = llama_model(args, len(chars), mesh)
     else:
         model = nn.Transformer(len(chars), args.d_model, args.heads, args.layers, args.seq, mesh=mesh,
                                dtype=args.dtype, remat=args.remat, moe=moe_config(args), virtual_stages=virtual)
     params = model.init(args.seed)            # with --pp: this rank's stage only
-    pipe = dist.Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
-                         schedule=args.schedule) if piped else None
+    pipe = Pipeline(model, mesh=mesh, microbatches=args.microbatches or min(2 * pp, args.batch),
+                    schedule=args.schedule) if piped else None
+    if rank0 and not args.quiet:         # the layout this run has (a plan's launch line is checked against it)
+        print(f"train.py: layout tp={tp} dp={dp} pp={pp} ep={ep}, batch {args.batch}, remat {args.remat}"
+              + (f", schedule {pipe.schedule}, microbatches {pipe.microbatches}" if pipe is not None else ""),
+              flush=True)
     opt = optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = optim.DynamicLossScaler() if np.dtype(model.dtype) == np.float16 else None
 
@@ -640,7 +647,7 @@ def _train(args: argparse.Namespace) -> dict:
             raise
     losses = history + losses
     if args.export_hf:                      # collective (each parameter gathered); rank 0 writes
-        from tessera_rt.inference.llama_train import export_hf
+        from tessera_rt.models.llama import export_hf
         hf_dir = export_hf(model, params, args.export_hf, chars, rank=world.rank)
         if rank0 and not args.quiet:
             print(f"Hugging Face Llama checkpoint: {hf_dir} (scripts/generate.py --model {hf_dir})", flush=True)

@@ -140,7 +140,7 @@ def predict(r: dict) -> dict:
     cluster = cluster_from(r["compute"], r["collectives"], n_gpus=n, cores=0)
     spec = dataclasses.replace(plan.get_model("char-moe" if r["ep"] > 1 else "char"), vocab=r["vocab"])
     seqs = -(-spec.batch // (r["dp"] * r["ep"]))
-    lay = plan.Layout(tp=r["tp"], dp=r["dp"], pp=r["pp"], ep=r["ep"], micro_batch=-(-seqs // r["microbatches"]))
+    lay = plan.ParallelConfig(tp=r["tp"], dp=r["dp"], pp=r["pp"], ep=r["ep"], micro_batch=-(-seqs // r["microbatches"]))
     t = plan.step_time(spec, cluster, lay, workload="train", batch=spec.batch, seq=spec.seq_len)
     mem = plan.memory_per_gpu(spec, cluster, lay, workload="train", batch=spec.batch, seq=spec.seq_len,
                               n_micro=r["microbatches"])

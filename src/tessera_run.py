@@ -1,8 +1,8 @@
 """``tessera-run``'s entry point, and each rank's (``python -m tessera_run --rank PROGRAM``).
 
-It sits outside the ``tessera_rt`` package on purpose: importing the package runs every
-layer's import (about a second, Numba and the CUDA bindings among them), and a Ctrl-C in that
-second printed a KeyboardInterrupt traceback of some 40 lines per process.  Here SIGINT is
+It sits outside the ``tessera_rt`` package on purpose: importing the package's layers takes
+up to a second (Numba and the CUDA bindings among them), and a Ctrl-C in that second printed
+a KeyboardInterrupt traceback of some 40 lines per process.  Here SIGINT is
 answered quietly until tessera_rt's own handling takes over (the launcher's forwarding to
 mpiexec, which says once that the job was stopped; a rank's KeyboardInterrupt around the
 program).  ``python -m tessera_run -n 2 script.py`` is ``tessera-run -n 2 script.py``.

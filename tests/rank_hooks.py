@@ -34,9 +34,8 @@ def _checks_in_step() -> None:
     count; a test whose ranks issue different collectives on purpose (tests/debug/mpi_debug.py)
     leaves the counts apart, and a later test in the same launch then has one rank verify
     alone: it waits in the check's Allgather for peers that never come (a hang)."""
-    for st in list(calls._STATES):
-        st.seq = 0
-    consistency._cfg.metas = {}
+    calls.GROUPS.reset()
+    consistency.STATE.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -23,14 +23,30 @@ from typing import Any, Callable
 import numpy as np
 
 from .cpu_streams import (  # noqa: F401  (re-exported: the backend's stream names)
-    WORKER_ERROR_HOOKS, CpuEvent, CpuStream, CpuWorkerStream, _check_timing, cpu_workers, set_cpu_workers,
+    WORKER_ERROR_HOOKS, CpuEvent, CpuStream, CpuWorkerStream, check_timing, cpu_workers, set_cpu_workers,
 )
 
 __all__ = [
     "Backend", "BackendUnavailable", "get_backend", "reset_backend",
     "CpuStream", "CpuEvent", "CpuWorkerStream", "HostBufferPool", "mapped_empty", "register_kernel",
-    "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS",
+    "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS", "array_module", "is_cupy", "KERNELS",
 ]
+
+
+def is_cupy(a: Any) -> bool:
+    """Whether ``a`` is a CuPy array (by its type's module: CuPy is never imported here)."""
+    t = type(a)
+    return t is not np.ndarray and t.__module__.split(".", 1)[0] == "cupy"
+
+
+def array_module(*arrays: Any):
+    """``cupy`` if any argument is a CuPy array, else ``numpy``: the array module of the
+    arrays themselves, whatever backend the process picked (a reference written once against
+    ``xp`` runs on both)."""
+    for a in arrays:
+        if a is not None and is_cupy(a):
+            return sys.modules["cupy"]
+    return np
 
 
 class BackendUnavailable(RuntimeError):
@@ -53,7 +69,7 @@ class CudaEvent:
 
     def __init__(self, event, timing: bool = False, pending: tuple = (), stream=None):
         self._event = event
-        self.time = True if timing else None     # only "can it be timed", for _check_timing
+        self.time = True if timing else None     # only "can it be timed", for check_timing
         self._pending = pending
         self._stream = stream
 
@@ -76,7 +92,7 @@ class CudaEvent:
 
     def elapsed_ms(self, end: "CudaEvent") -> float:
         import cupy
-        _check_timing(self, end)
+        check_timing(self, end)
         end.synchronize()
         self._ready()
         return cupy.cuda.get_elapsed_time(self._event, end._event)
@@ -307,7 +323,7 @@ class HostBufferPool:
 # --------------------------------------------------------------------------- kernel table
 
 # op name -> {backend name -> implementation}; filled by tessera_rt.kernels at import.
-_KERNELS: dict[str, dict[str, Callable]] = defaultdict(dict)
+KERNELS: dict[str, dict[str, Callable]] = defaultdict(dict)
 
 
 def register_kernel(op: str, device: str, fn: Callable | None = None):
@@ -319,7 +335,7 @@ def register_kernel(op: str, device: str, fn: Callable | None = None):
         raise ValueError(f"register_kernel: device must be 'cpu' or 'cuda', got {device!r}")
 
     def put(f: Callable) -> Callable:
-        _KERNELS[op][device] = f
+        KERNELS[op][device] = f
         return f
 
     return put(fn) if fn is not None else put
@@ -386,9 +402,9 @@ class Backend:
         ``like``: an input array; host (NumPy) arrays get the CPU reference even on the GPU
         backend, as a host tensor runs host kernels in PyTorch, since a GPU kernel cannot
         read host memory."""
-        impls = _KERNELS.get(op)
+        impls = KERNELS.get(op)
         if not impls:
-            raise KeyError(f"no kernel registered for op {op!r}; known ops: {sorted(_KERNELS)}")
+            raise KeyError(f"no kernel registered for op {op!r}; known ops: {sorted(KERNELS)}")
         device = self.name if like is None or isinstance(like, self.xp.ndarray) else "cpu"
         fn = impls.get(device) or impls.get("cpu")
         if fn is None:

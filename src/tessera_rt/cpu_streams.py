@@ -21,10 +21,12 @@ import time
 from collections import deque
 from typing import Callable
 
-__all__ = ["CpuEvent", "CpuStream", "CpuWorkerStream", "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS"]
+__all__ = ["CpuEvent", "CpuStream", "CpuWorkerStream", "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS",
+           "check_timing"]
 
 
-def _check_timing(start, end) -> None:
+def check_timing(start, end) -> None:
+    """Raise unless both events were recorded with ``timing=True`` (``elapsed_ms``: CPU and CUDA)."""
     if start.time is None or end.time is None:
         raise ValueError("elapsed_ms needs events recorded with stream.record(timing=True); plain "
                          "record() makes ordering-only events, which are cheaper (CUDA refuses to time them)")
@@ -51,7 +53,7 @@ class CpuEvent:
         return all(work.test() for work in self._pending)
 
     def elapsed_ms(self, end: "CpuEvent") -> float:
-        _check_timing(self, end)
+        check_timing(self, end)
         end.synchronize()
         self.synchronize()
         return (end.time - self.time) * 1e3

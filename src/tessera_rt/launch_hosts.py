@@ -30,6 +30,9 @@ class HostError(ValueError):
         Where the mistake is and what to write instead.
     """
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
 
 HOST_LINE = "one host a line: node1, node1:4 or node1 slots=4"
 

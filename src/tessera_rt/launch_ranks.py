@@ -248,7 +248,7 @@ def rank_main(argv: list[str]) -> None:
     from tessera_rt.dist.comm import process_group
     process_group.on_abort(lambda code: _say(f"abort {code}"))
     if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
-        process_group._install_excepthook(rank)
+        process_group.install_excepthook(rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)    # the program sees KeyboardInterrupt again
     try:
         if argv[0] == "-m":

@@ -84,7 +84,8 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec") or shutil.which("mpirun")
 
 
-def _is_open_mpi(mpiexec: str) -> bool:
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec --version`` says Open MPI (its flags differ from MPICH's)."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -118,7 +119,7 @@ def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str]
     """
     cmd = [mpiexec, "-n", str(nranks)]
     layout = ",".join(f"{h}:{c}" for h, c in hosts or ())
-    if _is_open_mpi(mpiexec):
+    if is_open_mpi(mpiexec):
         # Open MPI refuses root and more ranks than cores unless told
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
@@ -182,7 +183,7 @@ def _copy_stderr(src, dst, seen: dict) -> None:
             dst.flush()
 
 
-def _copy_stdout(src, dst, seen: dict) -> None:
+def copy_stdout(src, dst, seen: dict) -> None:
     """Pass mpiexec's stdout through as it comes (partial lines too), noting the PID and exit
     code of each rank MPICH reports as ended badly.  A partial line that may be mpiexec's own
     ("[mpiexec@host] ...", written in pieces) waits for its end, so it can be dropped."""
@@ -214,7 +215,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch(cmd: list[str], env: dict, seen: dict) -> int:
+def run_mpiexec(cmd: list[str], env: dict, seen: dict) -> int:
     """Run mpiexec; ``seen`` gets "deaths" ({pid: exit code} from MPICH's banners) and "proc"
     (for ``_forwarding``, which puts the signal it forwarded in "signal")."""
     seen["deaths"] = {}
@@ -223,7 +224,7 @@ def _launch(cmd: list[str], env: dict, seen: dict) -> int:
     if "signal" in seen:                # it came while this attempt was starting
         _send(proc, seen["signal"])
     copiers = [threading.Thread(target=_copy_stderr, args=(proc.stderr, sys.stderr.buffer, seen), daemon=True),
-               threading.Thread(target=_copy_stdout, args=(proc.stdout, sys.stdout.buffer, seen), daemon=True)]
+               threading.Thread(target=copy_stdout, args=(proc.stdout, sys.stdout.buffer, seen), daemon=True)]
     for c in copiers:
         c.start()
     pressed = 0
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             records = RankRecords(folder)
             try:
                 env[RUN_DIR_VAR] = folder
-                rc = _launch(cmd, env, seen)
+                rc = run_mpiexec(cmd, env, seen)
             finally:
                 records.close()
                 lock.release()

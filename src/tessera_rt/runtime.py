@@ -21,16 +21,21 @@ from typing import Iterable
 from .backend import get_backend
 
 __all__ = [
-    "ROLES", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
+    "ROLES", "ROLE_STREAMS", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
     "disable_overlap", "overlaps", "synchronize", "reset", "register_prefetch", "host_worker",
 ]
 
 ROLES = ("compute", "tp_collective", "a2a", "io")
 _DEFAULT_MAP = {"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3}
 
+# this module's state (set_stream_map, enable_overlap, reset): role -> stream slot, then the
+# slots' streams and the caches below
 _stream_map: dict[str, int] = dict(_DEFAULT_MAP)
 _slots: dict[int, object] = {}            # slot -> Stream, created on first use
-_role_streams: dict[str, object] = {}     # role -> Stream, the hot-path cache
+# role -> Stream: the hot-path cache ``stream`` fills.  Public so the collectives' hot paths
+# (dist.comm.work, dist/comm/_hot.c) read it without a call; only this module writes it, and
+# clears it in place (set_stream_map, reset), so a reader's reference stays the live table.
+ROLE_STREAMS: dict[str, object] = {}
 # None means "every role overlaps with every other" (the default).
 _overlap: set[frozenset] | None = None
 _host_workers: dict[str, object] = {}     # role -> a host thread for roles whose stream has none
@@ -46,7 +51,7 @@ def set_stream_map(mapping: dict[str, int]) -> None:
             )
     synchronize()
     _stream_map.update(mapping)
-    _role_streams.clear()
+    ROLE_STREAMS.clear()
     if _slots:
         # Plain CuPy calls run on CuPy's current stream: follow compute to its new slot
         # (stream() does this only when it creates a slot, and this one may exist already).
@@ -59,7 +64,7 @@ def stream_map() -> dict[str, int]:
 
 def stream(role: str = "compute"):
     """The stream that serves ``role``."""
-    s = _role_streams.get(role)
+    s = ROLE_STREAMS.get(role)
     if s is not None:
         return s
     try:
@@ -74,7 +79,7 @@ def stream(role: str = "compute"):
             # plain CuPy calls go to the current stream: make it the compute stream, so
             # collectives ordered against "compute" are ordered against the user's work
             s.make_current()
-    _role_streams[role] = s
+    ROLE_STREAMS[role] = s
     return s
 
 
@@ -150,7 +155,7 @@ def reset() -> None:
     _stream_map.clear()
     _stream_map.update(_DEFAULT_MAP)
     _slots.clear()
-    _role_streams.clear()
+    ROLE_STREAMS.clear()
     _overlap = None
     if had_streams:
         # a fresh compute stream, current at once: work issued from now on (even before

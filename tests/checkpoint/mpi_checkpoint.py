@@ -156,8 +156,8 @@ def _pp_meshes(n):
 
 
 def _flat(tree):
-    from tessera_rt.dist.checkpoint import _flatten
-    return _flatten(tree)
+    from tessera_rt.dist.checkpoint.format import flatten
+    return flatten(tree)
 
 
 def _full(x):
@@ -277,7 +277,7 @@ def test_an_async_save_that_fails_on_one_rank_raises_at_the_next_save_naming_it(
     if world.rank == victim:
         def disk_full(path, data):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(files, "_write_atomic", disk_full)
+        monkeypatch.setattr(files, "write_atomic", disk_full)
     dist.save(_row_state(mesh, 2)[0], ckpt_dir, async_=True)         # returns: the write fails on the worker
     with pytest.raises(dist.CheckpointError) as e:
         dist.save(_row_state(mesh, 3)[0], ckpt_dir)

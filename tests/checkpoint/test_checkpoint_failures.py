@@ -40,13 +40,13 @@ SAVE = """
     W = np.arange(48, dtype=np.float32).reshape(8, 6) * version
     X = dist.distribute(W, layout=dist.ShardSpec(partition=("row", "col"), mesh_axes=("tp", "dp")), mesh=mesh)
     if os.environ.get("KILL_RANK") == str(w.rank):          # (on the io worker when ASYNC)
-        real = checkpoint.files._write_atomic
+        real = checkpoint.files.write_atomic
         def dying(path, data):
             with open(path + ".partial", "wb") as f:
                 f.write(data[: len(data) // 2])          # half a file on disk, then the rank dies
             print("dying on", threading.current_thread().name, flush=True)
             os.kill(os.getpid(), 9)
-        checkpoint.files._write_atomic = dying
+        checkpoint.files.write_atomic = dying
     if os.environ.get("ASYNC"):                  # the training goes on while the files are written
         handle = dist.save({"w": X, "step": version}, os.environ["CKPT"], async_=True)
         for _ in range(20):
@@ -189,7 +189,7 @@ def test_a_failed_save_says_what_it_left_behind(tmp_path, monkeypatch):
         with open(f"{path}.tmp-1", "wb") as f:
             f.write(b"\0" * 500)                 # part of the file, then the disk is full
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint.files, "_write_atomic", disk_full)
+    monkeypatch.setattr(checkpoint.files, "write_atomic", disk_full)
     try:
         dist.save(_state(2), ckpt)
         raise AssertionError("the save should fail")
@@ -212,7 +212,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
     ckpt = str(tmp_path / "ckpt")
     dist.save(_state(1), ckpt)
     committed = _disk_bytes(ckpt)
-    real, capacity = checkpoint.files._write_atomic, [committed + 100]      # another program filled the disk
+    real, capacity = checkpoint.files.write_atomic, [committed + 100]      # another program filled the disk
 
     def on_a_small_disk(path, data):
         free = capacity[0] - _disk_bytes(ckpt)
@@ -221,7 +221,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
                 f.write(data[:max(free, 0)])                            # what fits, then the disk is full
             raise OSError(28, "No space left on device")
         real(path, data)
-    monkeypatch.setattr(checkpoint.files, "_write_atomic", on_a_small_disk)
+    monkeypatch.setattr(checkpoint.files, "write_atomic", on_a_small_disk)
     for _ in range(2):                     # the second failure begins by removing the first's leftovers
         with pytest.raises(checkpoint.CheckpointError, match=r"No space left on device \[this save left 100 B"):
             dist.save(_state(2), ckpt)
@@ -243,8 +243,8 @@ PP_SAVE = """
         model = nn.Transformer(11, 8, 2, 4, 5, mesh=dist.Mesh(axes=list(shape), shape=shape), moe=moe)
         tree = model.checkpoint_tree(model.init(seed=3))
         dist.save({"params": tree, "step": 7}, os.path.join(out, name))
-        from tessera_rt.dist.checkpoint import _flatten
-        full = {k: (v.full_tensor() if type(v) is dist.DTensor else v) for k, v in _flatten(tree).items()}
+        from tessera_rt.dist.checkpoint.format import flatten
+        full = {k: (v.full_tensor() if type(v) is dist.DTensor else v) for k, v in flatten(tree).items()}
         np.savez(os.path.join(out, f"{name}-expected-rank{w.rank}.npz"), **{k.replace("/", "."): v for k, v in full.items()})
     print("saved", flush=True)
 """
@@ -265,8 +265,8 @@ def test_pipeline_and_expert_checkpoints_load_onto_one_rank(tmp_path):
         like = {"params": nn.Transformer(11, 8, 2, 4, 5, moe=moe).init(seed=0), "step": 0}
         got = dist.load(str(tmp_path / name), like=like)
         assert got["step"] == 7 and isinstance(got["params"]["blocks"], list)
-        from tessera_rt.dist.checkpoint import _flatten
-        flat = _flatten(got["params"])
+        from tessera_rt.dist.checkpoint.format import flatten
+        flat = flatten(got["params"])
         assert sorted(flat) == sorted(expected) and len(flat) >= 40
         for k, v in flat.items():
             assert np.array_equal(v, expected[k]), k
@@ -349,7 +349,7 @@ import numpy as np
 from tessera_rt import dist
 from tessera_rt.dist import checkpoint
 where, how, keep, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-real_write, real_remove, committed = checkpoint.files._write_atomic, checkpoint.writer._remove, []
+real_write, real_remove, committed = checkpoint.files.write_atomic, checkpoint.writer._remove, []
 
 def die(path):
     if how == "kill":
@@ -370,7 +370,7 @@ def remove(path, names):               # after the commit: the retired data goes
         die(path)
     return real_remove(path, names)
 
-checkpoint.files._write_atomic, checkpoint.writer._remove = write, remove
+checkpoint.files.write_atomic, checkpoint.writer._remove = write, remove
 mesh = dist.Mesh(axes=["dp"], shape={"dp": 1})
 info = dist.save({"w": dist.distribute(np.full((4, 3), 2, np.float32), mesh=mesh), "step": 2}, ckpt, keep=keep)
 print("saved:", info.summary(), flush=True)

@@ -384,13 +384,13 @@ def test_the_overlapped_matmul_runs_while_the_transfer_travels(world, monkeypatc
     for name in ("send", "recv", "reduceScatter" if BACKEND.is_gpu else "reduce_scatter"):
         real = getattr(comm, name)
         monkeypatch.setattr(comm, name, lambda *a, _real=real, _name=name, **k: (log.append(_name), _real(*a, **k))[1])
-    matmul = fused._matmul
+    matmul = fused.local_matmul
 
     def logged(a, b):
         cur = __import__("cupy").cuda.get_current_stream() if BACKEND.is_gpu else None
         log.append(("matmul", cur == rt.stream("compute").raw if BACKEND.is_gpu else True))
         return matmul(a, b)
-    monkeypatch.setattr(fused, "_matmul", logged)
+    monkeypatch.setattr(fused, "local_matmul", logged)
     x = xp.asarray(data(world.rank, (2, 3, 8), np.float32, salt=2))
     w1, w3 = (xp.asarray(data(world.rank, (8, 4 * n), np.float32, salt=s)) for s in (3, 4))
     rs, y3 = ccl.double_matmul_line_reduce_scatter(x, w1, w3, cluster_axis=ca, mesh=mesh, algo=algo, overlap=True)

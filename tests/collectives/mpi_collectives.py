@@ -392,7 +392,7 @@ def _hot_cases(world, line):
 
 @pytest.mark.timeout(60)
 def test_repeat_calls_take_the_c_path_with_the_python_result(world, line):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip(_NO_C_PATH)
     for name, call, want in _hot_cases(world, line):
         fn = getattr(C, name)
@@ -408,7 +408,7 @@ def test_repeat_calls_take_the_c_path_with_the_python_result(world, line):
 
 @pytest.mark.timeout(60)
 def test_the_c_path_hands_everything_else_to_python(world, line):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip(_NO_C_PATH)
     x = rank_data(world.rank, (4, 6), np.float32, 3)
     want = sum(host_data(k, (4, 6), np.float32, 3) for k in range(world.size))

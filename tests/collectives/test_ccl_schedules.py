@@ -5,12 +5,12 @@ sends n-1 chunks (the line's all-gather forwards every chunk both ways: more).""
 import numpy as np
 import pytest
 
-from tessera_rt.dist.ccl.schedules import _bounds, schedule
-from tessera_rt.dist.comm.interface import _displs
+from tessera_rt.dist.ccl.schedules import piece_bounds, schedule
+from tessera_rt.dist.comm.interface import displacements
 
 
 def simulate(kind, n, algo, counts, rng):
-    offs, total = _displs(counts), sum(counts)
+    offs, total = displacements(counts), sum(counts)
     if kind == "reduce_scatter":
         xs = [rng.integers(-9, 9, total) for _ in range(n)]
         work = [x.copy() for x in xs]
@@ -26,7 +26,7 @@ def simulate(kind, n, algo, counts, rng):
             assert dst in ((src + 1) % n, (src - 1) % n)
             if algo == "line":
                 assert abs(src - dst) == 1
-            lo, hi = _bounds(offs, counts, c, p)
+            lo, hi = piece_bounds(offs, counts, c, p)
             msgs.append((dst, lo, hi, work[src][lo:hi].copy()))
             sent[src] += hi - lo
         for dst, lo, hi, m in msgs:               # all of a step's messages are in flight at once
@@ -63,9 +63,9 @@ def test_comm_algo_reaches_nccl_as_nccl_algo(monkeypatch):
     from tessera_rt.dist.comm import communicators as comm
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     monkeypatch.setenv("TESSERA_COMM_ALGO", "tree")
-    comm._nccl_algo_hint()
+    comm.nccl_algo_hint()
     import os
     assert os.environ["NCCL_ALGO"] == "Tree"
     monkeypatch.setenv("TESSERA_COMM_ALGO", "ring")
-    comm._nccl_algo_hint()
+    comm.nccl_algo_hint()
     assert os.environ["NCCL_ALGO"] == "Tree"          # an NCCL_ALGO already set is left alone

@@ -26,16 +26,16 @@ def line():
 def test_the_extension_is_built_and_reads_numpy_arrays_directly():
     if os.environ.get("TESSERA_HOT", "1") in ("0", "off", "false", "no"):
         pytest.skip("TESSERA_HOT=0 keeps the Python collectives")
-    assert C._hot is not None, "tessera_rt.dist.comm._hot did not build: run `pip install -e .` with a C compiler"
-    assert C._HOT_ARRAY_FIELDS, "the NumPy array layout check failed: the C path reads arrays through attributes"
+    assert C.HOT is not None, "tessera_rt.dist.comm._hot did not build: run `pip install -e .` with a C compiler"
+    assert C.HOT_ARRAY_FIELDS, "the NumPy array layout check failed: the C path reads arrays through attributes"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_collective_keeps_its_python_signature_and_docs(name):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip("not built (see the first test)")
     fn = getattr(dist, name)
-    assert fn is getattr(C, name) and isinstance(fn, C._hot.Collective)
+    assert fn is getattr(C, name) and isinstance(fn, C.HOT.Collective)
     py = fn.__wrapped__
     assert inspect.signature(fn) == inspect.signature(py)
     assert fn.__doc__ == py.__doc__ and fn.__name__ == name and fn.__module__ == py.__module__
@@ -64,7 +64,7 @@ FORMS = [
 
 @pytest.mark.parametrize("i", range(len(FORMS)))
 def test_a_repeat_call_finds_the_plan_the_python_function_made(line, i):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip("not built (see the first test)")
     name, call, direct = FORMS[i]
     fn = getattr(C, name)
@@ -92,7 +92,7 @@ def test_errors_are_the_python_functions(line):
 
 
 def test_an_output_is_reused_only_once_nothing_refers_to_it(line):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip("not built (see the first test)")
     import weakref
     n = dist.init().size
@@ -118,7 +118,7 @@ def test_an_output_is_reused_only_once_nothing_refers_to_it(line):
 
 
 def test_a_view_keeps_its_output_from_being_reused(line):
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip("not built (see the first test)")
     n = dist.init().size
     for count in (16, 1 << 14):            # NumPy's own memory, and 64 KiB: a pool block's array
@@ -161,9 +161,9 @@ def test_a_wait_is_named_to_the_watchdog_through_the_seam():
     # a layer above dist names what the main thread waits for with hooks.note (no frame locals)
     from tessera_rt.dist.comm import hooks
     from tessera_rt.dist.checks import watchdog
-    assert watchdog._note_of_main() == ""
+    assert watchdog.note_of_main() == ""
     with hooks.note("pipeline stage 1 waits for micro-batch 0"):
         with hooks.note("the inner wait"):
-            assert watchdog._note_of_main() == "the inner wait"
-        assert watchdog._note_of_main() == "pipeline stage 1 waits for micro-batch 0"
-    assert watchdog._note_of_main() == "" and hooks.SEAM.notes == []
+            assert watchdog.note_of_main() == "the inner wait"
+        assert watchdog.note_of_main() == "pipeline stage 1 waits for micro-batch 0"
+    assert watchdog.note_of_main() == "" and hooks.SEAM.notes == []

@@ -74,17 +74,17 @@ def test_default_check_notes_each_ops_dtensors_without_a_hook():
     from tessera_rt.dist.tensor import dispatch
     mesh = dist.Mesh(axes=["tp"], shape={"tp": 1})
     x = dist.distribute(np.ones((4, 3), np.float32), layout=dist.ShardSpec((1,), ("tp",)), mesh=mesh)
-    consistency._cfg.metas = {}
+    consistency.STATE.reset()
     try:
         y = x * 2.0
-        assert dispatch._PROF == [] and consistency._cfg.metas == {id(mesh): {x._meta}}
+        assert dispatch.OP_WATCHERS == [] and consistency.STATE.metas == {id(mesh): {x._meta}}
         consistency.configure(False)
-        consistency._cfg.metas = {}
+        consistency.STATE.reset()
         y + y
-        assert consistency._cfg.metas == {}
+        assert consistency.STATE.metas == {}
     finally:
         consistency.configure(True)
-        consistency._cfg.metas = {}
+        consistency.STATE.reset()
 
 
 def test_a_dtensor_keeps_the_mesh_it_was_made_on_not_an_equal_earlier_one():

@@ -148,17 +148,17 @@ def test_the_sampled_check_on_the_c_path_catches_a_later_disagreement(world):
         pytest.skip("needs 2 ranks")
     mesh = dist.Mesh(axes=["x"], shape=(w.size,))
     site = lambda x: dist.all_reduce(x, "x", mesh=mesh)      # noqa: E731  (one call site)
-    old, consistency._cfg.mask = consistency._cfg.mask, 0     # TESSERA_CHECK_EVERY=1
+    old, consistency.STATE.mask = consistency.STATE.mask, 0     # TESSERA_CHECK_EVERY=1
     try:
         for _ in range(3):
             site(np.ones(4, np.float32))
         hits = C.all_reduce.hits
         msg = _odd(w, "shape", lambda: site(np.ones(5 if w.rank == 1 else 4, np.float32)))
         assert "float32[5]" in msg and "float32[4]" in msg
-        if w.rank != 1 and C._hot is not None:
+        if w.rank != 1 and C.HOT is not None:
             assert C.all_reduce.hits > hits                   # the odd call met the C path's check
     finally:
-        consistency._cfg.mask = old
+        consistency.STATE.mask = old
 
 
 def test_default_mode_catches_dtensors_of_different_global_shapes(world):

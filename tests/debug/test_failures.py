@@ -302,8 +302,9 @@ def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_p
     p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "1", str(dying)] + train
                 + ["--dp", "2", "--run-dir", str(tmp_path / "a")], mpi_env(2), limit=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "tessera-run: attempt 2 of 2 after rank 1 died (SIGKILL); restarting the job (TESSERA_RESTART=1)" \
-        in p.stderr, p.stderr
+    # (how the rank died is lost when MPICH's proxy reaps it before tessera-run reads it: "ended")
+    assert re.search(r"tessera-run: attempt 2 of 2 after rank 1 (died \(SIGKILL\)|ended); restarting the job "
+                     r"\(TESSERA_RESTART=1\)", p.stderr), p.stderr
     assert re.search(r"train.py: resumed at step [24] from", p.stdout), p.stdout
     p, _ = _run([TESSERA_RUN, "-n", "2"] + train + ["--dp", "2", "--run-dir", str(tmp_path / "b")], mpi_env(2),
                 limit=120)
@@ -321,7 +322,8 @@ def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_p
     p, _ = _run([TESSERA_RUN, "-n", "2", "--max-restarts", "1", "--min-n", "1", str(dying)]
                 + train + ["--run-dir", str(tmp_path / "c")], mpi_env(2), limit=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "after rank 1 died (SIGKILL); restarting the job on 1 rank (TESSERA_RESTART=1)" in p.stderr, p.stderr
+    assert re.search(r"after rank 1 (died \(SIGKILL\)|ended); restarting the job on 1 rank \(TESSERA_RESTART=1\)",
+                     p.stderr), p.stderr
     from tessera_rt.dist.checkpoint import read_index
     assert json.loads(read_index(str(tmp_path / "c" / "checkpoint"))["values"]["meta"])["dp"] == 1
     np.testing.assert_allclose(_saved_losses(tmp_path / "c"), whole, rtol=2e-5)

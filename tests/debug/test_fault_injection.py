@@ -81,9 +81,11 @@ def test_a_rank_sigkilled_mid_collective_ends_the_job(tmp_path):
     assert took < 30, took
     assert "unreachable" not in p.stdout
     # issue 40: MPICH's banner names the first process it saw end (one it ended itself, 6 times in 8);
-    # tessera-run names the rank that died first from its own record of its ranks
-    assert re.fullmatch(r"tessera-run: rank 3 \(pid \d+\) died \(SIGKILL\) before the end of the program; MPI then "
-                        r"ended the other ranks\n", p.stderr), p.stdout + p.stderr
+    # tessera-run names the rank that died first from its own record of its ranks.  How it died is
+    # read from /proc while the rank exits; on a loaded machine MPICH's proxy (its parent) may reap
+    # it first, and then tessera-run says only "ended" (never a wrong rank or a wrong signal)
+    assert re.fullmatch(r"tessera-run: rank 3 \(pid \d+\) (died \(SIGKILL\)|ended) before the end of the program; "
+                        r"MPI then ended the other ranks\n", p.stderr), p.stdout + p.stderr
     assert not _left(str(s))
 
 

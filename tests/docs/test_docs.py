@@ -203,6 +203,80 @@ def test_help_on_a_collective_shows_its_parameters():
         assert "Parameters" in text and not missing, f"help({fn.__name__}) does not list {missing}:\n{text}"
 
 
+# --- every public name is in the API reference (docs/api/*.md, rendered by mkdocstrings)
+# A name of a package's ``__all__`` (and each name a package serves from above: ``dist.UPPER``,
+# ``nn.UPPER``) is in the reference when a page renders the object: a ``::: pkg.name``
+# directive for it, or a ``::: pkg`` page whose member it is as griffe (mkdocstrings' loader)
+# sees the package -- a member that is a submodule there is hidden, which is how a function
+# named like its module (``plan.search``, ``dist.tensor``) went missing -- or another package's
+# page that renders the same object (``ts.grad`` is ``autodiff.grad``).  A module in
+# ``__all__`` needs a page of its own.
+REFERENCE_PACKAGES = API_PACKAGES + ("tessera_rt.graph", "tessera_rt.models")
+
+
+def api_directives() -> set[str]:
+    """Every ``::: path`` of the API pages."""
+    return {m for page in (DOCS / "api").glob("*.md") for m in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M)}
+
+
+def rendered_members(pkg: str) -> set[str]:
+    """The members mkdocstrings renders on a ``::: pkg`` page: griffe's public members of the
+    package that are not modules (a submodule of the same name hides an attribute)."""
+    import griffe
+    obj = griffe.load(pkg, search_paths=[str(ROOT / "src")], allow_inspection=False)
+    out = set()
+    for name, member in obj.members.items():
+        try:
+            if not name.startswith("_") and not member.is_module:
+                out.add(name)
+        except Exception:                      # an alias griffe cannot resolve is not rendered
+            continue
+    return out
+
+
+def missing_from_reference() -> list[str]:
+    import importlib
+    import inspect
+    directives = api_directives()
+    shown = {pkg: rendered_members(pkg) for pkg in REFERENCE_PACKAGES if pkg in directives}
+    where: dict[int, str] = {}             # id(object) -> a path the reference renders it at
+    for pkg, names in shown.items():
+        mod = importlib.import_module(pkg)
+        for n in names & set(getattr(mod, "__all__", ())):
+            where.setdefault(id(getattr(mod, n)), f"{pkg}.{n}")
+    for d in directives:
+        mod_name, _, attr = d.rpartition(".")
+        try:
+            where.setdefault(id(getattr(importlib.import_module(mod_name), attr)), d)
+        except (ImportError, AttributeError, ValueError):
+            pass
+    missing = []
+    for pkg in REFERENCE_PACKAGES:
+        mod = importlib.import_module(pkg)
+        upper = getattr(mod, "UPPER", None)
+        names = list(getattr(mod, "__all__", ())) + (list(upper.sources) if upper is not None else [])
+        for n in names:
+            obj = getattr(mod, n)
+            if inspect.ismodule(obj):
+                ok = obj.__name__ in directives
+            else:                               # (op's kernels are differentiable() wrappers)
+                ok = (f"{pkg}.{n}" in directives or n in shown.get(pkg, ()) and pkg in directives
+                      or id(obj) in where or id(getattr(obj, "__wrapped__", None)) in where)
+            if not ok and not isinstance(obj, (str, int, float, tuple, dict, frozenset)):
+                missing.append(f"{pkg}.{n}")
+    return missing
+
+
+@pytest.mark.timeout(120)
+def test_every_public_name_is_in_the_api_reference():
+    import tessera_rt as ts
+    ts.grad                                 # every layer imported: the names served from above are there
+    missing = missing_from_reference()
+    assert not missing, (f"{len(missing)} public name(s) the API reference (docs/api/*.md) does not render: "
+                         + ", ".join(missing) + ".  Add a `::: module.name` directive (a name a submodule "
+                         "hides, or one served from above) or a page for the package.")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write-cli"]:
         write_cli()

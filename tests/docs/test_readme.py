@@ -51,7 +51,7 @@ SKIP = {
     "TESSERA_NVTX=1 nsys": "needs Nsight Systems",
     "bash scripts/gpu_check.sh": "measures a GPU machine for minutes; its no-GPU form (--quick on the stand-in) "
                                  "runs in tests/gpu/test_gpu_check.py",
-    "TESSERA_WHEELS=": "gpu_check.sh on an offline GPU machine, from a folder of downloaded wheels",
+    "TESSERA_WHEELS=": "bash scripts/gpu_check.sh with the vendor wheels: as above, on a GPU machine",
 }
 # what demo.sh runs, for the line above (demo.sh ends with `exec tessera-run -n 4 scripts/demo.py`)
 DEMO = ".venv/bin/tessera-run -n 4 scripts/demo.py"

@@ -293,14 +293,14 @@ def test_hypothesis_round_trips(world, seed):
 # with nothing watching runs it from C (dist/comm/_hot.c).
 
 def _last_check():
-    ring = consistency._cfg.ring          # the checks' ring (the watchdog's history)
+    ring = consistency.STATE.ring          # the checks' ring (the watchdog's history)
     return ring[-1] if ring else None
 
 
 def _checked_ops(since) -> list[str]:
     """The ops of this rank's agreement checks after the ring entry ``since`` (one per
     collective issued)."""
-    ring = list(consistency._cfg.ring)
+    ring = list(consistency.STATE.ring)
     new = len(ring) - next((i for i, e in enumerate(ring) if e is since), -1) - 1 if since is not None else len(ring)
     return [desc.split("(")[0] for *_, desc in consistency.recent_calls()[len(ring) - new:]]
 
@@ -353,7 +353,7 @@ def test_compiled_plans_3d_and_direct(world, kind):
 
 
 def _steps_by_hand(plan, x):
-    """``plan``'s steps as the array collectives, one call each (what ``Plan.run`` ran while
+    """``plan``'s steps as the array collectives, one call each (what ``RedistributionPlan.run`` ran while
     something watched collectives before it had one executor): the reference for its records."""
     mesh = plan.mesh
 
@@ -534,7 +534,7 @@ def test_compiled_scratch_kept_or_from_the_pool(world, monkeypatch, budget):
 
 def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world):
     """Equal parts of a dtype MPI reduces go straight to mpi4py (as the array collectives'
-    direct path); avg, uneven parts and GPU communicators take work._issue."""
+    direct path); avg, uneven parts and GPU communicators take work.issue."""
     from tessera_rt.dist.tensor import compiled_plan
     g = get_mesh("1d").group("tp")
     from tessera_rt.backend import get_backend
@@ -543,30 +543,30 @@ def test_compiled_steps_call_mpi_directly_where_the_array_collective_would(world
              ("all_gather", dict(counts=None), direct), ("all_to_all", dict(counts=(None, None)), direct),
              ("all_reduce", dict(op="avg"), False), ("all_gather", dict(counts=[1] * g.size), False)]
     for method, kw, raw in cases:
-        call = compiled_plan._caller(g.comm, method, "tp_collective", f32, **kw)
+        call = compiled_plan.step_caller(g.comm, method, "tp_collective", f32, **kw)
         assert (call.__name__ == "raw_call") == raw, (method, kw)
 
 
 def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
-    """From the second run at one call site, DTensor.redistribute and Plan.run take the
+    """From the second run at one call site, DTensor.redistribute and RedistributionPlan.run take the
     compiled plan's C path (dist/comm/_hot.c: guard, the check's remembered site, the compiled
     function); results match; a rank that disagrees later at that site is still caught by the
     sampled check (every run here) on every rank, and the ranks go on in step."""
     from tessera_rt.dist.comm import collectives as C
-    if C._hot is None:
+    if C.HOT is None:
         pytest.skip("dist.comm._hot is not built (tests/collectives/test_hot.py fails for that)")
     mesh = get_mesh("1d")
     S0, S1, R = (dist.ShardSpec(partition=(0,), mesh_axes=("tp",)), dist.ShardSpec(partition=(1,), mesh_axes=("tp",)),
                  dist.ReplicateSpec())
     Xa, Xb = (dist.distribute(global_array(s), layout=S0, mesh=mesh) for s in [(6, 4), (6, 5)])
     for dst, want in ((R, global_array((6, 4))), (S1, global_array((6, 4))[dist.local_slices((6, 4), dist.as_layout(S1, (6, 4), mesh), mesh)])):
-        hits = C._hot.compiled_hits()
+        hits = C.HOT.compiled_hits()
         outs = [Xa.redistribute(dst).to_local() for _ in range(4)]
         plan = Xa.explain_redistribute(dst)
-        more = [Xa._meta.last[1][0].run(Xa.to_local()) for _ in range(3)]     # Plan.run itself
+        more = [Xa._meta.last[1][0].run(Xa.to_local()) for _ in range(3)]     # RedistributionPlan.run itself
         if SIZE > 1:
             assert plan.collectives
-            assert C._hot.compiled_hits() - hits >= 2 + 2, (dst, C._hot.compiled_hits() - hits)
+            assert C.HOT.compiled_hits() - hits >= 2 + 2, (dst, C.HOT.compiled_hits() - hits)
         for o in outs + more:
             np.testing.assert_array_equal(o, want)
     if SIZE < 2:
@@ -574,14 +574,14 @@ def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
     site = lambda X: X.redistribute(R)                                  # noqa: E731  (one call site)
     for _ in range(3):
         site(Xa), site(Xb)
-    old, consistency._cfg.mask = consistency._cfg.mask, 0
+    old, consistency.STATE.mask = consistency.STATE.mask, 0
     try:
         for _ in range(2):
             site(Xa)                                                    # verified: the C path checks
         with pytest.raises(consistency.CollectiveMismatchError):
             site(Xb if world.rank == 1 else Xa)
     finally:
-        consistency._cfg.mask = old
+        consistency.STATE.mask = old
     np.testing.assert_array_equal(site(Xa).to_local(), global_array((6, 4)))
 
 
@@ -595,7 +595,7 @@ def test_redistribute_into_a_kept_output(world, kind):
     shape = (5, 3) if kind != "1d" else (7, 4)
     g = global_array(shape)
     lays = all_layouts(mesh, 2)
-    hits = C._hot.compiled_hits() if C._hot is not None else 0
+    hits = C.HOT.compiled_hits() if C.HOT is not None else 0
     for src, dst in itertools.product(lays, lays[:: 1 + len(lays) // 6]):
         X = dist.from_local(make_local(g, src, mesh), layout=src, mesh=mesh, shape=g.shape)
         want = X.redistribute(dst).to_local().copy()
@@ -606,8 +606,8 @@ def test_redistribute_into_a_kept_output(world, kind):
             assert X.redistribute(dst, out=Y) is Y
             np.testing.assert_array_equal(Y.to_local(), want, err_msg=f"{src!r} -> {dst!r}")
             assert Y.to_local().ctypes.data == addr
-    if C._hot is not None and SIZE > 1:
-        assert C._hot.compiled_hits() > hits                 # the C path took out= too
+    if C.HOT is not None and SIZE > 1:
+        assert C.HOT.compiled_hits() > hits                 # the C path took out= too
 
 
 def test_redistribute_out_is_checked_before_any_collective(world):

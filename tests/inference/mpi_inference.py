@@ -139,7 +139,7 @@ def test_llama_training_model_on_the_mesh_equals_single_process(tp):
     Hugging Face tensors equal the single-process model's; heads the mesh cannot split raise."""
     import tessera_rt as ts
     from tessera_rt.dist.tensor.dtensor import DTensor
-    from tessera_rt.inference.llama_train import LlamaLM, hf_state_dict
+    from tessera_rt.models.llama import LlamaLM, hf_state_dict
     kv = 4 if tp == 4 else 6
     mesh = mesh_for(tp)
     single, model = (LlamaLM(29, 48, 12, 2, 8, n_kv_heads=kv, mesh=m) for m in (None, mesh))

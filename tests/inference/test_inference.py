@@ -400,7 +400,7 @@ def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
     character tokenizer round-trips; --export-hf without --arch llama is refused."""
     import tessera_rt as ts
     from tessera_rt import optim
-    from tessera_rt.inference.llama_train import LlamaLM, export_hf
+    from tessera_rt.models.llama import LlamaLM, export_hf
     chars = list("abcdefgh ij\nklmnop")
     model = LlamaLM(len(chars), 32, 4, 2, 16, n_kv_heads=2)
     params = model.init(0)
@@ -478,7 +478,7 @@ def test_generate_serves_a_train_run_as_its_hf_export(tmp_path):
 
     p = run(train, "--run-dir", tmp_path / "char", *tiny)
     assert p.returncode == 0, p.stdout + p.stderr
-    from tessera_rt.inference.llama_train import load_run
+    from tessera_rt.inference.runs import load_run
     with pytest.raises(ValueError, match=r"char/checkpoint is a train.py --arch transformer run \(a character "
                                          r"transformer with learned positions\); generate.py serves the Llama "
                                          r"architecture: train with --arch llama"):

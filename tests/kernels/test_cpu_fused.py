@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import tessera_rt as ts
 from tessera_rt import nn, op
-from tessera_rt.backend import _KERNELS, get_backend
+from tessera_rt.backend import KERNELS, get_backend
 from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import attention, cpu_attention, cpu_fused, mlp, norms
 from tessera_rt.kernels.numerics import numeric, tolerance
@@ -32,7 +32,7 @@ def data(rng, shape, dtype, scale=1.0):
 
 
 def test_cpu_table_picks_the_fused_kernels():
-    table = {name: _KERNELS[name]["cpu"] for name in ("swiglu", "rmsnorm", "layernorm", "softmax",
+    table = {name: KERNELS[name]["cpu"] for name in ("swiglu", "rmsnorm", "layernorm", "softmax",
                                                        "flash_attention", "flash_attention_backward")}
     assert table == {"swiglu": cpu_fused.swiglu, "rmsnorm": cpu_fused.rmsnorm, "layernorm": cpu_fused.layernorm,
                      "softmax": cpu_fused.softmax, "flash_attention": cpu_attention.flash_attention,
@@ -126,15 +126,15 @@ def test_swiglu_backward_keeps_the_pre_activations(monkeypatch):
     rng = np.random.default_rng(5)
     x, w1, w3 = data(rng, (3, 4, 8), np.float32), data(rng, (8, 6), np.float32), data(rng, (8, 6), np.float32)
     calls = []
-    inner = _KERNELS["matmul"]["cpu"]
-    monkeypatch.setitem(_KERNELS["matmul"], "cpu", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    inner = KERNELS["matmul"]["cpu"]
+    monkeypatch.setitem(KERNELS["matmul"], "cpu", lambda *a, **k: calls.append(1) or inner(*a, **k))
     got = _grads(op.swiglu, x, w1, w3)
     assert len(calls) == 4
     want = _grads(_ops_swiglu, x, w1, w3)
     for g, e in zip(got, want):
         close(g, e, np.float32, scale=10.0)
-    # rematerialized: the same gradient, and ts.checkpoint's forward keeps nothing
-    remat = _grads(ts.checkpoint(lambda a, b_, c: op.swiglu(a, b_, c)), x, w1, w3)
+    # rematerialized: the same gradient, and ts.remat's forward keeps nothing
+    remat = _grads(ts.remat(lambda a, b_, c: op.swiglu(a, b_, c)), x, w1, w3)
     for g, e in zip(remat, want):
         close(g, e, np.float32, scale=10.0)
 

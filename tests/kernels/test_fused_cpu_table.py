@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tessera_rt import optim
-from tessera_rt.backend import _KERNELS, get_backend
+from tessera_rt.backend import KERNELS, get_backend
 from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import embedding as E
 from tessera_rt.kernels import fused_ref as R
@@ -23,7 +23,7 @@ OPS = ("swiglu_gate", "swiglu_backward", "rmsnorm_backward", "layernorm_backward
 
 
 def cpu(op):
-    return _KERNELS[op]["cpu"]
+    return KERNELS[op]["cpu"]
 
 
 def f64(a):
@@ -42,7 +42,7 @@ def close(got, want, dtype, atol_scale=1.0):
 
 def test_every_op_has_a_cpu_and_a_cuda_entry():
     for op in OPS:
-        assert set(_KERNELS[op]) == {"cpu", "cuda"}, op
+        assert set(KERNELS[op]) == {"cpu", "cuda"}, op
         if not get_backend().is_gpu:
             assert get_backend().kernel(op) is cpu(op)
 

@@ -193,7 +193,8 @@ def test_float32_matmul_precision_reaches_gemms_and_attention():
     want_mm = a.astype(np.float64) @ bm
     want_att = K.flash_attention(*(t.astype(np.float64) for t in (q, k, v)), causal=True)
     seen = []
-    precision.add_listener(lambda op, p: seen.append((op, p)))
+    listen = lambda op, p: seen.append((op, p))  # noqa: E731
+    precision.add_listener(listen)
     try:
         err = {}
         for level in ("highest", "high", "medium"):
@@ -204,7 +205,7 @@ def test_float32_matmul_precision_reaches_gemms_and_attention():
             err[level] = (np.max(np.abs(mm.get() - want_mm)) / np.max(np.abs(want_mm)),
                           np.max(np.abs(att.get() - want_att)) / np.max(np.abs(want_att)))
     finally:
-        precision._LISTENERS.clear()
+        precision.remove_listener(listen)
     assert err["highest"][0] < 1e-6 and err["highest"][1] < 1e-6
     assert 1e-5 < err["high"][0] < 3e-3 and 1e-5 < err["high"][1] < 3e-3          # TF32: 10 mantissa bits
     assert err["medium"][0] > err["high"][0] and err["medium"][1] > err["high"][1]  # bf16: 8 mantissa bits

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from tessera_rt.backend import _KERNELS
+from tessera_rt.backend import KERNELS
 from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import embedding as E
 from tessera_rt.kernels import embedding_cuda as EC
@@ -195,7 +195,7 @@ def test_a_target_outside_the_vocab_makes_the_loss_and_its_row_nan():
     d = X.cross_entropy_backward_cuda(1.0, cp.asarray(logits), cp.asarray(targets), lse).get()
     assert np.isnan(d[[1, 3]]).all() and np.isfinite(d[[0, 2]]).all()
     with pytest.raises(ValueError, match="outside"):           # the CPU kernel can raise
-        _KERNELS["softmax_cross_entropy"]["cpu"](logits, targets)
+        KERNELS["softmax_cross_entropy"]["cpu"](logits, targets)
 
 
 # ---------------------------------------------------------------- embedding

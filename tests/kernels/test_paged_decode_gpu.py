@@ -62,7 +62,7 @@ def check(got, q, kp, vp, tables, lens, st):
 def sms(monkeypatch):
     """Set the SM count paged_plan sees (more SMs: shorter partitions, more of them)."""
     def set_(n):
-        monkeypatch.setattr(PC, "_sm_count", lambda: n)
+        monkeypatch.setattr(PC, "plan_sm_count", lambda: n)
     return set_
 
 

@@ -46,7 +46,7 @@ class Fake(providers.Provider):
 
 @pytest.fixture
 def registry(monkeypatch):
-    monkeypatch.setattr(providers, "_REGISTRY", {})
+    monkeypatch.setattr(providers, "REGISTRY", {})
     seen = []
     fn = lambda *a: seen.append(a)  # noqa: E731
     precision.add_listener(fn)
@@ -91,7 +91,7 @@ def test_use_providers_switches_and_restores(registry):
             assert providers.dispatch("op", own_that_notes, (6,), {}) == ("vendor", 6)
         assert not K.providers_enabled()
     assert K.providers_enabled() and p.calls == 1
-    assert registry[0][2:] == ("own", providers._FORCED_WHY)
+    assert registry[0][2:] == ("own", providers.FORCED_WHY)
     K.use_providers(False)           # a plain call sets it until changed
     assert not K.providers_enabled()
     K.use_providers(True)
@@ -118,10 +118,10 @@ def test_tessera_debug_kernels_prints_each_call():
     assert "[tessera kernels] flash_attention bf16 -> cudnn\n" in err
     assert "[tessera kernels] flash_attention f32 -> own  (cudnn: float32)" in err
     assert "[tessera kernels]" not in run_python(code).stderr
-    from tessera_rt.dist.checks.debug import _parse_debug
-    assert _parse_debug("collectives,kernels") == {"collectives"} and _parse_debug("kernels") == set()
+    from tessera_rt.dist.checks.debug import parse_debug
+    assert parse_debug("collectives,kernels") == {"collectives"} and parse_debug("kernels") == set()
     with pytest.raises(ValueError, match="'kernels'"):
-        _parse_debug("kernel")
+        parse_debug("kernel")
 
 
 def test_two_argument_listeners_keep_working():

@@ -288,7 +288,7 @@ def _after(cmd: list[str], flag: str) -> str:
 
 
 def test_hosts_lay_out_the_ranks_host_by_host(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "_is_open_mpi", lambda mpiexec: False)
+    monkeypatch.setattr(launcher, "is_open_mpi", lambda mpiexec: False)
     cmd = _dry_run(capsys, "--hosts", "a:2,b:2")                    # -n unset: one rank per slot
     assert _after(cmd, "-n") == "4" and _after(cmd, "-hosts") == "a:2,b:2"
     cmd = _dry_run(capsys, "-n", "5", "--hosts", "a,b")              # no counts: -n spread evenly, in order
@@ -358,7 +358,7 @@ def test_a_host_that_cannot_run_the_ranks_is_named_before_the_launch(capsys, tmp
     rsh.write_text(FAKE_SSH)
     rsh.chmod(0o755)
     monkeypatch.setattr(launch_hosts, "is_local", lambda h: h == "here")
-    monkeypatch.setattr(launcher, "_launch", lambda *a: pytest.fail("launched despite the host's problem"))
+    monkeypatch.setattr(launcher, "run_mpiexec", lambda *a: pytest.fail("launched despite the host's problem"))
     monkeypatch.setattr(launcher, "find_mpiexec", lambda: "mpiexec")
     if cwd:
         monkeypatch.setattr(launcher.os, "getcwd", lambda: cwd)
@@ -379,7 +379,7 @@ def test_a_death_banner_from_another_host_is_not_taken_for_a_rank_here(monkeypat
     os.close(write)
     seen = {"deaths": {}}
     with os.fdopen(read, "rb") as src:
-        launcher._copy_stdout(src, io.BytesIO(), seen)
+        launcher.copy_stdout(src, io.BytesIO(), seen)
     assert seen["deaths"] == {4343: 9}
 
 

@@ -5,7 +5,7 @@ import is still a dependency). ``from pkg import name`` is an arrow to the submo
 ``name`` is one, otherwise to the package (importing a package runs its ``__init__``).
 
 Layers, lowest first; an arrow may point to the same or a lower layer only:
-  0 backend, cpu_streams, dtypes, _format, runtime     (the backend-level base)
+  0 backend, cpu_streams, dtypes, formatting, runtime, deprecation, upper (the base)
   1 kernels
   2 dist, in floors of its own (each subpackage's __init__ says what it owns):
     2a dist.comm        MPI, process group, communicators, meshes, the seam, collectives
@@ -16,7 +16,7 @@ Layers, lowest first; an arrow may point to the same or a lower layer only:
     2f dist             the package itself (assembles the floors)
   3 autodiff
   4 op, nn, optim, profiler, graph
-  5 moe, pipeline
+  5 moe, pipeline, models
   6 inference, plan, launcher (+ launch_hosts, launch_ranks)
   7 the package root tessera_rt                       (assembles everything)
 An upper layer plugs into a lower one through a registry the lower one owns and the upper
@@ -38,7 +38,7 @@ PKG = "tessera_rt"
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LAYERS = [
-    ["backend", "cpu_streams", "dtypes", "_format", "runtime"],
+    ["backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper"],
     ["kernels"],
     ["dist.comm"],
     ["dist.checks"],
@@ -48,7 +48,7 @@ LAYERS = [
     ["dist"],
     ["autodiff"],
     ["op", "nn", "optim", "profiler", "graph"],
-    ["moe", "pipeline"],
+    ["moe", "pipeline", "models"],
     ["inference", "plan", "launcher", "launch_hosts", "launch_ranks"],
 ]
 
@@ -292,7 +292,7 @@ stub = types.ModuleType("tessera_rt")
 stub.__path__ = list(importlib.util.find_spec("tessera_rt").submodule_search_locations)
 sys.modules["tessera_rt"] = stub          # tessera_rt/__init__.py (every layer) is not run
 from tessera_rt import dist, kernels
-low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "_format", "runtime")
+low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper")
 above = sorted(m for m in sys.modules if m.startswith("tessera_rt.") and m.split(".")[1] not in low)
 assert not above, above
 mesh = dist.Mesh(axes=["tp"], shape={"tp": 1})

@@ -141,7 +141,7 @@ def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(
     g = {"a": np.ones(3, np.float32), "b": [np.ones(2, np.float32), np.array([1.0, np.nan], np.float32)],
          "c": np.array([np.inf], np.float32)}
     search = optim.non_finite_leaves
-    monkeypatch.setattr(optim.finite, "_rank", lambda: None)    # the message without a world (another test may make one)
+    monkeypatch.setattr(optim.finite, "current_rank", lambda: None)    # the message without a world (another test may make one)
 
     def no_pass(tree):
         raise AssertionError("a finite step searched the gradients")
@@ -164,7 +164,7 @@ def test_check_finite_costs_the_scalars_and_names_the_first_non_finite_gradient(
 
 
 def test_the_loss_spike_guard_stops_at_a_loss_far_above_the_running_median(monkeypatch):
-    monkeypatch.setattr(optim.finite, "_rank", lambda: None)
+    monkeypatch.setattr(optim.finite, "current_rank", lambda: None)
     guard = optim.LossSpikeGuard(factor=5.0, window=4, warmup=3)
     guard.extend([4.0, float("nan")])                 # a resumed run's saved losses (inf/nan are not kept)
     guard.check(30.0, step=2)                         # before the warm-up: no median to compare with yet

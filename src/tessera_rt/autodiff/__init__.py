@@ -4,7 +4,7 @@
     gW = ts.grad(loss_fn)(W)                         # W: an array, a DTensor or a pytree of them
     loss, grads = ts.value_and_grad(loss_fn)(params, batch)
     with ts.no_grad(): ...                           # evaluate without recording
-    h = ts.checkpoint(block)(block_params, x)        # rematerialize block's activations
+    h = ts.remat(block)(block_params, x)             # rematerialize block's activations
     y = ts.detach(x)                                 # no gradient flows through y
 
 Every public op entry point (``op.*``, DTensor operators, the DTensor-aware collectives,
@@ -18,18 +18,22 @@ gradients go out in flat buckets (``finish``, ``buckets``: PyTorch DDP's scheme;
 ``set_grad_bucket_mb`` / ``$TESSERA_GRAD_BUCKET_MB`` set the cap).
 
 Modules: ``tape`` (traced values, the recording hook, no_grad/detach, the registries),
-``engine`` (the reverse sweep, grad/value_and_grad/vjp/checkpoint), ``finish`` (gradients
+``engine`` (the reverse sweep, grad/value_and_grad/vjp/remat), ``finish`` (gradients
 into their parameters' layouts, reduce_grads), ``buckets``, ``pytree``, ``dist_vjps``.
 """
 from . import dist_vjps  # noqa: F401  (registers the data-movement VJP rules)
+from ..deprecation import aliases as _aliases
 from .buckets import grad_bucket_bytes, set_grad_bucket_mb
-from .engine import checkpoint, grad, value_and_grad, vjp
+from .engine import grad, remat, value_and_grad, vjp
 from .finish import GRAD_ROLE, reduce_grads
 from .pytree import tree_flatten, tree_unflatten
 from .tape import VJPS, Tape, Var, current_tape, detach, differentiable, is_traced, no_grad, register_ops, vjp_rule
 
 __all__ = [
-    "grad", "value_and_grad", "vjp", "checkpoint", "no_grad", "detach", "is_traced", "Var", "Tape",
+    "grad", "value_and_grad", "vjp", "remat", "no_grad", "detach", "is_traced", "Var", "Tape",
     "differentiable", "vjp_rule", "VJPS", "current_tape", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
     "reduce_grads", "set_grad_bucket_mb", "grad_bucket_bytes", "register_ops",
 ]
+
+# renamed (issue 41: "checkpoint" is dist.save/dist.load's word), kept for one release
+__getattr__ = _aliases(__name__, {"checkpoint": ("tessera_rt.remat", lambda: remat)})

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from ..backend import get_backend
 from ..dist.comm import collectives as C, p2p
-from ..dist.comm.work import _group
+from ..dist.comm.work import resolve_group
 from ..dist.tensor.dispatch import compute_region
 from ..dist.tensor.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.tensor.layout import Layout
@@ -114,7 +114,7 @@ def _reduce_scatter(g, out, args, kw, needs):
         return _none(args, gx)
     gx = C.all_gather(g, axis, dim=kw.get("dim", 0), sizes=kw.get("sizes"), mesh=kw.get("mesh"))
     if rop == "avg":
-        gx = gx * (1.0 / _group(kw.get("mesh"), axis, "reduce_scatter").size)
+        gx = gx * (1.0 / resolve_group(kw.get("mesh"), axis, "reduce_scatter").size)
     return _none(args, gx)
 
 
@@ -153,7 +153,7 @@ def _broadcast(g, out, args, kw, needs):
         lay = x.layout.with_partial({**dict(x.layout.partial), **{a: "sum" for a in axes}})
         local = gl if at_root else xp.zeros_like(gl)
         return _none(args, DTensor._wrap(local, meta_of(lay, x.shape, local.dtype, x.mesh)))
-    grp = _group(kw.get("mesh"), axis, "broadcast")
+    grp = resolve_group(kw.get("mesh"), axis, "broadcast")
     total = C.all_reduce(xp.ascontiguousarray(g), axis, "sum", mesh=kw.get("mesh"))
     return _none(args, total if grp.index == root else xp.zeros_like(total))
 

@@ -1,9 +1,9 @@
-"""``grad``, ``value_and_grad``, ``vjp`` and ``checkpoint``: the reverse sweep over a tape.
+"""``grad``, ``value_and_grad``, ``vjp`` and ``remat``: the reverse sweep over a tape.
 
     gW = ts.grad(loss_fn)(W)                        # seed 002 §2.5
     loss, grads = ts.value_and_grad(loss_fn)(params, batch)   # params: a pytree
     y, pullback = ts.vjp(f, x); (gx,) = pullback(gy)          # non-scalar outputs
-    block = ts.checkpoint(block_fn)                  # activation remat (seed 000 §3.5)
+    block = ts.remat(block_fn)                       # activation remat (seed 000 §3.5)
 
 A DTensor parameter's gradient comes back in the parameter's layout.  When a parameter's
 gradient is complete (every op that read it has been swept) and only pending sums stand
@@ -20,14 +20,15 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backend import get_backend
+from ..deprecation import aliases
 from ..dist.tensor.dtensor import DTensor, full, zeros
 from .buckets import grad_bucket_bytes
 from .finish import GRAD_ROLE, Finisher, reduce_grads
 from .pytree import tree_flatten, tree_unflatten
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, _kind, detach, no_grad, ops, vjp_rule
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, float_kind, detach, no_grad, ops, vjp_rule
 
-__all__ = ["grad", "value_and_grad", "vjp", "checkpoint", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
-           "reduce_grads"]
+__all__ = ["grad", "value_and_grad", "vjp", "remat", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
+           "reduce_grads", "trace", "add_cotangents"]
 
 
 def _check_param(value, path: str, fn_name: str) -> None:
@@ -35,7 +36,7 @@ def _check_param(value, path: str, fn_name: str) -> None:
     if dt is None:
         raise TypeError(f"ts.grad({fn_name}): argument {path or '0'} is a {type(value).__name__}; differentiate "
                         "with respect to arrays or DTensors (pass constants as other arguments)")
-    if _kind(dt) not in ("f", "b", "h"):         # float, bf16, fp16 (not fp8, not integers)
+    if float_kind(dt) not in ("f", "b", "h"):         # float, bf16, fp16 (not fp8, not integers)
         name = np.dtype(dt).name
         raise TypeError(f"ts.grad({fn_name}): argument {path or '0'} has dtype {name}; only float parameters "
                         "(f32, bf16, fp16) have gradients (fp8 and integer values are data: move them to "
@@ -50,7 +51,9 @@ def _zeros_like(x):
     return get_backend().xp.zeros_like(x)
 
 
-def _add(a, b):
+def add_cotangents(a, b):
+    """``a + b`` for two cotangents of one value, as a new array: the sweep's one add where an
+    in-place sum (``_add_into``) does not apply."""
     return ops().add(a, b)               # the op layer's add (registered with the tape)
 
 
@@ -95,7 +98,7 @@ def backward(tape: Tape, out: Var, seed: Any, later: set | None = None) -> list 
     """
     # The loop's Python is time the gradient all-reduces issued during the sweep do not
     # run under any op, so the globals it reads are bound to locals once per sweep.
-    rules, effects, add, add_into = VJPS, EFFECT_OPS, _add, _add_into
+    rules, effects, add, add_into = VJPS, EFFECT_OPS, add_cotangents, _add_into
     # ids of the gradients this sweep's own adds made: nothing else holds them, so a third
     # contribution adds into one in place (a rule's cotangent may alias its input or
     # another's, so a first one is never written to)
@@ -149,7 +152,7 @@ def backward_weights(held: list) -> None:
             needs[1] = True
             ct = VJPS[v.op](g, v.value, v.args, v.kw, needs)[1]
             if ct is not None:
-                p.grad = ct if p.grad is None else _add(p.grad, ct)
+                p.grad = ct if p.grad is None else add_cotangents(p.grad, ct)
             _release(((1, p),))
             v.args = v.kw = None
     finally:
@@ -191,11 +194,13 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def _trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True, bucket_mb: float | None = None):
-    """Run ``fn`` with the leaves of ``args[argnums]`` traced; returns the pieces of a pullback."""
+def trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True, bucket_mb: float | None = None):
+    """Run ``fn`` with the leaves of ``args[argnums]`` traced: (tape, finisher, output, leaf
+    groups, whether ``argnums`` was one int), the pieces of a pullback (``grad``, ``vjp``; the
+    planner's ``measure`` counts the bytes the tape keeps)."""
     if STATE.tape is not None:
         raise NotImplementedError(f"ts.grad({fn_name}) inside another ts.grad: higher-order gradients are "
-                                  "not supported; compute the inner gradient outside, or use ts.checkpoint")
+                                  "not supported; compute the inner gradient outside, or use ts.remat")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         if not -len(args) <= n < len(args):
@@ -283,7 +288,7 @@ def value_and_grad(fn: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux:
 
     @functools.wraps(fn)
     def wrapped(*args):
-        tape, finisher, out, groups, single = _trace(fn, args, argnums, name, bucket_mb=bucket_mb)
+        tape, finisher, out, groups, single = trace(fn, args, argnums, name, bucket_mb=bucket_mb)
         aux = None
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -373,7 +378,7 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
         ``fn``'s output (plain values) and the pullback.
     """
     name = getattr(fn, "__name__", "fn")
-    tape, finisher, out, groups, _ = _trace(fn, args, tuple(range(len(args))), name, reduce)
+    tape, finisher, out, groups, _ = trace(fn, args, tuple(range(len(args))), name, reduce)
     used = [False]
     many = type(out) is tuple
     outs = out if many else (out,)
@@ -394,7 +399,7 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
                 raise ValueError(f"ts.vjp({name}): the cotangent has shape {getattr(c, 'shape', None)}, the "
                                  f"output {tuple(o.value.shape)}; pass one of the output's shape")
         for o, c in seeds:                     # the sweep starts with every output seeded
-            o.grad = c if o.grad is None else _add(o.grad, c)
+            o.grad = c if o.grad is None else add_cotangents(o.grad, c)
         if not weights_later:
             backward(tape, seeds[0][0], seeds[0][0].grad)
             return _collect(tape, finisher, groups, False, allow_unused, name)
@@ -412,11 +417,12 @@ def vjp(fn: Callable, *args: Any, allow_unused: bool = True, reduce: bool = True
     return (values if many else values[0]), pullback
 
 
-# --------------------------------------------------------------------------- checkpoint
+# --------------------------------------------------------------------------- remat
 
-def checkpoint(fn: Callable) -> Callable:
+def remat(fn: Callable) -> Callable:
     """Activation rematerialization (seed 000 §3.5): the forward keeps only ``fn``'s inputs;
     the backward runs ``fn`` again to rebuild its activations and sweeps them at once.
+    (``ts.checkpoint`` before; distributed checkpoints are ``dist.save``/``dist.load``.)
 
     Parameters
     ----------
@@ -442,13 +448,13 @@ def checkpoint(fn: Callable) -> Callable:
             return fn(*args)
         for _, p in parents:
             if p.tape is not tape:
-                raise ValueError(f"ts.checkpoint({name}): an argument belongs to another trace")
+                raise ValueError(f"ts.remat({name}): an argument belongs to another trace")
         with no_grad():
             out = fn(*args)
         if type(out) is Var or isinstance(out, (tuple, list, dict)):
-            raise TypeError(f"ts.checkpoint({name}) must return one array or DTensor, got {type(out).__name__}")
+            raise TypeError(f"ts.remat({name}) must return one array or DTensor, got {type(out).__name__}")
         plain = tuple(x.value if type(x) is Var else x for x in leaves)
-        v = Var(out, tape, "checkpoint", plain, {"fn": fn, "struct": struct}, parents)
+        v = Var(out, tape, "remat", plain, {"fn": fn, "struct": struct}, parents)
         for _, p in parents:
             p.uses += 1
         tape.nodes.append(v)
@@ -456,8 +462,8 @@ def checkpoint(fn: Callable) -> Callable:
     return wrapped
 
 
-@vjp_rule("checkpoint")
-def _checkpoint_vjp(g, out, args, kw, needs):
+@vjp_rule("remat")
+def _remat_vjp(g, out, args, kw, needs):
     fn, struct = kw["fn"], kw["struct"]
     sub = Tape()
     leaves = [Var(a, sub) if need else a for a, need in zip(args, needs)]
@@ -471,3 +477,7 @@ def _checkpoint_vjp(g, out, args, kw, needs):
     backward(sub, y, g)
     sub.nodes.clear()
     return [lv.grad if type(lv) is Var else None for lv in leaves]
+
+
+# renamed (issue 41: "checkpoint" is dist.save/dist.load's word), kept for one release
+__getattr__ = aliases(__name__, {"checkpoint": ("tessera_rt.remat", lambda: remat)})

@@ -34,7 +34,7 @@ from .var import Tape, Var, current_tape, is_traced, ops, register_ops
 
 __all__ = [
     "Var", "Tape", "differentiable", "VJPS", "FORWARDS", "vjp_rule", "no_grad", "detach", "is_traced", "current_tape",
-    "EFFECT_OPS", "SOURCE_OPS", "register_ops", "ops",
+    "EFFECT_OPS", "SOURCE_OPS", "register_ops", "ops", "float_kind",
 ]
 
 
@@ -43,7 +43,9 @@ __all__ = [
 _KINDS: dict = {}     # dtype -> "f" (float), "b" (bf16), "h" (fp16), "8" (fp8), "" (other); dtype.name is slow
 
 
-def _kind(dt) -> str:
+def float_kind(dt) -> str:
+    """What a dtype is to differentiation: "f" (float32/64, complex), "b" (bf16), "h" (fp16),
+    "8" (fp8) or "" (not differentiable: integers, bools); cached per dtype."""
     k = _KINDS.get(dt)
     if k is None:
         d = np.dtype(dt)
@@ -57,7 +59,7 @@ def _float_like(x) -> bool:
     dt = getattr(x, "dtype", None)
     if dt is None:
         return isinstance(x, float)
-    return _kind(dt) != ""
+    return float_kind(dt) != ""
 
 
 def _positional(args: tuple, kw: dict, argnames: tuple) -> tuple[tuple, dict]:
@@ -141,7 +143,7 @@ def _check_mix(name: str, vals) -> None:
         dt = getattr(a, "dtype", None)
         if dt is None:
             continue
-        k = _kind(dt)
+        k = float_kind(dt)
         if k == "f" or k == "" or not hasattr(a, "shape"):     # (f32/f64 first: the common case)
             continue
         if k == "8":
@@ -158,7 +160,7 @@ def _check_mix(name: str, vals) -> None:
 
 
 def _foreign(name: str, a: Var, tape: Tape) -> None:
-    raise ValueError(f"{name}: an argument is a traced value from another ts.grad/ts.checkpoint trace (a "
+    raise ValueError(f"{name}: an argument is a traced value from another ts.grad/ts.remat trace (a "
                      "value captured from outside the function); pass it to the function as an argument")
 
 
@@ -166,7 +168,7 @@ def _foreign(name: str, a: Var, tape: Tape) -> None:
 
 class no_grad:
     """Inside the block ops on traced values run on their plain values and record nothing
-    (for evaluation, metrics, and the forward of ``ts.checkpoint``).  Also a decorator:
+    (for evaluation, metrics, and the forward of ``ts.remat``).  Also a decorator:
     ``@no_grad()``.  Takes no parameters."""
 
     def __enter__(self) -> "no_grad":

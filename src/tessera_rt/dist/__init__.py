@@ -23,7 +23,7 @@ from .tensor.layout import (
 )
 from .comm.mesh import AxisGroup, Mesh, current_mesh, mesh, set_mesh
 from .comm.process_group import World, abort, get_rank, get_world_size, init, is_initialized, world
-from .tensor.redistribute import Plan, Step, plan_redistribute
+from .tensor.redistribute import RedistributionPlan, Step, plan_redistribute
 from .tensor.rules import RuleError, register_rule
 from .tensor.shard import local_shape, local_slices, split_offsets, split_sizes
 from .tensor import cost
@@ -31,6 +31,8 @@ from .checks import debug
 from .checkpoint import CheckpointError, async_save, load, save
 from .checks.debug import CollectiveMismatchError, flight_records
 from .checks.determinism import deterministic, is_deterministic, set_deterministic
+from ..deprecation import aliases as _aliases
+from ..upper import UpperNames
 
 __all__ = [
     "init", "world", "World", "is_initialized", "get_rank", "get_world_size", "abort",
@@ -39,9 +41,20 @@ __all__ = [
     "barrier", "Work", "trace_collectives", "CollectiveRecord", "bus_factor", "world_group",
     "Layout", "LayoutError", "ShardSpec", "ReplicateSpec", "PartialSpec", "Placement", "Replicate", "Shard",
     "Partial", "as_layout", "local_shape", "local_slices", "split_sizes", "split_offsets",
-    "Plan", "Step", "plan_redistribute", "DTensor", "tensor", "zeros", "ones", "full", "distribute",
+    "RedistributionPlan", "Step", "plan_redistribute", "DTensor", "tensor", "zeros", "ones", "full", "distribute",
     "from_local", "rand", "randn", "RuleError", "register_rule",
     "debug", "cost", "CollectiveMismatchError", "flight_records", "save", "async_save", "load", "CheckpointError",
     "deterministic", "set_deterministic", "is_deterministic",
 ]
 
+# renamed (issue 41: one name per thing), kept for one release
+_RENAMED = _aliases(__name__, {"Plan": ("tessera_rt.dist.RedistributionPlan", lambda: RedistributionPlan)})
+# a name that lives above dist: tessera_rt.pipeline provides it when imported
+UPPER = UpperNames(__name__, {"Pipeline": "tessera_rt.pipeline"})
+
+
+def __getattr__(name: str):
+    err = UPPER.missing(name)
+    if err is not None:
+        raise err
+    return _RENAMED(name)

@@ -5,12 +5,25 @@ tensor-parallel through a paged, tp-sharded KV cache with vocab-parallel samplin
     cache = nn.KVCache(model, max_tokens=4096, block_size=16)
     out = model.generate(cache, prompts=[[1, 2, 3]], max_new_tokens=32)
 """
-from .checkpoint import CheckpointReader, LlamaConfig, rope_inv_freq
+from .hf import CheckpointReader, LlamaConfig, rope_inv_freq
 from .llama import Llama, TPShard
 from .kv_cache import KVCache
 from .sampling import sample
 from .generate import generate
-from .llama_train import LlamaLM, export_hf
+from ..deprecation import aliases as _aliases
+from ..nn import UPPER as _NN_UPPER
 
-__all__ = ["Llama", "KVCache", "generate", "sample", "LlamaConfig", "TPShard", "CheckpointReader", "rope_inv_freq",
-           "LlamaLM", "export_hf"]
+_NN_UPPER.provide("Llama", Llama)            # nn.Llama and nn.KVCache (nn sits below this package)
+_NN_UPPER.provide("KVCache", KVCache)
+
+__all__ = ["Llama", "KVCache", "generate", "sample", "LlamaConfig", "TPShard", "CheckpointReader", "rope_inv_freq"]
+
+
+def _models():
+    from .. import models
+    return models
+
+
+# moved to tessera_rt.models (issue 41: training code does not live here), kept for one release
+__getattr__ = _aliases(__name__, {"LlamaLM": ("tessera_rt.models.LlamaLM", lambda: _models().LlamaLM),
+                                  "export_hf": ("tessera_rt.models.export_hf", lambda: _models().export_hf)})

@@ -27,7 +27,7 @@ from ..backend import get_backend
 from ..dist.comm import collectives as C
 from ..dist.tensor.shard import split_offsets, split_sizes
 from ..dtypes import resolve_dtype
-from .checkpoint import CheckpointReader, LlamaConfig, rope_inv_freq
+from .hf import CheckpointReader, LlamaConfig, rope_inv_freq
 
 __all__ = ["Llama", "TPShard"]
 

@@ -6,11 +6,11 @@ themselves, so the CPU path and a CuPy fallback are the same code.  CuPy is look
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Iterable
 
 import numpy as np
 
+from ..backend import array_module, is_cupy  # noqa: F401  (the kernels' names for them)
 from ..dtypes import dtype_name
 from .numerics import FLOAT_DTYPES, NumericPolicy
 
@@ -18,23 +18,11 @@ __all__ = ["array_module", "check_float", "check_policy", "finish", "widen", "sh
            "is_cupy", "check_stream", "check_out", "null_ptr"]
 
 
-def is_cupy(a: Any) -> bool:
-    t = type(a)
-    return t is not np.ndarray and t.__module__.split(".", 1)[0] == "cupy"
-
-
-def array_module(*arrays: Any):
-    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
-    for a in arrays:
-        if a is not None and is_cupy(a):
-            return sys.modules["cupy"]
-    return np
-
-
 def shape_str(a: Any) -> str:
     return f"{tuple(a.shape)} {dtype_name(a.dtype)}"
 
 
+# cache: an allowed-dtypes iterable -> its frozenset of np.dtype
 _DTYPE_SETS: dict = {}
 
 

@@ -76,6 +76,7 @@ def ptxas_path() -> str | None:
     return str(p) if p is not None else shutil.which("ptxas")
 
 
+# cache: (source, options, arch) -> PTX, per process
 _PTX_CACHE: dict[tuple, str] = {}
 _LOCK = threading.Lock()
 
@@ -199,6 +200,7 @@ class KernelSource:
     fast_math: bool = True              # compiled with --use_fast_math (False: exact expf/logf, f32 attention)
 
 
+# the CUDA source registry: name -> source (filled by register_source on import)
 _SOURCES: dict[str, KernelSource] = {}
 
 

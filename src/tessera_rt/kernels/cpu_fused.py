@@ -106,7 +106,7 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
     """``silu(x @ w1) * (x @ w3)`` (the reference: ``mlp.swiglu``)."""
     if not _numpy(x, w1, w3):
         return mlp.swiglu(x, w1, w3, out=out, stream=stream, policy=policy)
-    mlp._check_pair("swiglu", x, w1, w3, stream, policy)
+    mlp.check_pair("swiglu", x, w1, w3, stream, policy)
     y = swiglu_forward(x, w1, w3, policy)[0]
     return finish("swiglu", y, out, result_dtype(x.dtype, policy))
 

@@ -38,7 +38,7 @@ def _pow2(k):
 def _expf(x):
     # the clamp keeps 2**n in reach (exp(-104) rounds to 0, exp(89) overflows to inf); min and
     # max keep a NaN, which then runs through the arithmetic (selects would stop vectorizing)
-    c = min(max(x, _F(-104.0)), _F(89.0))
+    c = min(max(x, _F(-105.0)), _F(89.0))
     n = np.floor(c * _F(1.44269504088896341) + _F(0.5))
     r = c - n * _F(0.693359375) - n * _F(-2.12194440e-4)      # x - n ln2 in two parts (Cody-Waite)
     p = _F(1.9875691500e-4)
@@ -48,9 +48,13 @@ def _expf(x):
     p = p * r + _F(1.6666665459e-1)
     p = p * r + _F(5.0000001201e-1)
     p = p * r * r + r + _F(1.0)
-    # 2**n as two factors, so denormal results (n < -126) and overflow round as they should
+    # 2**n as two factors, so denormal results (n < -126) and overflow round as they should.
+    # Below n = -150 the result is 0: zeroed before the last factor, because a multiply whose
+    # result underflows takes a microcode assist on x86 (~20x slower) and a causal softmax
+    # has half its scores masked to -inf
     h = np.floor(n * _F(0.5))
-    return p * _pow2(h) * _pow2(n - h)
+    keep = _F(1.0) if n > _F(-150.5) else _F(0.0)
+    return p * _pow2(h) * keep * _pow2(n - h)
 
 
 def fast_exp(x):

@@ -46,6 +46,7 @@ _WHY_ACT = {"gelu": "cuBLASLt's GELU epilogue is the tanh approximation, act='ge
 
 _PLANS: dict = {}                   # key -> [Matmul, lock]
 _PLAN_LOCK = threading.Lock()
+# plans built in this process (the tests check the caching)
 _PLANS_MADE = [0]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["MAX_GRID_YZ", "MMA_HEADER", "SMEM_TILE", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
+__all__ = ["scratch", "MAX_GRID_YZ", "MMA_HEADER", "SMEM_TILE", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
            "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned",
            "sm_count", "VEC16_TO_F32"]
 
@@ -433,6 +433,7 @@ __device__ __forceinline__ void ts_load_tile(elem_t* s, const elem_t* g, long lo
 
 MAX_GRID_YZ = 65535     # CUDA caps gridDim.y and gridDim.z here (gridDim.x at 2**31 - 1)
 
+# cache: (source, name, options, device) -> the compiled RawKernel function
 _FUNCS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
@@ -522,6 +523,7 @@ def aligned(a: Any, nbytes: int):
     return a if is_aligned(a, nbytes) else a.copy()
 
 
+# cache: device id -> its multiprocessor count
 _SMS: dict = {}
 
 
@@ -533,6 +535,26 @@ def sm_count() -> int:
     if dev not in _SMS:
         _SMS[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
     return _SMS[dev]
+
+
+# cache: (device, stream, name, elements, dtype) -> a scratch array the launcher reuses
+_SCRATCH: dict = {}
+
+
+def scratch(name: str, size: int, dtype) -> Any:
+    """A kernel's scratch array of ``size`` elements, allocated once per device, stream and size
+    and then reused (call inside the launch's stream context).
+
+    Launches on one stream run in order, so reusing the array between calls is safe.  Kept for
+    the process's life: a CUDA graph captured with it (decode steps) replays into the same
+    bytes, and an allocation made while capturing would be freed under the graph.
+    """
+    import cupy
+    import numpy as np
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, name, int(size), np.dtype(dtype).str)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = cupy.empty(int(size), dtype)
+    return _SCRATCH[key]
 
 
 # A 16-byte word of ELEM_IO's io_t (f32, f16 or bf16) to f32 by bit operations only: taking

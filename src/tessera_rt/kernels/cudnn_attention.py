@@ -31,7 +31,7 @@ import numpy as np
 from ..dtypes import dtype_name, resolve_dtype
 from ._common import check_stream
 from .attention import check_attention
-from .cuda_common import aligned, launch_stream
+from .cuda_common import aligned, launch_stream, scratch
 from .precision import f32_compute, note
 from .providers import Provider, Unsupported, compute_capability, register_provider
 
@@ -119,13 +119,14 @@ def cached_graph(key: tuple, build: Callable[[Any, int], tuple]) -> tuple:
 
 def execute(entry: tuple, pointers: dict) -> None:
     """Run a cached graph on the current CuPy stream: ``pointers`` maps tensor names to device
-    pointers; the workspace comes from CuPy's pool on this stream (freed in stream order)."""
+    pointers; the workspace is the stream's scratch of that size (``cuda_common.scratch``: a
+    decode step captured as a CUDA graph must not allocate)."""
     import cupy
     graph, tensors, ws = entry
     cudnn = cudnn_module()
     handle = _handle(cudnn)
     cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
-    workspace = cupy.empty((max(ws, 1),), np.uint8)
+    workspace = scratch("cudnn_workspace", max(ws, 1), np.uint8)
     graph.execute({tensors[name]: int(ptr) for name, ptr in pointers.items()}, workspace.data.ptr, handle=handle)
 
 

@@ -227,9 +227,9 @@ def swiglu_cuda(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any
                 policy: Any = None):
     """SwiGLU on the GPU: the DUAL tile kernel for f16/bf16 (one pass over x, silu(x@w1) * (x@w3)
     in its epilogue), else the xp reference."""
-    from .mlp import _check_pair, swiglu as swiglu_reference
+    from .mlp import check_pair, swiglu as swiglu_reference
     # before any launch: the kernel indexes w3 with w1's shape and would read past a smaller w3
-    _check_pair("swiglu", x, w1, w3, stream, policy)
+    check_pair("swiglu", x, w1, w3, stream, policy)
     if np.dtype(x.dtype) in _TILE_DTYPES and policy is None and x.ndim >= 2:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -243,8 +243,8 @@ def swiglu_cuda(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any
 def dual_matmul_cuda(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: Any = None):
     """``(x @ w1, x @ w3)`` on the GPU: the DUAL_OUT tile kernel (one pass over x, two weight
     tiles per block) where ``mlp.dual_reads_x_once`` says so, else the xp reference (cuBLAS products)."""
-    from .mlp import _check_pair, dual_matmul as dual_reference, dual_reads_x_once
-    _check_pair("dual_matmul", x, w1, w3, stream, policy)     # as swiglu_cuda: before any launch
+    from .mlp import check_pair, dual_matmul as dual_reference, dual_reads_x_once
+    check_pair("dual_matmul", x, w1, w3, stream, policy)     # as swiglu_cuda: before any launch
     if dual_reads_x_once(x, w1, w3, policy, on_gpu=True):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])

@@ -1,12 +1,14 @@
 """Grouped GEMM on the GPU: one launch for every group, offsets read on the device.
 
 Launchers for the ops of ``kernels.grouped_gemm`` (the NumPy references): f16/bf16 run the
-tensor-core kernel (``mma.sync m16n8k16``, f32 accumulators), f32 the SIMT kernel (exact f32
-FMAs), f64 the reference (one cuBLAS call per group after copying the offsets to the host:
-the one path that waits).  No launch reads a count on the host: a forward's grid has
-``ceil(R / BM) + G`` row tiles (an upper bound), and each block finds its group on the device
-(``grouped_gemm_src``).  Kernel-table ops: ``grouped_matmul``, ``grouped_dual_matmul``,
-``grouped_swiglu``, ``grouped_matmul_wgrad`` (also ``grouped_matmul_wgrad_dual``).
+tensor-core kernel (the tile GEMM's ``cp.async`` + ``ldmatrix`` + ``mma.sync`` pipeline with a
+device-side group scheduler in front, f32 accumulators), f32 the SIMT kernel (exact f32 FMAs),
+f64 the reference (one cuBLAS call per group after copying the offsets to the host: the one
+path that waits).  No launch reads a count on the host: a forward's grid has
+``ceil(R / BM) + G`` row tiles (an upper bound) times the column tiles on x, and each block
+finds its group on the device (``grouped_gemm_src``).  Kernel-table ops: ``grouped_matmul``,
+``grouped_dual_matmul``, ``grouped_swiglu``, ``grouped_matmul_wgrad`` (also
+``grouped_matmul_wgrad_dual``).
 """
 from __future__ import annotations
 
@@ -20,35 +22,60 @@ from ._common import check_float, check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, get_function, launch_stream
 from . import grouped_gemm as ref
-from .grouped_gemm_src import MMA_CONFIGS, render_grouped_mma, render_grouped_simt
+from .grouped_gemm_src import (SIMT_TILE, grouped_smem_bytes, grouped_threads, grouped_tiles_m, render_grouped_mma,
+                               render_grouped_simt)
 from .norms import NORM_DTYPES
 from .precision import note
 from .providers import dispatching
 
 __all__ = ["grouped_matmul_cuda", "grouped_dual_matmul_cuda", "grouped_swiglu_cuda", "grouped_matmul_wgrad_cuda",
-           "grouped_launch"]
+           "grouped_launch", "grouped_tile", "grouped_vec", "grouped_configs"]
 
 _BF16 = resolve_dtype("bf16")
 _MMA = {np.dtype(np.float16): "f16", _BF16: "bf16"}
 _F32 = np.dtype(np.float32)
-_SMALL_GROUPS = 96          # average rows per group below which the 64-row tiles waste less
+# average rows per group below which 64-row tiles win (a model, not a measurement): a 128-row
+# tile wastes half a tile a group (r / (r + 64) useful), a 64-row one a quarter as much but
+# moves 1.5x the L2 bytes per FLOP (assumed ~0.85x the rate): even near 150 rows
+_SMALL_GROUPS = 128
+_MAX_GRID_X = 2 ** 31 - 1
 
-register_source(KernelSource(
-    "grouped_gemm", render_grouped_mma, ("ts_grouped_mma",),
-    configs=[dict(tile="m128"), dict(tile="m64"), dict(tile="m128", trans_w=True), dict(tile="m128", mode="sum2"),
-             dict(tile="m128", mode="sum2", trans_w=True, dtype="bf16"), dict(tile="m64", aligned=False),
-             dict(tile="dual128", mode="dual"), dict(tile="dual64", mode="swiglu", dtype="bf16"),
-             dict(tile="dual128", mode="swiglu"), dict(tile="m128", wgrad=True),
-             dict(tile="m128", wgrad=True, out_f32=True), dict(tile="dual128", mode="dual", wgrad=True)],
-    smem_dynamic=lambda **cfg: 0))
+
+def grouped_tile(rows: int, groups: int, *, dual: bool, wgrad: bool, vec: int = 8) -> tuple[int, int, int]:
+    """The tile GEMM config a grouped product runs with.  A forward's row tiles end at group
+    boundaries, so groups averaging under ``_SMALL_GROUPS`` rows take 64-row tiles (less of each
+    partial tile wasted); the gradient's M tiles are whole (M is the weight's K).  4- and 2-element
+    copies (widths not multiples of 8) take 64x64 tiles: ``ts_load_tile`` unrolls 2-4x more of
+    them a thread, whose addresses would spill the larger tiles' registers."""
+    if vec in (2, 4):
+        return (64, 64, 32)
+    small = not wgrad and rows < _SMALL_GROUPS * max(groups, 1)
+    if dual:
+        return (64, 64, 32) if small else (128, 128, 32)
+    return (64, 128, 32) if small else (128, 128, 32)
+
+
+def grouped_configs() -> list[dict]:
+    """Every tensor-core config ``grouped_tile`` can pick (f16; bf16 and f32 output compile the
+    same code with other conversions, one of each added): what tests/kernels/test_compile.py
+    compiles for sm_80 and sm_90."""
+    forms = [dict(mode=m, trans_w=t) for m in ("plain", "sum2") for t in (False, True)]
+    forms += [dict(mode="dual"), dict(mode="swiglu"), dict(wgrad=True), dict(mode="dual", wgrad=True)]
+    out = []
+    for form in forms:
+        dual, wgrad = form.get("mode") in ("dual", "swiglu"), form.get("wgrad", False)
+        for vec in (8, 4, 2, 1):
+            tiles = {grouped_tile(r, 1, dual=dual, wgrad=wgrad, vec=vec) for r in (1, 10 ** 6)}
+            out += [dict(BM=t[0], BN=t[1], BK=t[2], vec=vec, **form) for t in sorted(tiles)]
+    return out + [dict(BM=128, BN=128, BK=32, dtype="bf16"), dict(BM=128, BN=128, BK=32, wgrad=True, out_f32=True)]
+
+
+register_source(KernelSource("grouped_gemm", render_grouped_mma, ("ts_grouped_mma",), configs=grouped_configs(),
+                             smem_dynamic=grouped_smem_bytes))
 register_source(KernelSource(
     "grouped_gemm_f32", render_grouped_simt, ("ts_grouped_simt",),
     configs=[dict(), dict(trans_w=True, mode="sum2"), dict(mode="dual"), dict(mode="swiglu"), dict(wgrad=True),
              dict(wgrad=True, mode="dual")]))
-
-
-def _aligned16(*arrays) -> bool:
-    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
 
 
 def _dense(a):
@@ -62,9 +89,19 @@ def _offsets64(offsets):
     return cupy.ascontiguousarray(off if off.dtype == np.int64 else off.astype(np.int64))
 
 
+def grouped_vec(widths, *arrays) -> int:
+    """Elements per cp.async: 8 (16 bytes) where every row width/leading dim the copies use is a
+    multiple of 8 and every operand starts 16-byte aligned, else 4, 2 or 1 (``gemm_vec``'s rule;
+    a group's weight starts ``g * K * N`` elements in, a multiple of the width when K is)."""
+    for vec in (8, 4, 2):
+        if all(w % vec == 0 for w in widths) and all(a is None or a.data.ptr % (2 * vec) == 0 for a in arrays):
+            return vec
+    return 1
+
+
 def grouped_launch(a, b, offsets, *, mode: str = "plain", trans_w: bool = False, wgrad: bool = False, a2=None,
                    b2=None, out_f32: bool = False, stream=None, op: str = "grouped_matmul"):
-    """Launch one grouped product (the ops below check their arguments first).
+    """Launch one grouped product (the ops below check their arguments first): one kernel launch.
 
     Forward (``wgrad=False``): ``a (R, K)``, ``b (G, K, N)`` (``(G, N, K)`` with ``trans_w``);
     returns ``C (R, N)`` (mode "dual": ``(C, C2)`` with ``b2``; "swiglu": ``silu(a@b) * (a@b2)``;
@@ -95,38 +132,29 @@ def grouped_launch(a, b, offsets, *, mode: str = "plain", trans_w: bool = False,
                 if c2 is not None:
                     c2.fill(0)
             return (c, c2) if mode == "dual" else c
+        smem = 0
         if dt in _MMA:
             precision = _MMA[dt]
-            dual = mode in ("dual", "swiglu")
-            if wgrad:
-                tile = "dual128" if dual else "m128"
-            else:
-                small = rows < _SMALL_GROUPS * max(g, 1)
-                tile = ("dual64" if small else "dual128") if dual else ("m64" if small else "m128")
-            bm, bn = MMA_CONFIGS[tile][:2]
-            lds = (m, n) if wgrad else ((k,) + ((n,) if not trans_w else ()))
-            aligned = all(v % 8 == 0 for v in lds) and _aligned16(a, b, a2, b2)
-            cfg = dict(tile=tile, mode=mode, wgrad=wgrad, trans_w=trans_w and not wgrad, dtype=precision,
-                       aligned=aligned, out_f32=out_dt == _F32)
-            fn = get_function("grouped_gemm", "ts_grouped_mma", cfg, render_grouped_mma)
-            threads = MMA_CONFIGS[tile][3] * MMA_CONFIGS[tile][4] * 32
+            widths = (m, n) if wgrad else (k,) if trans_w else (k, n)
+            vec = grouped_vec(widths, a, b, a2, b2)
+            tile = grouped_tile(rows, g, dual=mode in ("dual", "swiglu"), wgrad=wgrad, vec=vec)
+            cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], mode=mode, wgrad=wgrad, trans_w=trans_w and not wgrad,
+                       dtype=precision, vec=vec, out_f32=out_dt == _F32)
+            smem = grouped_smem_bytes(**cfg)
+            fn = get_function("grouped_gemm", "ts_grouped_mma", cfg, render_grouped_mma, dynamic_smem=smem)
+            bm, bn, threads = tile[0], tile[1], grouped_threads(**cfg)
         else:
-            precision, bm, bn, threads = "f32", 64, 64, 256
+            precision, bm, bn, threads = "f32", SIMT_TILE, SIMT_TILE, 256
             cfg = dict(mode=mode, wgrad=wgrad, trans_w=trans_w and not wgrad)
             fn = get_function("grouped_gemm_f32", "ts_grouped_simt", cfg, render_grouped_simt, fast_math=False)
         null = np.uint64(0)
-        args = [a, b, null if a2 is None else a2, null if b2 is None else b2, c, null if c2 is None else c2, off,
-                np.int32(g), np.int32(m), np.int32(n), np.int32(k)]
-        gx = (n + bn - 1) // bn
-        if wgrad:
-            if g > MAX_GRID_YZ or (m + bm - 1) // bm > MAX_GRID_YZ:
-                raise ValueError(f"grouped_matmul_wgrad: {g} groups of {m} rows exceed the grid's limits "
-                                 f"({MAX_GRID_YZ}); split the groups")
-            fn((gx, (m + bm - 1) // bm, g), (threads,), tuple(args) + (np.int64(0),))
-        else:
-            tiles = (rows + bm - 1) // bm + g      # each group wastes at most one partial tile
-            for t0 in range(0, tiles, MAX_GRID_YZ):
-                fn((gx, min(MAX_GRID_YZ, tiles - t0)), (threads,), tuple(args) + (np.int64(t0),))
+        args = (a, b, null if a2 is None else a2, null if b2 is None else b2, c, null if c2 is None else c2, off,
+                np.int32(g), np.int32(m), np.int32(n), np.int32(k))
+        # x: every (row tile, column tile) (the kernel orders them); z: the gradient's group
+        blocks = grouped_tiles_m(m, g, bm, wgrad) * (-(-n // bn))
+        if blocks > _MAX_GRID_X or (wgrad and g > MAX_GRID_YZ):
+            raise ValueError(f"{op}: {blocks} tiles of {g} groups exceed the grid's limits; split the rows or groups")
+        fn((blocks, 1, g if wgrad else 1), (threads,), args, shared_mem=smem)
     note(op, precision)          # the provider dispatcher fills in "own" and the providers' reasons
     return (c, c2) if mode == "dual" else c
 

@@ -1,69 +1,93 @@
 """CUDA C of the grouped GEMM kernels (launchers: ``grouped_gemm_cuda``).
 
-Two kernels share one scheduling scheme, picked by ``WGRAD``:
+The tensor-core kernel is the tile GEMM's machinery (``gemm_tile_cuda``: its tiles, stage
+counts, shared-memory formula and grouped block order; ``MMA_HEADER``'s ``mma.sync`` /
+``ldmatrix`` / ``cp.async`` helpers and ``SMEM_TILE``'s swizzled ``ts_load_tile``) with a
+scheduler in front that finds each block's group on the device:
 
-* forward (``WGRAD 0``): ``C[r] = A[r] @ B[g]`` for the rows ``r`` of group ``g``.  The grid's
-  y axis counts row tiles over all groups, ``ceil(R / BM) + G`` of them (an upper bound: each
-  group wastes at most one partial tile), so the launch needs no counts on the host.  A block
-  walks the device offsets to find its group and rows; blocks past the last tile return.
-* weight gradient (``WGRAD 1``): ``C[g] = A[rows of g].T @ B[rows of g]``: grid z is the
-  group, x/y tile ``C[g]``; the reduction runs over the group's rows.
+* forward (``WGRAD 0``): ``C[r] = A[r] @ B[g]`` for the rows ``r`` of group ``g``.  Row tiles
+  are counted group after group (``ceil(rows_g / BM)`` each), so no tile straddles a group
+  boundary; their number is at most ``ceil(R / BM) + G`` (each group wastes at most one partial
+  tile), which sizes the grid without reading a count on the host.  A block maps its linear
+  index to (row tile, column tile) in the tile GEMM's grouped order, then one warp-wide scan
+  over the device offsets (32 groups a step: shuffles only) finds the tile's group and rows;
+  blocks past the last tile return.
+* weight gradient (``WGRAD 1``): ``C[g] = A[rows of g].T @ B[rows of g]``; grid z is the group,
+  x its (M tile, N tile) in grouped order; the K loop runs over the group's rows, so the
+  reduction is the same k-ascending pipeline (an empty group's tile is zeros).
 
-Operands reach shared memory in one of two layouts.  The MMA wants A as ``sA[m][k]`` and B
-as ``sB[n][k]`` (pairs along k: one 32-bit word per fragment register).  A row-major A and
-a ``(N, K)`` B are copied as they are, 16 bytes a thread (``ts_direct``).  A ``(K, M)``
-operand (the gradient's ``x.T``, or a ``(K, N)`` weight) is read 16 bytes from each of two
-consecutive k rows and interleaved into pairs (``ts_pairs``), eight 32-bit stores.  Both are
-fetched into registers one K tile ahead and stored into the other half of a double buffer
-after the MMAs (no cp.async: the harness does not model it yet; see docs/kernels.md).
+Every stage is filled by ``ts_load_tile`` (16-byte ``cp.async.cg`` into XOR-swizzled tiles; 8-,
+4-byte ``.ca`` or plain loads where widths or pointers are not 16-byte multiples: ``VEC``),
+zero past the group's rows, K, M and N.  Each operand is copied in its stored layout and
+``ldmatrix`` makes the fragments: A ``[m][k]`` by ``.x4`` (the forward's ``x``), ``[k][m]`` by
+``.x4.trans`` (the gradient's ``x.T``); B ``[k][n]`` by ``.x4.trans`` (a ``(K, N)`` weight, ``dy``),
+``[n][k]`` by ``.x4`` (``trans_w``'s ``(N, K)`` weight).  One commit group per k tile, always
+committed, ``wait_group STAGES-2`` + one barrier per k tile, as in the tile GEMM.  Each output
+is one block's f32 sum in k order: the same bits on every run.
 
-The tensor-core kernel computes f16/bf16 with f32 accumulators (``mma.sync m16n8k16`` from
-``MMA_HEADER``); the SIMT kernel is the f32 path (FMA, 64x64 tiles, 4x4 outputs a thread).
 ``MODE``: 0 plain, 1 two products of A (``C = A@B``, ``C2 = A@B2``), 2 SwiGLU
-(``silu(A@B) * (A@B2)``), 3 a sum of two products (``A@B + A2@B2``).
+(``silu(A@B) * (A@B2)``), 3 a sum of two products (``A@B + A2@B2``, 2 x K k tiles).  The SIMT
+kernel is the f32 path (exact FMAs, 64x64 tiles, 4x4 outputs a thread) on the same scheduler.
 """
 from __future__ import annotations
 
-from .cuda_common import MMA_HEADER
+from .cuda_common import MMA_HEADER, SMEM_TILE
+from .gemm_tile_cuda import DUAL_CONFIGS, GEMM_CONFIGS, GEMM_STAGES, GROUP_M, gemm_smem_bytes
 
-__all__ = ["GROUPED_COMMON", "GROUPED_MMA_SOURCE", "GROUPED_SIMT_SOURCE", "MMA_CONFIGS", "render_grouped_mma",
-           "render_grouped_simt"]
+__all__ = ["GROUPED_COMMON", "GROUPED_MMA_SOURCE", "GROUPED_SIMT_SOURCE", "render_grouped_mma", "render_grouped_simt",
+           "grouped_smem_bytes", "grouped_threads", "grouped_tiles_m", "SIMT_TILE"]
 
-# name -> (BM, BN, BK, WM, WN); warp tiles are multiples of 16x8, static shared memory <= 48 KiB
-MMA_CONFIGS = {"m128": (128, 128, 32, 2, 4), "m64": (64, 128, 32, 2, 4),
-               "dual128": (128, 64, 32, 4, 2), "dual64": (64, 64, 32, 2, 2)}
+SIMT_TILE = 64            # the f32 kernel's BM = BN
 
 # the group scheduling both kernels share
 GROUPED_COMMON = r"""
-// Forward: the group and first row of row tile `t` (tiles counted group after group), or
-// false past the last tile.  Every thread of the block walks the same offsets.
-__device__ __forceinline__ bool ts_find_tile(const long long* __restrict__ off, int groups, long long t, int bm,
+// Forward: the group, first row and end row of row tile `t` (tiles counted group after group,
+// ceil(rows / bm) each), or false past the last tile.  A warp scans 32 groups a step: lane l
+// counts group base + l's tiles, a shuffle scan sums them, and the number of lanes whose
+// running total is still <= t is the tile's group within the step.  Every warp of the block
+// computes the same answer; all 32 lanes must be present.
+__device__ __forceinline__ bool ts_find_tile(const long long* __restrict__ off, int groups, int t, int bm,
                                              int* g_out, long long* row0, long long* row_end) {
-  long long before = 0;
-  for (int g = 0; g < groups; ++g) {
-    const long long lo = off[g], hi = off[g + 1];
-    const long long tiles = hi > lo ? (hi - lo + bm - 1) / bm : 0;
-    if (t < before + tiles) {
-      *g_out = g;
-      *row0 = lo + (t - before) * bm;
-      *row_end = hi;
+  const unsigned full = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  int before = 0;                                  // tiles of the groups already passed (rows < 2^31)
+  for (int base = 0; base < groups; base += 32) {
+    const int g = base + lane;
+    const int lo = g < groups ? (int)off[g] : 0, hi = g < groups ? (int)off[g + 1] : 0;
+    const int tiles = hi > lo ? (hi - lo + bm - 1) / bm : 0;
+    int incl = tiles;                              // tiles of groups base .. g
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(full, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int done = before + incl <= t ? 1 : 0;         // group g ends before tile t (a prefix of lanes)
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) done += __shfl_xor_sync(full, done, d);
+    const int first = __shfl_sync(full, incl - tiles, done & 31), lo_g = __shfl_sync(full, lo, done & 31),
+              hi_g = __shfl_sync(full, hi, done & 31);
+    if (done < 32) {                               // tile t lies in group base + done
+      *g_out = base + done;
+      *row0 = lo_g + (long long)(t - before - first) * bm;
+      *row_end = hi_g;
       return true;
     }
-    before += tiles;
+    before += __shfl_sync(full, incl, 31);
   }
   return false;
 }
 
 // The block's problem: group g, rows [m0, m_end) of C, the reduction range [k_lo, k_hi), the
 // operands' leading dims and group g's B matrices; false for a forward block past the last tile.
+// `t` is the forward's row tile, or the gradient's M tile (its group is blockIdx.z).
 template <class T> struct TsJob { int g; long long m0, m_end, k_lo, k_hi, a_ld, b_ld; const T* b; const T* b2; };
 template <class T> __device__ __forceinline__ bool ts_job(TsJob<T>& j, const long long* __restrict__ off, int groups,
-                                                          int M, int N, int K, int bm, long long tile0, const T* B,
+                                                          int M, int N, int K, int bm, int t, const T* B,
                                                           const T* B2) {
 #if WGRAD
   // C[g] (M x N) = A[rows of g]^T @ B[rows of g]: A is (rows, M), B (rows, N)
   j.g = blockIdx.z;
-  j.m0 = (long long)blockIdx.y * bm;
+  j.m0 = (long long)t * bm;
   j.m_end = M;
   j.k_lo = off[j.g];
   j.k_hi = off[j.g + 1];
@@ -72,7 +96,7 @@ template <class T> __device__ __forceinline__ bool ts_job(TsJob<T>& j, const lon
   j.b = B;
   j.b2 = B2 ? B2 : B;
 #else
-  if (!ts_find_tile(off, groups, tile0 + blockIdx.y, bm, &j.g, &j.m0, &j.m_end)) return false;
+  if (!ts_find_tile(off, groups, t, bm, &j.g, &j.m0, &j.m_end)) return false;
   j.k_lo = 0;
   j.k_hi = K;
   j.a_ld = K;
@@ -82,233 +106,159 @@ template <class T> __device__ __forceinline__ bool ts_job(TsJob<T>& j, const lon
 #endif
   return true;
 }
+
+// Row tiles of the grid: the forward's upper bound, or the gradient's M tiles.
+__device__ __forceinline__ int ts_tiles_m(int M, int groups, int bm) {
+  return WGRAD ? (M + bm - 1) / bm : (M + bm - 1) / bm + groups;
+}
 """
 
 GROUPED_MMA_SOURCE = r"""
-#define NT (WM * WN * 32)
-// resident blocks per SM asked of the register allocator (sm_80's 8 warps need > 128 registers)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define MINB (NT == 256 ? 1 : 3)
-#else
-#define MINB (NT == 256 ? 2 : 3)
-#endif
-#define LDS (BK + 8)                 // smem row: 16-byte aligned, fragment loads conflict-free
+#define NTHREADS (WM * WN * 32)
 #define WTM (BM / WM)
 #define WTN (BN / WN)
 #define MT (WTM / 16)
-#define NTL (WTN / 8)
+#define NT (WTN / 8)
 #define NB ((MODE == 1 || MODE == 2) ? 2 : 1)
-// 16-byte units of a tile: (row, 8 k's) when copied directly, (k pair, 8 rows) when interleaved
-#define A_TOTAL (A_KM ? (BK / 2) * (BM / 8) : BM * (BK / 8))
-#define B_TOTAL (B_KN ? (BK / 2) * (BN / 8) : BN * (BK / 8))
-#define A_UNITS ((A_TOTAL + NT - 1) / NT)
-#define B_UNITS ((B_TOTAL + NT - 1) / NT)
+#define KSTEPS (BK / 16)
+#define A_TILE (BM * BK)
+#define B_TILE (BK * BN)
 
-__device__ __forceinline__ uint4 ts_zero4() { uint4 v; v.x = v.y = v.z = v.w = 0u; return v; }
-
-// Elements (row, col .. col+7) of a row-major matrix (leading dim ld), zeros outside
-// rows < row_end, cols < col_end.  One 16-byte load when the run is whole and ALIGNED.
-__device__ __forceinline__ uint4 ts_ld8(const elem_t* __restrict__ p, long long ld, long long row, int col,
-                                        long long row_end, int col_end) {
-  if (row >= row_end || col >= col_end) return ts_zero4();
-  const elem_t* q = p + row * ld + col;
-#if ALIGNED
-  if (col + 8 <= col_end) return *reinterpret_cast<const uint4*>(q);
-#endif
-  const unsigned short* s = reinterpret_cast<const unsigned short*>(q);
-  unsigned e[8];
-  #pragma unroll
-  for (int i = 0; i < 8; ++i) e[i] = col + i < col_end ? (unsigned)s[i] : 0u;
-  uint4 v;
-  v.x = e[0] | (e[1] << 16); v.y = e[2] | (e[3] << 16); v.z = e[4] | (e[5] << 16); v.w = e[6] | (e[7] << 16);
-  return v;
-}
-
-// An operand tile for smem layout [rows][LDS] with pairs along k.
-//  direct: the source is [row][k] (row-major along k): unit u = (row, 8 k's).
-//  pairs:  the source is [k][row]: unit u = (k pair, 8 rows): two 16-byte loads, interleaved.
-struct TsSrc { const elem_t* p; long long ld; long long row0, row_end; long long k0, k_end; };
-
-template <int ROWS, int UNITS> __device__ __forceinline__ void ts_fetch_direct(uint4* r, const TsSrc& s, int tid) {
-  #pragma unroll
-  for (int u = 0; u < UNITS; ++u) {
-    const int idx = tid + u * NT, row = idx / (BK / 8), kc = (idx % (BK / 8)) * 8;
-    if (idx >= ROWS * (BK / 8)) break;
-    // k is the column: bounds are relative to k0 so that col + 8 <= col_end keeps its meaning
-    r[u] = ts_ld8(s.p + s.k0, s.ld, s.row0 + row, kc, s.row_end, (int)(s.k_end - s.k0 < BK ? s.k_end - s.k0 : BK));
-  }
-}
-template <int ROWS, int UNITS> __device__ __forceinline__ void ts_stash_direct(elem_t* dst, const uint4* r, int tid) {
-  #pragma unroll
-  for (int u = 0; u < UNITS; ++u) {
-    const int idx = tid + u * NT, row = idx / (BK / 8), kc = (idx % (BK / 8)) * 8;
-    if (idx >= ROWS * (BK / 8)) break;
-    *reinterpret_cast<uint4*>(dst + row * LDS + kc) = r[u];
-  }
-}
-template <int ROWS, int UNITS> __device__ __forceinline__ void ts_fetch_pairs(uint4* r, const TsSrc& s, int tid) {
-  #pragma unroll
-  for (int u = 0; u < UNITS; ++u) {
-    const int idx = tid + u * NT, kp = idx % (BK / 2), rc = (idx / (BK / 2)) * 8;
-    if (idx >= (BK / 2) * (ROWS / 8)) break;
-    const long long k = s.k0 + 2 * kp;
-    const int cols = (int)(s.row_end - s.row0 < ROWS ? s.row_end - s.row0 : ROWS);
-    r[2 * u] = ts_ld8(s.p + s.row0, s.ld, k, rc, s.k_end, cols);
-    r[2 * u + 1] = ts_ld8(s.p + s.row0, s.ld, k + 1, rc, s.k_end, cols);
-  }
-}
-template <int ROWS, int UNITS> __device__ __forceinline__ void ts_stash_pairs(elem_t* dst, const uint4* r, int tid) {
-  #pragma unroll
-  for (int u = 0; u < UNITS; ++u) {
-    const int idx = tid + u * NT, kp = idx % (BK / 2), rc = (idx / (BK / 2)) * 8;
-    if (idx >= (BK / 2) * (ROWS / 8)) break;
-    const unsigned lo[4] = {r[2 * u].x, r[2 * u].y, r[2 * u].z, r[2 * u].w};
-    const unsigned hi[4] = {r[2 * u + 1].x, r[2 * u + 1].y, r[2 * u + 1].z, r[2 * u + 1].w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {     // rows rc+2i, rc+2i+1: (k, k+1) of each as one word
-      *reinterpret_cast<unsigned*>(dst + (rc + 2 * i) * LDS + 2 * kp) = (lo[i] & 0xffffu) | (hi[i] << 16);
-      *reinterpret_cast<unsigned*>(dst + (rc + 2 * i + 1) * LDS + 2 * kp) = (lo[i] >> 16) | (hi[i] & 0xffff0000u);
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(NT, MINB)
+extern "C" __global__ void __launch_bounds__(NTHREADS)
 ts_grouped_mma(const elem_t* __restrict__ A, const elem_t* __restrict__ B, const elem_t* __restrict__ A2,
                const elem_t* __restrict__ B2, void* __restrict__ C, void* __restrict__ C2,
-               const long long* __restrict__ off, int groups, int M, int N, int K,
-               long long tile0) {
-  __shared__ __align__(16) elem_t sA[2][BM * LDS];
-  __shared__ __align__(16) elem_t sB[2][NB][BN * LDS];
+               const long long* __restrict__ off, int groups, int M, int N, int K) {
+  static_assert(NT % 2 == 0, "B fragments load in pairs of n8 tiles");
+  extern __shared__ __align__(128) unsigned char ts_smem[];
+  elem_t* sA = reinterpret_cast<elem_t*>(ts_smem);           // [STAGES][BM x BK] or [STAGES][BK x BM]
+  elem_t* sB = sA + STAGES * A_TILE;                           // [STAGES][NB][BK x BN] or [..][BN x BK]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm0 = (warp / WN) * WTM, wn0 = (warp % WN) * WTN;
-  const int n0 = blockIdx.x * BN;
+  // grouped block order (the tile GEMM's): GROUP_M row tiles x all column tiles, column-major inside
+  const int tiles_m = ts_tiles_m(M, groups, BM), tiles_n = (N + BN - 1) / BN, per_group = GROUP_M * tiles_n;
+  const int bgroup = blockIdx.x / per_group, first_m = bgroup * GROUP_M;
+  const int group_m = min(tiles_m - first_m, GROUP_M), in_group = blockIdx.x % per_group;
+  const int n0 = (in_group / group_m) * BN;
   TsJob<elem_t> job;
-  if (!ts_job(job, off, groups, M, N, K, BM, tile0, B, B2)) return;
-  const int g = job.g;
-  const long long m0 = job.m0, m_end = job.m_end, k_lo = job.k_lo, k_hi = job.k_hi, a_ld = job.a_ld, b_ld = job.b_ld;
-  const elem_t *Bg = job.b, *B2g = job.b2;
+  if (!ts_job(job, off, groups, M, N, K, BM, first_m + in_group % group_m, B, B2)) return;
+  const int m0 = (int)job.m0, m_end = (int)job.m_end, k_lo = (int)job.k_lo, k_hi = (int)job.k_hi;
+  const long long a_ld = job.a_ld, b_ld = job.b_ld;
 
-  float acc[NB][MT][NTL][4];
+  float acc[NB][MT][NT][4];
   #pragma unroll
   for (int b = 0; b < NB; ++b)
     #pragma unroll
     for (int i = 0; i < MT; ++i)
       #pragma unroll
-      for (int j = 0; j < NTL; ++j) acc[b][i][j][0] = acc[b][i][j][1] = acc[b][i][j][2] = acc[b][i][j][3] = 0.f;
+      for (int j = 0; j < NT; ++j)
+        acc[b][i][j][0] = acc[b][i][j][1] = acc[b][i][j][2] = acc[b][i][j][3] = 0.f;
 
-  uint4 ra[A_UNITS * (A_KM ? 2 : 1)], rb[NB][B_UNITS * (B_KN ? 2 : 1)];
-  const long long ktiles = (k_hi - k_lo + BK - 1) / BK;
-  const long long total = MODE == 3 ? 2 * ktiles : ktiles;
-  auto fetch = [&](long long kt) {
-    const bool second = MODE == 3 && kt >= ktiles;
-    const long long k0 = k_lo + (second ? kt - ktiles : kt) * BK;
-    const elem_t* a = second ? A2 : A;
-    const elem_t* bs[2] = {second ? B2g : Bg, B2g};
+  const int ktiles = (k_hi - k_lo + BK - 1) / BK;
+  const int total = MODE == 3 ? 2 * ktiles : ktiles;
+  auto load_stage = [&](int stage, int kt) {     // one commit group per k tile, empty past the end
+    if (kt < total) {
+      const bool second = MODE == 3 && kt >= ktiles;
+      const int k0 = k_lo + (second ? kt - ktiles : kt) * BK;
 #if A_KM
-    TsSrc sa = {a, a_ld, m0, m_end, k0, k_hi};
-    ts_fetch_pairs<BM, A_UNITS>(ra, sa, tid);
+      ts_load_tile<BK, BM, VEC, NTHREADS>(sA + stage * A_TILE, A, a_ld, k0, m0, k_hi, m_end, tid);
 #else
-    TsSrc sa = {a, a_ld, m0, m_end, k0, k_hi};
-    ts_fetch_direct<BM, A_UNITS>(ra, sa, tid);
+      ts_load_tile<BM, BK, VEC, NTHREADS>(sA + stage * A_TILE, second ? A2 : A, a_ld, m0, k0, m_end, k_hi, tid);
 #endif
-    #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      TsSrc sb = {bs[b], b_ld, n0, N, k0, k_hi};
+      #pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const elem_t* src = (b == 1 || second) ? job.b2 : job.b;
 #if B_KN
-      ts_fetch_pairs<BN, B_UNITS>(rb[b], sb, tid);
+        ts_load_tile<BK, BN, VEC, NTHREADS>(sB + (stage * NB + b) * B_TILE, src, b_ld, k0, n0, k_hi, N, tid);
 #else
-      ts_fetch_direct<BN, B_UNITS>(rb[b], sb, tid);
+        ts_load_tile<BN, BK, VEC, NTHREADS>(sB + (stage * NB + b) * B_TILE, src, b_ld, n0, k0, N, k_hi, tid);
 #endif
+      }
     }
+    ts_cp_async_commit();
   };
-  auto stash = [&](int s) {
+  // one k16 slice of the stage.  A [m][k]: ldmatrix.x4, lane l passes row l % 16, k half l / 16;
+  // A [k][m]: .x4.trans, matrix l / 8 = (k half l / 16, m half (l / 8) % 2), row l % 8.
+  // B [k][n]: .x4.trans, lane l passes k row l % 16, n half l / 16 (n tiles j, j+1);
+  // B [n][k]: .x4, matrix l / 8 = (n tile j + l / 16, k half (l / 8) % 2), n row l % 8.
+  auto mma_slice = [&](int stage, int kk) {
+    unsigned af[MT][4];
+    #pragma unroll
+    for (int i = 0; i < MT; ++i)
 #if A_KM
-    ts_stash_pairs<BM, A_UNITS>(sA[s], ra, tid);
+      ts_ldsm_x4_t(af[i], sA + stage * A_TILE + ts_swz<BM / 8>(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                                wm0 + i * 16 + ((lane >> 3) & 1) * 8));
 #else
-    ts_stash_direct<BM, A_UNITS>(sA[s], ra, tid);
+      ts_ldsm_x4(af[i], sA + stage * A_TILE + ts_swz<BK / 8>(wm0 + i * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
 #endif
     #pragma unroll
-    for (int b = 0; b < NB; ++b) {
+    for (int b = 0; b < NB; ++b)
+      #pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        unsigned bf[4];
 #if B_KN
-      ts_stash_pairs<BN, B_UNITS>(sB[s][b], rb[b], tid);
+        ts_ldsm_x4_t(bf, sB + (stage * NB + b) * B_TILE + ts_swz<BN / 8>(kk * 16 + (lane & 15), wn0 + j * 8 + (lane >> 4) * 8));
 #else
-      ts_stash_direct<BN, B_UNITS>(sB[s][b], rb[b], tid);
+        ts_ldsm_x4(bf, sB + (stage * NB + b) * B_TILE + ts_swz<BK / 8>(wn0 + j * 8 + (lane & 7) + (lane >> 4) * 8,
+                                                                        kk * 16 + ((lane >> 3) & 1) * 8));
 #endif
-    }
-  };
-
-  if (total > 0) {
-    fetch(0);
-    stash(0);
-  }
-  __syncthreads();
-  for (long long kt = 0; kt < total; ++kt) {
-    const int s = (int)(kt & 1);
-    if (kt + 1 < total) fetch(kt + 1);         // the next tile's loads in flight during the MMAs
-    #pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      unsigned af[MT][4];
-      #pragma unroll
-      for (int i = 0; i < MT; ++i) ts_load_a(af[i], &sA[s][(wm0 + i * 16) * LDS + kk], LDS, lane);
-      #pragma unroll
-      for (int b = 0; b < NB; ++b)
         #pragma unroll
-        for (int j = 0; j < NTL; ++j) {
-          unsigned bf[2];
-          ts_load_b(bf, &sB[s][b][(wn0 + j * 8) * LDS + kk], LDS, lane);
-          #pragma unroll
-          for (int i = 0; i < MT; ++i) ts_mma(acc[b][i][j], af[i], bf);
+        for (int i = 0; i < MT; ++i) {
+          ts_mma(acc[b][i][j], af[i], bf);
+          ts_mma(acc[b][i][j + 1], af[i], bf + 2);
         }
-    }
-    if (kt + 1 < total) stash(s ^ 1);
-    __syncthreads();
+      }
+  };
+
+  #pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_stage(s, s);
+  for (int kt = 0; kt < total; ++kt) {
+    ts_cp_async_wait<STAGES - 2>();       // tile kt landed for this thread (groups 1..kt+1 retired) ...
+    __syncthreads();                      // ... and for every thread; every warp is done with tile kt-1
+    load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);   // refill tile kt-1's stage
+    #pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) mma_slice(kt % STAGES, kk);
   }
+  ts_cp_async_wait<0>();                  // no copy outlives the block (only empty groups remain)
 
   const int gq = lane >> 2, tq = lane & 3;
-#if WGRAD
-  const long long c_base = (long long)g * M * N;
-#else
-  const long long c_base = 0;
-#endif
+  const bool pairs = (N & 1) == 0;        // (row, col) and (row, col+1) then share one aligned store
+  const long long c_base = WGRAD ? (long long)job.g * M * N : 0;
   #pragma unroll
   for (int i = 0; i < MT; ++i)
     #pragma unroll
-    for (int j = 0; j < NTL; ++j)
+    for (int j = 0; j < NT; ++j)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const long long row = m0 + wm0 + i * 16 + gq + 8 * h;
-        const int col = n0 + wn0 + j * 8 + 2 * tq;
+        const int row = m0 + wm0 + i * 16 + gq + h * 8, col = n0 + wn0 + j * 8 + 2 * tq;
         if (row >= m_end || col >= N) continue;
-        float v[2], v2[2];
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          v[e] = acc[0][i][j][2 * h + e];
-          v2[e] = acc[NB - 1][i][j][2 * h + e];
+        float v[2] = {acc[0][i][j][2 * h], acc[0][i][j][2 * h + 1]};
+        float u[2] = {acc[NB - 1][i][j][2 * h], acc[NB - 1][i][j][2 * h + 1]};
 #if MODE == 2
-          v[e] = v[e] / (1.f + __expf(-v[e])) * v2[e];
+        v[0] = v[0] / (1.f + __expf(-v[0])) * u[0];
+        v[1] = v[1] / (1.f + __expf(-v[1])) * u[1];
 #endif
-        }
-        const long long o = c_base + row * N + col;
+        const long long o = c_base + (long long)row * N + col;
 #if OUT_F32
-        float* c = reinterpret_cast<float*>(C);
-        c[o] = v[0];
-        if (col + 1 < N) c[o + 1] = v[1];
-#else
-        elem_t* c = reinterpret_cast<elem_t*>(C);
-        if (col + 1 < N && (N & 1) == 0) {
-          *reinterpret_cast<elem2_t*>(c + o) = ts_pack(v[0], v[1]);
+        float* c = reinterpret_cast<float*>(C) + o;
+        float* c2 = reinterpret_cast<float*>(C2) + o;
+        if (pairs) {
+          *reinterpret_cast<float2*>(c) = make_float2(v[0], v[1]);
+          if (MODE == 1) *reinterpret_cast<float2*>(c2) = make_float2(u[0], u[1]);
         } else {
-          c[o] = ts_elem(v[0]);
-          if (col + 1 < N) c[o + 1] = ts_elem(v[1]);
+          c[0] = v[0];
+          if (MODE == 1) c2[0] = u[0];
+          if (col + 1 < N) { c[1] = v[1]; if (MODE == 1) c2[1] = u[1]; }
         }
-#endif
-#if MODE == 1
-        elem_t* c2 = reinterpret_cast<elem_t*>(C2);
-        if (col + 1 < N && (N & 1) == 0) {
-          *reinterpret_cast<elem2_t*>(c2 + o) = ts_pack(v2[0], v2[1]);
+#else
+        elem_t* c = reinterpret_cast<elem_t*>(C) + o;
+        elem_t* c2 = reinterpret_cast<elem_t*>(C2) + o;
+        if (pairs) {
+          *reinterpret_cast<elem2_t*>(c) = ts_pack(v[0], v[1]);
+          if (MODE == 1) *reinterpret_cast<elem2_t*>(c2) = ts_pack(u[0], u[1]);
         } else {
-          c2[o] = ts_elem(v2[0]);
-          if (col + 1 < N) c2[o + 1] = ts_elem(v2[1]);
+          c[0] = ts_elem(v[0]);
+          if (MODE == 1) c2[0] = ts_elem(u[0]);
+          if (col + 1 < N) { c[1] = ts_elem(v[1]); if (MODE == 1) c2[1] = ts_elem(u[1]); }
         }
 #endif
       }
@@ -326,17 +276,18 @@ GROUPED_SIMT_SOURCE = r"""
 #define A_AT(p, m, k) (A_KM ? (p)[(k) * a_ld + (m)] : (p)[(m) * a_ld + (k)])
 #define B_AT(p, k, n) (B_KN ? (p)[(k) * b_ld + (n)] : (p)[(n) * b_ld + (k)])
 
-extern "C" __global__ void __launch_bounds__(NT)
+// two blocks an SM (<= 128 registers): given only the thread count, ptxas chose 80 and spilled the sum form
+extern "C" __global__ void __launch_bounds__(NT, 2)
 ts_grouped_simt(const float* __restrict__ A, const float* __restrict__ B, const float* __restrict__ A2,
                 const float* __restrict__ B2, float* __restrict__ C, float* __restrict__ C2,
-                const long long* __restrict__ off, int groups, int M, int N, int K,
-                long long tile0) {
+                const long long* __restrict__ off, int groups, int M, int N, int K) {
   __shared__ float sA[BK][BM + 4];
   __shared__ float sB[NB][BK][BN + 4];
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const int n0 = blockIdx.x * BN;
+  const int tiles_n = (N + BN - 1) / BN;          // blocks along x: row tile after row tile
+  const int n0 = (blockIdx.x % tiles_n) * BN;
   TsJob<float> job;
-  if (!ts_job(job, off, groups, M, N, K, BM, tile0, B, B2)) return;
+  if (!ts_job(job, off, groups, M, N, K, BM, blockIdx.x / tiles_n, B, B2)) return;
   const int g = job.g;
   const long long m0 = job.m0, m_end = job.m_end, k_lo = job.k_lo, k_hi = job.k_hi, a_ld = job.a_ld, b_ld = job.b_ld;
   const float *Bg = job.b, *B2g = job.b2;
@@ -353,7 +304,6 @@ ts_grouped_simt(const float* __restrict__ A, const float* __restrict__ B, const 
     const bool second = MODE == 3 && kt >= ktiles;
     const long long k0 = k_lo + (second ? kt - ktiles : kt) * BK;
     const float* a = second ? A2 : A;
-    const float* bs[2] = {second ? B2g : Bg, B2g};
     #pragma unroll
     for (int u = 0; u < BM * BK / NT; ++u) {      // the contiguous index fastest: coalesced reads
       const int idx = tid + u * NT;
@@ -368,7 +318,7 @@ ts_grouped_simt(const float* __restrict__ A, const float* __restrict__ B, const 
         const int idx = tid + u * NT;
         const int n = B_KN ? idx % BN : idx / BK, k = B_KN ? idx / BN : idx % BK;
         const long long gn = n0 + n, gk = k0 + k;
-        sB[b][k][n] = gn < N && gk < k_hi ? B_AT(bs[b], gk, gn) : 0.f;
+        sB[b][k][n] = gn < N && gk < k_hi ? B_AT((b == 1 || second) ? B2g : Bg, gk, gn) : 0.f;
       }
     __syncthreads();
     #pragma unroll
@@ -387,11 +337,7 @@ ts_grouped_simt(const float* __restrict__ A, const float* __restrict__ B, const 
     }
     __syncthreads();
   }
-#if WGRAD
-  const long long c_base = (long long)g * M * N;
-#else
-  const long long c_base = 0;
-#endif
+  const long long c_base = WGRAD ? (long long)g * M * N : 0;
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const long long row = m0 + ty * 4 + i;
@@ -417,21 +363,42 @@ _MODES = {"plain": 0, "dual": 1, "swiglu": 2, "sum2": 3}
 
 
 def _defs(mode: str, wgrad: bool, trans_w: bool) -> str:
-    # forward: A = x (rows, K) row-major; B = w[g] (K, N) read in pairs, or (N, K) with trans_w.
-    # wgrad: A = x^T (x is (rows, M): k-major) and B = dy (rows, N): both read in pairs.
-    a_km = int(wgrad)
-    b_kn = int(wgrad or not trans_w)
-    return (f"#define MODE {_MODES[mode]}\n#define WGRAD {int(wgrad)}\n#define A_KM {a_km}\n"
-            f"#define B_KN {b_kn}\n")
+    # forward: A = x (rows, K) row-major; B = w[g] (K, N), or (N, K) with trans_w.
+    # wgrad: A = x^T (x is (rows, M): k-major) and B = dy (rows, N) (k-major too).
+    return (f"#define MODE {_MODES[mode]}\n#define WGRAD {int(wgrad)}\n#define A_KM {int(wgrad)}\n"
+            f"#define B_KN {int(wgrad or not trans_w)}\n")
 
 
-def render_grouped_mma(tile: str = "m128", mode: str = "plain", wgrad: bool = False, trans_w: bool = False,
-                       dtype: str = "f16", aligned: bool = True, out_f32: bool = False) -> str:
-    """CUDA C of the tensor-core grouped GEMM for one configuration."""
-    bm, bn, bk, wm, wn = MMA_CONFIGS[tile]
-    return (f"#define BM {bm}\n#define BN {bn}\n#define BK {bk}\n#define WM {wm}\n#define WN {wn}\n"
-            f"#define ALIGNED {int(aligned)}\n#define OUT_F32 {int(out_f32)}\n#define TS_BF16 {int(dtype == 'bf16')}\n"
-            + _defs(mode, wgrad, trans_w) + MMA_HEADER + GROUPED_COMMON + GROUPED_MMA_SOURCE)
+def _dual(mode: str) -> bool:
+    return mode in ("dual", "swiglu")
+
+
+def grouped_threads(BM: int, BN: int, BK: int, mode: str = "plain", **_) -> int:
+    """Threads per block of a tensor-core config (the tile GEMM's warps for that tile)."""
+    wm, wn = (DUAL_CONFIGS if _dual(mode) else GEMM_CONFIGS)[(BM, BN, BK)]
+    return wm * wn * 32
+
+
+def grouped_smem_bytes(BM: int, BN: int, BK: int, mode: str = "plain", **_) -> int:
+    """Dynamic shared memory of a tensor-core config: the tile GEMM's (same tiles, any layout)."""
+    return gemm_smem_bytes(BM, BN, BK, dual=_dual(mode))
+
+
+def grouped_tiles_m(rows: int, groups: int, bm: int, wgrad: bool) -> int:
+    """Row tiles of the grid: ``ceil(rows / bm) + groups`` for a forward, the M tiles for a gradient."""
+    return -(-rows // bm) + (0 if wgrad else groups)
+
+
+def render_grouped_mma(BM: int = 128, BN: int = 128, BK: int = 32, mode: str = "plain", wgrad: bool = False,
+                       trans_w: bool = False, dtype: str = "f16", vec: int = 8, out_f32: bool = False) -> str:
+    """CUDA C of the tensor-core grouped GEMM for one configuration: a tile of the tile GEMM's
+    tables (``GEMM_CONFIGS``, or ``DUAL_CONFIGS`` for "dual"/"swiglu"), ``vec`` elements a copy."""
+    tile = (BM, BN, BK)
+    wm, wn = (DUAL_CONFIGS if _dual(mode) else GEMM_CONFIGS)[tile]
+    return (f"#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define WM {wm}\n#define WN {wn}\n"
+            f"#define STAGES {GEMM_STAGES[tile]}\n#define VEC {vec}\n#define GROUP_M {GROUP_M}\n"
+            f"#define OUT_F32 {int(out_f32)}\n#define TS_BF16 {int(dtype == 'bf16')}\n"
+            + _defs(mode, wgrad, trans_w) + MMA_HEADER + SMEM_TILE + GROUPED_COMMON + GROUPED_MMA_SOURCE)
 
 
 def render_grouped_simt(mode: str = "plain", wgrad: bool = False, trans_w: bool = False) -> str:

@@ -19,7 +19,7 @@ from .gemm import matmul_shapes
 from .norms import NORM_DTYPES
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
-__all__ = ["ACTIVATIONS", "erf", "gelu", "silu", "bias_act", "bias_gelu", "bias_silu", "swiglu"]
+__all__ = ["ACTIVATIONS", "erf", "gelu", "silu", "bias_act", "bias_gelu", "bias_silu", "swiglu", "check_pair"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "identity")
 
@@ -179,7 +179,7 @@ def bias_silu(x: Any, bias: Any | None = None, *, out: Any | None = None, stream
     return bias_act(x, bias, act="silu", out=out, stream=stream, policy=policy)
 
 
-def _check_pair(op: str, x: Any, w1: Any, w3: Any, stream: Any, policy: Any) -> None:
+def check_pair(op: str, x: Any, w1: Any, w3: Any, stream: Any, policy: Any) -> None:
     """x (..., D) times two (D, F) weights of x's dtype (swiglu, dual_matmul)."""
     for name, t in (("x", x), ("w1", w1), ("w3", w3)):
         check_float(op, name, t, NORM_DTYPES)
@@ -216,7 +216,7 @@ def swiglu(x: Any, w1: Any, w3: Any, *, out: Any | None = None, stream: Any | No
         ``(..., F)``, x's dtype.
     """
     op = "swiglu"
-    _check_pair(op, x, w1, w3, stream, policy)
+    check_pair(op, x, w1, w3, stream, policy)
     xp = array_module(x, w1, w3)
     acc = accum_dtype(x.dtype, policy)
     f = w1.shape[1]
@@ -260,7 +260,7 @@ def dual_matmul(x: Any, w1: Any, w3: Any, *, stream: Any | None = None, policy: 
         ``(x @ w1, x @ w3)``.
     """
     op = "dual_matmul"
-    _check_pair(op, x, w1, w3, stream, policy)
+    check_pair(op, x, w1, w3, stream, policy)
     xp = array_module(x, w1, w3)
     acc, res = accum_dtype(x.dtype, policy), result_dtype(x.dtype, policy)
     f = w1.shape[1]

@@ -29,12 +29,12 @@ from ..backend import register_kernel
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import (ELEM_IO, IO_CODES, MAX_GRID_YZ, VEC16_TO_F32, aligned, get_function, io_name,
-                          launch_stream, sm_count)
+                          launch_stream, scratch, sm_count)
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 from .precision import note
 from .providers import dispatching
 
-__all__ = ["render_paged", "paged_decode_attention_cuda", "paged_plan", "PAGED_HEAD_DIMS", "PMAX"]
+__all__ = ["render_paged", "paged_decode_attention_cuda", "paged_plan", "PAGED_HEAD_DIMS", "PMAX", "plan_sm_count"]
 
 PAGED_HEAD_DIMS = (32, 64, 128, 256)
 PMAX = 256                      # positions per partition at most (the scores' shared memory)
@@ -284,7 +284,9 @@ def _heads_per_block(g: int) -> int:
     return next(c for c in (8, 4, 2, 1) if g % c == 0)
 
 
-def _sm_count() -> int:
+def plan_sm_count() -> int:
+    """The multiprocessor count ``paged_plan`` sizes partitions for (this device's; a seam the
+    tests set to plan for other GPUs)."""
     return sm_count()
 
 
@@ -320,7 +322,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     gb = _heads_per_block(h // hkv)
     chunks = hkv * (h // hkv // gb)
-    p, s = paged_plan(b, chunks, mb * bs, _sm_count())
+    p, s = paged_plan(b, chunks, mb * bs, plan_sm_count())
     if s > MAX_GRID_YZ:
         raise ValueError(f"{op}: {mb * bs} positions make {s} partitions, over the grid's limit {MAX_GRID_YZ}")
     cfg = dict(head_dim=d, io=io_name(q.dtype), group=gb)
@@ -331,7 +333,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
         qc, kc, vc = (aligned(cupy.ascontiguousarray(t), 16) for t in (q, k_pages, v_pages))
         o = out if out is not None and out.flags.c_contiguous else cupy.empty(q.shape, q.dtype)
         if b:
-            part = cupy.empty(b * h * s * (d + 2), np.float32) if s > 1 else None
+            part = scratch("paged_decode_partials", b * h * s * (d + 2), np.float32) if s > 1 else None
             ml = None if part is None else part[:b * h * s * 2]
             acc = None if part is None else part[b * h * s * 2:]
             tables, lens = cupy.ascontiguousarray(block_tables), cupy.ascontiguousarray(seq_lens)

@@ -45,6 +45,7 @@ def _check(level: str) -> str:
     return level
 
 
+# the process's float32 matmul precision (set_float32_matmul_precision; TESSERA_F32_MATMUL_PRECISION)
 _LEVEL = [_check(os.environ.get("TESSERA_F32_MATMUL_PRECISION", "highest").strip().lower() or "highest")]
 
 
@@ -99,6 +100,7 @@ def f32_compute() -> str:
 
 # --------------------------------------------------------------------------- the record
 
+# who hears note() (add_listener / remove_listener): the profiler, TESSERA_DEBUG=kernels
 _LISTENERS: list[Callable[[str, str, "str | None", "str | None"], None]] = []
 # while a provider dispatcher runs the project's own kernel (``providers.dispatch``): op -> why
 # the vendor providers declined; a note for that op without a provider is the own kernel's

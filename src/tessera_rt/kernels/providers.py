@@ -30,11 +30,12 @@ from typing import Any, Callable
 from .precision import add_listener, note, own_kernel_of
 
 __all__ = ["Provider", "Unsupported", "register_provider", "providers_for", "dispatch", "dispatching",
-           "use_providers", "providers_enabled", "describe", "reset", "compute_capability", "set_debug"]
+           "use_providers", "providers_enabled", "describe", "reset", "compute_capability", "set_debug", "FORCED_WHY", "REGISTRY"]
 
 _KERNELS_ENV = os.environ.get("TESSERA_KERNELS", "").strip().lower()
+# whether vendor providers may run (use_providers; TESSERA_KERNELS=own turns them off)
 _ENABLED = [_KERNELS_ENV != "own"]
-_FORCED_WHY = "own kernels forced (TESSERA_KERNELS=own or use_providers(False))"
+FORCED_WHY = "own kernels forced (TESSERA_KERNELS=own or use_providers(False))"
 
 
 class Unsupported(Exception):
@@ -100,7 +101,8 @@ class Provider:
         return f"<{type(self).__name__} {self.name!r} for {self.op!r}>"
 
 
-_REGISTRY: dict[str, list[Provider]] = {}
+# the provider registry: op -> providers in the order tried (register_provider)
+REGISTRY: dict[str, list[Provider]] = {}
 _LOCK = threading.Lock()
 
 
@@ -121,10 +123,10 @@ def register_provider(provider: Provider, *, first: bool = False) -> Provider:
         ``provider``.
     """
     with _LOCK:
-        lst = _REGISTRY.setdefault(provider.op, [])
+        lst = REGISTRY.setdefault(provider.op, [])
         lst = [p for p in lst if p.name != provider.name]      # re-registering replaces
         lst.insert(0 if first else len(lst), provider)
-        _REGISTRY[provider.op] = lst
+        REGISTRY[provider.op] = lst
     return provider
 
 
@@ -141,7 +143,7 @@ def providers_for(op: str) -> list[Provider]:
     list of Provider
         A copy of the list.
     """
-    return list(_REGISTRY.get(op, ()))
+    return list(REGISTRY.get(op, ()))
 
 
 def providers_enabled() -> bool:
@@ -204,9 +206,9 @@ def dispatch(op: str, own: Callable, args: tuple, kwargs: dict) -> Any:
     """
     reasons = []
     if not providers_enabled():
-        reasons.append(_FORCED_WHY)
+        reasons.append(FORCED_WHY)
     else:
-        for p in _REGISTRY.get(op, ()):
+        for p in REGISTRY.get(op, ()):
             why = p.unavailable() or p.supports(*args, **kwargs)
             if why is None:
                 try:
@@ -256,20 +258,20 @@ def describe() -> list[str]:
         For ``TESSERA_DEBUG=kernels``, ``scripts/gpu_check.py`` and people.
     """
     lines = []
-    for op in sorted(_REGISTRY):
+    for op in sorted(REGISTRY):
         parts = []
-        for p in _REGISTRY[op]:
+        for p in REGISTRY[op]:
             why = p.unavailable()
             parts.append(f"{p.name} ({'available' if why is None else 'unavailable: ' + why})")
         lines.append(f"{op}: {' -> '.join(parts + ['own'])}")
     if not providers_enabled():
-        lines.append(_FORCED_WHY)
+        lines.append(FORCED_WHY)
     return lines
 
 
 def reset() -> None:
     """Forget every provider's availability and cached graphs/plans (tests)."""
-    for lst in _REGISTRY.values():
+    for lst in REGISTRY.values():
         for p in lst:
             p.reset()
 
@@ -281,6 +283,7 @@ def _debug_line(op: str, precision: str, provider: str | None, why: str | None) 
     print(line + (f"  ({why})" if why else ""), file=sys.stderr, flush=True)
 
 
+# whether each choice is printed (set_debug; TESSERA_DEBUG=kernels)
 _DEBUG = [False]
 
 

@@ -59,6 +59,7 @@ def staged_axpy_kernel(x, y, alpha):
         t = nxt
 
 
+# cache: tile size -> its tiled-matmul kernel
 _MATMULS: dict[int, tile.TileKernel] = {}
 
 

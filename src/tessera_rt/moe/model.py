@@ -8,7 +8,7 @@ Tokens ``(B, S, d)`` with the batch sharded over dp and ep together are flattene
 from __future__ import annotations
 
 from ..dist.tensor.layout import ShardSpec
-from ..nn import register_part
+from ..nn.parts import register_moe_mlp
 from .layer import MoE
 
 __all__ = ["MoEMLP"]
@@ -51,4 +51,4 @@ class MoEMLP:
         return total
 
 
-register_part("MoEMLP", MoEMLP)       # nn.Transformer(moe=...) builds its blocks with it
+register_moe_mlp(MoEMLP)       # nn.Transformer(moe=...) builds its blocks with it (nn.parts)

@@ -21,12 +21,24 @@ runs on plain arrays (the single-process reference).
 """
 from __future__ import annotations
 
-from .blocks import Attention, SwiGLUMLP, TransformerBlock, register_part
+from .blocks import Attention, SwiGLUMLP, TransformerBlock
 from .layers import Embedding, Linear, RMSNorm, cross_entropy, one_hot, vocab_iota
 from .module import Module
 from .transformer import Transformer
+from .parts import register_moe_mlp, register_part, register_stage_plan  # noqa: F401  (how moe and pipeline plug in)
+from ..upper import UpperNames
 
 __all__ = [
     "Module", "Linear", "Embedding", "RMSNorm", "Attention", "SwiGLUMLP", "TransformerBlock", "Transformer",
     "cross_entropy", "one_hot", "vocab_iota",
 ]
+
+# names that live above nn: tessera_rt.inference provides them when imported
+UPPER = UpperNames(__name__, {"Llama": "tessera_rt.inference", "KVCache": "tessera_rt.inference"})
+
+
+def __getattr__(name: str):
+    err = UPPER.missing(name)
+    if err is None:
+        err = AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise err

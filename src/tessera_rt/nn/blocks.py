@@ -8,6 +8,7 @@ from typing import Any
 from .. import op
 from .layers import Linear, RMSNorm
 from .module import Module
+from .parts import PARTS
 
 
 class Attention(Module):
@@ -117,24 +118,6 @@ class SwiGLUMLP(Module):
         return self.w2(p["w2"], op.swiglu(x, p["w1"]["w"], p["w3"]["w"]))
 
 
-# Parts of the Transformer that live above nn: the MoE block (tessera_rt.moe.model) and the
-# pipeline stage split (tessera_rt.pipeline.stages). Those modules register them here on
-# import (`import tessera_rt` imports both), so nn never imports upward.
-_PARTS: dict = {}
-
-
-def register_part(name: str, cls) -> None:
-    _PARTS[name] = cls
-
-
-def _part(name: str, what: str):
-    cls = _PARTS.get(name)
-    if cls is None:
-        raise RuntimeError(f"nn.{what} needs {name}, which tessera_rt.moe / tessera_rt.pipeline register: "
-                           "import tessera_rt (it imports every layer)")
-    return cls
-
-
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
@@ -166,7 +149,7 @@ class TransformerBlock(Module):
         self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
         self.attn = Attention(d_model, n_heads, **kw)
         if moe:                                # routed experts over ep instead of the dense MLP
-            self.mlp = _part("MoEMLP", "Transformer(moe=...)")(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
+            self.mlp = PARTS.need_moe_mlp()(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
         else:
             self.mlp = SwiGLUMLP(d_model, hidden, **kw)
 

@@ -73,6 +73,7 @@ class Linear(Module):
         return op.add(y, p["b"]) if self.bias else y
 
 
+# cache: (vocab, dtype, backend) -> arange(vocab), for one-hot comparisons
 _IOTAS: dict = {}
 
 

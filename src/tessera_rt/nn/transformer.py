@@ -8,12 +8,13 @@ import numpy as np
 
 from .. import op
 from ..backend import get_backend
-from ..autodiff import checkpoint
+from ..autodiff import remat as remat_block
 from ..dist.tensor.dtensor import distribute
 from ..dist.tensor.layout import ShardSpec
-from .blocks import TransformerBlock, _part
+from .blocks import TransformerBlock
 from .layers import Embedding, Linear, RMSNorm, cross_entropy
 from .module import Module, _rng_normal
+from .parts import PARTS
 
 
 class Transformer(Module):
@@ -60,7 +61,8 @@ class Transformer(Module):
         # rank's modules live on its stage's sub-mesh and it builds only its own parameters
         self.stage_plan = None
         if mesh is not None and pp_axis in mesh.axes:
-            self.stage_plan = _part("StagePlan", f"Transformer over a {pp_axis!r} axis")(mesh, pp_axis, n_layers, stage_of, virtual_stages)
+            split = PARTS.need_stage_plan(pp_axis)            # tessera_rt.pipeline's StagePlan (nn.parts)
+            self.stage_plan = split(mesh, pp_axis, n_layers, stage_of, virtual_stages)
             mesh = self.stage_plan.stage_mesh
         super().__init__(mesh, tp_axis, dtype)
         if remat not in ("none", "all", "every_other"):
@@ -172,7 +174,7 @@ class Transformer(Module):
                 blk.mlp.auxes.clear()
         for i, (blk, bp) in enumerate(zip(self.blocks, p["blocks"])):
             remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
-            x = checkpoint(blk)(bp, x) if remat else blk(bp, x)
+            x = remat_block(blk)(bp, x) if remat else blk(bp, x)
         return self.head(p["head"], self.norm(p["norm"], x))
 
     def loss(self, p: dict, tokens: Any, targets: Any) -> Any:
@@ -362,7 +364,7 @@ class Transformer(Module):
                 self.blocks[i].mlp.auxes.clear()        # keep only this micro-batch's
         for i, bp in zip(plan.layers[vs], p["blocks"]):
             remat = self.remat == "all" or (self.remat == "every_other" and i % 2 == 0)
-            h = checkpoint(self.blocks[i])(bp, h) if remat else self.blocks[i](bp, h)
+            h = remat_block(self.blocks[i])(bp, h) if remat else self.blocks[i](bp, h)
         aux = self._moe_aux(plan.layers[vs])
         if vs != plan.n_virtual - 1:
             return h if aux is None else (h, aux)

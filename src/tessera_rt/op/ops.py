@@ -22,7 +22,7 @@ from ..autodiff.tape import differentiable
 from ..backend import get_backend
 from ..dist.tensor import dispatch as _d
 from ..dist.tensor.dtensor import DTensor
-from ..dist.tensor.rules import _unary_table
+from ..dist.tensor.rules import unary_table
 from ..kernels.numerics import NumericPolicy, numeric
 
 __all__ = [
@@ -204,7 +204,7 @@ def _unary(name: str):
     def fn(x: Any) -> Any:
         if _is_dt(x):
             return _d.unary(name, x)
-        return _unary_table(get_backend().xp)[name](x)
+        return unary_table(get_backend().xp)[name](x)
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (f"Elementwise {name} (DTensor or array).\n\nParameters\n----------\nx : DTensor or array\n"
                   "    The input.\n\nReturns\n-------\nDTensor or array\n    The result, with ``x``'s layout.\n")

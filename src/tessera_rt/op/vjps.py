@@ -17,7 +17,7 @@ import numpy as np
 from . import ops as op
 from ..backend import get_backend
 from ..dist.tensor.dtensor import DTensor
-from ..autodiff.tape import _kind, vjp_rule
+from ..autodiff.tape import float_kind, vjp_rule
 
 __all__ = ["sum_to", "broadcast_like"]
 
@@ -32,7 +32,7 @@ def _is_tensor(x) -> bool:
 
 def _wide(x):
     """f32 view of a low-precision value (the statistics dtype)."""
-    return op.astype(x, "float32") if _kind(x.dtype) in ("b", "h") else x     # (bf16, fp16)
+    return op.astype(x, "float32") if float_kind(x.dtype) in ("b", "h") else x     # (bf16, fp16)
 
 
 def _as(x, like):

@@ -13,7 +13,7 @@ from ..dtypes import resolve_dtype
 from ..dist.tensor import dispatch
 from ..dist.tensor.dtensor import DTensor, meta_of
 from ..kernels import cpu_fused
-from ..kernels.mlp import _check_pair as check_pair
+from ..kernels.mlp import check_pair
 from ..kernels.numerics import result_dtype
 from ..autodiff.tape import vjp_rule
 from .nn_ops import embedding_backward
@@ -176,7 +176,7 @@ _FUSED_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.float16))
 def _swiglu_forward(fn, vals, kw):
     """Run swiglu keeping its pre-activations ``h1 = x @ w1``, ``h3 = x @ w3`` for the backward,
     which then recomputes neither GEMM: two GEMMs in the operands' dtype and the fused gate.
-    Under ``ts.checkpoint`` the forward records nothing (no_grad), so a rematerialized block
+    Under ``ts.remat`` the forward records nothing (no_grad), so a rematerialized block
     holds them only while its own backward runs."""
     x, w1, w3 = vals
     policy = kw.get("policy")

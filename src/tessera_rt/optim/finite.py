@@ -12,7 +12,7 @@ import numpy as np
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
 from ..dist.tensor.dtensor import DTensor
-from ..kernels._common import array_module
+from ..backend import array_module
 from .optimizers import _F32, _local
 
 
@@ -142,7 +142,7 @@ class LossSpikeGuard:
                           f"{len(self.recent)} steps (a spike: more than {self.factor:g} x)")
                 at = f"step {step}: " if step is not None else ""
                 raise LossSpikeError(f"{at}{reason}: the run is diverging; stopped before this step's update",
-                                     reason=reason, step=step, rank=_rank(), what="loss")
+                                     reason=reason, step=step, rank=current_rank(), what="loss")
         self.recent.append(loss)
 
 
@@ -172,7 +172,8 @@ def non_finite_leaves(tree: Any) -> list[str]:
     return bad
 
 
-def _rank():
+def current_rank():
+    """This rank in the process group, or None before ``dist.init`` (messages name it)."""
     from ..dist.comm.process_group import is_initialized, world
     return world().rank if is_initialized() else None
 
@@ -203,7 +204,7 @@ def check_finite(loss: Any = None, norm: Any = None, *, grads: Any = None, step:
            if v is not None and not math.isfinite(float(v))]
     if not bad:
         return
-    rank = _rank()
+    rank = current_rank()
     at = f"step {step}: " if step is not None else ""
     on = f" on rank {rank}" if rank is not None else ""
     first, count, total = None, 0, 0

@@ -11,7 +11,7 @@ from ..autodiff.engine import tree_flatten, tree_unflatten
 from ..dist.tensor.dtensor import DTensor
 from ..dtypes import dtype_name
 from ..backend import get_backend
-from ..kernels._common import array_module
+from ..backend import array_module
 
 _F32 = np.dtype(np.float32)
 

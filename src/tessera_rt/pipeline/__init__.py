@@ -10,6 +10,9 @@ from .runner import ROLE, Pipeline
 from .schedules import SCHEDULES, gpipe, interleaved, one_f_one_b, schedule_for, simulate, theory_bubble
 from .stages import StagePlan, split_layers, stage_meshes
 from .stats import PipelineStats
+from ..dist import UPPER as _DIST_UPPER
+
+_DIST_UPPER.provide("Pipeline", Pipeline)        # dist.Pipeline (dist sits below this package)
 
 __all__ = ["Pipeline", "ROLE", "PipelineStats", "StagePlan", "split_layers", "stage_meshes", "SCHEDULES", "gpipe",
            "one_f_one_b", "interleaved", "schedule_for", "simulate", "theory_bubble"]

@@ -16,10 +16,11 @@ from typing import Sequence
 import numpy as np
 
 from ..dist.comm.mesh import Mesh
-from ..nn import register_part
+from ..nn.parts import register_stage_plan
 
 __all__ = ["StagePlan", "split_layers", "stage_meshes"]
 
+# cache: (mesh, pp axis) -> the per-stage sub-meshes (made once, collectively)
 _STAGE_MESHES: dict = {}
 
 
@@ -163,4 +164,4 @@ class StagePlan:
         return f"StagePlan(pp={self.pp}, virtual={self.virtual}, layers={self.layers}, stage={self.stage})"
 
 
-register_part("StagePlan", StagePlan)   # nn.Transformer splits its blocks over pp with it
+register_stage_plan(StagePlan)   # nn.Transformer splits its blocks over pp with it (nn.parts)

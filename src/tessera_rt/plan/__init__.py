@@ -10,16 +10,20 @@ The planner sits above the runtime: it reads collectives and kernels only to cal
 lends its time model to the runtime's redistribution choices through ``dist.cost``
 (``use_calibrated``).
 """
-from .memory import Layout, activation_bytes, memory_per_gpu, param_counts
+from .memory import ParallelConfig, activation_bytes, memory_per_gpu, param_counts
 from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .cluster import CLUSTERS, Cluster, get_cluster, local_cluster_path
 from .specs import MODELS, ModelSpec, get_model
 from .timing import BUS_FACTOR, collective_time, step_time
 from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
+from ..deprecation import aliases as _aliases
 
 __all__ = [
     "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",
-    "Layout", "memory_per_gpu", "param_counts", "activation_bytes", "collective_time", "step_time", "BUS_FACTOR",
+    "ParallelConfig", "memory_per_gpu", "param_counts", "activation_bytes", "collective_time", "step_time", "BUS_FACTOR",
     "Candidate", "search", "evaluate", "factorizations", "recipes", "RECIPES",
     "ClusterCostModel", "use_calibrated", "use_builtin",
 ]
+
+# renamed (issue 41: one name per thing; a Layout is a DTensor's placement), kept for one release
+__getattr__ = _aliases(__name__, {"Layout": ("tessera_rt.plan.ParallelConfig", lambda: ParallelConfig)})

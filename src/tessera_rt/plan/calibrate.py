@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["measure_compute", "measure_collectives", "measure_op_cost", "measure_lockstep_share", "fit_alpha_beta", "calibrate", "cluster_from", "SIZES"]
+__all__ = ["measure_compute", "measure_collectives", "measure_op_cost", "measure_lockstep_share", "fit_alpha_beta", "calibrate", "cluster_from", "SIZES", "timed_rounds", "elementwise_bw"]
 
 SIZES = (64, 4096, 65536, 262144, 1 << 20)
 
@@ -115,7 +115,7 @@ def measure_lockstep_share(seconds: float = 0.3, segment_s: float = 2e-3) -> flo
     return float(min(1.0, world.allreduce(share, op=MPI.SUM) / world.Get_size()))
 
 
-def _rounds(fns: dict, rounds: int, calls: int = 2) -> dict:
+def timed_rounds(fns: dict, rounds: int, calls: int = 2) -> dict:
     """{name: [CPU seconds per call, one per round]}: every function timed once per round, in
     turn, so that quantities derived from several of them (a difference, a rate and the
     time it models) come from the same state of the machine.  This VM's cores change speed
@@ -136,8 +136,8 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
     DTensor}, and "share": the share of a core it gets (measure_share).  The backward rates
     are measured as the backward runs them: dgrad ``g @ W.T`` and wgrad ``X.T @ g`` on
     transposed views (NumPy copies them), attention through ts.vjp.  The elementwise
-    bandwidth is what a block's time leaves (``_elementwise_bw``); all of it is timed in
-    rounds (``_rounds``) and each round's rates price that round's block."""
+    bandwidth is what a block's time leaves (``elementwise_bw``); all of it is timed in
+    rounds (``timed_rounds``) and each round's rates price that round's block."""
     from .. import op
     from ..autodiff import value_and_grad
     rng = np.random.default_rng(0)
@@ -156,7 +156,7 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
     x, y = rng.standard_normal((512, 64)).astype(f32), rng.standard_normal((512, 64)).astype(f32)
     ref, ref_params, _ = _block_step(mesh, 64, 256, (4, 64))
     toy, toy_params, _ = _block_step(mesh, 16, 32, (2, 8))
-    t = _rounds({"mm": lambda: [op.matmul(a, b) for a, b, _ in mats],
+    t = timed_rounds({"mm": lambda: [op.matmul(a, b) for a, b, _ in mats],
                  "mm_bwd": lambda: [(op.matmul(g, b.T), op.matmul(a.T, g)) for a, b, g in mats],
                  "att": lambda: att(q, k_, v), "att_both": lambda: both(q, k_, v),
                  "add": lambda: [op.add(x, y) for _ in range(5)],
@@ -167,7 +167,7 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
                  "attention": att_flops / t["att"][r],
                  "attention_bwd": 2 * att_flops / max(t["att_both"][r] - t["att"][r], 1e-9),
                  "hbm_bw": 5 * 3 * x.nbytes / t["add"][r]}
-        rates["elementwise"] = _elementwise_bw(rates, t["ref"][r] - t["toy"][r])
+        rates["elementwise"] = elementwise_bw(rates, t["ref"][r] - t["toy"][r])
         per_round.append(rates)
     out = {k: float(np.median([pr[k] for pr in per_round])) for k in per_round[0]}
     out["hbm_bw"] = out.pop("elementwise")
@@ -213,7 +213,7 @@ def measure_op_cost(mesh, reps: int = 10) -> tuple[float, float]:
     return t / max(n_ops, 1), t
 
 
-def _elementwise_bw(rates: dict, block_s: float) -> float:
+def elementwise_bw(rates: dict, block_s: float) -> float:
     """The effective bandwidth of everything in a block that is not a GEMM, attention or a
     fixed per-op cost (norms, activations, residual adds, reshapes, their backward, and the
     temporaries NumPy allocates for them), from ``block_s``: the CPU time of one
@@ -224,7 +224,7 @@ def _elementwise_bw(rates: dict, block_s: float) -> float:
     model's elementwise bytes; op.add's bandwidth (``rates["hbm_bw"]``) if nothing is left."""
     import dataclasses
 
-    from .memory import Layout
+    from .memory import ParallelConfig
     from .cluster import Cluster
     from .specs import MODELS
     from .timing import _mlp_ops, _roofline, compute_ops
@@ -232,7 +232,7 @@ def _elementwise_bw(rates: dict, block_s: float) -> float:
     probe = Cluster("probe", n_gpus=1, hbm_bytes=1.0, hbm_bw=1e30, flops={"f32": rates["gemm"]}, link_bw=1.0,
                     alpha=0.0, topology="host", op_rates={k: rates[k] for k in ("gemm", "gemm_bwd", "attention",
                                                                                  "attention_bwd")})
-    ops = compute_ops(ref, Layout(), 256, 64, causal=0.5) + _mlp_ops(ref, Layout(), 256, False)
+    ops = compute_ops(ref, ParallelConfig(), 256, 64, causal=0.5) + _mlp_ops(ref, ParallelConfig(), 256, False)
     math_ops = [o for o in ops if o[0] != "elementwise"]
     modeled = _roofline(probe, math_ops, "f32", 1.0) + _roofline(probe, math_ops, "f32", 1.0, bwd=True)
     elem_bytes = 3 * sum(o[2] for o in ops if o[0] == "elementwise")     # forward + twice for the backward

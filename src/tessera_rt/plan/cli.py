@@ -89,13 +89,19 @@ def _table(cands: list) -> str:
             f"{'compute':>9} {'exposed':>9} {'bubble':>9}  schedule, micro-batches x size, remat"]
     for c in cands:
         t, mem = c.step_time, c.memory
-        sched = f"{c.layout.schedule}, " if c.pp > 1 else ""
+        sched = f"{c.config.schedule}, " if c.pp > 1 else ""
         rows.append(f"{c.label:{w}} {c.tp:>3} {c.ep:>3} {c.pp:>3} {c.dp:>3}  {'yes' if c.feasible else 'no':4} "
                     f"{mem['total'] / GB:7.3g} {duration(t['total']):>9} {duration(t['compute']):>9} "
                     f"{duration(t['exposed']):>9} {duration(t['pp_bubble']):>9}  "
-                    f"{sched}{t['n_micro']} x {t['micro_batch']}, {c.layout.remat}"
+                    f"{sched}{t['n_micro']} x {t['micro_batch']}, {c.config.remat}"
                     + ("" if c.feasible or not c.violations else f"  (no: {'; '.join(c.violations)})"))
     return "\n".join(rows)
+
+
+def _uncalibrated(c) -> bool:
+    """A cluster whose figures are stand-ins until measured (the ``local`` preset before
+    ``--calibrate``): its own note says so, and the report repeats it."""
+    return not c.calibrated and "uncalibrated" in c.notes.lower()
 
 
 def _report(a, m, c, cands: list) -> str:
@@ -103,11 +109,13 @@ def _report(a, m, c, cands: list) -> str:
     out = [f"{m.name} ({m.total_params() / 1e9:.3g}B params) on {c.name} ({c.n_gpus} x {c.hbm_bytes / GB:.0f} GB), "
            f"{a.workload}, global batch {batch} sequences of {seq}"
            + ("" if a.batch else " (the model's default; --batch changes it)")]
+    if _uncalibrated(c):
+        out.append(f"note: cluster {c.name!r}: {c.notes}")
     if not c.devices_per_node and c.topology != "host":          # host: ranks of one machine
         out.append(f"note: cluster {c.name!r} gives no devices_per_node, so tp may cross nodes; add "
                    '"devices_per_node" (e.g. 8 for H100 nodes) to the cluster file to keep tp inside a node')
     best = cands[0]
-    out += [_table(cands), f"\nbest: {best.label or best.layout.label()}"]
+    out += [_table(cands), f"\nbest: {best.label or best.config.label()}"]
     out += [f"  - {w}" for w in best.why + best.violations]
     out.append(f"launch: {best.launch}")
     if a.plot:
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"tessera-plan: error: {e}", file=sys.stderr)
         return 2
+    if a.json and _uncalibrated(c):                  # (stdout stays the JSON list)
+        print(f"tessera-plan: note: cluster {c.name!r}: {c.notes}", file=sys.stderr)
     try:
         print(json.dumps([k.to_json() for k in cands], indent=1) if a.json else _report(a, m, c, cands))
     except BrokenPipeError:                          # piped into head

@@ -47,8 +47,8 @@ def traced_activation_bytes(fn: Callable, params, *args) -> int:
     """Run ``fn(params, *args)`` under a ``ts.grad`` trace and count the bytes its tape keeps
     alive for the backward (outputs, saved arguments and residuals of every recorded op),
     each buffer once, the parameters not counted.  The trace is dropped without a backward."""
-    from ..autodiff.engine import _trace
-    tape, _, _, groups, _ = _trace(fn, (params,) + tuple(args), 0, getattr(fn, "__name__", "fn"))
+    from ..autodiff.engine import trace
+    tape, _, _, groups, _ = trace(fn, (params,) + tuple(args), 0, getattr(fn, "__name__", "fn"))
     leaves = {id(_owner(a)) for vs, _ in groups for v in vs for a in _arrays(v.value)}
     seen: dict[int, int] = {}
     for node in tape.nodes:
@@ -110,6 +110,8 @@ def runtime_counts(spec, mesh) -> dict:
     """
     from .. import nn
     from ..autodiff import value_and_grad
+    if spec.n_experts:
+        from .. import moe as _moe  # noqa: F401  (nn.Transformer(moe=...)'s block plugs in when moe is imported)
     moe = (dict(num_experts=spec.n_experts, top_k=spec.top_k, capacity_factor=spec.capacity_factor)
            if spec.n_experts else None)
     rng = np.random.default_rng(0)

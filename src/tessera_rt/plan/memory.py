@@ -25,15 +25,16 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .specs import ModelSpec
+from ..deprecation import aliases
 
-__all__ = ["Layout", "memory_per_gpu", "param_counts", "activation_bytes", "REMATS", "SCHEDULES"]
+__all__ = ["ParallelConfig", "memory_per_gpu", "param_counts", "activation_bytes", "REMATS", "SCHEDULES"]
 
 REMATS = ("none", "every_other", "every")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelConfig:
     """One candidate: the mesh factorization plus the knobs that change memory and time.
 
     Parameters
@@ -43,7 +44,7 @@ class Layout:
     micro_batch : int
         Sequences per micro-batch per data-parallel rank.
     remat : str
-        "none", "all" or "every_other".
+        "none", "every" or "every_other" (rematerialize every block, every other one, none).
     schedule : str
         The pipeline schedule.
     offload : bool
@@ -84,14 +85,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def param_counts(m: ModelSpec, lay: Layout) -> dict:
+def param_counts(m: ModelSpec, lay: ParallelConfig) -> dict:
     """Parameters on the busiest GPU.
 
     Parameters
     ----------
     m : ModelSpec
         The model.
-    lay : Layout
+    lay : ParallelConfig
         The factorization.
 
     Returns
@@ -145,7 +146,7 @@ def _layer_act_elems(m: ModelSpec, tp: int, moe: bool) -> float:
     return e + m.n_experts + 2 * slots * m.d_model + slots * sh_f * _ceil_div(m.f_expert, tp)
 
 
-def activation_bytes(m: ModelSpec, lay: Layout, seq: int, micro_batch: int | None = None) -> dict:
+def activation_bytes(m: ModelSpec, lay: ParallelConfig, seq: int, micro_batch: int | None = None) -> dict:
     """Activation bytes kept per GPU after the forward of the micro-batches in flight, and
     the transient of one rematerialized block.
 
@@ -153,7 +154,7 @@ def activation_bytes(m: ModelSpec, lay: Layout, seq: int, micro_batch: int | Non
     ----------
     m : ModelSpec
         The model.
-    lay : Layout
+    lay : ParallelConfig
         The factorization.
     seq : int
         The sequence length.
@@ -187,7 +188,7 @@ def activation_bytes(m: ModelSpec, lay: Layout, seq: int, micro_batch: int | Non
     return {"per_microbatch": per_mb, "in_flight": in_flight, "transient": transient}
 
 
-def memory_per_gpu(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, batch: int, seq: int,
+def memory_per_gpu(m: ModelSpec, cluster: Cluster, lay: ParallelConfig, *, workload: str, batch: int, seq: int,
                    n_micro: int = 1) -> dict:
     """The bytes breakdown on the busiest GPU (see the module docstring).
 
@@ -197,7 +198,7 @@ def memory_per_gpu(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str
         The model.
     cluster : Cluster
         The cluster.
-    lay : Layout
+    lay : ParallelConfig
         The factorization.
     workload : str
         "train" or "decode".
@@ -256,3 +257,7 @@ def memory_per_gpu(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "kv_cache": kv_cache, "buffers": buffers, "transient": transient, "total": total,
             "host_tier": host, "hbm": cluster.hbm_bytes, "params_per_gpu": p["total"]}
+
+
+# renamed (issue 41), kept for one release
+__getattr__ = aliases(__name__, {"Layout": ("tessera_rt.plan.ParallelConfig", lambda: ParallelConfig)})

@@ -40,7 +40,7 @@ def plot_candidates(cands: list, path: str, *, title: str = "", hbm: float | Non
         x, y = c.memory["total"] / 1e9, c.step_time["total"] * 1e3
         ax.scatter([x], [y], marker="*", s=120, c="tab:red" if c.feasible else "tab:orange", zorder=3)
         # labels fan out to the right, one row each, so neighbouring recipes stay readable
-        ax.annotate(f"{c.label}: {c.layout.label()} ({duration(c.step_time['total'])})", (x, y), fontsize=7,
+        ax.annotate(f"{c.label}: {c.config.label()} ({duration(c.step_time['total'])})", (x, y), fontsize=7,
                     xytext=(0.62, 0.05 + 0.07 * i), textcoords="axes fraction",
                     arrowprops=dict(arrowstyle="-", lw=0.5, color="0.4"))
     limit = 3 * hbm if hbm else None

@@ -10,16 +10,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..pipeline.schedules import layout_problems
-from .memory import REMATS, Layout, memory_per_gpu
+from .memory import REMATS, ParallelConfig, memory_per_gpu
 from .cluster import Cluster, get_cluster
 from .specs import ModelSpec, get_model
 from .timing import duration, step_time
 
 __all__ = ["Candidate", "search", "evaluate", "factorizations", "RECIPES", "recipes", "GB", "runtime_problems",
-           "launch_command", "TRAIN_PY_MODELS"]
+           "launch_command", "tessera_run", "TRAIN_PY_MODELS"]
 
 # The models scripts/train.py builds, and the flags that build them (beside the mesh flags)
 TRAIN_PY_MODELS = {"char": [], "char-moe": ["--experts", "4", "--capacity-factor", "1.25"]}
@@ -54,8 +59,8 @@ class Candidate:
         ``memory_per_gpu``'s breakdown.
     step_time : dict
         ``step_time``'s breakdown.
-    layout : Layout
-        With the knobs chosen.
+    config : ParallelConfig
+        The factorization with the knobs chosen (micro-batch, remat, schedule, offload).
     why : list of str
         Why it ranks where it does.
     violations : list of str
@@ -73,11 +78,18 @@ class Candidate:
     params_per_gpu: int
     memory: dict
     step_time: dict
-    layout: Layout
+    config: ParallelConfig
     why: list = field(default_factory=list)
     violations: list = field(default_factory=list)
     label: str = ""
     launch: str = ""                    # the launch line (launch_command), set by evaluate
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """``config``'s old name (deprecated: "layout" is a DTensor's placement)."""
+        from ..deprecation import warn
+        warn("Candidate.layout", "Candidate.config")
+        return self.config
 
     @property
     def mesh_shape(self) -> dict:
@@ -99,7 +111,7 @@ class Candidate:
                 "memory_bytes": {k: float(self.memory[k]) for k in mem_keys},
                 "step_time_s": {k: float(self.step_time[k]) for k in time_keys},
                 "micro_batch": self.step_time["micro_batch"], "n_micro": self.step_time["n_micro"],
-                "remat": self.layout.remat, "schedule": self.layout.schedule, "offload": self.layout.offload,
+                "remat": self.config.remat, "schedule": self.config.schedule, "offload": self.config.offload,
                 "algorithms": self.step_time["algorithms"], "label": self.label,
                 "violations": list(self.violations), "why": list(self.why), "command": self.launch}
 
@@ -132,7 +144,7 @@ def factorizations(n: int, *, moe: bool, max_tp: int, max_pp: int) -> list[tuple
     return out
 
 
-def runtime_problems(m: ModelSpec, lay: Layout, n_micro: int, batch: int) -> list[str]:
+def runtime_problems(m: ModelSpec, lay: ParallelConfig, n_micro: int, batch: int) -> list[str]:
     """What the runtime (dist.Pipeline, scripts/train.py) refuses in this layout: the same
     rules (pipeline.schedules.layout_problems), so the search never ranks them."""
     return layout_problems(n_layers=m.n_layers, pp=lay.pp, microbatches=n_micro, schedule=lay.schedule,
@@ -147,22 +159,41 @@ def _moe_without_remat(m: ModelSpec) -> bool:
     return bool(m.n_experts) and m.name in TRAIN_PY_MODELS
 
 
+def tessera_run() -> str:
+    """``tessera-run`` as this process can start it from the current directory: the bare name
+    when the one on PATH is this Python's; else its path beside this Python
+    (``.venv/bin/tessera-run`` from the repository root when the venv is not activated);
+    else ``python -m tessera_run`` with this Python (the same launcher)."""
+    here = Path(sys.executable).parent / "tessera-run"
+    found = shutil.which("tessera-run")
+    if here.exists():
+        if found and Path(found).resolve() == here.resolve():
+            return "tessera-run"
+        rel = os.path.relpath(here)
+        return shlex.quote(rel if not rel.startswith("..") else str(here))
+    if found:
+        return "tessera-run"
+    return f"{shlex.quote(sys.executable)} -m tessera_run"
+
+
 def launch_command(k: "Candidate", model: str, batch: int) -> str:
-    """The launch line of a candidate: scripts/train.py with its flags for the models it
-    builds (TRAIN_PY_MODELS), else the mesh flags for the user's own script."""
+    """The launch line of a candidate, as it runs from the repository root: scripts/train.py
+    with its flags for the models it builds (TRAIN_PY_MODELS), else the mesh flags for the
+    user's own script; ``tessera_run()`` says how tessera-run is started."""
     t = k.step_time
     flags = ["--tp", k.tp, "--dp", k.dp, "--pp", k.pp]
     if k.ep > 1 or model == "char-moe":
         flags += ["--ep", k.ep]
     if k.pp > 1 or t["n_micro"] > 1:
-        flags += ["--schedule", k.layout.schedule, "--microbatches", t["n_micro"]]
+        flags += ["--schedule", k.config.schedule, "--microbatches", t["n_micro"]]
+    run = f"{tessera_run()} -n {k.tp * k.ep * k.pp * k.dp}"
     if model not in TRAIN_PY_MODELS:
-        return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} YOUR_SCRIPT.py " + " ".join(map(str, flags))
-    flags += ["--batch", batch, "--remat", REMAT_FLAG[k.layout.remat]] + TRAIN_PY_MODELS[model]
-    return f"tessera-run -n {k.tp * k.ep * k.pp * k.dp} scripts/train.py " + " ".join(map(str, flags))
+        return f"{run} YOUR_SCRIPT.py " + " ".join(map(str, flags))
+    flags += ["--batch", batch, "--remat", REMAT_FLAG[k.config.remat]] + TRAIN_PY_MODELS[model]
+    return f"{run} scripts/train.py " + " ".join(map(str, flags))
 
 
-def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str, n_micro: int = 1,
+def _check(m: ModelSpec, c: Cluster, lay: ParallelConfig, mem: dict, workload: str, n_micro: int = 1,
            batch: int = 1) -> list[str]:
     bad = runtime_problems(m, lay, n_micro, batch) if workload == "train" else []
     h = c.hbm_bytes
@@ -187,7 +218,7 @@ def _check(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, workload: str, n_mi
     return bad
 
 
-def _why(m: ModelSpec, c: Cluster, lay: Layout, mem: dict, t: dict) -> list[str]:
+def _why(m: ModelSpec, c: Cluster, lay: ParallelConfig, mem: dict, t: dict) -> list[str]:
     g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
     ms = duration
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
@@ -273,7 +304,7 @@ def evaluate(model: object, cluster: object, *, tp: int = 1, ep: int = 1, pp: in
 def _settings(m: ModelSpec, c: Cluster, f: tuple, workload: str, seqs: int, knobs: dict):
     tp, ep, pp, dp = f
     if workload != "train":
-        yield Layout(tp, ep, pp, dp, micro_batch=max(seqs, 1), **{k: v for k, v in knobs.items() if k == "remat"})
+        yield ParallelConfig(tp, ep, pp, dp, micro_batch=max(seqs, 1), **{k: v for k, v in knobs.items() if k == "remat"})
         return
     mbs = knobs.get("micro_batch")
     mbs = [mbs] if mbs else sorted({min(2 ** i, seqs) for i in range(0, int(math.log2(max(seqs, 1))) + 1)})
@@ -281,7 +312,7 @@ def _settings(m: ModelSpec, c: Cluster, f: tuple, workload: str, seqs: int, knob
     scheds = [knobs.get("schedule", "1f1b")] if pp == 1 or "schedule" in knobs else ["1f1b", "interleaved"]
     offloads = [knobs["offload"]] if "offload" in knobs else ([False, True] if c.host_tier_bytes else [False])
     for mb, r, s, o in itertools.product(mbs, remats, scheds, offloads):
-        yield Layout(tp, ep, pp, dp, micro_batch=mb, remat=r, schedule=s, offload=o)
+        yield ParallelConfig(tp, ep, pp, dp, micro_batch=mb, remat=r, schedule=s, offload=o)
 
 
 def _policy_dtype(policy, m: ModelSpec) -> str:
@@ -356,7 +387,7 @@ def _no_fit(m: ModelSpec, c: Cluster, least: Candidate, workload: str) -> str:
     gpus = math.ceil(need / (c.hbm_bytes * 0.8))
     msg = (f"model {m.name!r} ({m.total_params() / 1e9:.1f}B parameters) does not fit on cluster {c.name!r} "
            f"({c.n_gpus} x {c.hbm_bytes / GB:.0f} GB) for {workload}: the least memory is "
-           f"{least.memory['total'] / GB:.1f} GB/GPU at {least.layout.label()} "
+           f"{least.memory['total'] / GB:.1f} GB/GPU at {least.config.label()} "
            f"({over / GB:+.1f} GB vs HBM); broken rules: {'; '.join(least.violations)}. To fit: ")
     fixes = [f"about {gpus} GPUs of this kind (weights{' + gradients + AdamW state' if workload == 'train' else ''} "
              f"alone are {need / GB:.0f} GB)"]

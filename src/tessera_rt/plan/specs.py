@@ -323,13 +323,13 @@ MODELS: dict[str, ModelSpec] = {
     # are not split over tp, so only attention's 2 + 2 tp all-reduces per block (timing.py
     # prices the all_to_alls and the routing statistics' all-reduce).  Kept per block, read off
     # tessera_rt.moe.dispatch's saved tensors: per slot (top_k x CF, padded parts) the
-    # dispatched rows (d) and h1, h3, sigmoid, silu and their product (5 f); per token the
-    # combine gather (top_k d), the gate's logits and probabilities (2 E)
+    # dispatched rows (d) and the grouped GEMMs' h1, h3 and silu(h1) * h3 (3 f: moe.experts);
+    # per token the combine gather (top_k d), the gate's logits and probabilities (2 E)
     "char-moe": ModelSpec("char-moe", vocab=111, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256, seq_len=64,
                           dtype="f32", learned_pos=True, batch=8, act_coeffs=(6.0, 5.0, 3.0, 1.0),
                           act_outside=(3.0, 5.0, 3.0), ops_per_layer=28, ops_outside=16, bwd_ops_per_layer=55,
                           bwd_ops_outside=21, tp_ar_per_layer=2, tp_ar_outside=2, n_experts=4, top_k=2,
-                          capacity_factor=1.25, moe_act_coeffs=(1.0, 5.0, 2.0, 2.0),
+                          capacity_factor=1.25, moe_act_coeffs=(1.0, 3.0, 2.0, 2.0),
                           notes="scripts/train.py --experts 4 --capacity-factor 1.25"),
 }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ..autodiff.buckets import grad_bucket_bytes
-from .memory import Layout, _ceil_div, _layer_act_elems, param_counts
+from .memory import ParallelConfig, _ceil_div, _layer_act_elems, param_counts
 from .cluster import Cluster
 from .specs import ModelSpec
 
@@ -156,7 +156,7 @@ def collective_time(cluster: Cluster, op: str, size: float, n: int, *, span: int
     return options[best], best
 
 
-def _span(cluster: Cluster, lay: Layout, axis: str) -> int:
+def _span(cluster: Cluster, lay: ParallelConfig, axis: str) -> int:
     """Ring axes a group crosses on ring2d: tp fills the inner ring (4) first, then the outer."""
     if cluster.topology != "ring2d" or not cluster.grid:
         return 1
@@ -165,7 +165,7 @@ def _span(cluster: Cluster, lay: Layout, axis: str) -> int:
     return 1 if n <= inner or axis != "tp" else 2
 
 
-def compute_ops(m: ModelSpec, lay: Layout, tokens: float, ctx: float, *, causal: float) -> list[tuple]:
+def compute_ops(m: ModelSpec, lay: ParallelConfig, tokens: float, ctx: float, *, causal: float) -> list[tuple]:
     """Forward ops of one block on one GPU for ``tokens`` tokens attending to ``ctx``
     positions: (name, flops, bytes).  A roofline per op prices each."""
     b, d, hd, tp = m.dtype_bytes, m.d_model, m.head_dim, lay.tp
@@ -183,7 +183,7 @@ def compute_ops(m: ModelSpec, lay: Layout, tokens: float, ctx: float, *, causal:
     return ops
 
 
-def _mlp_ops(m: ModelSpec, lay: Layout, tokens: float, moe: bool) -> list[tuple]:
+def _mlp_ops(m: ModelSpec, lay: ParallelConfig, tokens: float, moe: bool) -> list[tuple]:
     b, d, tp = m.dtype_bytes, m.d_model, lay.tp
     if not moe:
         f = _ceil_div(m.ffn_hidden, tp)
@@ -215,7 +215,7 @@ def _roofline(cluster: Cluster, ops: list, dtype: str, slow: float, bwd: bool = 
     return total
 
 
-def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, batch: int, seq: int,
+def step_time(m: ModelSpec, cluster: Cluster, lay: ParallelConfig, *, workload: str, batch: int, seq: int,
               dtype: str | None = None) -> dict:
     """The breakdown in seconds: compute, tp_comm, ep_comm, pp_comm, pp_bubble, dp_comm,
     exposed (communication not hidden), total; plus counts that explain them.
@@ -226,7 +226,7 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: Layout, *, workload: str, bat
         The model.
     cluster : Cluster
         The cluster.
-    lay : Layout
+    lay : ParallelConfig
         The factorization.
     workload : str
         "train" or "decode".

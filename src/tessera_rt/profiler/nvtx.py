@@ -36,6 +36,7 @@ class _Nvtx:
         self._dom.end_range(rid)
 
 
+# [the NVTX module or False], looked up once
 _NVTX: list = []
 
 

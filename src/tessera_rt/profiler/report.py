@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .._format import human_bytes
+from ..formatting import human_bytes
 
 __all__ = ["ProfileReport", "overlap_ratio"]
 

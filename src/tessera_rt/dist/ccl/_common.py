@@ -35,6 +35,7 @@ DEFAULT_TABLE: dict[str, dict[str, list[tuple[float, str]]]] = {
     "cuda": {op: [(64 << 10, "library"), (float("inf"), "ring")]
              for op in ("reduce_scatter", "all_gather", "all_reduce")},
 }
+# this run's per-size algorithm table (a cache of DEFAULT_TABLE for the backend, or set_algo_table's)
 _TABLE: dict[str, list[tuple[float, str]]] = {}
 
 

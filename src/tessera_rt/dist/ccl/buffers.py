@@ -42,6 +42,7 @@ class _Entry:
         self.nbytes = sum(a.nbytes for s in sets for a in s.values())
 
 
+# the persistent buffer registry: key -> its buffer sets (owned here; clear_persistent_buffers empties it)
 _ENTRIES: dict[str, _Entry] = {}
 _ALLOCS = [0]                      # arrays allocated by ccl (persistent or per call)
 

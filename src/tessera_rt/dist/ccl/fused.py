@@ -11,10 +11,10 @@ from . import buffers
 from ._common import check_array, resolve, where
 from .line import line_all_gather, line_reduce_scatter
 
-__all__ = ["double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_gather_concat"]
+__all__ = ["double_matmul_line_reduce_scatter", "llama_rs_create_heads", "all_gather_concat", "local_matmul"]
 
 
-def _matmul(a: Any, b: Any):
+def local_matmul(a: Any, b: Any):
     """``a @ b`` on this rank's arrays: the backend's kernel, what op.matmul runs on arrays
     (op sits above the distributed core)."""
     return C.backend().kernel("matmul", like=a)(a, b)
@@ -84,10 +84,10 @@ def double_matmul_line_reduce_scatter(x: Any, w1: Any, w3: Any, cluster_axis: in
         y1, y3 = backend.kernel("dual_matmul")(x, w1, w3)
         return line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key,
                                    num_links=num_links, algo=algo), y3
-    y1 = _matmul(x, w1)
+    y1 = local_matmul(x, w1)
     y3 = []
     rs = line_reduce_scatter(y1, dim, axis, mesh=mesh, sizes=sizes, buffer_key=buffer_key, num_links=num_links,
-                             algo=algo, between=lambda: y3.append(_matmul(x, w3)))
+                             algo=algo, between=lambda: y3.append(local_matmul(x, w3)))
     return rs, y3[0]
 
 

@@ -20,6 +20,7 @@ from .line import line_all_gather, line_all_reduce, line_reduce_scatter
 
 __all__ = ["hierarchical_all_reduce", "host_mesh"]
 
+# cache: (world ranks, ranks per host) -> the (inter, intra) mesh over them, made once (collectively)
 _HOST_MESHES: dict = {}
 
 

@@ -29,7 +29,7 @@ from ..comm import collectives as C
 from ..tensor.shard import split_sizes
 
 __all__ = ["schedule", "Transfer", "compile_steps", "run_steps", "offsets", "max_piece", "OnRole", "pack_into",
-           "unpack_into"]
+           "unpack_into", "piece_bounds"]
 
 
 Transfer = tuple  # (src, dst, chunk, piece): piece 0/1 = half of the chunk, None = all of it
@@ -76,7 +76,9 @@ def schedule(kind: str, n: int, algo: str) -> tuple[tuple[Transfer, ...], ...]:
     return tuple(steps)
 
 
-def _bounds(offs: Sequence[int], counts: Sequence[int], c: int, piece) -> tuple[int, int]:
+def piece_bounds(offs: Sequence[int], counts: Sequence[int], c: int, piece) -> tuple[int, int]:
+    """[lo, hi) of chunk ``c`` (at ``offs[c]``, ``counts[c]`` long), or of its half ``piece``
+    (0: the first, the larger when odd; 1: the second; None: the whole chunk)."""
     lo, cnt = offs[c], counts[c]
     if piece is None:
         return lo, lo + cnt
@@ -121,7 +123,7 @@ def compile_steps(steps, me: int, offs: Sequence[int], counts: Sequence[int], re
         for src, dst, c, p in step:
             if dst != me:
                 continue
-            lo, hi = _bounds(offs, counts, c, p)
+            lo, hi = piece_bounds(offs, counts, c, p)
             if hi == lo:
                 continue
             if reducing:
@@ -133,7 +135,7 @@ def compile_steps(steps, me: int, offs: Sequence[int], counts: Sequence[int], re
         for src, dst, c, p in step:
             if src != me:
                 continue
-            lo, hi = _bounds(offs, counts, c, p)
+            lo, hi = piece_bounds(offs, counts, c, p)
             sends += [(dst, lo + a, lo + b) for a, b in (_links(hi - lo, links) if hi > lo else ())]
         prog.append((tuple(recvs), tuple(sends), tuple(reduces)))
     return tuple(prog)

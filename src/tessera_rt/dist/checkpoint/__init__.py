@@ -26,7 +26,7 @@ The package, by responsibility:
 * ``loading``: ``load`` with resharding and its checks.
 """
 from .files import SaveInfo, cleanup, history, read_index, rollback
-from .format import CheckpointError, _flatten
+from .format import CheckpointError
 from .lock import DirInUse, DirLock
 from .loading import load
 from .saving import SaveHandle, async_save, save, wait_pending

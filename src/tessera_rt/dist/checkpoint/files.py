@@ -26,7 +26,7 @@ import shutil
 
 import numpy as np
 
-from ..._format import human_bytes
+from ...formatting import human_bytes
 from .format import _FORMAT, CheckpointError, _sha
 from .lock import DirInUse, DirLock, describe
 
@@ -46,7 +46,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file, fsync, rename); the writer
+    writes a save's files with it (the tests fail it to model a full disk)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -296,7 +298,7 @@ def _keep_previous(path: str, seq: int) -> None:
         pass
     except OSError:
         with open(src, "rb") as f:
-            _write_atomic(dst, f.read())
+            write_atomic(dst, f.read())
 
 
 def _retired(path: str, keep: int, index: dict, prev: str | None) -> list[str]:

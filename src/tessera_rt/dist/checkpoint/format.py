@@ -26,7 +26,7 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------------- helpers
 
-def _flatten(tree, prefix="", out=None) -> dict:
+def flatten(tree, prefix="", out=None) -> dict:
     """{"a/b/0": leaf}: dict keys and list/tuple positions joined by "/" (a list's item i and
     a dict's key "i" are the same entry, so ``model.init()``'s block lists and trees whose
     blocks are keyed by layer number name the same tensors)."""
@@ -41,7 +41,7 @@ def _flatten(tree, prefix="", out=None) -> dict:
                              "without '/'")
         key = f"{prefix}/{k}" if prefix else k
         if isinstance(v, (dict, list, tuple)):
-            _flatten(v, key, out)
+            flatten(v, key, out)
         else:
             out[key] = v
     return out

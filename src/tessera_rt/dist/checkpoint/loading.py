@@ -22,7 +22,7 @@ from ..comm.process_group import world
 from ..tensor.shard import local_offsets, local_shape
 from .files import _in_use, _leftovers, _lock, _Reader, _remove, _where, read_index
 from .saving import wait_pending
-from .format import CheckpointError, _all_or_raise, _describe, _flatten, _from_disk, _like_shape, _unflatten
+from .format import CheckpointError, _all_or_raise, _describe, flatten, _from_disk, _like_shape, _unflatten
 
 def _assemble(reader: _Reader, key: str, t: dict, offs, shape) -> np.ndarray:
     """The region [offs, offs+shape) of saved tensor ``key`` from the pieces that overlap it."""
@@ -116,7 +116,7 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
     err, result, index, targets = None, None, None, None
     folder = _where(path)[0]
     try:
-        targets = _flatten(like) if like is not None else None
+        targets = flatten(like) if like is not None else None
         index = read_index(path)
         reader = _Reader(folder, index)
         tensors, values = index["tensors"], index["values"]

@@ -23,7 +23,7 @@ from . import files
 from .files import (INDEX, SaveInfo, _committed, _encode_file, _fsync_dir, _in_use, _keep_previous, _leftovers,
                     _left_note, _lock, _remove, _retired)
 from .format import (
-    _FORMAT, _VERSION, CheckpointError, _all_or_raise, _flatten, _fname, _host, _merge, _sha, _to_disk,
+    _FORMAT, _VERSION, CheckpointError, _all_or_raise, flatten, _fname, _host, _merge, _sha, _to_disk,
 )
 
 
@@ -101,7 +101,7 @@ def _entries(w, flat: dict) -> tuple[dict, dict, dict]:
 
 def _prepare(w, state: dict, path: str, copy: bool, keep: int = 1) -> _Save:
     """Phase 1 (collective): the one metadata exchange, then this rank's pieces on the host."""
-    entries, values, local = _entries(w, _flatten(state))
+    entries, values, local = _entries(w, flatten(state))
     # rank 0 checks and merges every rank's entries, takes the directory's writer lock (until
     # the commit: no other writer's files are ever taken for leftovers), removes what failed
     # or killed saves left (a full disk stays full otherwise), makes this save's directory
@@ -168,7 +168,7 @@ def _write(s: _Save, rank: int) -> None:
             s.ready[0].synchronize()
         mine, s.mine, s.ready = s.mine, None, None
         blob = _encode_file({k: _to_disk(a) for k, a in mine.items()}, s.sid, rank)
-        files._write_atomic(os.path.join(s.path, s.data_dir, fname), blob)
+        files.write_atomic(os.path.join(s.path, s.data_dir, fname), blob)
         s.report = (_sha(blob), len(blob), {k: s.hashes.get(k) or _sha(np.ascontiguousarray(a).tobytes())
                                             for k, a in mine.items()})
     except Exception as e:  # noqa: BLE001 - any failure of this rank's write is the save's error
@@ -203,7 +203,7 @@ def _write_index(s: _Save, index: dict) -> None:
     try:
         if s.keep > 1 and s.prev:
             _keep_previous(path, s.seq)
-        files._write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
+        files.write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
         _fsync_dir(path)
     except OSError as e:
         s.err = f"rank 0: dist.save({path!r}): committing index.json failed: {e}"

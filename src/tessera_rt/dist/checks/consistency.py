@@ -44,7 +44,7 @@ from ..comm.hooks import SEAM, Agreement, caller as _getframe, is_internal as _i
 from ..comm.hooks import user_frame as _user_frame
 from ..comm.calls import ALONE, GroupState, Sig, group_state, sig
 
-__all__ = ["CollectiveMismatchError", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
+__all__ = ["CollectiveMismatchError", "CheckState", "STATE", "ranks_str", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
            "p2p_check_header", "enabled"]
 
@@ -62,6 +62,7 @@ def user_frame(depth: int, lasti: bool = False):
     return code, at, SEAM.moving
 
 
+# cache: (code, line or -1-offset) -> its "file.py:line" text
 _SITES: dict = {}
 
 
@@ -118,7 +119,8 @@ def describe(op, axis, dtype, shape, site, extra=None, meta=None, with_args=Fals
     return s
 
 
-def _ranks_str(rs) -> str:
+def ranks_str(rs) -> str:
+    """``rank 3`` or ``ranks [0,2]``: how messages name ranks."""
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks [" + ",".join(map(str, rs)) + "]"
 
 
@@ -141,11 +143,11 @@ def mismatch_message(me: int, where: str, descs: list, ranks: list, fix: str) ->
 
     def one(key, rs):
         op, axis, dtype, shape, site, extra, meta = key
-        return f"{_ranks_str(rs)} {describe(op, axis, dtype, shape, site, extra, meta, show_args, show_meta)}"
+        return f"{ranks_str(rs)} {describe(op, axis, dtype, shape, site, extra, meta, show_args, show_meta)}"
 
     if len(ordered) > 1 and len(ordered[0][1]) > len(ordered[1][1]):
         odd = [r for _, rs in ordered[1:] for r in rs]
-        lead = f"{_ranks_str(sorted(odd))} differ{'s' if len(odd) == 1 else ''} from the others: "
+        lead = f"{ranks_str(sorted(odd))} differ{'s' if len(odd) == 1 else ''} from the others: "
     else:
         lead = ""
     parts = [one(k, rs) for k, rs in reversed(ordered)] if lead else [one(k, rs) for k, rs in ordered]
@@ -155,22 +157,33 @@ def mismatch_message(me: int, where: str, descs: list, ranks: list, fix: str) ->
 
 # --------------------------------------------------------------------------- the default check
 
-class _Cfg:
-    on = True
-    # DTensor (global shape, layout) seen by ops since the last collective, per mesh (by id),
-    # at most 16 each: a cap shared by all meshes would let a stage's own ops (a pipeline
-    # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
-    metas: dict = {}
-    mask = 1023                       # verify when (call count on the group) & mask == 0
-    ring = deque(maxlen=64)           # the last calls of this rank, for the watchdog
+class CheckState:
+    """The default check's state, one per process (``STATE``): whether it is on, how often it
+    verifies (``mask``), the DTensor metadata noted since the last collective (``metas``) and
+    this rank's last calls (``ring``).  dist/comm/_hot.c reads ``mask`` and ``metas`` through
+    ``SEAM.agreement``; ``configure`` sets ``on`` and ``mask``; ``reset()`` drops what the ops
+    noted (a test harness calls it between tests)."""
+
+    def __init__(self) -> None:
+        self.on = True
+        # DTensor (global shape, layout) seen by ops since the last collective, per mesh (by id),
+        # at most 16 each: a cap shared by all meshes would let a stage's own ops (a pipeline
+        # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
+        self.metas: dict = {}
+        self.mask = 1023                     # verify when (call count on the group) & mask == 0
+        self.ring = deque(maxlen=64)         # the last calls of this rank, for the watchdog
+
+    def reset(self) -> None:
+        """Forget the DTensor metadata noted since the last collective."""
+        self.metas = {}
 
 
-_cfg = _Cfg()
-_RING = _cfg.ring.append
+STATE = CheckState()
+_RING = STATE.ring.append
 
 
 def enabled() -> bool:
-    return _cfg.on
+    return STATE.on
 
 
 def configure(on: bool) -> None:
@@ -178,33 +191,33 @@ def configure(on: bool) -> None:
     replaces it).  ``TESSERA_CHECK=0`` turns it off; ``TESSERA_CHECK_EVERY=N`` (a power of two)
     sets the sampling period."""
     env = os.environ.get("TESSERA_CHECK", "1").strip().lower()
-    _cfg.on = on and env not in ("0", "off", "false", "no")
+    STATE.on = on and env not in ("0", "off", "false", "no")
     every = int(os.environ.get("TESSERA_CHECK_EVERY", "1024"))
     if every < 1 or every & (every - 1):
         raise ValueError(f"TESSERA_CHECK_EVERY={every} must be a power of two (1 verifies every call)")
-    _cfg.mask = every - 1
-    on = _cfg.on
+    STATE.mask = every - 1
+    on = STATE.on
     SEAM.check = check if on else None
     SEAM.check_plan = check_plan if on else None
     SEAM.check_run = check_run if on else None
     SEAM.agreement = _AGREEMENT if on else None
     # Every DTensor op notes the global shapes/layouts it ran on since the last collective
-    # (dispatch.Decision.run, into _cfg.metas), so the next collective's signature carries
+    # (dispatch.Decision.run, into STATE.metas), so the next collective's signature carries
     # them.  A DTensor whose global shape differs across ranks may issue identical
     # collectives (X.sum() all-reduces a scalar); its ops' metadata is where that shows.
-    SEAM.metas = _cfg if on else None
+    SEAM.metas = STATE if on else None
 
 
 def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     """Called by a collective before it moves data, from the frame of the function the user
     called (its caller is the call site); collectives with a cached plan call ``check_sig``.
-    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``Plan.run``
-    (which calls this for each of its collectives, so no ``Plan.run`` frame lies between
+    ``plan_meta``: a compiled redistribution plan's ``check_meta``, passed by ``RedistributionPlan.run``
+    (which calls this for each of its collectives, so no ``RedistributionPlan.run`` frame lies between
     here and the user to read it from)."""
     check_sig(g.__dict__.get("_consistency") or group_state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
 
-def check_sig(st: "GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=_cfg):
+def check_sig(st: "GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=STATE):
     """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which
@@ -241,7 +254,7 @@ def check_sig(st: "GroupState", s: Sig, depth: int = 2, plan_meta=None, _interna
     return None
 
 
-def check_plan(p, depth: int = 2, _c=_cfg) -> None:
+def check_plan(p, depth: int = 2, _c=STATE) -> None:
     """``check_sig`` for a call with a plan ``p`` (``p.st``, ``p.sig`` and ``p.site``, the last
     verified key of a plain call site): a repeat from that site skips the key and the lookup,
     since a verified key stays verified; the group's count and sampling still run."""
@@ -265,8 +278,8 @@ def check_plan(p, depth: int = 2, _c=_cfg) -> None:
 
 
 
-def check_run(plan, checks, _c=_cfg) -> None:
-    """The checks of a compiled redistribution plan's collectives, made by ``Plan.run``
+def check_run(plan, checks, _c=STATE) -> None:
+    """The checks of a compiled redistribution plan's collectives, made by ``RedistributionPlan.run``
     before the first one moves data (``checks``: (op, group, dtype, shape, extra) each).
 
     A run from the call site that last verified them all takes ``plan._verified`` (the depth
@@ -298,7 +311,7 @@ def check_run(plan, checks, _c=_cfg) -> None:
 def _remember(plan, checks):
     """``check_run``'s fast-path record for the run that just verified (None when the user's
     frame cannot be found): the keys ``check_sig`` made, rebuilt from the same parts."""
-    depth, f = 2, _getframe(2)             # 2: Plan.run's caller, seen from check_run
+    depth, f = 2, _getframe(2)             # 2: RedistributionPlan.run's caller, seen from check_run
     while f is not None and _is_internal(f.f_code):
         depth, f = depth + 1, f.f_back
     if f is None:
@@ -373,13 +386,13 @@ def _verify(st: GroupState, seq: int, key) -> None:
 
 
 # what the C path (dist/comm/_hot.c) runs of this check, through SEAM.agreement
-_AGREEMENT = Agreement(_RING, _verify, _cfg, check_plan)
+_AGREEMENT = Agreement(_RING, _verify, STATE, check_plan)
 
 
 def recent_calls() -> list[tuple]:
     """This rank's last calls, oldest first: (group ranks, axis, call # on the group, description)."""
     out = []
-    for st, seq, key in list(_cfg.ring):
+    for st, seq, key in list(STATE.ring):
         d = _desc(st, seq, key)
         out.append((tuple(st.g.ranks), st.g.name, seq,
                     describe(d[1], d[2], d[3], d[4], d[5], d[6], d[7], with_args=d[1] in ("all_reduce",
@@ -392,6 +405,7 @@ def recent_calls() -> list[tuple]:
 # the world communicator (made by dist.init), with the user's tag, so MPI matches header
 # and data in the same order; the receiver checks it before its data can be used.
 
+# [the duplicate of COMM_WORLD the headers travel on], made on the first checked send/recv
 _P2P: list = [None]
 
 

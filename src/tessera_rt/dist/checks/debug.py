@@ -45,7 +45,7 @@ from ..comm.process_group import on_init
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
-    "recorder_enabled", "watchdog_timeout", "WATCHDOG_EXIT_CODE", "register_nccl", "status",
+    "recorder_enabled", "watchdog_timeout", "WATCHDOG_EXIT_CODE", "register_nccl", "status", "parse_debug",
 ]
 
 DEFAULT_TIMEOUT = 300.0      # ends a hung job in minutes; raise it for long first collectives
@@ -89,7 +89,9 @@ def watchdog_timeout() -> float:
     return _cfg.timeout
 
 
-def _parse_debug(spec) -> set[str]:
+def parse_debug(spec) -> set[str]:
+    """The ``TESSERA_DEBUG`` modes of ``spec`` (None: the environment's) this layer acts on, as a
+    set ("kernels" belongs to the kernel layer and is left out); an unknown mode raises."""
     if spec is None:
         spec = os.environ.get("TESSERA_DEBUG", "")
     if spec is True:
@@ -109,7 +111,7 @@ def configure(debug=None, timeout=None, world=None) -> None:
     """Set the debug modes (``dist.init`` calls this).  ``debug``: "collectives", "flight",
     True/False or None (read ``TESSERA_DEBUG``); ``timeout``: watchdog seconds, 0 = off,
     None (read ``TESSERA_TIMEOUT``, default 300)."""
-    modes = _parse_debug(debug)
+    modes = parse_debug(debug)
     _cfg.desync = bool(modes & {"collectives", "desync"})
     _cfg.recorder = _cfg.desync or "flight" in modes
     n = int(os.environ.get("TESSERA_FLIGHT_N", "32"))
@@ -164,6 +166,7 @@ def _crc(s: str) -> int:
     return zlib.crc32(s.encode())
 
 
+# cache: a call's description -> its fingerprint (crc32)
 _FP_CACHE: dict = {}
 
 
@@ -267,8 +270,8 @@ def _check(call: Call) -> None:
     raise CollectiveMismatchError(_mismatch_message(everyone, call, comm.Get_rank(), seq_ok))
 
 
-def _ranks_str(rs) -> str:
-    return consistency._ranks_str(rs)
+def ranks_str(rs) -> str:
+    return consistency.ranks_str(rs)
 
 
 def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
@@ -290,7 +293,7 @@ def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
         if len(shapes) > 1:
             d0 = members[0][1]
             ordered = sorted(shapes.values(), key=len)
-            desc = "; ".join(f"{_ranks_str([wranks[p] for p in ps])} {everyone[ps[0]][3]}"
+            desc = "; ".join(f"{ranks_str([wranks[p] for p in ps])} {everyone[ps[0]][3]}"
                              f"[{','.join(map(str, everyone[ps[0]][4]))}] at {everyone[ps[0]][5]}"
                              for ps in ordered)
             parts.append(f"group {list(gid)} in {d0[1]}({d0[2]}): {desc}")

@@ -222,7 +222,7 @@ def matmul(a, b, policy=None):
 # While the mode is on, collectives' sum/avg reductions come here: every rank's contribution
 # is gathered and added in rank order with tree_sum, so the bits do not depend on which rank
 # arrives first or on the MPI/NCCL algorithm.  ``issue`` is the collectives' own
-# (work._issue: the role's stream order), passed by the caller.
+# (work.issue: the role's stream order), passed by the caller.
 
 def _all_reduce_fixed(g, x, out, op: str, role: str, issue):
     n = g.size

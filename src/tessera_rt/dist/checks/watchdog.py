@@ -43,17 +43,14 @@ import traceback
 from ...dtypes import dtype_name
 from . import consistency
 from ..comm.nccl import NCCL_COMMS
-try:
-    from ..comm import _hot                  # the collectives' C path: its call in progress (pending)
-except ImportError:
-    _hot = None
+from ..comm.c_path import pending as _c_pending   # the collectives' C path: its call in progress
 from ..comm.calls import group_key
 from ..comm.hooks import PKG_DIR, SEAM, is_internal
 from ..comm.mesh import AxisGroup
 from ..comm.mpi import MPI
 
 __all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status", "attach_recorder", "wait_state", "wait_members",
-           "divergence", "disagreement", "UNANSWERED_PROBES"]
+           "divergence", "disagreement", "UNANSWERED_PROBES", "note_of_main"]
 
 WATCHDOG_EXIT_CODE = 14
 # the early comparison: first after this long in one call, then this often; a peer's wait
@@ -65,7 +62,7 @@ UNANSWERED_PROBES = 6
 _WAIT_FILES = {os.path.join(PKG_DIR, "dist", "comm", f) for f in ("communicators.py", "nccl.py", "mesh.py")}
 _WAIT_FUNCS = {("debug.py", "_check"), ("backend.py", "synchronize"), ("backend.py", "wait_done"),
                ("cpu_streams.py", "synchronize"), ("cpu_streams.py", "wait_done"), ("cpu_streams.py", "_wait"),
-               ("work.py", "_issue"), ("work.py", "wait"), ("consistency.py", "_verify"),
+               ("work.py", "issue"), ("work.py", "wait"), ("consistency.py", "_verify"),
                ("consistency.py", "p2p_check_header"), ("consistency.py", "p2p_send_header")}
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
 # the files that define them: dist/comm/collectives.py the five, dist/comm/p2p.py send, recv, barrier
@@ -112,7 +109,7 @@ def hot_pending():
     """(call number, plan, x) of the collective the main thread is in through the C path
     (dist/comm/_hot.c: from its check to the end of its MPI call), which leaves no Python frame
     of its own, or None."""
-    got = _hot.pending() if _hot is not None else None
+    got = _c_pending()
     if got is None or got[3] != threading.main_thread().ident:
         return None
     return got[:3]
@@ -178,7 +175,7 @@ def _pending_from_stack(frame) -> str:
     return making or f"an MPI/NCCL call at {_site_of(frame)}"
 
 
-def _note_of_main() -> str:
+def note_of_main() -> str:
     """What the main thread says it waits for: a layer above dist (the pipeline: its stage and
     micro-batch) wraps its wait in ``hooks.note(...)``; the innermost note counts."""
     main = threading.main_thread().ident
@@ -203,7 +200,7 @@ def status(blocked_for: float | None = None) -> dict:
         pend = "PENDING " + what + (f" for {blocked_for:.1f} s" if blocked_for else "")
     else:
         pend = what = None
-    note = _note_of_main() if busy else ""
+    note = note_of_main() if busy else ""
     if note:
         what, pend = f"{what} ({note})", f"{pend} ({note})"
     return {"rank": world().rank, "host": world().host, "pending": pend, "what": what,
@@ -229,7 +226,7 @@ def divergence(histories: dict) -> list[str]:
                 by: dict = {}
                 for r, d in descs.items():
                     by.setdefault(d, []).append(r)
-                parts = [f"{consistency._ranks_str(rs)} {d}" for d, rs in sorted(by.items(), key=lambda kv: len(kv[1]))]
+                parts = [f"{consistency.ranks_str(rs)} {d}" for d, rs in sorted(by.items(), key=lambda kv: len(kv[1]))]
                 out.append(f"call #{n} on group {list(ranks)} (axis {axis!r}): " + "; ".join(parts))
                 break
     return out
@@ -240,7 +237,7 @@ def _ring_state(st, phase: str):
     check appended it to the ring just before the call (None if the ring no longer has it)."""
     if st is None:
         return None
-    for s, seq, key in reversed(list(consistency._cfg.ring)):
+    for s, seq, key in reversed(list(consistency.STATE.ring)):
         if s is st:
             return (group_key(st.g), seq, phase, consistency._desc(st, seq, key)) if seq == st.seq else None
     return None

@@ -33,7 +33,7 @@ def _mismatch_report(rank: int, gkey, members: dict, waited: float) -> str:
     phases = {}
     for r, w in sorted(members.items()):
         phases.setdefault(w[2], []).append(r)
-    how = "; ".join(f"{consistency._ranks_str(rs)} {_PHASES[p]}" for p, rs in phases.items())
+    how = "; ".join(f"{consistency.ranks_str(rs)} {_PHASES[p]}" for p, rs in phases.items())
     where = f"in group {list(ranks)} (mesh axis {axis!r}, call #{n} on it)"
     msg = consistency.mismatch_message(
         rank, where, [w[3] for w in members.values()], list(members),
@@ -245,7 +245,7 @@ class Watchdog:
         """Ask every rank what it waits in.  Ends the job when two probes in a row find the
         same disagreement (the early comparison, module docstring of ``watchdog``), or when a
         rank has answered none of the last ``UNANSWERED_PROBES``."""
-        mine = wait_state(frame) if consistency._cfg.on else None
+        mine = wait_state(frame) if consistency.STATE.on else None
         comm = cls._comm
         cls._round += 1
         for r in range(size):
@@ -343,7 +343,7 @@ class Watchdog:
                 waits.setdefault(rep["what"], []).append(r)
         if len(waits) > 1:
             lines.append("  they wait in different calls: " + "; ".join(
-                f"{consistency._ranks_str(sorted(rs))} {w}" for w, rs in sorted(waits.items(), key=lambda kv: len(kv[1]))))
+                f"{consistency.ranks_str(sorted(rs))} {w}" for w, rs in sorted(waits.items(), key=lambda kv: len(kv[1]))))
         if any(rep["flight"] for rep in reports.values()):
             lines.append(f"  flight recorder (last {cfg.ring.maxlen} collectives per rank, oldest first):")
             for r in sorted(reports):

@@ -7,7 +7,7 @@ interface (``interface``) and its kinds (``communicators``: MPI and host-staged,
 the layers above (``calls``: the ``Call`` record, signatures, group call states), the
 per-call collective plans (``plans``), the collectives on arrays (``collectives``) with
 their C plan-hit path (``c_path`` loads ``_hot``, built from ``_hot.c``), send, recv and the
-barrier (``p2p``), how a call is issued on its group and stream (``work``: ``_issue``, the
+barrier (``p2p``), how a call is issued on its group and stream (``work``: ``issue``, the
 ``Work`` handle of an async call), the collectives' trace records (``trace``), buffer packing (``packing``), the CPU async progress
 (``cpu_async``) and the one-rank exit of scripts (``script``).
 

@@ -341,7 +341,7 @@ static void keep_out(Collective *c, PyObject *p, PyObject *out) {
     Py_XSETREF(c->m_out[i], out);
 }
 
-/* collectives._group's hot path: the axis group of mesh (None: the current mesh, or the
+/* work.resolve_group's hot path: the axis group of mesh (None: the current mesh, or the
  * world group with no mesh at all), if it has been made (borrowed: the mesh holds it).
  * NULL (no error set): let the Python function find or make it. */
 static PyObject *group_of(PyObject *mesh, PyObject *axis) {
@@ -649,14 +649,14 @@ static PyObject *setup(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- compiled redistributions
  *
- * run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path -- its guard (the
+ * run_compiled(plan, x, depth[, out]): redistribute.RedistributionPlan.run's repeat path -- its guard (the
  * compiled form's array type, dtype and shape), consistency.check_run's remembered-site
  * path, then the compiled function (given ``out``, the caller's buffer for the result, when
  * passed) -- for a plain array with nothing watching collectives.  The compiled function is
- * the plan's one executor (dist/compiled_plan.py), the same Plan.run calls: this adds no
+ * the plan's one executor (dist/compiled_plan.py), the same RedistributionPlan.run calls: this adds no
  * description of the steps of its own.  NotImplemented (before anything has happened) when
- * any of it does not apply, and the caller runs Plan.run.  depth: the caller's frame as check_run
- * counts (1: Plan.run itself, 2: Plan.run's caller). */
+ * any of it does not apply, and the caller runs RedistributionPlan.run.  depth: the caller's frame as check_run
+ * counts (1: RedistributionPlan.run itself, 2: RedistributionPlan.run's caller). */
 static PyObject *S_exec, *S_verified, *S_check;
 static unsigned long long compiled_hits;
 
@@ -741,7 +741,7 @@ static PyMethodDef methods[] = {
      "default_mesh, world_group, ndarray, probe, probe_shape, probe_dtype) -> whether the array fields are read "
      "directly"},
     {"run_compiled", (PyCFunction)(void (*)(void))run_compiled, METH_FASTCALL,
-     "run_compiled(plan, x, depth[, out]): redistribute.Plan.run's repeat path, or NotImplemented"},
+     "run_compiled(plan, x, depth[, out]): redistribute.RedistributionPlan.run's repeat path, or NotImplemented"},
     {"compiled_hits", get_compiled_hits, METH_NOARGS, "runs run_compiled took"},
     {"pending", get_pending, METH_NOARGS,
      "(call number, plan, x, thread ident) of the C-path collective in progress, or None"},

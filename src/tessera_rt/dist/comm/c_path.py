@@ -22,7 +22,7 @@ from .hooks import SEAM
 from .mesh import mesh_stacks
 from .plans import _CLEARS, _PLANS
 
-__all__ = ["load", "wrap"]
+__all__ = ["load", "wrap", "pending"]
 
 
 def load(routes: dict, world_group: list, in_place):
@@ -37,7 +37,7 @@ def load(routes: dict, world_group: list, in_place):
     except ImportError:
         return None, False
     probe = np.zeros((3, 4), np.int16)[:, ::2]       # setup checks the array fields it reads on this
-    fields = _hot.setup(_PLANS, _CLEARS, routes, SEAM, rt._role_streams, CpuWorkerStream, in_place, *mesh_stacks(),
+    fields = _hot.setup(_PLANS, _CLEARS, routes, SEAM, rt.ROLE_STREAMS, CpuWorkerStream, in_place, *mesh_stacks(),
                         world_group, np.ndarray, probe, probe.shape, probe.dtype)
     return _hot, fields
 
@@ -49,3 +49,14 @@ def wrap(hot, fn, key: tuple, none: tuple = ()):
     if hot is None:
         return fn
     return functools.update_wrapper(hot.Collective(getattr(hot, fn.__name__.upper()), fn, key, none), fn)
+
+
+def pending():
+    """(call number, plan, x, thread id) of the collective a thread is in through the C path
+    (from its check to the end of its MPI call, which leaves no Python frame of its own), or
+    None: none, or no extension (the watchdog's report reads it)."""
+    try:
+        from . import _hot
+    except ImportError:
+        return None
+    return _hot.pending()

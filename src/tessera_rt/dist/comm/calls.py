@@ -2,7 +2,7 @@
 a call's interned signature (``sig``) and a group's call count and verified keys
 (``group_state``).
 
-They sit here, below the checkers, because a collective's plan (``plans.Plan``) and the C
+They sit here, below the checkers, because a collective's plan (``plans.CallPlan``) and the C
 path keep them per call: a plan carries its group's state and its signature, so the
 agreement check (``checks.consistency``) looks nothing up on a repeat call, and the
 collectives build the ``Call`` a watcher (``checks.debug``'s recorder, the profiler,
@@ -14,8 +14,9 @@ import weakref
 
 from ...dtypes import dtype_name
 
-__all__ = ["Call", "ALONE", "GroupState", "Sig", "group_key", "group_seqs", "group_state", "sig"]
+__all__ = ["Call", "ALONE", "GroupState", "GroupStates", "GROUPS", "Sig", "group_key", "group_seqs", "group_state", "sig"]
 
+# cache: dtype -> its short name (dtype_name is slow on the hot path)
 _DT_NAMES: dict = {}
 
 
@@ -75,7 +76,38 @@ class GroupState:
         self.seq, self.seen, self.comm, self.g = 0, set(), None, g
 
 
-_STATES: "weakref.WeakSet" = weakref.WeakSet()      # every group's state, for group_seqs
+class GroupStates:
+    """Every live group's ``GroupState`` (weakly: a state goes with its group), the per-group
+    call state of this layer.  ``seqs()`` is what the watchdog reports; ``reset()`` sets every
+    count back to 0, which a test harness calls between tests whose ranks issued different
+    collectives on purpose (apart, the sampled check would verify on one rank alone: a hang)."""
+
+    def __init__(self) -> None:
+        self._states: "weakref.WeakSet[GroupState]" = weakref.WeakSet()
+
+    def add(self, st: GroupState) -> None:
+        self._states.add(st)
+
+    def __iter__(self):
+        return iter(list(self._states))
+
+    def seqs(self) -> dict:
+        """How many calls this rank has issued on each of its groups: {group_key: count} (read
+        by the watchdog's thread while the main thread waits)."""
+        for _ in range(3):
+            try:
+                return {group_key(st.g): st.seq for st in list(self._states)}
+            except RuntimeError:                # the set changed while it was copied: again
+                continue
+        return {}
+
+    def reset(self) -> None:
+        """Every group's call count back to 0 (all ranks must call it at one point)."""
+        for st in list(self._states):
+            st.seq = 0
+
+
+GROUPS = GroupStates()      # the one per process
 
 
 def group_state(g) -> GroupState:
@@ -84,7 +116,7 @@ def group_state(g) -> GroupState:
     if st is None:
         st = GroupState(g)
         object.__setattr__(g, "_consistency", st)      # AxisGroup is frozen; this is bookkeeping
-        _STATES.add(st)
+        GROUPS.add(st)
     return st
 
 
@@ -94,14 +126,8 @@ def group_key(g) -> tuple:
 
 
 def group_seqs() -> dict:
-    """How many calls this rank has issued on each of its groups: {group_key: count} (read by
-    the watchdog's thread while the main thread waits)."""
-    for _ in range(3):
-        try:
-            return {group_key(st.g): st.seq for st in list(_STATES)}
-        except RuntimeError:                # the set changed while it was copied: again
-            continue
-    return {}
+    """``GROUPS.seqs()``: this rank's call count on each of its groups, {group_key: count}."""
+    return GROUPS.seqs()
 
 
 class Sig:
@@ -116,6 +142,7 @@ class Sig:
         self.op, self.dtype, self.shape, self.extra = op, dtype, shape, extra
 
 
+# the interned signatures: content -> its one Sig object (see Sig)
 _SIGS: dict = {}
 
 

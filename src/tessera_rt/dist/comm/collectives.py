@@ -31,17 +31,17 @@ from ...backend import CpuWorkerStream
 from . import c_path
 from .cpu_async import after_role_worker
 from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
-from .plans import (Plan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
+from .plans import (CallPlan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
                     all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
 from .plans import bad_out as _bad_out, untaggable as _untaggable
 from .hooks import SEAM as _SEAM
 from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
-# the issue path (work.py); _issue is also a compiled redistribution plan's step (dist.tensor)
-from .work import _HOOKS, _ROLE_STREAMS, _WORLD_GROUP, _group, _hooked, _issue, _run  # noqa: F401
+# the issue path (work.py); issue is also a compiled redistribution plan's step (dist.tensor)
+from .work import WATCHERS, ROLE_STREAMS, WORLD_GROUP, resolve_group, issue_watched, issue, issue_call  # noqa: F401
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "trace_collectives", "CollectiveRecord",
-    "bus_factor", "route", "TAGS",
+    "bus_factor", "route", "TAGS", "HOT", "HOT_ARRAY_FIELDS",
 ]
 
 
@@ -81,10 +81,10 @@ def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
     ``out=`` checked), the agreement check.  Returns (plan, x, out).  A dtype collectives cannot
     move is refused before the group is made (collective); a plan is built only for a dtype
     its builder checked, so a repeat call pays nothing for that check."""
-    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of _group)
+    g = mesh._groups.get(axis) if mesh is not None else None      # (the hot path of resolve_group)
     if g is None:
         check_dtype(name, x)
-        g = _group(mesh, axis, name, x)
+        g = resolve_group(mesh, axis, name, x)
     p = plan_for(name, g, x, build, args)
     if not x.flags.c_contiguous:
         if out is _X_OUT:
@@ -135,26 +135,26 @@ def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "
         _untaggable("all_reduce", x, tag)
         return _ROUTES[cls]["all_reduce"](x, axis, op, mesh=mesh, out=out, async_op=async_op, role=role)
     p, x, out = prologue("all_reduce", x, axis, mesh, all_reduce_plan, (op, tag, role, async_op), out)
-    if p.fn is None or _HOOKS:
+    if p.fn is None or WATCHERS:
         return run_all_reduce(p, x, out, role, async_op, mesh, tag)
-    s = _ROLE_STREAMS.get(role)                  # run_all_reduce's direct path, inline (saves a call)
+    s = ROLE_STREAMS.get(role)                  # run_all_reduce's direct path, inline (saves a call)
     if s.__class__ is CpuWorkerStream and s._done != s._issued:
         s.wait_tasks()
     p.fn(_IN_PLACE if x is out else x, out, p.mop)
     return out
 
 
-def run_all_reduce(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_all_reduce(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_reduce after its checks (the plain collective, and dist.ccl's library path)."""
-    if _HOOKS:
+    if WATCHERS:
         g, op = p.g, p.rop
-        return _hooked(("all_reduce", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op, p.comm.all_reduce,
+        return issue_watched(("all_reduce", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op, p.comm.all_reduce,
                        (x, out, op), out, det=(g, x, out, op) if op in ("sum", "avg") else None, tag=tag)
     if p.fn is not None:
         after_role_worker(role)
         p.fn(_IN_PLACE if x is out else x, out, p.mop)
         return out
-    return _issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
+    return issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
 
 
 def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, dim: int = 0,
@@ -197,33 +197,33 @@ def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str
                                               async_op=async_op, role=role)
     p, x, out = prologue("reduce_scatter", x, axis, mesh, reduce_scatter_plan,
                          (op, dim, _tup(sizes), tag, role, async_op), out)
-    if p.fn is None or _HOOKS or p.pack is not None:
+    if p.fn is None or WATCHERS or p.pack is not None:
         return run_reduce_scatter(p, x, out, role, async_op, mesh, tag)
-    s = _ROLE_STREAMS.get(role)                  # run_reduce_scatter's direct path, inline (saves a call)
+    s = ROLE_STREAMS.get(role)                  # run_reduce_scatter's direct path, inline (saves a call)
     if s.__class__ is CpuWorkerStream and s._done != s._issued:
         s.wait_tasks()
     p.fn(x, out, p.mop)
     return out
 
 
-def run_reduce_scatter(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_reduce_scatter(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned reduce_scatter after its checks (the plain collective, and dist.ccl's library path)."""
     # out is contiguous and this rank's part is one run of the packed buffer: no unpacking
     send = x if p.pack is None else p.pack(x)
-    if _HOOKS:
+    if WATCHERS:
         g, op = p.g, p.rop
         if p.dim:
             send, flat = send.reshape(-1), out.reshape(-1)
         else:
             flat = out
-        return _hooked(("reduce_scatter", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op,
+        return issue_watched(("reduce_scatter", g, x, x.nbytes, mesh, p.gshape, p.extra), role, async_op,
                        p.comm.reduce_scatter, (send, flat, p.counts, op), out,
                        det=(g, send, flat, p.counts, op, out) if op in ("sum", "avg") else None, tag=tag)
     if p.fn is not None:
         after_role_worker(role)
         p.fn(send, out, p.mop)
         return out
-    return _issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
+    return issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
 
 
 def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int | None = None,
@@ -263,27 +263,27 @@ def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int
         return _ROUTES[cls]["all_gather"](x, axis, dim=dim, sizes=sizes, mesh=mesh, out=out, async_op=async_op,
                                           role=role)
     p, x, out = prologue("all_gather", x, axis, mesh, all_gather_plan, (dim, _tup(sizes), tag, role, async_op), out)
-    if p.fn is None or _HOOKS:
+    if p.fn is None or WATCHERS:
         return run_all_gather(p, x, out, role, async_op, mesh, tag)
-    s = _ROLE_STREAMS.get(role)                  # run_all_gather's direct path, inline (saves a call)
+    s = ROLE_STREAMS.get(role)                  # run_all_gather's direct path, inline (saves a call)
     if s.__class__ is CpuWorkerStream and s._done != s._issued:
         s.wait_tasks()
     p.fn(x, out)
     return out
 
 
-def run_all_gather(p: Plan, x, out, role: str, async_op: bool, mesh, tag):
+def run_all_gather(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     """A planned all_gather after its checks (the plain collective, and dist.ccl's library path)."""
-    info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
+    info = ("all_gather", p.g, x, out.nbytes, mesh, p.gshape, p.extra) if WATCHERS else None
     if not p.flat:                    # communicators take flat buffers: gather, then lay out along dim
         recv = backend().empty((out.size,), x.dtype)
-        return _run(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, _then_unpack(p, recv, out),
+        return issue_call(info, role, async_op, p.comm.all_gather, (x, recv, p.counts), out, _then_unpack(p, recv, out),
                     tag=tag)
     if p.fn is not None and info is None:
         after_role_worker(role)
         p.fn(x, out)
         return out
-    return _run(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
+    return issue_call(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
 
 
 def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_dim: int = 0,
@@ -346,18 +346,18 @@ def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_di
         out = p.empty(p.shape, p.dtype)
     elif out.shape != p.shape or out.dtype != p.dtype or not out.flags.c_contiguous:
         _bad_out(p, x, out)
-    info = ("all_to_all", g, x, x.nbytes, mesh, p.gshape, p.extra) if _HOOKS else None
+    info = ("all_to_all", g, x, x.nbytes, mesh, p.gshape, p.extra) if WATCHERS else None
     if not p.flat:
         recv = backend().empty((out.size,), x.dtype)
-        return _run(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out,
+        return issue_call(info, role, async_op, p.comm.all_to_all, (send, recv, *p.counts), out,
                     _then_unpack(p, recv, out), tag=tag)
     if p.fn is not None and info is None:
-        s = _ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
+        s = ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:
             s.wait_tasks()
         p.fn(send, out)
         return out
-    return _run(info, role, async_op, p.comm.all_to_all, (send, out, *p.counts), out, tag=tag)
+    return issue_call(info, role, async_op, p.comm.all_to_all, (send, out, *p.counts), out, tag=tag)
 
 
 def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int = 0, mesh: Mesh | None = None,
@@ -392,25 +392,27 @@ def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int
         return _ROUTES[cls]["broadcast"](x, axis, root=root, mesh=mesh, async_op=async_op, role=role)
     p, x, _ = prologue("broadcast", x, axis, mesh, broadcast_plan, (root, tag, role, async_op), _X_OUT)
     g = p.g
-    if _HOOKS:
-        return _hooked(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, p.extra), role,
+    if WATCHERS:
+        return issue_watched(("broadcast", g, x, x.nbytes if g.index == root else 0, mesh, x.shape, p.extra), role,
                        async_op, p.comm.broadcast, (x, root), x, tag=tag)
     if p.fn is not None:
-        s = _ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
+        s = ROLE_STREAMS.get(role)          # (inline: the plain collective's direct path)
         if s.__class__ is CpuWorkerStream and s._done != s._issued:
             s.wait_tasks()
         p.fn(x, root)
         return x
-    return _issue(role, async_op, p.comm.broadcast, (x, root), x)
+    return issue(role, async_op, p.comm.broadcast, (x, root), x)
 
 
 # --------------------------------------------------------------------------- the C path (c_path.py)
 
-# _HOT_ARRAY_FIELDS: whether the C path reads NumPy arrays' fields directly (setup's layout check)
-_hot, _HOT_ARRAY_FIELDS = c_path.load(_ROUTES, _WORLD_GROUP, _IN_PLACE)
-all_reduce = c_path.wrap(_hot, all_reduce, ("op", "tag", "role", "async_op"))
-reduce_scatter = c_path.wrap(_hot, reduce_scatter, ("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",))
-all_gather = c_path.wrap(_hot, all_gather, ("dim", "sizes", "tag", "role", "async_op"), ("sizes",))
-all_to_all = c_path.wrap(_hot, all_to_all, ("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is not None",
+# HOT: the C extension set up (dist/comm/_hot.c; None: TESSERA_HOT=0 or no compiler at build),
+# whose run_compiled is also a redistribution plan's repeat path (dist.tensor.redistribute);
+# HOT_ARRAY_FIELDS: whether it reads NumPy arrays' fields directly (setup's layout check)
+HOT, HOT_ARRAY_FIELDS = c_path.load(_ROUTES, WORLD_GROUP, _IN_PLACE)
+all_reduce = c_path.wrap(HOT, all_reduce, ("op", "tag", "role", "async_op"))
+reduce_scatter = c_path.wrap(HOT, reduce_scatter, ("op", "dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_gather = c_path.wrap(HOT, all_gather, ("dim", "sizes", "tag", "role", "async_op"), ("sizes",))
+all_to_all = c_path.wrap(HOT, all_to_all, ("split_dim", "concat_dim", "split_sizes", "recv_sizes", "out is not None",
                                             "tag", "role", "async_op"), ("split_sizes", "recv_sizes"))
-broadcast = c_path.wrap(_hot, broadcast, ("root", "tag", "role", "async_op"))
+broadcast = c_path.wrap(HOT, broadcast, ("root", "tag", "role", "async_op"))

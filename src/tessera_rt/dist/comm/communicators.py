@@ -19,16 +19,18 @@ import os
 import numpy as np
 from .mpi import MPI, MPI_ERROR
 
-from .interface import REDUCE_OPS, Communicator, _displs  # noqa: F401  (REDUCE_OPS: the kinds' reductions)
+from .interface import REDUCE_OPS, Communicator, displacements  # noqa: F401  (REDUCE_OPS: the kinds' reductions)
 from .nccl import NcclCommunicator
 
 __all__ = [
     "Communicator", "MpiCommunicator", "NcclCommunicator", "HostStagedCommunicator",
-    "REDUCE_OPS", "make_communicator",
+    "REDUCE_OPS", "MPI_OPS", "make_communicator", "nccl_algo_hint",
 ]
 
-# (empty without an MPI library: import must work, the first collective says what to install)
-_MPI_OPS = {} if MPI_ERROR else {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+# reduce op -> the MPI op that does it ("avg" sums; the caller divides).  Read by the plans
+# and compiled redistribution steps that call mpi4py directly.  (Empty without an MPI
+# library: import must work, the first collective says what to install.)
+MPI_OPS = {} if MPI_ERROR else {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 # dtypes MPI reduces natively; others (bf16, fp8) are reduced in float32 and rounded once
 _MPI_REDUCIBLE = frozenset(np.dtype(t) for t in (
     np.float16, np.float32, np.float64, np.complex64, np.complex128,
@@ -78,7 +80,7 @@ def _vbuf(a, counts):
     if a.dtype not in _MPI_NATIVE:
         item = a.dtype.itemsize
         counts = [c * item for c in counts]
-    return [_buf(a), (counts, _displs(counts))]
+    return [_buf(a), (counts, displacements(counts))]
 
 
 class MpiCommunicator(Communicator):
@@ -132,18 +134,18 @@ class MpiCommunicator(Communicator):
                     r32[...] /= size
                 if staged:
                     recv[...] = r32
-        return self._call(blocking, *fns, (s32, r32, *extra, _MPI_OPS[op]), then)
+        return self._call(blocking, *fns, (s32, r32, *extra, MPI_OPS[op]), then)
 
     def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
         if blocking and op != "avg" and send.dtype in _MPI_REDUCIBLE:   # the latency-critical case
-            self.mpi.Allreduce(MPI.IN_PLACE if send is recv else send, recv, _MPI_OPS[op])
+            self.mpi.Allreduce(MPI.IN_PLACE if send is recv else send, recv, MPI_OPS[op])
             return None
         return self._reduce(send, recv, op, blocking, (self.mpi.Allreduce, self.mpi.Iallreduce))
 
     def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
         if counts is None:
             if blocking and op != "avg" and send.dtype in _MPI_REDUCIBLE:
-                self.mpi.Reduce_scatter_block(send, recv, _MPI_OPS[op])
+                self.mpi.Reduce_scatter_block(send, recv, MPI_OPS[op])
                 return None
             return self._reduce(send, recv, op, blocking,
                                 (self.mpi.Reduce_scatter_block, self.mpi.Ireduce_scatter_block))
@@ -260,7 +262,7 @@ def _gpu_shared(mpi_comm: MPI.Comm, device_id: int) -> bool:
     return len(set(seats)) != len(seats)
 
 
-def _nccl_algo_hint() -> None:
+def nccl_algo_hint() -> None:
     """TESSERA_COMM_ALGO=tree|ring reaches NCCL the one way it takes an algorithm: NCCL_ALGO,
     read when a communicator is made (seed 000 §3.6); an explicit NCCL_ALGO wins."""
     v = os.environ.get("TESSERA_COMM_ALGO", "").strip().lower()
@@ -290,7 +292,7 @@ def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communic
         raise ValueError("TESSERA_COMM=nccl but NCCL cannot serve this group "
                          f"({'ranks share a GPU' if shared else 'cupy.cuda.nccl is not available'})")
     if use_nccl:
-        _nccl_algo_hint()
+        nccl_algo_hint()
         return NcclCommunicator(mpi_comm)
 
     # Only the copy is waited for (the raw CUDA stream), not host work queued on the

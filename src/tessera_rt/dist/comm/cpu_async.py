@@ -1,6 +1,6 @@
 """Async collectives on a CPU role's worker stream (``backend.CpuWorkerStream``).
 
-``work._issue`` sends an ``async_op=True`` collective here when its role's stream has
+``work.issue`` sends an ``async_op=True`` collective here when its role's stream has
 a worker.  It runs on the role's own duplicate of the group's communicator
 (``MpiCommunicator.for_role``), so collectives of several roles in flight at once cannot
 match each other's messages.  It is started by the caller when the stream has nothing
@@ -55,13 +55,10 @@ def start_on_worker(stream, role: str, method, args: tuple):
     return stream.record()
 
 
-_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
-
-
 def after_role_worker(role: str) -> None:
     """Before a blocking CPU call goes straight to MPI on the caller's thread: let the role's
     worker finish what it was given first (stream order).  The plain collectives' direct
     paths repeat these lines inline (see the note above ``all_reduce``)."""
-    s = _ROLE_STREAMS.get(role)
+    s = rt.ROLE_STREAMS.get(role)
     if s.__class__ is CpuWorkerStream and s._done != s._issued:
         s.wait_tasks()

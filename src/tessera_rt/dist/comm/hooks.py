@@ -17,7 +17,7 @@ reads the same one):
   fills it on import).
 * ``precheck``: the desync check a collective runs before it makes a mesh group's
   communicator (collective too); ``debug`` fills it while ``TESSERA_DEBUG=collectives`` is on.
-* ``moving``: the ``check_meta`` of the redistribution plan whose steps run now (``Plan.run``
+* ``moving``: the ``check_meta`` of the redistribution plan whose steps run now (``RedistributionPlan.run``
   sets it around its step loop), so the check names the DTensor moved.
 * ``notes``: what the main thread waits for, pushed by a layer above (``note(...)``: the
   pipeline's stage and micro-batch) and read by the watchdog's report.

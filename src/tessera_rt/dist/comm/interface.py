@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from .mpi import MPI
 
-__all__ = ["Communicator", "REDUCE_OPS"]
+__all__ = ["Communicator", "REDUCE_OPS", "displacements"]
 
 REDUCE_OPS = ("sum", "max", "min", "avg")
 
 
-def _displs(counts) -> list[int]:
+def displacements(counts) -> list[int]:
+    """Each part's start offset (MPI's displacements) for parts of ``counts`` elements laid end
+    to end."""
     out, acc = [], 0
     for c in counts:
         out.append(acc)

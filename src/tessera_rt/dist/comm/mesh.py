@@ -339,6 +339,8 @@ class Mesh:
         _CURRENT.remove(self)
 
 
+# this layer's mesh state: the ``with mesh:`` stack (innermost last) and set_mesh's default;
+# lists read live by dist/comm/_hot.c (mesh_stacks), written only here
 _CURRENT: list[Mesh] = []
 _DEFAULT: list[Mesh] = []
 

@@ -9,7 +9,7 @@ import numpy as np
 from .mpi import MPI
 
 from ...dtypes import dtype_name
-from .interface import Communicator, _displs
+from .interface import Communicator, displacements
 
 __all__ = ["NcclCommunicator", "NCCL_COMMS"]
 
@@ -144,7 +144,7 @@ class NcclCommunicator(Communicator):
         # uneven parts: one reduce per root, grouped so NCCL schedules them together
         item = send.dtype.itemsize
         self._nccl.groupStart()
-        for root, (count, off) in enumerate(zip(counts, _displs(counts))):
+        for root, (count, off) in enumerate(zip(counts, displacements(counts))):
             dst = recv.data.ptr if root == self.rank else send.data.ptr + off * item
             self.raw.reduce(send.data.ptr + off * item, dst, count, dtype, nop, root, stream.ptr)
         self._nccl.groupEnd()
@@ -156,7 +156,7 @@ class NcclCommunicator(Communicator):
             self.raw.allGather(send.data.ptr, recv.data.ptr, send.nbytes, _NCCL_UINT8, stream.ptr)
             return
         self._nccl.groupStart()
-        for root, (count, off) in enumerate(zip(counts, _displs(counts))):
+        for root, (count, off) in enumerate(zip(counts, displacements(counts))):
             dst = recv.data.ptr + off * item
             src = send.data.ptr if root == self.rank else dst
             self.raw.broadcast(src, dst, count * item, _NCCL_UINT8, root, stream.ptr)
@@ -168,8 +168,8 @@ class NcclCommunicator(Communicator):
         if send_counts is None:
             send_counts = recv_counts = [send.size // self.size] * self.size
         self._nccl.groupStart()
-        for peer, (sc, so, rc, ro) in enumerate(zip(send_counts, _displs(send_counts),
-                                                    recv_counts, _displs(recv_counts))):
+        for peer, (sc, so, rc, ro) in enumerate(zip(send_counts, displacements(send_counts),
+                                                    recv_counts, displacements(recv_counts))):
             if sc:
                 self.raw.send(send.data.ptr + so * item, sc * item, _NCCL_UINT8, peer, stream.ptr)
             if rc:

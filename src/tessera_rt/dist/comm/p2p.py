@@ -10,7 +10,7 @@ from .hooks import SEAM as _SEAM
 from .plans import backend, check_array
 from .plans import check_peer as _peer
 from .process_group import world
-from .work import _HOOKS, Work, _group, _hooked, _issue
+from .work import WATCHERS, Work, resolve_group, issue_watched, issue
 
 __all__ = ["send", "recv", "barrier"]
 
@@ -18,27 +18,27 @@ __all__ = ["send", "recv", "barrier"]
 def send(x, dst: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Send ``x`` to position ``dst`` of the group (a world rank when no mesh or axis is given)."""
-    g = _group(mesh, axis, "send", x)
+    g = resolve_group(mesh, axis, "send", x)
     x = check_array("send", g, x)
     _peer("send", g, x, dst, "dst")
     comm = g.comm
-    if _HOOKS:
-        return _hooked(("send", g, x, x.nbytes, mesh, (), (dst, tag)), role, async_op, comm.send, (x, dst, tag), None)
-    return _issue(role, async_op, comm.send, (x, dst, tag,), None)
+    if WATCHERS:
+        return issue_watched(("send", g, x, x.nbytes, mesh, (), (dst, tag)), role, async_op, comm.send, (x, dst, tag), None)
+    return issue(role, async_op, comm.send, (x, dst, tag,), None)
 
 
 def recv(x, src: int, *, axis=None, mesh=None, tag: int = 0, async_op: bool = False,
          role: str = "tp_collective"):
     """Receive into ``x`` (in place; returns x) from position ``src`` of the group."""
-    g = _group(mesh, axis, "recv", x)
+    g = resolve_group(mesh, axis, "recv", x)
     if not backend().is_array(x) or not x.flags.c_contiguous:
         raise TypeError(f"rank {world().rank}: recv fills x in place: pass a contiguous "
                         f"{backend().xp.__name__} array, got {type(x).__name__}")
     _peer("recv", g, x, src, "src")
     comm = g.comm
-    if _HOOKS:
-        return _hooked(("recv", g, x, 0, mesh, (), (src, tag)), role, async_op, comm.recv, (x, src, tag), x)
-    return _issue(role, async_op, comm.recv, (x, src, tag,), x)
+    if WATCHERS:
+        return issue_watched(("recv", g, x, 0, mesh, (), (src, tag)), role, async_op, comm.recv, (x, src, tag), x)
+    return issue(role, async_op, comm.recv, (x, src, tag,), x)
 
 
 def barrier(axis: str | tuple[str, ...] | None = None, *, mesh: Mesh | None = None, async_op: bool = False,
@@ -61,11 +61,11 @@ def barrier(axis: str | tuple[str, ...] | None = None, *, mesh: Mesh | None = No
     Work or None
         A ``Work`` with ``async_op``, else None.
     """
-    g = _group(mesh, axis, "barrier")
+    g = resolve_group(mesh, axis, "barrier")
     check = _SEAM.check
     if check is not None:
         check("barrier", g, None, (), role if async_op else None)
     comm = g.comm
-    if _HOOKS:
-        return _hooked(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
-    return _issue(role, async_op, comm.barrier, (), None)
+    if WATCHERS:
+        return issue_watched(("barrier", g, None, 0, mesh, (), None), role, async_op, comm.barrier, (), None)
+    return issue(role, async_op, comm.barrier, (), None)

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ... import runtime as rt
+from ...deprecation import aliases
 from ...dtypes import dtype_name
-from .communicators import _MPI_NATIVE, _MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
+from .communicators import _MPI_NATIVE, MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
 from .interface import REDUCE_OPS
 from .calls import ALONE, group_state, sig
 from .mesh import AxisGroup
@@ -26,10 +27,12 @@ from .packing import _even, _pack, with_dim
 from .process_group import world
 from .trace import TAGS
 
-__all__ = ["Plan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made", "check_dtype"]
+__all__ = ["CallPlan", "plan", "lookup", "keep", "planned", "clear_plans", "plans_made", "check_dtype", "mpi_direct"]
 
+# the plan table (a cache: key -> CallPlan), read live by dist/comm/_hot.c; owned here (clear_plans)
 _PLANS: dict = {}
 _MAX_PLANS = 4096          # a bound: plans keep their group (and its mesh) alive
+# plans built in this process (plans_made: the tests check caching)
 _MADE = [0]
 _CLEARS = [0]              # times the table was emptied: dist/comm/_hot.c's memo of its last plan checks it
 
@@ -71,6 +74,7 @@ def plans_made() -> int:
 
 # --------------------------------------------------------------------------- shared checks
 
+# [the world's backend], looked up once
 _BACKEND: list = []
 
 
@@ -153,7 +157,7 @@ def _tup(sizes):
 
 # --------------------------------------------------------------------------- the plan
 
-class Plan:
+class CallPlan:
     """What one collective signature needs per call.  ``fn`` is the raw MPI call for the
     blocking CPU path (None where the communicator method must run: GPU, async, staged
     dtypes, uneven parts); ``empty(shape, dtype)`` allocates the output."""
@@ -184,9 +188,11 @@ class Plan:
         self.hot = (self.fn, self.mop, self.st, self.empty, self.shape, self.dtype, self.pack) if direct else None
 
 
-def _direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
+def mpi_direct(comm, async_op: bool, dtype, reducing: bool, op: str | None = None) -> bool:
     """True when the blocking CPU call may go straight to mpi4py (what the communicator
-    method would do anyway, minus its dispatch)."""
+    method would do anyway, minus its dispatch): an MPI communicator, blocking, and a dtype
+    MPI moves (``reducing``: and reduces with ``op``) itself.  The plans and compiled
+    redistribution steps ask this before taking the raw call."""
     if async_op or comm.__class__ is not MpiCommunicator:
         return False
     if reducing:
@@ -207,13 +213,13 @@ def _comm(name: str, g, x, tag, extra):
     return _tagged(name, g, x, tag, extra)
 
 
-def all_reduce_plan(g, x, op, tag, role, async_op) -> Plan:
+def all_reduce_plan(g, x, op, tag, role, async_op) -> CallPlan:
     x = check_array("all_reduce", g, x)
     _reduce_checks("all_reduce", g, x, op)
     comm, extra = _comm("all_reduce", g, x, tag, op)
-    direct = _direct(comm, async_op, x.dtype, True, op)
-    return Plan("all_reduce", g, comm, x, x.shape, extra, x.shape, role, async_op,
-                fn=comm.mpi.Allreduce if direct else None, mop=_MPI_OPS[op], rop=op)
+    direct = mpi_direct(comm, async_op, x.dtype, True, op)
+    return CallPlan("all_reduce", g, comm, x, x.shape, extra, x.shape, role, async_op,
+                fn=comm.mpi.Allreduce if direct else None, mop=MPI_OPS[op], rop=op)
 
 
 def _even_pack(shape: tuple, dim: int, n: int, part: int):
@@ -231,7 +237,7 @@ def _even_pack(shape: tuple, dim: int, n: int, part: int):
     return pack
 
 
-def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
+def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> CallPlan:
     name = "reduce_scatter"
     x = check_array(name, g, x)
     _reduce_checks(name, g, x, op)
@@ -249,12 +255,12 @@ def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> Plan:
         pack = _even_pack(x.shape, dim, g.size, mine)
     else:
         pack = lambda x: _pack(x, dim, sizes, False)      # noqa: E731
-    direct = counts is None and _direct(comm, async_op, x.dtype, True, op)
-    return Plan(name, g, comm, x, shape, extra, x.shape, role, async_op, dim=dim, counts=counts, pack=pack,
-                fn=comm.mpi.Reduce_scatter_block if direct else None, mop=_MPI_OPS[op], rop=op)
+    direct = counts is None and mpi_direct(comm, async_op, x.dtype, True, op)
+    return CallPlan(name, g, comm, x, shape, extra, x.shape, role, async_op, dim=dim, counts=counts, pack=pack,
+                fn=comm.mpi.Reduce_scatter_block if direct else None, mop=MPI_OPS[op], rop=op)
 
 
-def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
+def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> CallPlan:
     name = "all_gather"
     x = check_array(name, g, x)
     if dim is None:
@@ -275,8 +281,8 @@ def all_gather_plan(g, x, dim, sizes, tag, role, async_op) -> Plan:
     shape = with_dim(x.shape, dim, sum(sizes))
     comm, extra = _comm(name, g, x, tag, dim)
     flat = dim == 0 or math.prod(x.shape[:dim]) == 1          # communicators see flat buffers
-    direct = flat and counts is None and _direct(comm, async_op, x.dtype, False)
-    return Plan(name, g, comm, x, shape, extra, x.shape if not given else with_dim(x.shape, dim, -1), role,
+    direct = flat and counts is None and mpi_direct(comm, async_op, x.dtype, False)
+    return CallPlan(name, g, comm, x, shape, extra, x.shape if not given else with_dim(x.shape, dim, -1), role,
                 async_op, dim=dim, sizes=sizes, even=even, counts=counts, flat=flat,
                 fn=comm.mpi.Allgather if direct else None)
 
@@ -291,7 +297,7 @@ def _pack_plan(shape: tuple, dim: int, sizes: list):
     return lambda x: _pack(x, dim, sizes, False)
 
 
-def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_out, tag, role, async_op) -> Plan:
+def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_out, tag, role, async_op) -> CallPlan:
     """With ``split_sizes`` and no ``recv_sizes`` the receive sizes come from the peers: that
     plan says so (``exchange``, with ``mine`` to send them), and the call then takes the plan
     for the sizes that arrived (``recv_sizes`` given: a second key)."""
@@ -309,7 +315,7 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
     if recv_sizes is None:
         recv_sizes = split_sizes if concat_dim == split_dim else [x.shape[concat_dim]] * n
         if exchange:
-            return Plan(name, g, comm, x, x.shape, extra, gshape, role, async_op, exchange=True, mine=recv_sizes)
+            return CallPlan(name, g, comm, x, x.shape, extra, gshape, role, async_op, exchange=True, mine=recv_sizes)
     else:
         recv_sizes = [int(s) for s in recv_sizes]
         if len(recv_sizes) != n or any(s < 0 for s in recv_sizes):
@@ -323,13 +329,13 @@ def all_to_all_plan(g, x, split_dim, concat_dim, split_sizes, recv_sizes, has_ou
     fixed = _even(send_counts) and send_counts == recv_counts
     flat = concat_dim == 0 or math.prod(shape[:concat_dim]) == 1
     even_recv = _even(recv_sizes)
-    direct = fixed and flat and _direct(comm, async_op, x.dtype, False)
-    return Plan(name, g, comm, x, shape, extra, gshape, role, async_op, dim=concat_dim, sizes=recv_sizes,
+    direct = fixed and flat and mpi_direct(comm, async_op, x.dtype, False)
+    return CallPlan(name, g, comm, x, shape, extra, gshape, role, async_op, dim=concat_dim, sizes=recv_sizes,
                 even=even_recv, counts=(None, None) if fixed else (send_counts, recv_counts), flat=flat,
                 pack=_pack_plan(x.shape, split_dim, split_sizes), fn=comm.mpi.Alltoall if direct else None)
 
 
-def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
+def broadcast_plan(g, x, root, tag, role, async_op) -> CallPlan:
     name = "broadcast"
     b = backend()
     if not b.is_array(x) or not x.flags.c_contiguous:
@@ -339,12 +345,12 @@ def broadcast_plan(g, x, root, tag, role, async_op) -> Plan:
     if not 0 <= root < g.size:
         raise ValueError(f"{where(name, g, x)}: root={root} is not a position in the group (0..{g.size - 1})")
     comm, extra = _comm(name, g, x, tag, root)
-    direct = _direct(comm, async_op, x.dtype, False)
-    return Plan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,
+    direct = mpi_direct(comm, async_op, x.dtype, False)
+    return CallPlan(name, g, comm, x, x.shape, extra, x.shape, role, async_op, root=root,
                 fn=comm.mpi.Bcast if direct else None)
 
 
-def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> Plan:
+def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, **args) -> CallPlan:
     """The plan (the same table entry) the plain collective ``name`` uses for these arguments:
     ``dist.ccl``'s library path runs it with ``collectives.run_<op>``.  The keys are the ones
     the collectives build inline (kept in step by tests/collectives/mpi_ccl.py)."""
@@ -366,7 +372,7 @@ def planned(name: str, g: AxisGroup, x, role: str, tag, async_op: bool = False, 
 _plan_get = _PLANS.get
 
 
-def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
+def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> CallPlan:
     """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
     array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
     try:
@@ -379,7 +385,7 @@ def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> Plan:
     return p
 
 
-def bad_out(p: Plan, x, out):
+def bad_out(p: CallPlan, x, out):
     _out(p.op, p.g, x, out, p.shape, p.dtype)      # raises, naming what out= must be
 
 
@@ -394,3 +400,7 @@ def check_peer(op, g, x, peer, name):
     if not 0 <= peer < g.size or peer == g.index:
         raise ValueError(f"{where(op, g, x)}: {name}={peer} must be another position in the group "
                          f"(0..{g.size - 1}, this rank is {g.index})")
+
+
+# renamed (issue 41: one name per thing; ``Plan`` is the redistribution plan's too)
+__getattr__ = aliases(__name__, {"Plan": ("tessera_rt.dist.comm.plans.CallPlan", lambda: CallPlan)})

@@ -23,7 +23,8 @@ from .communicators import make_communicator
 from .interface import Communicator
 from .hooks import PKG_DIR
 
-__all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort", "on_abort"]
+__all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort", "on_abort",
+           "install_excepthook"]
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def init(*, comm: str | None = None, debug: str | bool | None = None, timeout: f
     _configure_checks(debug, timeout)
     _check_thread_level(rank)
     if size > 1 and os.environ.get("TESSERA_ABORT_ON_ERROR", "1") != "0":
-        _install_excepthook(rank)
+        install_excepthook(rank)
         backend_mod.WORKER_ERROR_HOOKS.append(_end_job_unless_raised(rank, size))
     return _WORLD
 
@@ -266,7 +267,7 @@ def report_failure(etype, value, tb, rank: int, size: int) -> None:
     abort(1)
 
 
-def _install_excepthook(rank: int) -> None:
+def install_excepthook(rank: int) -> None:
     """An uncaught exception on one rank ends the whole job (also without ``tessera-run``),
     with one traceback for the job (``report_failure``)."""
     if getattr(sys.excepthook, "_tessera", False):

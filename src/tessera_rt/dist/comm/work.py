@@ -2,14 +2,15 @@
 compute, the hooks around it, and the ``Work`` handle of a non-blocking one.
 
 The array collectives (``collectives``), the point-to-point calls (``p2p``) and the layers
-above (a compiled redistribution plan's steps, ``dist.ccl``) all go through ``_issue`` (or
-``_run`` / ``_hooked`` when something watches collectives).  On CPU ranks a blocking call
+above (a compiled redistribution plan's steps, ``dist.ccl``) all go through ``issue`` (or
+``issue_call`` / ``issue_watched`` when something watches collectives).  On CPU ranks a blocking call
 goes straight to MPI on the caller's thread; an async one runs on its role's worker.
 """
 from __future__ import annotations
 
 from ... import runtime as rt
 from ...backend import CpuWorkerStream
+from ...runtime import ROLE_STREAMS     # the role -> stream cache (the runtime clears it in place)
 from .calls import Call as _Call
 from .cpu_async import P2P, start_on_worker
 from .hooks import SEAM as _SEAM
@@ -17,14 +18,15 @@ from .mesh import AxisGroup, current_mesh
 from .plans import backend
 from .process_group import world
 
-__all__ = ["Work", "world_group"]
+__all__ = ["Work", "world_group", "WORLD_GROUP", "WATCHERS", "resolve_group", "issue", "issue_watched",
+           "issue_call"]
 
 # What the hot paths read from the seam (dist.comm.hooks): the agreement check (SEAM.check, and
 # SEAM.check_plan for a planned call; None when off or replaced by TESSERA_DEBUG=collectives),
 # called before any data moves, and the watchers (the same list as SEAM.watchers).  An async
 # collective's role is part of what must agree: on CPU ranks each role's worker has its own
 # communicator, so ranks issuing one collective on different roles would never match up.
-_HOOKS = _SEAM.watchers
+WATCHERS = _SEAM.watchers
 
 class Work:
     """Handle of a non-blocking collective; ``wait()`` orders compute after it and returns
@@ -69,7 +71,7 @@ class Work:
         if not self._done:
             call = self._call
             if call is not None:
-                for h in _HOOKS:
+                for h in WATCHERS:
                     if hasattr(h, "wait"):
                         h.wait(call)
             rt.stream("compute").wait_event(self._event)
@@ -102,7 +104,9 @@ class Work:
         return w
 
 
-_WORLD_GROUP: list[AxisGroup] = []
+# The world group, made on first use (a list so dist/comm/_hot.c and issue_watched read the
+# live cache: empty until then).  Owned here; nothing else writes it.
+WORLD_GROUP: list[AxisGroup] = []
 
 
 def world_group() -> AxisGroup:
@@ -113,13 +117,17 @@ def world_group() -> AxisGroup:
     AxisGroup
         All ranks, in world order.
     """
-    if not _WORLD_GROUP:
+    if not WORLD_GROUP:
         w = world()
-        _WORLD_GROUP.append(AxisGroup(("world",), tuple(range(w.size)), w.rank, w.communicator()))
-    return _WORLD_GROUP[0]
+        WORLD_GROUP.append(AxisGroup(("world",), tuple(range(w.size)), w.rank, w.communicator()))
+    return WORLD_GROUP[0]
 
 
-def _group(mesh, axis, op: str, x=None) -> AxisGroup:
+def resolve_group(mesh, axis, op: str, x=None) -> AxisGroup:
+    """The group a collective ``op`` runs on: ``mesh``'s (or the current mesh's) group over
+    ``axis`` (None: the mesh's axes; "world"/None without a mesh: every rank), made on first
+    use.  Making a group is collective over its members: with ``TESSERA_DEBUG=collectives``
+    the desync check runs first on ``x`` (``SEAM.precheck``)."""
     if mesh is not None:
         g = mesh._groups.get(axis)      # the hot path: a group already made
         if g is not None:
@@ -145,14 +153,13 @@ def _group(mesh, axis, op: str, x=None) -> AxisGroup:
     return mesh.group(axis)
 
 
-_ROLE_STREAMS = rt._role_streams          # the runtime's role -> stream cache (cleared in place)
-
-
-def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
-    """Run the communicator ``method(*args)`` on the role's stream, ordered against compute."""
+def issue(role: str, async_op: bool, method, args: tuple, result, then=None):
+    """Run the communicator ``method(*args)`` on the role's stream, ordered against compute:
+    ``result`` (or ``then()``) when blocking, a ``Work`` when ``async_op``.  The one issue path
+    of the collectives, point-to-point calls and compiled redistribution plans."""
     on_gpu = backend().is_gpu
     if not on_gpu:
-        stream = _ROLE_STREAMS.get(role) or rt.stream(role)
+        stream = ROLE_STREAMS.get(role) or rt.stream(role)
         if not async_op:
             # CPU, blocking: straight to MPI on the caller's communicator, after the tasks
             # the role's worker still runs (stream order; its pending sends/recvs are MPI's
@@ -185,25 +192,25 @@ def _issue(role: str, async_op: bool, method, args: tuple, result, then=None):
     return work
 
 
-def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None,
-            tag: str | None = None):
-    """_issue with the hooks around it.  ``info`` = (op, group, x, data bytes, mesh as given,
+def issue_watched(info: tuple, role: str, async_op: bool, method, args: tuple, result, then=None, det=None,
+                  tag: str | None = None):
+    """``issue`` with the watchers (``WATCHERS``) around it.  ``info`` = (op, group, x, data bytes, mesh as given,
     shape that must match within the group, arguments that must match mesh-wide)."""
     op, g, x, nbytes, mesh, gshape, extra = info
-    if mesh is None and not (_WORLD_GROUP and g is _WORLD_GROUP[0]):
+    if mesh is None and not (WORLD_GROUP and g is WORLD_GROUP[0]):
         mesh = current_mesh()
     call = _Call(op, g, x, nbytes, mesh, gshape, extra, role, async_op)
     if tag is not None:
         call.tag = tag
     try:
-        for h in tuple(_HOOKS):
+        for h in tuple(WATCHERS):
             h.before(call)                            # may raise (a desync): after() still runs
         if det is not None and _SEAM.det:
-            r = _SEAM.fixed_order[op](*det, role=role, issue=_issue)     # fixed-order reduction (blocking)
+            r = _SEAM.fixed_order[op](*det, role=role, issue=issue)     # fixed-order reduction (blocking)
             if async_op:
                 r = Work.completed(r)
         else:
-            r = _issue(role, async_op, method, args, result, then)
+            r = issue(role, async_op, method, args, result, then)
     except BaseException:
         _after(call)
         raise
@@ -214,14 +221,14 @@ def _hooked(info: tuple, role: str, async_op: bool, method, args: tuple, result,
     return r
 
 
-def _run(info, role: str, async_op: bool, method, args: tuple, result, then=None, tag: str | None = None):
-    """_issue, or _hooked when something watches collectives (``info`` is None otherwise)."""
+def issue_call(info, role: str, async_op: bool, method, args: tuple, result, then=None, tag: str | None = None):
+    """``issue``, or ``issue_watched`` when something watches collectives (``info`` is None otherwise)."""
     if info is None:
-        return _issue(role, async_op, method, args, result, then)
-    return _hooked(info, role, async_op, method, args, result, then, tag=tag)
+        return issue(role, async_op, method, args, result, then)
+    return issue_watched(info, role, async_op, method, args, result, then, tag=tag)
 
 
 def _after(call) -> None:
-    for h in reversed(_HOOKS):
+    for h in reversed(WATCHERS):
         if hasattr(h, "after"):
             h.after(call)

@@ -1,6 +1,6 @@
 """Compiled redistribution plans: a plan's steps turned, once, into communicator calls.
 
-A ``Plan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
+A ``RedistributionPlan`` (``redistribute``) is a pure function of (global shape, layouts, mesh, dtype)
 and this rank's mesh position, so everything its collectives work out per call -- the
 group, output shapes, MPI counts, pack/unpack orders, which role runs it -- is the same on
 every call.  ``compile_plan`` works it out once, on the plan's first run, and returns the
@@ -10,15 +10,15 @@ one function that runs the plan from then on, doing only what must happen per ca
   the caller's ``out`` (``DTensor.redistribute(out=...)``);
 * at most one pack and one unpack copy, into the order MPI/NCCL move, where the layout needs
   one (a dim other than the leading one); none where the pieces are contiguous runs;
-* one communicator call in the role's stream order (``collectives._issue``'s), the raw
-  mpi4py call where the array collective's direct path would make one (``_caller``);
+* one communicator call in the role's stream order (``work.issue``'s), the raw
+  mpi4py call where the array collective's direct path would make one (``step_caller``);
 * the local steps (slices, partialize) as the plan made them.
 
-``Plan.run`` makes the agreement check for every collective (the signature the array
+``RedistributionPlan.run`` makes the agreement check for every collective (the signature the array
 collective would pass, returned here) before the first step moves data.  While something
 watches collectives (``trace_collectives``, the profiler, ``TESSERA_DEBUG``, deterministic
 reductions: ``hooks.SEAM.watchers``) each communicator call goes through the array
-collectives' watched path (``collectives._hooked``) with the record the array collective
+collectives' watched path (``work.issue_watched``) with the record the array collective
 would give: the watchers see the same calls, and sum/avg reductions take the deterministic
 fixed order.  The groups a plan's steps need are made here when missing (collectively, on
 every rank, in step order, as the array collectives make them).
@@ -30,17 +30,18 @@ import math
 from collections import namedtuple
 from typing import Callable
 
-from ..comm import collectives as C
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
-from ..comm.communicators import _MPI_OPS
+from ..comm.communicators import MPI_OPS
+from ..comm.cpu_async import after_role_worker
 from ..comm.hooks import SEAM
-from ..comm.plans import _direct as _mpi_direct
+from ..comm.plans import mpi_direct
+from ..comm import work
 from ..comm.packing import with_dim
 from ..comm.process_group import world
 from .shard import local_shape
 
-__all__ = ["compile_plan"]
+__all__ = ["compile_plan", "step_caller"]
 
 # what a watcher's record reads of a collective's input (its shape and dtype; compiled
 # steps know them without the array)
@@ -49,14 +50,14 @@ _Piece = namedtuple("_Piece", "shape dtype")
 
 def _group(mesh, axis, op: str, shape: tuple, dtype):
     """The step's group, made now if it does not exist yet, the array collectives' way
-    (``collectives._group``: making it is collective, so ``TESSERA_DEBUG=collectives`` first
+    (``work.resolve_group``: making it is collective, so ``TESSERA_DEBUG=collectives`` first
     checks that the ranks agree)."""
     g = mesh._groups.get(axis)
-    return g if g is not None else C._group(mesh, axis, op, _Piece(shape, dtype))
+    return g if g is not None else work.resolve_group(mesh, axis, op, _Piece(shape, dtype))
 
 
 def _record(check: tuple, shape: tuple, nbytes: int, mesh) -> tuple:
-    """What the array collective hands its watchers (``collectives._hooked``'s ``info``) for a
+    """What the array collective hands its watchers (``work.issue_watched``'s ``info``) for a
     step with agreement-check arguments ``check`` on an input of ``shape``."""
     op, g, dtype, gshape, extra = check
     return op, g, _Piece(shape, dtype), nbytes, mesh, gshape, extra
@@ -92,6 +93,7 @@ def _keeper(b, shape: tuple, dtype) -> Callable:
 # is not given back when a plan is evicted, so a long run of new plans ends on the pool).
 SCRATCH_MAX_BYTES = 4 << 20
 SCRATCH_BUDGET_BYTES = 64 << 20
+# bytes of scratch buffers compiled plans keep (bounded by SCRATCH_BUDGET_BYTES)
 _SCRATCH_KEPT = [0]
 
 
@@ -173,14 +175,14 @@ def _counts(sizes, inner: int):
     return None if min(sizes) == max(sizes) else [s * inner for s in sizes]
 
 
-def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = None,
-            record: tuple | None = None) -> Callable:
+def step_caller(comm, method: str, role: str, dtype, counts=None, op: str | None = None,
+                record: tuple | None = None) -> Callable:
     """(send, recv) -> recv, after one blocking ``comm.<method>`` in ``role``'s stream order.
 
     On CPU ranks over MPI, with fixed-size parts and a dtype MPI moves (reduces) itself, this
     is the raw mpi4py call the method would make, after the role's worker has run what it
-    was given (collectives._issue's CPU order): ~0.8 us a call less than going through
-    ``_issue`` and the method.  Otherwise ``_issue`` (GPU streams, staged dtypes, -v forms).
+    was given (``work.issue``'s CPU order): ~0.8 us a call less than going through
+    ``issue`` and the method.  Otherwise ``issue`` (GPU streams, staged dtypes, -v forms).
     While something watches collectives the call is the array collective's watched one
     (``_watched``, with ``record``)."""
     reducing = method in ("all_reduce", "reduce_scatter")
@@ -190,8 +192,8 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
     fixed = all(c is None for c in sizes)            # equal parts: the fixed-size MPI call
     m, watchers = getattr(comm, method), SEAM.watchers
     watched = _watched(record, role, m, extra, reducing and op in ("sum", "avg"), method == "reduce_scatter")
-    if not (fixed and _mpi_direct(comm, False, dtype, reducing, op)):
-        issue = C._issue
+    if not (fixed and mpi_direct(comm, False, dtype, reducing, op)):
+        issue = work.issue
 
         def issue_call(send, recv):
             if watchers:
@@ -201,8 +203,8 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
     mpi = comm.mpi
     fn = {"all_reduce": mpi.Allreduce, "reduce_scatter": mpi.Reduce_scatter_block, "all_gather": mpi.Allgather,
           "all_to_all": mpi.Alltoall}[method]
-    args = (_MPI_OPS[op],) if reducing else ()
-    after_worker = C.after_role_worker
+    args = (MPI_OPS[op],) if reducing else ()
+    after_worker = after_role_worker
 
     def raw_call(send, recv):            # (the watchdog knows this frame: it waits inside MPI)
         if watchers:
@@ -214,11 +216,11 @@ def _caller(comm, method: str, role: str, dtype, counts=None, op: str | None = N
 
 
 def _watched(record, role: str, method, extra: tuple, det: bool, flat: bool) -> Callable:
-    """(send, recv) -> recv through the array collectives' watched path (``collectives._hooked``:
+    """(send, recv) -> recv through the array collectives' watched path (``work.issue_watched``:
     the watchers' before/after around the call) with ``record``, the array collective's; ``det``:
     a sum/avg reduction, which takes the fixed order while deterministic reductions are on;
     ``flat``: a reduce_scatter, whose parts go flat (as ``collectives.run_reduce_scatter``)."""
-    hooked = C._hooked
+    hooked = work.issue_watched
 
     def watched(send, recv):
         out = recv
@@ -242,7 +244,7 @@ def _all_reduce(b, mesh, shape, dtype, spec):
     a, op = spec
     g = _group(mesh, a, "all_reduce", shape, dtype)
     check = ("all_reduce", g, dtype, shape, op)
-    call = _caller(g.comm, "all_reduce", "tp_collective", dtype, op=op,
+    call = step_caller(g.comm, "all_reduce", "tp_collective", dtype, op=op,
                    record=_record(check, shape, _nbytes(shape, dtype), mesh))
     new_out = _keeper(b, shape, dtype)
 
@@ -260,7 +262,7 @@ def _all_gather(b, mesh, shape, dtype, spec):
     out_shape = with_dim(shape, d, sum(sizes))
     # what collectives.all_gather checks: with sizes given, lengths along d may differ
     check = ("all_gather", g, dtype, shape if even else with_dim(shape, d, -1), d)
-    call = _caller(g.comm, "all_gather", "tp_collective", dtype, counts,
+    call = step_caller(g.comm, "all_gather", "tp_collective", dtype, counts,
                    record=_record(check, shape, _nbytes(out_shape, dtype), mesh))
     new_out = _keeper(b, out_shape, dtype)
     unpack = _unpacker(b.xp, out_shape, d, sizes)
@@ -285,7 +287,7 @@ def _reduce_scatter(b, mesh, shape, dtype, spec):
     counts = _counts(sizes, inner)
     out_shape = with_dim(shape, d, sizes[g.index])
     check = ("reduce_scatter", g, dtype, shape, (op, d))
-    call = _caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op,
+    call = step_caller(g.comm, "reduce_scatter", "tp_collective", dtype, counts, op,
                    record=_record(check, shape, _nbytes(shape, dtype), mesh))
     new_out = _keeper(b, out_shape, dtype)
     pack = _packer(b, shape, d, sizes, dtype)
@@ -304,8 +306,8 @@ def _exchange(b, g, dtype, in_shape, split_dim, split, concat_dim, recv, record)
     recv_counts = [math.prod(with_dim(base, concat_dim, r)) for r in recv]
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (send_counts, recv_counts)
-    comm, issue, xp = g.comm, C._issue, b.xp
-    call = _caller(comm, "all_to_all", "a2a", dtype, (sc, rc), record=record)
+    comm, issue, xp = g.comm, work.issue, b.xp
+    call = step_caller(comm, "all_to_all", "a2a", dtype, (sc, rc), record=record)
     pack = _packer(b, in_shape, split_dim, split, dtype)
     unpack = _unpacker(xp, out_shape, concat_dim, recv)
     new_out, new_got = _keeper(b, out_shape, dtype), _scratch(b, (math.prod(out_shape),), dtype)
@@ -377,7 +379,7 @@ def _direct(b, mesh, shape, dtype, spec):
     check = ("all_to_all", g, dtype, (-1,), (0, 0))
     fixed = min(send_counts) == max(send_counts) and send_counts == recv_counts
     sc, rc = (None, None) if fixed else (list(send_counts), list(recv_counts))
-    call = _caller(g.comm, "all_to_all", "a2a", dtype, (sc, rc), record=_record(check, packed, _nbytes(packed, dtype), mesh))
+    call = step_caller(g.comm, "all_to_all", "a2a", dtype, (sc, rc), record=_record(check, packed, _nbytes(packed, dtype), mesh))
     xp = b.xp
     new_buf, new_got = _scratch(b, (sum(send_counts),), dtype), _scratch(b, (sum(recv_counts),), dtype)
     new_out = _keeper(b, out_shape, dtype)

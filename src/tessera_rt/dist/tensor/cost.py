@@ -63,6 +63,8 @@ class AlphaBeta:
 
 
 DEFAULT = AlphaBeta(name="built-in alpha-beta")
+# the cost model in use (set_cost_model) and who is told when it changes (on_change): this
+# module's state, written only through those two functions
 _MODEL: list = [DEFAULT]
 _LISTENERS: list[Callable[[], None]] = []
 

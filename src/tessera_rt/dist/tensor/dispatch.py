@@ -15,7 +15,8 @@ import numpy as np
 
 from ...backend import get_backend
 from ..comm.hooks import SEAM as _SEAM
-from .dtensor_type import DTensor, TensorMeta, meta_of, use_dispatcher
+from .dtensor_type import DTensor, TensorMeta, meta_of
+from .entries import use_dispatcher
 from ..comm.process_group import world
 from ..checks import determinism
 from .cost import on_change
@@ -25,14 +26,17 @@ from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions
 
 __all__ = [
     "dispatch", "binary", "unary", "reduce", "matmul", "transpose", "reshape", "softmax", "layernorm",
-    "rmsnorm", "explain", "clear_cache", "Decision",
+    "rmsnorm", "explain", "clear_cache", "Decision", "OP_WATCHERS",
 ]
 
 _SCALAR_TYPES = (int, float, complex, bool)
-_PROF = _SEAM.op_watchers  # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
+OP_WATCHERS = _SEAM.op_watchers  # profiler / NVTX hooks (op_begin, op_end); empty: one list check per op
 # SEAM.metas: the default agreement check's record while it is on, else None (filled by
 # consistency.configure): each op notes its DTensor arguments' metadata there, inline (a
-# hook through _PROF cost ~3 us an op, 12-14% of a toy transformer step)
+# hook through OP_WATCHERS cost ~3 us an op, 12-14% of a toy transformer step)
+
+# caches of the dispatcher: interned argument kinds (scalar, constant) and the decision per
+# (op, params, kinds); clear_cache empties the decisions (a cost model or mode change)
 _SCALAR_KINDS: dict = {}
 _CONST_KINDS: dict = {}
 _CACHE: dict = {}
@@ -54,7 +58,7 @@ class Decision:
         self.arg_metas = arg_metas
 
     def run(self, args):
-        if _PROF:
+        if OP_WATCHERS:
             return _profiled(self, args)
         check = _SEAM.metas
         if check is not None:               # the default check is on: note the arguments
@@ -94,18 +98,18 @@ _new = object.__new__
 
 
 def _profiled(dec: Decision, args):
-    hooks = tuple(_PROF)
+    hooks = tuple(OP_WATCHERS)
     for h in hooks:
         h.op_begin(dec, args)
     out = None
-    _PROF.clear()                    # the op itself runs unhooked (its collectives are hooked)
+    OP_WATCHERS.clear()                    # the op itself runs unhooked (its collectives are hooked)
     try:
         out = dec.run(args)
     finally:
-        if _PROF:                    # hooks added while the op ran (a profile entered inside it)
-            _PROF[:] = [h for h in hooks if h not in _PROF] + _PROF
+        if OP_WATCHERS:                    # hooks added while the op ran (a profile entered inside it)
+            OP_WATCHERS[:] = [h for h in hooks if h not in OP_WATCHERS] + OP_WATCHERS
         else:
-            _PROF[:] = hooks
+            OP_WATCHERS[:] = hooks
         for h in reversed(hooks):
             h.op_end(dec, args, out)
     return out
@@ -201,7 +205,7 @@ def compute_region(name: str) -> contextlib.AbstractContextManager:
     context manager
         ``region(name)`` of the recording profiles, or a no-op context when none records.
     """
-    profs = [p for p in _PROF if hasattr(p, "region")]
+    profs = [p for p in OP_WATCHERS if hasattr(p, "region")]
     if not profs:
         return contextlib.nullcontext()
     if len(profs) == 1:

@@ -17,7 +17,8 @@ import numpy as np
 from ..comm.hooks import differentiable
 from ...backend import get_backend
 from ...dtypes import resolve_dtype
-from .dtensor_type import _io, DTensor, TensorMeta, meta_of  # noqa: F401  (TensorMeta: re-exported)
+from .dtensor_type import DTensor, TensorMeta, meta_of  # noqa: F401  (TensorMeta: re-exported)
+from .entries import INTEROP
 from .layout import Layout, as_layout
 from ..comm.mesh import Mesh, current_mesh
 from ..comm.process_group import world
@@ -178,7 +179,7 @@ def distribute(global_array: object, layout: object = None, mesh: Mesh | None = 
     """
     mesh = _mesh(mesh, "dist.distribute")
     backend = get_backend()
-    g = _io.as_global(global_array, backend)
+    g = INTEROP.as_global(global_array, backend)
     shape = tuple(int(s) for s in g.shape)
     lay = as_layout(layout, shape, mesh)
     offs, sizes = local_offsets(shape, lay, mesh), local_shape(shape, lay, mesh)

@@ -27,7 +27,6 @@ Interop with NumPy, CuPy and PyTorch (a DTensor is a global tensor, not this ran
 from __future__ import annotations
 
 import inspect
-import types
 
 import numpy as np
 
@@ -38,33 +37,16 @@ from .layout import REPLICATE, Layout, as_layout
 from ..comm.mesh import Mesh
 from ..comm.process_group import world
 from .cost import on_change
-from .redistribute import Plan, _fast_run, plan_redistribute
-
-# What DTensor's operators and NumPy protocols call, from the modules above this one (they
-# make DTensors, so they import it): ``dist.tensor.dispatch`` registers the op entry points
-# (binary, unary, reduce, matmul, reshape, transpose) and ``dist.tensor.interop`` the NumPy,
-# pickle and ``distribute`` helpers, each on import (dist/__init__ imports both).
-_d = types.SimpleNamespace()
-_io = types.SimpleNamespace()
-
-
-def use_dispatcher(**ops) -> None:
-    """``dist.tensor.dispatch``'s op entry points, which DTensor's operators call."""
-    vars(_d).update(ops)
+from .entries import DISPATCH, INTEROP
+from .redistribute import RedistributionPlan, _fast_run, plan_redistribute
 
 
 def _unpickle(*args):
     """Rebuild a pickled DTensor (``dist.tensor.interop``'s; this is the name pickles refer to)."""
-    return _io.unpickle(*args)
+    return INTEROP.unpickle(*args)
 
 
-def use_interop(**parts) -> None:
-    """``dist.tensor.interop``'s helpers (refusal, ufuncs, ufunc_hint, functions, original, func_hint,
-    meshes, unpickle, as_global), which DTensor's NumPy/pickle protocols call."""
-    vars(_io).update(parts)
-
-
-__all__ = ["DTensor", "TensorMeta", "meta_of", "use_dispatcher", "use_interop"]
+__all__ = ["DTensor", "TensorMeta", "meta_of"]
 
 
 class TensorMeta:
@@ -107,6 +89,7 @@ class TensorMeta:
         return hit
 
 
+# interned metadata: (layout, shape, dtype, mesh) -> its one TensorMeta (cache; bounded by what exists)
 _METAS: dict[tuple, TensorMeta] = {}
 _REDIST_MAX = 64          # targets remembered per meta (a loop making new specs must not grow it)
 
@@ -181,32 +164,32 @@ class DTensor:
 
     # interop (module doc) ---------------------------------------------------------
     def __dlpack__(self, *args, **kwargs):
-        raise TypeError(_io.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+        raise TypeError(INTEROP.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
 
     def __dlpack_device__(self):
-        raise TypeError(_io.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
+        raise TypeError(INTEROP.refusal(self, "DLPack export (torch/cupy/np.from_dlpack)", "from_dlpack"))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if any(type(a) is _TRACE.var for a in inputs):
             return NotImplemented                    # a traced operand records the op itself
         name = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
-        entry = _io.ufuncs.get(ufunc.__name__)
+        entry = INTEROP.ufuncs.get(ufunc.__name__)
         if method != "__call__" or entry is None or kwargs:
             what = (f"keyword(s) {sorted(kwargs)}" if kwargs and entry is not None and method == "__call__"
                     else "no DTensor rule")
-            raise TypeError(_io.refusal(self, f"{name} ({what})", name) + _io.ufunc_hint)
+            raise TypeError(INTEROP.refusal(self, f"{name} ({what})", name) + INTEROP.ufunc_hint)
         kind, op_name = entry
         if kind == "unary":
-            return _d.unary(op_name, inputs[0])
+            return DISPATCH.unary(op_name, inputs[0])
         if kind == "matmul":
-            return _d.matmul(*inputs)
-        return _d.binary(op_name, *inputs)
+            return DISPATCH.matmul(*inputs)
+        return DISPATCH.binary(op_name, *inputs)
 
     def __array_function__(self, func, types, args, kwargs):
         name = f"np.{func.__name__}"
-        impl = _io.functions.get(func.__name__)
-        if impl is None or _io.original.get(func.__name__) is not func:
-            raise TypeError(_io.refusal(self, f"{name} (no DTensor rule)", name) + _io.func_hint)
+        impl = INTEROP.functions.get(func.__name__)
+        if impl is None or INTEROP.original.get(func.__name__) is not func:
+            raise TypeError(INTEROP.refusal(self, f"{name} (no DTensor rule)", name) + INTEROP.func_hint)
         try:
             bound = inspect.signature(func).bind(*args, **kwargs).arguments
         except TypeError as e:
@@ -215,7 +198,7 @@ class DTensor:
 
     def __reduce__(self):
         m = self._meta
-        _io.meshes[(m.mesh.axes, m.mesh.sizes, m.mesh.devices)] = m.mesh
+        INTEROP.meshes[(m.mesh.axes, m.mesh.sizes, m.mesh.devices)] = m.mesh
         local = self._local if isinstance(self._local, np.ndarray) else get_backend().to_host(self._local)
         return (_unpickle, (1, m.layout, m.shape, dtype_name(m.dtype),
                             (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
@@ -277,12 +260,12 @@ class DTensor:
         if not plan.steps:
             return self
         t = _new(DTensor)
-        local = _fast_run(plan, self._local, 2) if _fast_run is not None else NotImplemented   # (2: Plan.run's
+        local = _fast_run(plan, self._local, 2) if _fast_run is not None else NotImplemented   # (2: RedistributionPlan.run's
         t._local = plan.run(self._local) if local is NotImplemented else local                 # caller)
         t._meta = out_meta
         return t
 
-    def _out_piece(self, plan: Plan, out_meta: TensorMeta, out):
+    def _out_piece(self, plan: RedistributionPlan, out_meta: TensorMeta, out):
         """``out``'s local piece for ``redistribute(out=out)`` (None when nothing is left to
         do), or a ValueError saying what out must be."""
         if type(out) is not DTensor or out._meta is not out_meta:
@@ -305,7 +288,7 @@ class DTensor:
             return None
         return loc
 
-    def explain_redistribute(self, layout: object) -> Plan:
+    def explain_redistribute(self, layout: object) -> RedistributionPlan:
         """The plan ``redistribute(layout)`` would run: its steps, what each rank sends, and
         each step's time as the registered cost model (``dist.cost``) predicts it.
 
@@ -316,7 +299,7 @@ class DTensor:
 
         Returns
         -------
-        Plan
+        RedistributionPlan
             The plan (print it for the steps).
         """
         m = self._meta
@@ -326,27 +309,27 @@ class DTensor:
     # ops (all through the dispatcher) ----------------------------------------------
     # A traced operand (autodiff's Var) takes over through its reflected operator, which
     # records the op; this is the one autodiff hook in DTensor's operators.
-    def __add__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("add", self, o)
-    def __radd__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("add", o, self)
-    def __sub__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("sub", self, o)
-    def __rsub__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("sub", o, self)
-    def __mul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("mul", self, o)
-    def __rmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("mul", o, self)
-    def __truediv__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("div", self, o)
-    def __rtruediv__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("div", o, self)
-    def __pow__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("pow", self, o)
-    def __rpow__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("pow", o, self)
-    def __matmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.matmul(self, o)
-    def __rmatmul__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.matmul(o, self)
-    def __neg__(self): return _d.unary("neg", self)
+    def __add__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("add", self, o)
+    def __radd__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("add", o, self)
+    def __sub__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("sub", self, o)
+    def __rsub__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("sub", o, self)
+    def __mul__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("mul", self, o)
+    def __rmul__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("mul", o, self)
+    def __truediv__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("div", self, o)
+    def __rtruediv__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("div", o, self)
+    def __pow__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("pow", self, o)
+    def __rpow__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("pow", o, self)
+    def __matmul__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.matmul(self, o)
+    def __rmatmul__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.matmul(o, self)
+    def __neg__(self): return DISPATCH.unary("neg", self)
     def __pos__(self): return self
-    def __abs__(self): return _d.unary("abs", self)
-    def __lt__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("lt", self, o)
-    def __le__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("le", self, o)
-    def __gt__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("gt", self, o)
-    def __ge__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ge", self, o)
-    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else _d.binary("ne", self, o)  # type: ignore[override]
+    def __abs__(self): return DISPATCH.unary("abs", self)
+    def __lt__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("lt", self, o)
+    def __le__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("le", self, o)
+    def __gt__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("gt", self, o)
+    def __ge__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ge", self, o)
+    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ne", self, o)  # type: ignore[override]
 
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
         """``op.sum(self, axis, keepdims)``: over a sharded dim, a pending reduction.
@@ -363,7 +346,7 @@ class DTensor:
         DTensor
             The sum.
         """
-        return _d.reduce("sum", self, axis, keepdims)
+        return DISPATCH.reduce("sum", self, axis, keepdims)
     def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
         """``op.mean(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
@@ -379,7 +362,7 @@ class DTensor:
         DTensor
             The mean.
         """
-        return _d.reduce("mean", self, axis, keepdims)
+        return DISPATCH.reduce("mean", self, axis, keepdims)
     def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
         """``op.max(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
@@ -395,7 +378,7 @@ class DTensor:
         DTensor
             The maximum.
         """
-        return _d.reduce("max", self, axis, keepdims)
+        return DISPATCH.reduce("max", self, axis, keepdims)
     def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
         """``op.min(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
@@ -411,7 +394,7 @@ class DTensor:
         DTensor
             The minimum.
         """
-        return _d.reduce("min", self, axis, keepdims)
+        return DISPATCH.reduce("min", self, axis, keepdims)
 
     def transpose(self, *axes: int | tuple[int, ...]) -> "DTensor":
         """``op.transpose``: dims permuted (reversed without ``axes``), the layout with them.
@@ -426,10 +409,10 @@ class DTensor:
         DTensor
             The permuted tensor.
         """
-        return _d.transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
+        return DISPATCH.transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
 
     @property
-    def T(self): return _d.transpose(self, None)           # noqa: N802
+    def T(self): return DISPATCH.transpose(self, None)           # noqa: N802
 
     def reshape(self, *shape: int | tuple[int, ...]) -> "DTensor":
         """``op.reshape`` (see there for which shardings survive).
@@ -444,7 +427,7 @@ class DTensor:
         DTensor
             The reshaped tensor.
         """
-        return _d.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        return DISPATCH.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
     def astype(self, dtype: object) -> "DTensor":
         """This tensor converted to ``dtype``, same layout.
@@ -459,7 +442,7 @@ class DTensor:
         DTensor
             The converted tensor.
         """
-        return _d.unary("astype", self, resolve_dtype(dtype))
+        return DISPATCH.unary("astype", self, resolve_dtype(dtype))
 
     def __getitem__(self, index):
         raise TypeError("DTensor indexing is not supported yet; index X.full_tensor() or X.to_local(), "

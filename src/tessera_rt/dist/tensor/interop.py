@@ -10,7 +10,8 @@ import numpy as np
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
 from . import dispatch as _d
-from .dtensor_type import DTensor, meta_of, use_interop
+from .dtensor_type import DTensor, meta_of
+from .entries import use_interop
 from .layout import Layout
 from ..comm.mesh import current_mesh
 from ..comm.process_group import world

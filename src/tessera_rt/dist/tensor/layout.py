@@ -260,6 +260,7 @@ class Layout:
         return _validate(self, tuple(shape), mesh, what)
 
 
+# cache: ndim -> the replicated Layout of that rank
 REPLICATE_CACHE: dict[int, Layout] = {}
 
 

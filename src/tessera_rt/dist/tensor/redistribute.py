@@ -1,7 +1,7 @@
 """Redistribution plans: from one layout to another, chosen, cached and run.
 
-A ``Plan`` is a list of ``Step``s (``plan_steps``): by default one mesh axis per step,
-each exactly one collective or one local action.  When that takes several steps, the same
+A ``RedistributionPlan`` is a list of ``Step``s (``plan_steps``): by default one mesh axis per
+step, each exactly one collective or one local action.  When that takes several steps, the same
 change without a change of pending reductions can also run as one direct all_to_all(v)
 over the group of axes that shard the changed dims.  The registered cost model
 (``dist.cost``) picks the cheaper of the two; ties keep the steps.  Each step's predicted
@@ -9,9 +9,9 @@ time is part of the plan's printout.
 
 Plans are pure functions of (global shape, layouts, mesh, itemsize, cost model) and this
 rank's mesh position, so they are cached (a new cost model clears the cache).  A plan runs
-one way (``Plan.run``): compiled once, on its first run, into communicator calls and local
-copies (``compiled_plan``), which every run takes -- watched or not; ``dist/_hot.c`` runs
-the same compiled form for a repeat.
+one way (``RedistributionPlan.run``): compiled once, on its first run, into communicator calls
+and local copies (``compiled_plan``), which every run takes -- watched or not;
+``dist/comm/_hot.c`` runs the same compiled form for a repeat.
 """
 from __future__ import annotations
 
@@ -19,18 +19,19 @@ from functools import lru_cache
 
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
+from ...deprecation import aliases
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .plan_steps import Step, direct_step, one_axis_steps
 
-# Plan.run's repeat path in C (guard, the check's remembered site, the compiled function),
-# with the collectives' C path; None keeps it in Python (TESSERA_HOT=0, no compiler)
-_fast_run = C._hot.run_compiled if C._hot is not None else None
+# RedistributionPlan.run's repeat path in C (guard, the check's remembered site, the compiled
+# function), with the collectives' C path; None keeps it in Python (TESSERA_HOT=0, no compiler)
+_fast_run = C.HOT.run_compiled if C.HOT is not None else None
 
-__all__ = ["Step", "Plan", "plan_redistribute"]
+__all__ = ["Step", "RedistributionPlan", "plan_redistribute"]
 
 
-class Plan:
+class RedistributionPlan:
     """The steps from ``src`` to ``dst`` for a tensor of global ``shape`` on ``mesh``
     (``plan_redistribute`` makes them; ``run`` runs one on a rank's piece).
 
@@ -180,16 +181,16 @@ def _into(out, x):
 
 @lru_cache(maxsize=4096)
 def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dtype_name: str,
-                 direct: bool | None = None) -> Plan:
+                 direct: bool | None = None) -> RedistributionPlan:
     if src == dst:
-        return Plan(shape, src, dst, mesh, [], dtype_name)
-    stepwise = Plan(shape, src, dst, mesh, one_axis_steps(shape, src, dst, mesh, itemsize), dtype_name)
+        return RedistributionPlan(shape, src, dst, mesh, [], dtype_name)
+    stepwise = RedistributionPlan(shape, src, dst, mesh, one_axis_steps(shape, src, dst, mesh, itemsize), dtype_name)
     if direct is False or len(stepwise.collectives) == 0 or (direct is None and len(stepwise.steps) < 2):
         return stepwise
     one = direct_step(shape, src, dst, mesh, itemsize)
     if one is None:
         return stepwise
-    alt = Plan(shape, src, dst, mesh, [one], dtype_name)
+    alt = RedistributionPlan(shape, src, dst, mesh, [one], dtype_name)
     # ties keep the one-axis-per-step plan; every rank compares the same numbers
     return alt if direct or plan_time(alt) < plan_time(stepwise) * (1 - 1e-9) else stepwise
 
@@ -198,7 +199,7 @@ on_change(_plan_cached.cache_clear)
 
 
 def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: object, *,
-                      direct: bool | None = None) -> Plan:
+                      direct: bool | None = None) -> RedistributionPlan:
     """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``.
 
     Parameters
@@ -219,10 +220,14 @@ def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype:
 
     Returns
     -------
-    Plan
+    RedistributionPlan
         The plan (cached per shape, layouts, mesh and dtype).
     """
     from ...dtypes import dtype_name
     import numpy as np
     dt = np.dtype(dtype)
     return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt), direct)
+
+
+# renamed (issue 41: one name per thing; ``Plan`` was also dist.comm's per-call plan)
+__getattr__ = aliases(__name__, {"Plan": ("tessera_rt.dist.RedistributionPlan", lambda: RedistributionPlan)})

@@ -32,7 +32,7 @@ from .shard import dim_extents_all, local_shape
 from .solve import solve
 
 __all__ = ["Strategy", "RuleError", "RULES", "register_rule", "solve", "ScalarKind", "ConstKind", "fail",
-           "array_module", "LINEAR"]
+           "array_module", "LINEAR", "unary_table"]
 
 
 class RuleError(ValueError):
@@ -65,6 +65,7 @@ class ConstKind:
         return "None" if self.shape is None else f"array{list(self.shape)}"
 
 
+# the sharding-rule registry: op name -> rule (filled by register_rule, read by the dispatcher)
 RULES: dict[str, Callable[..., Strategy]] = {}
 
 
@@ -172,7 +173,9 @@ def _one(x):
     return 1.0 if dt is None else dt.type(1)
 
 
-def _unary_table(xp) -> dict[str, Callable]:
+def unary_table(xp) -> dict[str, Callable]:
+    """Unary op name -> its elementwise function over ``xp`` (NumPy or CuPy): what the unary
+    rule runs on each shard, and ``op``'s unary ops on plain arrays."""
     return {
         "neg": xp.negative, "abs": xp.abs, "exp": xp.exp, "log": xp.log, "sqrt": xp.sqrt,
         "rsqrt": lambda x: _one(x) / xp.sqrt(x), "tanh": xp.tanh, "sin": xp.sin, "cos": xp.cos,
@@ -198,7 +201,7 @@ def unary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         fn = lambda x: x.astype(dt)                                      # noqa: E731
     else:
         partial_rule = (lambda ops: _NEG[ops[0]]) if op == "neg" else (lambda ops: None)
-        fn = _unary_table(xp)[op]
+        fn = unary_table(xp)[op]
     labels = tuple(range(meta.ndim))
     (target,), out = solve([(meta, labels)], frozenset(), partial_rule, labels)
     return Strategy((target,), out, meta.shape, fn)
