@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+import cores
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # the venv's own mpiexec: one from another MPI would give every rank size 1
@@ -49,6 +51,8 @@ def standin_env(devices: int = 1) -> dict:
 
 
 def mpi_env(nranks: int, device: str = "cpu", extra: dict | None = None) -> dict:
+    """The environment of a job of ``nranks`` ranks (a test that starts one is marked mpi: tests/cores.py)."""
+    cores.allow(nranks)
     env = dict(os.environ)
     # where mpiexec is Open MPI's (a machine image's), it refuses root and more ranks than
     # cores unless told; MPICH ignores these
@@ -195,12 +199,19 @@ class MpiLaunch(pytest.Item):
         super().__init__(**kw)
         self.how, self.rel = how, rel
         self.add_marker(pytest.mark.mpi)
+        # pytest-xdist (--dist loadgroup: tests/conftest.py) sends a launch's items to one worker,
+        # where the first runs the launch and the others read its report
+        self.add_marker(pytest.mark.xdist_group("/".join([how.name, *self.group_key()[1:]])))
         if how.kind == "gpu":
             self.add_marker(pytest.mark.gpu)
 
     def group_key(self):
         group = os.environ.get("TESSERA_MPI_GROUP", "folder")
         return (self.how,) + {"file": (self.rel,), "all": ()}.get(group, (self.rel.split("/")[0],))
+
+    def ranks_to_launch(self) -> int:
+        """The ranks this item starts: its launch's, unless an item before it ran that launch."""
+        return 1 if self.group_key() in self.session.stash.get(_RESULTS, {}) else self.how.nranks
 
     def runtest(self):
         cache = self.session.stash.setdefault(_RESULTS, {})

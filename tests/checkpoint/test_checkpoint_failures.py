@@ -75,6 +75,7 @@ LOAD = """
 """
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, mode):
     ckpt = str(tmp_path / "ckpt")
@@ -105,6 +106,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, mod
     assert p.returncode == 0 and "loaded version 3" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.mpi
 def test_a_corrupted_shard_file_fails_the_load_on_every_rank(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     p, _ = _run(tmp_path, "save.py", SAVE.replace("sys.argv[1]", "1"), 4, {"CKPT": ckpt})
@@ -250,6 +252,7 @@ PP_SAVE = """
 """
 
 
+@pytest.mark.mpi
 def test_pipeline_and_expert_checkpoints_load_onto_one_rank(tmp_path):
     """Saved by a 4-rank job at pp=4 and at pp2 x ep2 (each stage its own blocks), loaded in
     this process (world size 1) into the un-split model: every stage's saved values."""

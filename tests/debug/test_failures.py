@@ -41,6 +41,7 @@ def _script(tmp_path, name, body) -> Path:
     return p
 
 
+@pytest.mark.mpi
 def test_a_mismatched_collective_on_one_of_four_ranks_ends_the_job_naming_it(tmp_path):
     s = _script(tmp_path, "desync_job.py", """
         import numpy as np
@@ -64,6 +65,7 @@ def test_a_mismatched_collective_on_one_of_four_ranks_ends_the_job_naming_it(tmp
     _no_orphans(str(s))
 
 
+@pytest.mark.mpi
 def test_a_rank_that_raises_ends_every_rank_without_the_launcher(tmp_path):
     # plain `mpiexec python script.py`: dist.init's excepthook aborts the job
     s = _script(tmp_path, "raise_job.py", """
@@ -85,6 +87,7 @@ def test_a_rank_that_raises_ends_every_rank_without_the_launcher(tmp_path):
     _no_orphans(str(s))
 
 
+@pytest.mark.mpi
 def test_a_rank_sleeping_past_the_timeout_is_reported_by_the_watchdog(tmp_path):
     s = _script(tmp_path, "hang_job.py", """
         import time
@@ -114,6 +117,7 @@ def test_a_rank_sleeping_past_the_timeout_is_reported_by_the_watchdog(tmp_path):
     _no_orphans(str(s))
 
 
+@pytest.mark.mpi(ranks=2)
 def test_the_watchdog_reports_without_the_recorder_from_the_stack(tmp_path):
     s = _script(tmp_path, "hang_plain.py", """
         import time
@@ -133,6 +137,7 @@ def test_the_watchdog_reports_without_the_recorder_from_the_stack(tmp_path):
     _no_orphans(str(s))
 
 
+@pytest.mark.mpi(ranks=2)
 def test_the_watchdog_sees_a_hang_inside_the_c_path_and_not_a_loop_of_quick_calls(tmp_path):
     # the repeat all_reduce runs in dist/comm/_hot.c, which leaves no Python frame of its own: the
     # watchdog must still see rank 0 waiting there, and must not mistake the 3 s loop of quick
@@ -167,6 +172,7 @@ def test_the_watchdog_sees_a_hang_inside_the_c_path_and_not_a_loop_of_quick_call
     _no_orphans(str(s))
 
 
+@pytest.mark.mpi(ranks=3)
 def test_a_healthy_job_with_the_watchdog_on_exits_zero_promptly(tmp_path):
     s = _script(tmp_path, "ok_job.py", """
         import numpy as np
@@ -187,6 +193,7 @@ def test_the_default_timeout_ends_a_hung_job_in_minutes(monkeypatch):
     assert 60 <= debug.watchdog_timeout() <= 300
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_diverging_training_run_stops_with_one_message_and_saves_nothing(tmp_path, ranks):
     # issue 31 item 5: --lr 1e8 --clip 0 goes to nan within a few steps; the job ends non-zero
@@ -243,6 +250,7 @@ def test_a_second_job_in_a_run_directory_is_refused_at_once_and_nothing_of_the_f
     assert sorted(os.listdir(run)) == ["checkpoint"]                               # and its lock gone with it
 
 
+@pytest.mark.mpi
 def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
     # issue 27 §2: pp2 x tp2 saves (each stage its blocks, named by layer); one plain process
     # resumes it and ends where the same run on one process ends (float tolerance)
@@ -265,6 +273,7 @@ def test_a_pipeline_run_saved_on_four_ranks_resumes_on_one(tmp_path):
     assert _saved_losses(tmp_path / "a") == resumed
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_path):
     # issue 27 §4: under --max-restarts, a SIGKILLed rank ends the attempt; tessera-run says why,
     # starts the job again, and train.py resumes from the newest committed save (step 2, or step 4
@@ -321,6 +330,7 @@ def test_a_rank_killed_mid_training_restarts_the_job_which_resumes_bitwise(tmp_p
     _no_orphans(str(dying))
 
 
+@pytest.mark.mpi(ranks=2)
 def test_restarts_stop_after_max_restarts_and_train_py_needs_a_run_dir(tmp_path):
     # a job that always fails is tried 1 + N times, and ends with the last attempt's status
     s = _script(tmp_path, "always_fails.py", """
@@ -344,6 +354,7 @@ def test_restarts_stop_after_max_restarts_and_train_py_needs_a_run_dir(tmp_path)
     assert p.returncode != 0 and "under tessera-run --max-restarts, pass --run-dir DIR" in p.stderr, p.stderr
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_bad_flag_on_two_ranks_is_reported_once_naming_the_flag(tmp_path):
     # issue 27 §7: a flag error is raised alike on every rank; the job prints it once (rank 0),
     # for train.py and generate.py, argparse's usage errors too

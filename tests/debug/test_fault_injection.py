@@ -39,6 +39,7 @@ def _left(marker: str) -> list[str]:
     return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
 
 
+@pytest.mark.mpi
 def test_an_uncaught_mismatch_is_one_error_per_job_naming_the_odd_rank(tmp_path):
     s = _script(tmp_path, "dtype_job.py", """
         import numpy as np
@@ -61,6 +62,7 @@ def test_an_uncaught_mismatch_is_one_error_per_job_naming_the_odd_rank(tmp_path)
     assert not _left(str(s))
 
 
+@pytest.mark.mpi
 def test_a_rank_sigkilled_mid_collective_ends_the_job(tmp_path):
     s = _script(tmp_path, "killed_job.py", """
         import os, signal
@@ -86,6 +88,7 @@ def test_a_rank_sigkilled_mid_collective_ends_the_job(tmp_path):
     assert not _left(str(s))
 
 
+@pytest.mark.mpi
 def test_a_stuck_rank_gives_one_watchdog_report_telling_finished_from_dead(tmp_path):
     s = _script(tmp_path, "stuck_job.py", """
         import os, signal, time
@@ -114,6 +117,7 @@ def test_a_stuck_rank_gives_one_watchdog_report_telling_finished_from_dead(tmp_p
     assert not _left(str(s))
 
 
+@pytest.mark.mpi
 def test_a_skipped_collective_is_reported_where_the_ranks_diverged(tmp_path):
     s = _script(tmp_path, "skip_job.py", """
         import numpy as np
@@ -134,6 +138,7 @@ def test_a_skipped_collective_is_reported_where_the_ranks_diverged(tmp_path):
     assert not _left(str(s))
 
 
+@pytest.mark.mpi
 def test_ranks_on_different_axes_are_reported_within_the_timeout(tmp_path):
     s = _script(tmp_path, "axis_job.py", """
         import numpy as np
@@ -174,6 +179,7 @@ _LATE = """
 """
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("nranks,kind,differs", [
     (2, "size", "rank 1 all_reduce(world) float32[6] at late_job.py:15"),
     (3, "dtype", "rank 1 all_reduce(world) float64[8] at late_job.py:15"),
@@ -199,6 +205,7 @@ def test_a_late_disagreement_ends_the_job_in_seconds_naming_the_rank(tmp_path, n
     assert not _left(str(s))
 
 
+@pytest.mark.mpi
 def test_ranks_making_different_axis_groups_end_the_job_in_seconds(tmp_path):
     # a first call: rank 1 makes the dp group while the others make tp groups (making a
     # group's communicator is collective too, before any check can run)
@@ -248,6 +255,7 @@ def test_the_early_comparison_finds_blocked_ranks_only():
     assert disagreement({0: same, 1: waiting(h, 3, "call", (8,)), 2: None}, finished={2})[1].keys() == {0, 1}
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_rank_that_finished_while_its_peer_waits_on_it_ends_the_job_at_once(tmp_path):
     # issue 40: full_tensor() on rank 0 only, as a new user would: rank 0 waits (making the tp
     # group's communicator) for rank 1, which has finished; that held the job for TESSERA_TIMEOUT
@@ -274,6 +282,7 @@ def test_a_rank_that_finished_while_its_peer_waits_on_it_ends_the_job_at_once(tm
     assert not _left(str(s))
 
 
+@pytest.mark.mpi(ranks=3)
 def test_a_stopped_rank_ends_the_job_in_seconds_naming_it(tmp_path):
     # issue 40: a SIGSTOPped rank held its peers in the collective for TESSERA_TIMEOUT (300 s); now
     # its watchdog's silence (no answer to 6 probes, about 15 s at the default settings) ends it
@@ -307,6 +316,7 @@ def test_a_stopped_rank_ends_the_job_in_seconds_naming_it(tmp_path):
     assert not _left(str(s))
 
 
+@pytest.mark.mpi(ranks=3)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP])
 def test_killing_the_launcher_ends_every_rank(tmp_path, sig):
     s = _script(tmp_path, f"victim_{sig.name}.py", """
@@ -337,6 +347,7 @@ def test_killing_the_launcher_ends_every_rank(tmp_path, sig):
             proc.kill()
 
 
+@pytest.mark.mpi(ranks=2)
 def test_send_recv_of_another_dtype_and_shape_is_an_error_naming_both_sides(tmp_path):
     s = _script(tmp_path, "p2p_job.py", """
         import numpy as np
@@ -357,6 +368,7 @@ def test_send_recv_of_another_dtype_and_shape_is_an_error_naming_both_sides(tmp_
     assert "p2p_job.py:9" in err, err
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_worker_stream_error_nobody_waits_for_still_ends_the_job(tmp_path):
     # an exception on a CPU stream's worker is raised at the caller's next wait; a rank that
     # never waits (here: stuck elsewhere) must not keep the job alive: dist.init's timer ends it

@@ -136,15 +136,56 @@ def clone(tmp_path_factory):
     return repo
 
 
+# a folder a command leaves for later ones (a run directory, a saved model): the commands that
+# name the same one are a journey, run in order in one test (tests may run on different
+# pytest-xdist workers, and in any order)
+HANDED_ON = re.compile(r"\bout/[\w.-]+")
+
+
+def journeys() -> list[list[tuple[str | None, str, str, list[str]]]]:
+    """The commands to run, in the docs' order, joined into journeys: commands naming the same
+    out/ folder (in the command or the file it saves) form one; every other command is its own."""
+    steps, folders = [], []
+    for fname, src, cmd, shown in all_commands():
+        if cmd.startswith("bash scripts/demo.sh"):
+            steps.append((None, "", DEMO, []))
+        elif not any(cmd.startswith(k) for k in SKIP):
+            steps.append((fname, src, cmd, shown))
+        else:
+            continue
+        folders.append(set(HANDED_ON.findall(cmd + src)))
+    group = list(range(len(steps)))                  # union-find over the steps sharing a folder
+    for i in range(len(steps)):
+        for j in range(i):
+            if folders[i] & folders[j]:
+                a, b = _root(group, i), _root(group, j)
+                group[max(a, b)] = min(a, b)
+    out: dict[int, list] = {}
+    for i, step in enumerate(steps):
+        out.setdefault(_root(group, i), []).append(step)
+    return list(out.values())
+
+
+def _root(group: list[int], i: int) -> int:
+    while group[i] != i:
+        i = group[i]
+    return i
+
+
+def _folders(steps) -> list[str]:
+    return sorted(set(HANDED_ON.findall(" ".join(cmd + src for _, src, cmd, _ in steps))))
+
+
 def _cases():
     cases = []
-    for fname, src, cmd, shown in all_commands():
-        why = next((w for k, w in SKIP.items() if cmd.startswith(k)), None)
-        if cmd.startswith("bash scripts/demo.sh"):
-            cases.append(pytest.param(None, "", DEMO, [], id="demo.sh:scripts/demo.py"))
-        elif why is None:
-            name = fname or next((t for t in cmd.split() if t.endswith(".py")), cmd)
-            cases.append(pytest.param(fname, src, cmd, shown, id=name + (" --help" if "--help" in cmd else "")))
+    for steps in journeys():
+        fname, _, cmd, _ = steps[0]
+        name = "demo.sh:scripts/demo.py" if cmd == DEMO else (
+            fname or next((t for t in cmd.split() if t.endswith(".py")), cmd)) + (" --help" if "--help" in cmd else "")
+        ranks = max(_ranks(cmd) for _, _, cmd, _ in steps)
+        marks = [pytest.mark.timeout(len(steps) * TIMEOUT_S + 30)] + ([pytest.mark.mpi(ranks=ranks)] if ranks > 1 else [])
+        cases.append(pytest.param(steps, id=f"journey {' '.join(_folders(steps))}" if len(steps) > 1 else name,
+                                  marks=marks))
     return cases
 
 
@@ -173,26 +214,44 @@ def test_a_shown_output_is_matched_line_by_line():
     assert doc_commands("```bash\na\n```\n\n## next\n\n```text\nx\n```\n")[0][3] == []   # not across a heading
 
 
-@pytest.mark.parametrize("fname, source, cmd, shown", _cases())
-def test_readme_command_runs_on_a_fresh_clone(clone, fname, source, cmd, shown):
-    if fname:
-        (clone / fname).write_text(source)
+def test_commands_that_hand_on_a_folder_run_as_one_journey():
+    """The README's train -> resume -> generate and the docs' save -> load pairs run in one test,
+    in order: apart, a parallel or shuffled run could resume a run that was not made yet."""
+    by_folder = {f: steps for steps in journeys() for f in _folders(steps)}
+    readme = [cmd for _, _, cmd, _ in by_folder["out/journey"]]
+    assert len(readme) == 3 and "--save-every" in readme[0] and "--resume" in readme[1] and "generate" in readme[2]
+    assert by_folder["out/tiny_llama"][0][0] == "make_tiny_llama.py"
+    assert "--resume" in by_folder["out/resume_demo"][1][2] and by_folder["out/journey"] is not by_folder["out/resume_demo"]
+
+
+def _ranks(cmd: str) -> int:
+    """The ranks a command starts (tessera-run -n N, mpiexec -n N): its test is marked mpi."""
+    m = re.search(r"(?:tessera-run|mpiexec) (?:.*? )?-n (\d+)", cmd)
+    return int(m.group(1)) if m else 1
+
+
+@pytest.mark.parametrize("steps", _cases())
+def test_readme_command_runs_on_a_fresh_clone(clone, steps):
+    """Each command (of a journey: each in turn) exits 0 and prints what the docs show."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM"))}
     env.update(PYTHONPATH=str(clone / "src"), TESSERA_DEVICE="cpu", PATH=f"{VENV / 'bin'}:{env.get('PATH', '')}")
-    start = time.monotonic()
-    p = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S), "bash", "-c", cmd], cwd=clone, env=env,
-                       capture_output=True, text=True)
-    took = time.monotonic() - start
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"README command {cmd!r} exited {p.returncode} after {took:.0f} s:\n{out[-4000:]}"
-    key = next((k for k in EXPECT if k in cmd), None)
-    if key:
-        assert re.search(EXPECT[key], p.stdout, flags=re.M), f"{cmd!r} printed no line like {EXPECT[key]!r}:\n{out[-3000:]}"
-    for line in shown:
-        assert re.search(shown_line_pattern(line), p.stdout, flags=re.M), (
-            f"{cmd!r} printed no line like the docs show ({line!r}; '...' matches anything):\n{out[-3000:]}")
-    if fname == "tp_train.py":         # the profile table is a summary, not hundreds of rows
-        assert len(p.stdout.splitlines()) <= 25, p.stdout
+    for fname, source, cmd, shown in steps:
+        if fname:
+            (clone / fname).write_text(source)
+        start = time.monotonic()
+        p = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S), "bash", "-c", cmd], cwd=clone, env=env,
+                           capture_output=True, text=True)
+        took = time.monotonic() - start
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, f"README command {cmd!r} exited {p.returncode} after {took:.0f} s:\n{out[-4000:]}"
+        key = next((k for k in EXPECT if k in cmd), None)
+        if key:
+            assert re.search(EXPECT[key], p.stdout, flags=re.M), f"{cmd!r} printed no line like {EXPECT[key]!r}:\n{out[-3000:]}"
+        for line in shown:
+            assert re.search(shown_line_pattern(line), p.stdout, flags=re.M), (
+                f"{cmd!r} printed no line like the docs show ({line!r}; '...' matches anything):\n{out[-3000:]}")
+        if fname == "tp_train.py":         # the profile table is a summary, not hundreds of rows
+            assert len(p.stdout.splitlines()) <= 25, p.stdout
 
 
 # --------------------------------------------------------------------------- scripts/train.py, run alone

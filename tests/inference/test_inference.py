@@ -198,16 +198,18 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_by_name(ckpts, tmp_
         nn.Llama.from_pretrained(bad)
 
 
+@pytest.mark.mpi(ranks=2)
 def test_generate_script_prints_the_tokens_last(ckpts):
     import subprocess
     import sys
     from pathlib import Path
     path, ref = ckpts["A"]
+    from conftest import mpi_env
     root = Path(__file__).resolve().parents[2]
     cmd = ["timeout", "-k", "5", "150", str(Path(sys.executable).parent / "tessera-run"), "-n", "2",
            str(root / "scripts" / "generate.py"), "--model", str(path), "--prompt-ids",
            ",".join(map(str, L.PROMPTS[0])), "--max-new-tokens", "32"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=mpi_env(2))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "tokens: " + " ".join(map(str, ref["tokens"][0]))
 
@@ -362,6 +364,7 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 """
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_decode_steps_allocate_no_device_memory_after_the_first(ckpts, ranks):
@@ -435,6 +438,7 @@ def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
     assert proc.returncode != 0 and "--export-hf needs --arch llama" in proc.stderr
 
 
+@pytest.mark.mpi
 def test_generate_serves_a_train_run_as_its_hf_export(tmp_path):
     """issue 27 §5: generate.py --model takes a train.py --arch llama run directory or its
     checkpoint (the saved flags rebuild the model, dist.load reads it onto tp=2, the saved
@@ -444,13 +448,15 @@ def test_generate_serves_a_train_run_as_its_hf_export(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
+
+    from conftest import mpi_env
     root = Path(__file__).resolve().parents[2]
     bin_dir = Path(sys.executable).parent
 
     def run(*cmd, ranks=1):
         launch = [str(bin_dir / "tessera-run"), "-n", str(ranks)] if ranks > 1 else [sys.executable]
         return subprocess.run(["timeout", "-k", "5", "150"] + launch + [str(c) for c in cmd], capture_output=True,
-                              text=True, cwd=tmp_path)
+                              text=True, cwd=tmp_path, env=mpi_env(ranks))
 
     tiny = ["--steps", "6", "--batch", "4", "--seq", "16", "--d-model", "16", "--heads", "4", "--layers", "2",
             "--no-plot", "--data", root / "tests" / "data" / "tiny_corpus.txt"]

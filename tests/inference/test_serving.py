@@ -53,6 +53,7 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 """
 
 
+@pytest.mark.mpi(ranks=2)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_decode_is_captured_with_its_nccl_collectives(ckpts):
     """tp=2 on two emulated GPUs: the decode step's graph holds its NCCL all_reduces (two a layer,

@@ -3,11 +3,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, mpi_env
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
 
 
+@pytest.mark.mpi
 def test_demo_runs_on_four_ranks_and_matches_numpy():
     p = subprocess.run(["timeout", "120", TESSERA_RUN, "-n", "4", str(ROOT / "scripts" / "demo.py")],
                        env=mpi_env(4), capture_output=True, text=True, cwd=ROOT)
@@ -16,6 +19,7 @@ def test_demo_runs_on_four_ranks_and_matches_numpy():
     assert p.stdout.count("reduce_scatter(tp, n=2)") == 4 and p.stdout.count("all_gather(tp, n=2)") == 4
 
 
+@pytest.mark.mpi(ranks=2)
 def test_bench_vs_torch_quick_checks_the_same_losses_then_times_both_sides():
     # the smoke run of scripts/bench_vs_torch.py: one rank and dp=2 on a tiny model; with torch
     # installed both sides must give the same losses before anything is timed
@@ -50,6 +54,7 @@ def test_bench_gemm_libs_quick_times_every_shape_and_lists_missing_libraries(tmp
     assert summary["numpy (bundled OpenBLAS)"].endswith("| 1.000 |"), p.stdout
 
 
+@pytest.mark.mpi(ranks=2)
 def test_bench_all_quick_rewrites_only_its_blocks_and_draws_the_plot(tmp_path):
     # scripts/bench_all.py's smoke run on a copy of BENCHMARKS.md: the collectives block is
     # regenerated (date, machine, command, the nccl-tests table, the plot beside raw MPI) and

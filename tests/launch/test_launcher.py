@@ -52,6 +52,7 @@ def test_no_mpi_installed_is_a_clear_message(monkeypatch, capsys):
     assert "no MPI launcher" in err and "pip install 'tessera_rt[mpich]'" in err
 
 
+@pytest.mark.mpi
 def test_one_rank_raising_before_a_collective_ends_the_job_in_seconds(tmp_path):
     script = tmp_path / "boom.py"
     script.write_text(textwrap.dedent("""
@@ -73,6 +74,7 @@ def test_one_rank_raising_before_a_collective_ends_the_job_in_seconds(tmp_path):
     assert "unreachable" not in p.stdout
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_clean_program_exits_zero(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text("from tessera_rt import dist\nimport numpy as np, sys\n"
@@ -83,6 +85,7 @@ def test_a_clean_program_exits_zero(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.mpi(ranks=3)
 def test_a_rank_that_vanishes_with_status_0_fails_the_job_by_rank(tmp_path):
     # mpiexec reports success when a rank leaves with os._exit(0) mid-run; tessera-run counts
     # a rank as finished only at a normal interpreter exit
@@ -114,6 +117,7 @@ def test_a_rank_that_vanishes_with_status_0_fails_the_job_by_rank(tmp_path):
         "program; MPI then ended the other ranks"), p.stderr
 
 
+@pytest.mark.mpi(ranks=2)
 def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
     import os
     import signal
@@ -137,6 +141,7 @@ def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
     assert err.strip() == "tessera-run: stopped by SIGINT; the 2 ranks were ended", err
 
 
+@pytest.mark.mpi(ranks=2)
 @pytest.mark.parametrize("when", ["launcher", "ranks"])
 def test_ctrl_c_while_the_job_starts_gives_one_line_and_exit_130(tmp_path, when):
     # issue 40: while tessera-run imports tessera_rt (a 40-line KeyboardInterrupt traceback), or
@@ -165,33 +170,37 @@ def test_ctrl_c_while_the_job_starts_gives_one_line_and_exit_130(tmp_path, when)
     assert set(out.split("\n")) <= {"", "ready"}, out        # nothing of mpiexec's ("Sending Ctrl-C ...")
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_killed_launchers_folder_is_removed_by_the_next_tessera_run(tmp_path):
     # issue 40: SIGKILL leaves tessera-run no moment to remove its /tmp/tessera-run-* folder
     script = tmp_path / "spin.py"
     script.write_text(SPIN)
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tessera-run-*")))
-    p = subprocess.Popen([TESSERA_RUN, "-n", "2", str(script)], env=mpi_env(2), stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "ready" not in p.stdout.readline():
-            pass
-        left = set(glob.glob(os.path.join(tempfile.gettempdir(), "tessera-run-*"))) - before
-        p.kill()                                         # the ranks go too (mpiexec's parent-death signal)
-        p.wait(timeout=10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert len(left) == 1 and all(os.path.isdir(d) for d in left), left
     hello = tmp_path / "hello.py"
     hello.write_text("print('hello')\n")
-    q = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "1", str(hello)], env=mpi_env(1), capture_output=True,
-                       text=True)
-    assert q.returncode == 0 and q.stdout == "hello\n", q.stdout + q.stderr
-    assert not any(os.path.exists(d) for d in left), left
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tessera-run-*"))) <= before
+    # a temp dir of its own: the launches of tests beside it (pytest -n) make folders in /tmp too
+    # (a short path: the launcher's socket lives there)
+    with tempfile.TemporaryDirectory(prefix="tl-") as tmp:
+        env = dict(mpi_env(2), TMPDIR=tmp)
+        p = subprocess.Popen([TESSERA_RUN, "-n", "2", str(script)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "ready" not in p.stdout.readline():
+                pass
+            left = set(glob.glob(os.path.join(tmp, "tessera-run-*")))
+            p.kill()                                         # the ranks go too (mpiexec's parent-death signal)
+            p.wait(timeout=10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert len(left) == 1 and all(os.path.isdir(d) for d in left), left
+        q = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "1", str(hello)], env=env, capture_output=True,
+                           text=True)
+        assert q.returncode == 0 and q.stdout == "hello\n", q.stdout + q.stderr
+        assert not glob.glob(os.path.join(tmp, "tessera-run-*")), left
 
 
+@pytest.mark.mpi(ranks=2)
 def test_python_script_and_python_c_are_run_as_mpirun_users_type_them(tmp_path, capsys):
     # issue 40: `tessera-run -n 2 python hello.py` gave FileNotFoundError: .../python
     hello = tmp_path / "hello.py"
@@ -213,6 +222,7 @@ def test_python_script_and_python_c_are_run_as_mpirun_users_type_them(tmp_path, 
         assert stop.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_usage_error_is_not_restarted(tmp_path):
     # issue 40: --max-restarts restarted train.py's "pass --run-dir" error, printing it once per attempt
     p = subprocess.run(["timeout", "60", TESSERA_RUN, "-n", "2", "--max-restarts", "2",
@@ -226,6 +236,7 @@ def test_a_usage_error_is_not_restarted(tmp_path):
         "again; --max-restarts restarts failures)"], p.stderr
 
 
+@pytest.mark.mpi(ranks=2)
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
 def test_a_signal_to_the_launcher_alone_ends_the_job_without_a_restart(tmp_path, sig):
     # issue 27: `kill -INT <tessera-run pid>` (a scheduler, a parent script: not the terminal's
@@ -258,6 +269,7 @@ def test_a_signal_to_the_launcher_alone_ends_the_job_without_a_restart(tmp_path,
     assert not left.strip(), f"processes left: {left}"
 
 
+@pytest.mark.mpi(ranks=2)
 def test_tag_output_prefixes_each_line_with_its_rank(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("from tessera_rt import dist\nw = dist.init()\nprint('hello from', w.rank, flush=True)\n")
@@ -372,6 +384,7 @@ def test_a_death_banner_from_another_host_is_not_taken_for_a_rank_here(monkeypat
     assert seen["deaths"] == {4343: 9}
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_lines_of_different_ranks_are_never_interleaved(tmp_path):
     # unbuffered output (PYTHONUNBUFFERED) writes print()'s pieces one by one; each rank's

@@ -111,7 +111,7 @@ def test_two_hosts_lay_out_ranks_by_host_and_train_as_one_host(two_hosts, tmp_pa
               "--tag-output", str(job), train, "--tp", "2", "--run-dir", str(tmp_path / "run"), *TRAIN]
     # log in to host A (the stand-in for ssh) and run tessera-run there
     p = subprocess.run(["timeout", "-k", "5", "150", two_hosts, ADDRESSES[0], shlex.join(launch)], cwd=ROOT,
-                       env=mpi_env(2), capture_output=True, text=True)
+                       env=mpi_env(4), capture_output=True, text=True)
     assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
     ranks = sorted((json.loads(line.partition(" RESULT ")[2]) for line in p.stdout.splitlines()
                     if " RESULT " in line), key=lambda r: r["rank"])

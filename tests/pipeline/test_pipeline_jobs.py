@@ -53,6 +53,7 @@ def _job(tmp_path):
     return p
 
 
+@pytest.mark.mpi(ranks=2)
 def test_a_stage_that_raises_ends_the_job_in_seconds(tmp_path):
     s = _job(tmp_path)
     p, took = _run([TESSERA_RUN, "-n", "2", str(s), "raise", "300"], mpi_env(2))
@@ -63,6 +64,7 @@ def test_a_stage_that_raises_ends_the_job_in_seconds(tmp_path):
     assert not _left(str(s))
 
 
+@pytest.mark.mpi(ranks=2)
 def test_the_watchdog_names_the_stage_and_micro_batch_a_rank_waits_on(tmp_path):
     s = _job(tmp_path)
     p, took = _run([TESSERA_RUN, "-n", "2", str(s), "hang", "2"], mpi_env(2))
@@ -72,6 +74,7 @@ def test_the_watchdog_names_the_stage_and_micro_batch_a_rank_waits_on(tmp_path):
     assert not _left(str(s))
 
 
+@pytest.mark.mpi(ranks=2)
 def test_debug_mode_passes_then_a_boundary_tensor_of_another_dtype_is_named_before_it_is_sent(tmp_path):
     s = _job(tmp_path)
     p, took = _run([TESSERA_RUN, "-n", "2", str(s), "dtype", "300"], mpi_env(2, extra={"TESSERA_DEBUG": "collectives"}))
