@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 import cores
+
 # the multi-rank launcher and the environments of the processes tests start
 from multirank import (  # noqa: F401  (re-exported: the tests import them from conftest)
     EXPECTED_RANK_SKIP,
