@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv, installs tessera_rt[dev], and runs the whole suite: single-process tests,
-# the CUDA sources compiled by NVRTC/ptxas, the Numba simulator, and every multi-rank test
+# Creates .venv, installs tessera_rt[dev], and runs the whole suite on every core: single-process
+# tests, the CUDA sources compiled by NVRTC/ptxas, the Numba simulator, and every multi-rank test
 # under mpiexec at 1, 2, 3 and 4 ranks.  Extra arguments go to pytest.
 set -euo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then   # before any venv is made
@@ -15,6 +15,10 @@ if [ "${TESSERA_SKIP_TORCH:-0}" != 1 ] && ! "$VENV/bin/python" -c "import torch"
 fi
 cd "$ROOT"
 export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# the outer timeout is the last backstop; each test and each mpiexec launch has its own
-# --durations: the slowest tests at the end, to see where the suite's 2-core budget goes
-exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# on every core (pytest-xdist; each mpiexec launch's tests go to one worker, tests/conftest.py),
+# in a shuffled order (pytest-randomly prints its seed: -p randomly_seed=N repeats it);
+# TESSERA_TEST_WORKERS=1 runs one test at a time.  The outer timeout is the last backstop;
+# each test and each mpiexec launch has its own.  --durations: where the time goes.
+WORKERS="${TESSERA_TEST_WORKERS:-$(nproc)}"
+echo "== pytest on $WORKERS workers: about 15-25 minutes on 2 cores (the install above: ~3 minutes, once)"
+exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -n "$WORKERS" -p no:cacheprovider --durations=25 "$@"
