@@ -19,6 +19,7 @@ export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_TH
 # in a shuffled order (pytest-randomly prints its seed: -p randomly_seed=N repeats it);
 # TESSERA_TEST_WORKERS=1 runs one test at a time.  The outer timeout is the last backstop;
 # each test and each mpiexec launch has its own.  --durations: where the time goes.
-WORKERS="${TESSERA_TEST_WORKERS:-$(nproc)}"
+# (the cores this process may use: `nproc` would read the OMP_NUM_THREADS set above)
+WORKERS="${TESSERA_TEST_WORKERS:-$("$VENV/bin/python" -c 'import os; print(len(os.sched_getaffinity(0)))')}"
 echo "== pytest on $WORKERS workers: about 15-25 minutes on 2 cores (the install above: ~3 minutes, once)"
 exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -n "$WORKERS" -p no:cacheprovider --durations=25 "$@"
