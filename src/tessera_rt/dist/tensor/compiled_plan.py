@@ -203,7 +203,10 @@ def step_caller(comm, method: str, role: str, dtype, counts=None, op: str | None
     mpi = comm.mpi
     fn = {"all_reduce": mpi.Allreduce, "reduce_scatter": mpi.Reduce_scatter_block, "all_gather": mpi.Allgather,
           "all_to_all": mpi.Alltoall}[method]
-    args = (MPI_OPS[op],) if reducing else ()
+    args: tuple = ()
+    if reducing:
+        assert op is not None                       # (a reducing method is given its op: the callers above)
+        args = (MPI_OPS[op],)
     after_worker = after_role_worker
 
     def raw_call(send, recv):            # (the watchdog knows this frame: it waits inside MPI)

@@ -21,7 +21,7 @@ from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions
 from .cost import on_change
 from .dtensor_type import DTensor, TensorMeta, meta_of
 from .entries import use_dispatcher
-from .redistribute import plan_redistribute
+from .redistribute import RedistributionPlan, plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
 
 __all__ = [
@@ -159,7 +159,7 @@ def _decide(op: str, params: tuple, kinds: tuple) -> Decision:
         raise NotImplementedError(f"no sharding rule for DTensor op {op!r}; rules exist for "
                                   f"{sorted(RULES)}") from None
     strat = rule(op, kinds, params)
-    plans = []
+    plans: list[RedistributionPlan | None] = []
     for k, tgt in zip(kinds, strat.inputs):
         if isinstance(k, TensorMeta) and tgt is not None and tgt != k.layout:
             tgt.validate(k.shape, mesh, what=f"{op} input layout")

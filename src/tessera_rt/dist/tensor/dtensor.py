@@ -12,6 +12,8 @@ this module re-exports it, so ``from tessera_rt.dist.tensor.dtensor import DTens
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ...backend import get_backend
@@ -190,7 +192,7 @@ def distribute(global_array: object, layout: object = None, mesh: Mesh | None = 
 
 
 @differentiable("from_local")
-def from_local(local: object, layout: object = None, mesh: Mesh | None = None,
+def from_local(local: Any, layout: object = None, mesh: Mesh | None = None,
                shape: tuple[int, ...] | None = None, *, validate: bool = True) -> DTensor:
     """Wrap this rank's piece.
 

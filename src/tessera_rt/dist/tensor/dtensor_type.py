@@ -27,6 +27,7 @@ Interop with NumPy, CuPy and PyTorch (a DTensor is a global tensor, not this ran
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,10 @@ class DTensor:
     """A distributed tensor: ``layout`` over ``mesh``, global ``shape``, this rank's piece."""
 
     __slots__ = ("_local", "_meta")
-    __hash__ = None                   # == is elementwise
+    _local: Any                       # this rank's piece: a NumPy or CuPy array (CuPy ships no hints)
+    _meta: TensorMeta
+    # == is elementwise, so unhashable (as NumPy arrays are); typeshed's list and dict spell it so too
+    __hash__ = None  # type: ignore[assignment]  # mypy wants object's callable; None marks it unhashable
 
     def __init__(self, *args, **kwargs):
         raise TypeError("make a DTensor with dist.distribute, dist.from_local, dist.tensor, dist.zeros, "
@@ -204,7 +208,7 @@ class DTensor:
                             (m.mesh.axes, m.mesh.sizes, m.mesh.devices), world().rank, local))
 
     # access --------------------------------------------------------------------
-    def to_local(self) -> object:
+    def to_local(self) -> Any:
         """This rank's piece (the array itself, not a copy).
 
         Returns
@@ -214,7 +218,7 @@ class DTensor:
         """
         return self._local
 
-    def full_tensor(self) -> object:
+    def full_tensor(self) -> Any:
         """The whole tensor on every rank (the collectives its layout needs).
 
         Returns
@@ -328,8 +332,8 @@ class DTensor:
     def __le__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("le", self, o)
     def __gt__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("gt", self, o)
     def __ge__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ge", self, o)
-    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ne", self, o)  # type: ignore[override]
+    def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("eq", self, o)
+    def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ne", self, o)
 
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> DTensor:
         """``op.sum(self, axis, keepdims)``: over a sharded dim, a pending reduction.

@@ -9,8 +9,13 @@ registration raises, naming what to import.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...backend import Backend
+    from ..comm.mesh import Mesh
+    from .dtensor_type import DTensor
 
 __all__ = ["DispatchEntries", "InteropParts", "DISPATCH", "INTEROP", "use_dispatcher", "use_interop"]
 
@@ -25,6 +30,12 @@ class DispatchEntries:
     """The dispatcher's entry points DTensor's operators call (``DISPATCH``; ``use_dispatcher``
     fills them).  Until then each raises, naming what to import."""
     __slots__ = ("binary", "unary", "reduce", "matmul", "reshape", "transpose")
+    binary: Callable[[str, Any, Any], DTensor]              # (op, a, b)
+    unary: Callable[..., DTensor]                           # (op, x, param=None)
+    reduce: Callable[..., DTensor]                          # (op, x, axis=None, keepdims=False)
+    matmul: Callable[..., DTensor]                          # (a, b, tile_shape=None, policy=None)
+    reshape: Callable[[Any, Any], DTensor]                  # (x, shape)
+    transpose: Callable[[Any, Any], DTensor]                # (x, perm or None)
 
     def __init__(self) -> None:
         for n in self.__slots__:
@@ -38,6 +49,15 @@ class InteropParts:
     global-array check."""
     __slots__ = ("refusal", "ufuncs", "ufunc_hint", "functions", "original", "func_hint", "meshes", "unpickle",
                  "as_global")
+    refusal: Callable[[DTensor, str, str], str]             # (x, what, call) -> the TypeError's message
+    ufuncs: dict[str, tuple[str, str]]                      # ufunc name -> (kind, DTensor op)
+    ufunc_hint: str
+    functions: dict[str, Callable[[str, dict], Any]]        # NumPy function name -> impl(name, bound args)
+    original: dict[str, Callable[..., Any]]                 # name -> the NumPy function itself
+    func_hint: str
+    meshes: MutableMapping[tuple, Mesh]                     # (axes, sizes, devices) -> a live Mesh
+    unpickle: Callable[..., DTensor]
+    as_global: Callable[[Any, Backend], Any]                # (value, backend) -> the global array
 
     def __init__(self) -> None:
         for n in ("refusal", "unpickle", "as_global"):
@@ -50,15 +70,18 @@ DISPATCH = DispatchEntries()
 INTEROP = InteropParts()
 
 
-def use_dispatcher(*, binary: Callable, unary: Callable, reduce: Callable, matmul: Callable, reshape: Callable,
-                   transpose: Callable) -> None:
+def use_dispatcher(*, binary: Callable[[str, Any, Any], DTensor], unary: Callable[..., DTensor],
+                   reduce: Callable[..., DTensor], matmul: Callable[..., DTensor],
+                   reshape: Callable[[Any, Any], DTensor], transpose: Callable[[Any, Any], DTensor]) -> None:
     """``dist.tensor.dispatch``'s op entry points, which DTensor's operators call (every one)."""
     d = DISPATCH
     d.binary, d.unary, d.reduce, d.matmul, d.reshape, d.transpose = binary, unary, reduce, matmul, reshape, transpose
 
 
-def use_interop(*, refusal: Callable, ufuncs: dict, ufunc_hint: str, functions: dict, original: dict,
-                func_hint: str, meshes: Any, unpickle: Callable, as_global: Callable) -> None:
+def use_interop(*, refusal: Callable[[DTensor, str, str], str], ufuncs: dict[str, tuple[str, str]], ufunc_hint: str,
+                functions: dict[str, Callable[[str, dict], Any]], original: dict[str, Callable[..., Any]],
+                func_hint: str, meshes: MutableMapping[tuple, Mesh], unpickle: Callable[..., DTensor],
+                as_global: Callable[[Any, Backend], Any]) -> None:
     """``dist.tensor.interop``'s helpers (every one), which DTensor's NumPy/pickle protocols call."""
     io = INTEROP
     io.refusal, io.ufuncs, io.ufunc_hint, io.functions, io.original = refusal, ufuncs, ufunc_hint, functions, original

@@ -15,7 +15,9 @@ and local copies (``compiled_plan``), which every run takes -- watched or not;
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from ...deprecation import aliases
 from ..comm import collectives as C
@@ -24,6 +26,9 @@ from ..comm.mesh import Mesh
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .plan_steps import Step, direct_step, one_axis_steps
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 # RedistributionPlan.run's repeat path in C (guard, the check's remembered site, the compiled
 # function), with the collectives' C path; None keeps it in Python (TESSERA_HOT=0, no compiler)
@@ -52,7 +57,8 @@ class RedistributionPlan:
 
     __slots__ = ("shape", "src", "dst", "mesh", "steps", "dtype_name", "check_meta", "_exec", "_verified")
 
-    def __init__(self, shape: tuple, src: Layout, dst: Layout, mesh: Mesh, steps: tuple, dtype_name: str) -> None:
+    def __init__(self, shape: tuple, src: Layout, dst: Layout, mesh: Mesh, steps: Iterable[Step],
+                 dtype_name: str) -> None:
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
         self.steps: tuple[Step, ...] = tuple(steps)
         self.dtype_name = dtype_name
@@ -63,7 +69,7 @@ class RedistributionPlan:
         self._exec = None
         self._verified = None            # consistency.check_run's record of the last verified run
 
-    def run(self, x: object, out: object = None) -> object:
+    def run(self, x: Any, out: Any = None) -> Any:
         """This rank's piece ``x`` in ``dst`` (written into ``out``, a C-contiguous array of the
         result's local shape and dtype, when given).  Every run takes the compiled form
         (``compiled_plan``, made on the first run; a repeat on a plain array runs it from C):
@@ -199,7 +205,7 @@ def _plan_cached(shape: tuple, src: Layout, dst: Layout, mesh, itemsize: int, dt
 on_change(_plan_cached.cache_clear)
 
 
-def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: object, *,
+def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype: DTypeLike, *,
                       direct: bool | None = None) -> RedistributionPlan:
     """The (cached) plan taking a tensor of global ``shape`` from ``src`` to ``dst``.
 
