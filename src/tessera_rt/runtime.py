@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .backend import get_backend
+
+if TYPE_CHECKING:
+    from .backend import CudaStream
+    from .cpu_streams import CpuStream, CpuWorkerStream
 
 __all__ = [
     "ROLES", "ROLE_STREAMS", "stream", "streams", "set_stream_map", "stream_map", "enable_overlap",
@@ -31,14 +36,14 @@ _DEFAULT_MAP = {"compute": 0, "tp_collective": 1, "a2a": 2, "io": 3}
 # this module's state (set_stream_map, enable_overlap, reset): role -> stream slot, then the
 # slots' streams and the caches below
 _stream_map: dict[str, int] = dict(_DEFAULT_MAP)
-_slots: dict[int, object] = {}            # slot -> Stream, created on first use
+_slots: dict[int, CudaStream | CpuStream] = {}    # slot -> Stream, created on first use
 # role -> Stream: the hot-path cache ``stream`` fills.  Public so the collectives' hot paths
 # (dist.comm.work, dist/comm/_hot.c) read it without a call; only this module writes it, and
 # clears it in place (set_stream_map, reset), so a reader's reference stays the live table.
 ROLE_STREAMS: dict[str, object] = {}
 # None means "every role overlaps with every other" (the default).
 _overlap: set[frozenset] | None = None
-_host_workers: dict[str, object] = {}     # role -> a host thread for roles whose stream has none
+_host_workers: dict[str, CpuWorkerStream] = {}    # role -> a host thread for roles whose stream has none
 
 
 def set_stream_map(mapping: dict[str, int]) -> None:

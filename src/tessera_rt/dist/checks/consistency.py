@@ -177,7 +177,8 @@ class CheckState:
         # stage's sub-mesh, different on each rank) crowd out what the ranks must agree on
         self.metas: dict = {}
         self.mask = 1023                     # verify when (call count on the group) & mask == 0
-        self.ring = deque(maxlen=64)         # the last calls of this rank, for the watchdog
+        # the last calls of this rank, for the watchdog: (state, call number on the group, key)
+        self.ring: deque[tuple] = deque(maxlen=64)
 
     def reset(self) -> None:
         """Forget the DTensor metadata noted since the last collective."""

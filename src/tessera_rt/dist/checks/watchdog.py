@@ -325,7 +325,7 @@ def disagreement(states: dict, finished=()):
     waits = {r: a["wait"] for r, a in states.items()
              if a is not None and a["wait"] is not None and a["waited"] >= PROBE_MIN_WAIT_S}
     finished = set(finished) - set(waits)
-    needs = {}
+    needs: dict[int, set[int]] = {}              # rank -> the ranks it waits for
     for r, w in waits.items():
         gkey, n = w[0], w[1]
         needs[r] = set()

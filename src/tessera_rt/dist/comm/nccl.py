@@ -78,6 +78,7 @@ class NcclCommunicator(Communicator):
     """
 
     kind = "nccl"
+    algo_env: str | None = None        # the NCCL_ALGO it was made with (_made_with; None: the environment's)
 
     def __init__(self, mpi_comm: MPI.Comm):
         super().__init__(mpi_comm)

@@ -376,6 +376,7 @@ _plan_get = _PLANS.get
 def plan_for(name: str, g: AxisGroup, x, build, args: tuple) -> CallPlan:
     """The plan of collective ``name`` on ``x`` over ``g``: the table's entry for (name, group,
     array type, shape, dtype) + ``args``, else ``build(g, x, *args)`` (which checks them all)."""
+    key: tuple | None                            # None: not an array, or unhashable (keep caches nothing)
     try:
         key = (name, id(g), x.__class__, x.shape, x.dtype) + args
         p = _plan_get(key)
