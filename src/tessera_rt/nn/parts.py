@@ -14,11 +14,14 @@ A Transformer that needs a part nobody registered raises, naming the package to 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["MoEMLPFactory", "StagePlanFactory", "TransformerParts", "PARTS", "register_moe_mlp",
+if TYPE_CHECKING:
+    from ..dist.comm.mesh import Mesh
+
+__all__ = ["MoEMLPFactory", "StagePlanFactory", "Stages", "TransformerParts", "PARTS", "register_moe_mlp",
            "register_stage_plan", "register_part"]
 
 
@@ -27,16 +30,32 @@ class MoEMLPFactory(Protocol):
     **moe)``, ``moe`` being ``Transformer(moe=...)``'s dict; the result has ``init(seed,
     name)``, ``__call__(params, x)`` and ``aux_loss()``."""
 
-    def __call__(self, d_model: int, hidden: int, *, mesh: Any, ep_axis: str, dtype: Any, **moe: Any) -> Any: ...
+    def __call__(self, d_model: int, hidden: int, *, num_experts: int, mesh: Any, ep_axis: str, dtype: Any,
+                 **moe: Any) -> Any: ...
+
+
+class Stages(Protocol):
+    """What ``nn.Transformer`` reads of a stage split (``pipeline.stages.StagePlan`` has it, and
+    more that ``dist.Pipeline`` reads): this rank's sub-mesh (None: the pp axis is the only one),
+    its chunks (virtual stage ids), each virtual stage's layers, their count, this rank's layers."""
+
+    stage_mesh: Mesh | None
+    chunks: list[int]
+    layers: list[list[int]]
+    n_virtual: int
+
+    @property
+    def local_layers(self) -> list[int]: ...
 
 
 class StagePlanFactory(Protocol):
     """Splits the blocks over pipeline stages: ``factory(mesh, pp_axis, n_layers, stage_of,
-    virtual_stages)``; the result has ``stage_mesh`` (this rank's sub-mesh), ``local_layers``
-    and the rest of ``pipeline.stages.StagePlan``'s protocol (``dist.Pipeline`` reads it)."""
+    virtual_stages)``, by position; the result has ``stage_mesh`` (this rank's sub-mesh),
+    ``local_layers`` and the rest of ``Stages`` (and ``dist.Pipeline`` reads more of
+    ``pipeline.stages.StagePlan``)."""
 
     def __call__(self, mesh: Any, pp_axis: str, n_layers: int, stage_of: Sequence[int] | None,
-                 virtual_stages: int) -> Any: ...
+                 virtual_stages: int, /) -> Stages: ...
 
 
 @dataclass
@@ -76,7 +95,8 @@ def register_part(name: str, cls: Any) -> None:
     """The string registry's entry point, kept for one release: ``register_part("MoEMLP", cls)``
     is ``register_moe_mlp(cls)``, ``register_part("StagePlan", cls)`` ``register_stage_plan(cls)``."""
     from ..deprecation import warn
-    setter = {"MoEMLP": register_moe_mlp, "StagePlan": register_stage_plan}.get(name)
+    setters: dict[str, Callable[[Any], None]] = {"MoEMLP": register_moe_mlp, "StagePlan": register_stage_plan}
+    setter = setters.get(name)
     if setter is None:
         raise ValueError(f"nn.register_part({name!r}): the parts are 'MoEMLP' and 'StagePlan'")
     warn(f"nn.register_part({name!r}, ...)", f"nn.parts.{setter.__name__}(...)")

@@ -15,7 +15,7 @@ from ..dist.tensor.layout import ShardSpec
 from .blocks import TransformerBlock
 from .layers import Embedding, Linear, RMSNorm, cross_entropy
 from .module import Module, _rng_normal
-from .parts import PARTS
+from .parts import PARTS, Stages
 
 
 class Transformer(Module):
@@ -60,7 +60,7 @@ class Transformer(Module):
                  pp_axis: str = "pp", stage_of: list[int] | None = None, virtual_stages: int = 1):
         # a mesh with a pp axis splits the blocks over stages (run with dist.Pipeline): this
         # rank's modules live on its stage's sub-mesh and it builds only its own parameters
-        self.stage_plan = None
+        self.stage_plan: Stages | None = None
         if mesh is not None and pp_axis in mesh.axes:
             split = PARTS.need_stage_plan(pp_axis)            # tessera_rt.pipeline's StagePlan (nn.parts)
             self.stage_plan = split(mesh, pp_axis, n_layers, stage_of, virtual_stages)
@@ -231,7 +231,8 @@ class Transformer(Module):
         dict
             This rank's parameter tree.
         """
-        plan, p = self.stage_plan, {}
+        plan = self._stages("stage_init")
+        p: dict[str, Any] = {}
         if 0 in plan.chunks:
             p["embed"] = self.embed.init(seed, "embed")
             p["pos"] = self._place(_rng_normal(seed, "pos", (self.seq_len, self.d), 0.02), None)
@@ -240,6 +241,13 @@ class Transformer(Module):
             p["norm"] = self.norm.init(seed, "norm")
             p["head"] = self.head.init(seed, "head")
         return p
+
+    def _stages(self, what: str) -> Stages:
+        """The stage split, which the pipeline-stage methods need."""
+        if self.stage_plan is None:
+            raise ValueError(f"Transformer.{what}: this model is not split over pipeline stages (build it on a "
+                             "mesh with a pp axis)")
+        return self.stage_plan
 
     def split_params(self, params: dict) -> list[dict]:
         """``stage_init``'s tree as one tree per local chunk (virtual stage), in chunk order.
@@ -254,7 +262,7 @@ class Transformer(Module):
         list of dict
             One tree per local chunk.
         """
-        plan, out, at = self.stage_plan, [], 0
+        plan, out, at = self._stages("split_params"), [], 0
         for vs in plan.chunks:
             n = len(plan.layers[vs])
             cp = {"blocks": params["blocks"][at:at + n]}
@@ -357,7 +365,7 @@ class Transformer(Module):
         DTensor or array
             The activation (``(activation, aux)`` with MoE blocks), or the loss on the last stage.
         """
-        plan = self.stage_plan
+        plan = self._stages("stage_forward")
         if vs == 0:
             h = op.add(self.embed(p["embed"], h), p["pos"])
         for i in plan.layers[vs]:
