@@ -324,7 +324,8 @@ def _layer_of(name: str) -> int | None:
 
 
 def _n_layers(names) -> int:
-    return 1 + max((_layer_of(n) for n in names if _layer_of(n) is not None), default=-1)
+    found = (_layer_of(n) for n in names)
+    return 1 + max((i for i in found if i is not None), default=-1)
 
 
 def _bf16_slice(f: Path, name: str, shape: list, idx: tuple) -> np.ndarray:

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,7 @@ class RopeAttention(Module):
 class LlamaBlock(TransformerBlock):
     """``nn.TransformerBlock`` (pre-norm, residual adds; its ``init`` and ``__call__``) with
     rotary grouped-query attention."""
+    attn: RopeAttention              # (TransformerBlock's is any BlockAttention)
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, hidden: int, seq_len: int, *, mesh=None,
                  tp_axis: str = "tp", dtype="float32", eps: float = 1e-6):
@@ -138,7 +140,7 @@ class LlamaLM(Module):
                  n_kv_heads: int | None = None, hidden: int | None = None, mesh: Mesh | None = None,
                  tp_axis: str = "tp", dp_axis: str = "dp", dtype: object = "float32", eps: float = 1e-6):
         super().__init__(mesh, tp_axis, dtype)
-        kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
+        kw: dict[str, Any] = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)     # each part's mesh, tp axis, dtype
         self.vocab, self.d, self.seq_len, self.eps = vocab, d_model, seq_len, eps
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         self.hidden, self.n_layers = hidden or 4 * d_model, n_layers
@@ -166,7 +168,7 @@ class LlamaLM(Module):
                 "blocks": [b.init(seed, f"blocks.{i}") for i, b in enumerate(self.blocks)],
                 "norm": self.norm.init(seed, "norm"), "head": self.head.init(seed, "head")}
 
-    def batch(self, tokens: np.ndarray) -> object:
+    def batch(self, tokens: np.ndarray) -> Any:
         """A global (B, S) int batch (the same on every rank), its batch dim over dp.
 
         Parameters
@@ -185,7 +187,7 @@ class LlamaLM(Module):
         spec = ShardSpec(partition=(0,), mesh_axes=(self.dp,)) if self.dp else None
         return distribute(tokens, layout=spec, mesh=self.mesh)
 
-    def logits(self, p: dict, tokens: object) -> object:
+    def logits(self, p: dict, tokens: Any) -> Any:
         """The LM head's logits.
 
         Parameters
@@ -205,7 +207,7 @@ class LlamaLM(Module):
             x = blk(bp, x)
         return self.head(p["head"], self.norm(p["norm"], x))
 
-    def loss(self, p: dict, tokens: object, targets: object) -> object:
+    def loss(self, p: dict, tokens: Any, targets: Any) -> Any:
         """The mean token cross-entropy.
 
         Parameters

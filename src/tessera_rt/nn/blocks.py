@@ -3,7 +3,7 @@ registry of parts that live above nn (the MoE block, the pipeline stage plan).""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from .. import op
 from ..dist.comm.mesh import Mesh
@@ -119,6 +119,14 @@ class SwiGLUMLP(Module):
         return self.w2(p["w2"], op.swiglu(x, p["w1"]["w"], p["w3"]["w"]))
 
 
+class BlockAttention(Protocol):
+    """A block's attention: ``Attention``, or one with its interface (``models.llama``'s rotary one)."""
+
+    def init(self, seed: int, name: str = ...) -> dict: ...
+
+    def __call__(self, p: dict, x: Any) -> Any: ...
+
+
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
@@ -148,7 +156,7 @@ class TransformerBlock(Module):
         super().__init__(mesh, tp_axis, dtype)
         kw = dict(mesh=mesh, tp_axis=tp_axis, dtype=dtype)
         self.norm1, self.norm2 = RMSNorm(d_model, **kw), RMSNorm(d_model, **kw)
-        self.attn = Attention(d_model, n_heads, **kw)
+        self.attn: BlockAttention = Attention(d_model, n_heads, **kw)
         if moe:                                # routed experts over ep instead of the dense MLP
             self.mlp = PARTS.need_moe_mlp()(d_model, hidden, mesh=mesh, ep_axis=ep_axis, dtype=dtype, **moe)
         else:
