@@ -73,13 +73,15 @@ def test_ci_and_pre_commit_run_both_checks():
     assert "-m ruff check" in hooks and "-m mypy" in hooks
 
 
-def test_mypy_baseline_only_shrinks():
-    """The modules mypy skips after the issue-41 restructure (pyproject.toml's BASELINE) are
-    named, exist, and are no more than when the list was made: a module leaves it once it type
-    checks, and no new one joins it."""
-    overrides = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
-    skipped = [m for o in overrides if o.get("ignore_errors") for m in o["module"]]
-    assert len(skipped) <= 23, skipped
-    for mod in skipped:
-        rel = Path("src", *mod.split("."))
-        assert rel.with_suffix(".py").exists() or (rel / "__init__.py").exists(), mod
+def test_mypy_ignores_no_errors_of_the_package():
+    """No module of tessera_rt has its mypy errors hidden (``ignore_errors``): the baseline the
+    issue-41 restructure left is gone, and a module that does not type check gets its types
+    fixed, not an override."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert not cfg.get("ignore_errors"), "pyproject.toml's [tool.mypy] ignores every error: fix the types instead"
+    overrides = cfg.get("overrides", [])
+    hidden = [m for o in overrides if o.get("ignore_errors")
+              for m in ([o["module"]] if isinstance(o["module"], str) else o["module"])
+              if m == "tessera_rt" or m.startswith("tessera_rt.")]
+    assert not hidden, (f"pyproject.toml has mypy ignore_errors for {hidden}: fix the types instead "
+                        "(a `# type: ignore[code]` with its reason only where mypy is wrong)")
