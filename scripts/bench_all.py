@@ -230,7 +230,7 @@ def _num(v, fmt=".2f") -> str:
 
 
 def render_vs_torch(outputs, ctx) -> str:
-    text, (header, rows) = markdown_or_text(outputs, ctx), first_table(outputs[0])
+    text, (_, rows) = markdown_or_text(outputs, ctx), first_table(outputs[0])
     if not rows:
         return text
     rows = [r for r in rows if re.fullmatch(r"[\d.]+", r[-1] or "")]

@@ -26,11 +26,11 @@ import tracemalloc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_collectives import human, parse_size, timed  # noqa: E402
+import tessera_rt as ts
+from tessera_rt import dist, op
+from tessera_rt.dist import ccl
 
-import tessera_rt as ts  # noqa: E402
-from tessera_rt import dist, op  # noqa: E402
-from tessera_rt.dist import ccl  # noqa: E402
+from bench_collectives import human, parse_size, timed
 
 ALGOS = ("library", "ring", "line")
 

@@ -45,8 +45,8 @@ def main() -> None:
     mpi = MPI.COMM_WORLD
     has = hasattr(dist, "debug")
     modes = {"raw mpi4py Allreduce": (None, lambda: mpi.Allreduce(x, out))}
-    from tessera_rt.dist.comm.work import world_group
     from tessera_rt.dist.checks import consistency
+    from tessera_rt.dist.comm.work import world_group
     g = world_group()
     modes["tessera all_reduce, default"] = ("off", lambda: dist.all_reduce(x))
     modes["tessera all_reduce, check off"] = ("nocheck", lambda: dist.all_reduce(x))

@@ -27,13 +27,13 @@ BLAS_THREADS = os.environ.get("OPENBLAS_NUM_THREADS", "1") if "numpy" in sys.mod
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def parse_args(argv=None):
@@ -90,6 +90,7 @@ def hf_runner(path: Path):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from mpi4py import MPI
+
     from tessera_rt import dist, nn
     comm = MPI.COMM_WORLD
     world = dist.init()

@@ -288,8 +288,8 @@ def torch_peer(n, rank, sizes, calls):
         import torch
         import torch.distributed as tdist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, DTensor
-    except Exception as e:                      # noqa: BLE001
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    except Exception as e:
         return {"error": f"torch unavailable: {type(e).__name__}: {e}"}
     torch.set_num_threads(1)
     port = COMM.bcast(29500 + (os.getpid() % 2000) if rank == 0 else None, root=0)

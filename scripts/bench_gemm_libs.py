@@ -23,14 +23,14 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_N
     os.environ[_v] = "1"                        # one thread: set before any BLAS loads
 os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")     # libmkl_rt without Intel OpenMP
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import glob  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import ctypes
+import glob
+import math
+import sys
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 D, F, V, PRE = 256, 1024, 256, 32
 # (group, weight, tokens, K, N, weights of this shape per training step / prefill)

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # _bench_sections beside this file
-from _bench_sections import epilogues, fp8_quantize, grouped, own_and_default, paged_decode  # noqa: E402
+from _bench_sections import epilogues, fp8_quantize, grouped, own_and_default, paged_decode
 
 # dense fp16/bf16 tensor-core TFLOP/s and HBM TB/s (vendor datasheets); first match wins
 PEAKS = {"H100 PCIe": (756.0, 2.0), "H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0),
@@ -227,9 +227,10 @@ class Bench:
         """The tile kernel's bf16 variant (operands as bit patterns: CuPy has no bfloat16 dtype)
         beside cuBLAS's bf16 GEMM through torch.matmul on the same memory."""
         xp = self.xp
+        import ml_dtypes
+
         from tessera_rt.kernels.cuda_common import get_function
         from tessera_rt.kernels.gemm_tile_cuda import gemm_grid, gemm_smem_bytes, gemm_threads, render_gemm
-        import ml_dtypes
         tile = (128, 256, 32)
         host = [(self.rng.standard_normal(s)).astype(ml_dtypes.bfloat16) for s in ((m, k), (k, n))]
         a, b = (xp.asarray(h.view(np.uint16)) for h in host)
@@ -321,7 +322,7 @@ class Bench:
                      flops=2.5 * flops, note=roofline)
 
     def memory_bound(self):
-        xp, kern = self.xp, self.be.kernel
+        kern = self.be.kernel
         shape = self.pick((8, 256), (256, 1024), (8192, 4096), (2048, 1024))
         x, w, bvec = self.arr(shape, scale=2), self.arr(shape[-1:]), self.arr(shape[-1:])
         nbytes = 2 * x.size * x.dtype.itemsize                     # read x, write y

@@ -23,15 +23,15 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import statistics  # noqa: E402
-import time  # noqa: E402
+import statistics
+import time
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from mpi4py import MPI
 
-import tessera_rt as ts  # noqa: E402
-from tessera_rt import dist, op  # noqa: E402
-from tessera_rt.dist.tensor.shard import split_offsets, split_sizes  # noqa: E402
+import tessera_rt as ts
+from tessera_rt import dist, op
+from tessera_rt.dist.tensor.shard import split_offsets, split_sizes
 
 
 def _silu_parts(h):
@@ -115,7 +115,7 @@ class Peer:
         for j in range(nle):
             g = grecv[bounds[j]:bounds[j + 1]]
             xe, h1, h3, act, sig = saved[j]
-            gws.append(((act * h3).T @ g))
+            gws.append((act * h3).T @ g)
             da = g @ self.w2[j].T
             dh3 = da * act
             dh1 = da * h3 * sig * (1 + h1 * (1 - sig))

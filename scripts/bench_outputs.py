@@ -5,10 +5,16 @@ after it pays for its page faults.
 
     tessera-run -n 2 scripts/bench_outputs.py [MiB] [reps]
 """
-import argparse, time, statistics, numpy as np
+import argparse
+import statistics
+import time
+
+import numpy as np
+
 import tessera_rt as ts
-from tessera_rt.dist.comm.mpi import MPI
 from tessera_rt import dist
+from tessera_rt.dist.comm.mpi import MPI
+
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("mib", nargs="?", type=float, default=8.0, help="message size in MiB (default 8)")
 ap.add_argument("reps", nargs="?", type=int, default=15, help="samples per case (default 15)")

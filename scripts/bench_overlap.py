@@ -41,12 +41,11 @@ import numpy as np
 from mpi4py import MPI
 
 import tessera_rt as ts
-from tessera_rt import backend, dist, graph, profiler
-from tessera_rt import runtime as rt
+from tessera_rt import backend, dist, graph, profiler, runtime as rt
 from tessera_rt.autodiff.buckets import grad_bucket_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train as train_script  # noqa: E402  (scripts/train.py: its model, data and batches)
+import train as train_script  # scripts/train.py: its model, data and batches
 
 
 def slowest(w, seconds: float) -> float:
@@ -80,7 +79,7 @@ def matmul_size(w, target: float) -> int:
 def micro(w, mib: int, reps: int, n: int | None) -> dict:
     """``n``: the matmul size (None: sized here to the all_reduce's time)."""
     x = np.ones((mib << 20) // 4, np.float32)
-    ar = lambda: dist.all_reduce(x, async_op=True).wait()   # noqa: E731
+    ar = lambda: dist.all_reduce(x, async_op=True).wait()
     ar()
     t_ar, c_ar = timed_cpu(w, ar, reps)
     n = n or matmul_size(w, t_ar)

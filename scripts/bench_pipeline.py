@@ -17,10 +17,10 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+import argparse
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def parse_args(argv=None):

@@ -100,8 +100,9 @@ def _torch_device():
 def _torch_model(cfg, dtype=None):
     import torch
     sys.path.insert(0, str(HERE))
-    from bench_vs_torch import torch_model
     from tessera_rt import nn
+
+    from bench_vs_torch import torch_model
     params = nn.Transformer(**_kw(cfg)).init(0)
     model = torch_model(cfg, _to_host(params)).to(_torch_device())
     return model.to(torch.float64) if dtype == "float64" else model
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     use_torch = not args.no_torch
     if use_torch:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
         except ImportError:
             print("torch is not installed: timing tessera only")
             use_torch = False

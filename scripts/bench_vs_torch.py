@@ -31,15 +31,15 @@ import sys
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[_var] = "1"          # one core per rank on both sides (before NumPy or torch load)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TRAIN_ROWS = {"1rank": 1, "dp2": 2, "tp2": 2, "pp2": 2}
@@ -213,6 +213,7 @@ def torch_side(row, cfg, comm, port):
     """(step() -> loss) for the torch tool of this row, on the same initial weights."""
     import torch
     import torch.distributed as tdist
+
     from tessera_rt import nn
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
         return worker(args)
     if not args.no_torch:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
         except ImportError:
             print("bench_vs_torch: torch is not installed: timing tessera only (pip install torch for the peer)")
             args.no_torch = True

@@ -249,7 +249,8 @@ def train_args(quick: bool, dtype: str) -> list[str]:
 def train_only(argv: list[str]) -> int:
     """scripts/train.py in this process (its losses at full precision): one TRAIN line."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import train                           # sets the thread pools' sizes before NumPy loads
+    import train  # sets the thread pools' sizes before NumPy loads
+    # isort: split
     import numpy as np
     res = train.train(train.parse_args(argv))
     times = res["step_times"][1:] or res["step_times"]

@@ -49,15 +49,15 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tessera_rt.dist.comm.script import UsageError  # noqa: E402  (a flag mistake: exit status 2)
+from tessera_rt.dist.comm.script import UsageError  # a flag mistake: exit status 2
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "data" / "seeds"
@@ -502,7 +502,7 @@ def _train(args: argparse.Namespace) -> dict:
                          "--virtual-stages, --batch, --remat)")
     # the parts of nn.Transformer that live above nn plug in when their package is imported
     from tessera_rt import moe  # noqa: F401  (registers the MoE block: --experts)
-    from tessera_rt.pipeline import Pipeline          # (also nn.Transformer's stage split: --pp)
+    from tessera_rt.pipeline import Pipeline  # (also nn.Transformer's stage split: --pp)
     if args.arch == "llama":
         model = llama_model(args, len(chars), mesh)
     else:

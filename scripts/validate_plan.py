@@ -20,17 +20,17 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = "tp1,tp2,dp2,tp3,dp3,tp4,tp2dp2,dp4,pp2,pp2dp2,ep2,ep2dp2"
@@ -65,14 +65,14 @@ def _train_argv(c: dict, steps: int, out: str) -> list:
 
 def worker(a) -> None:
     sys.path.insert(0, str(HERE))
-    import train
     from mpi4py import MPI
 
     from tessera_rt import dist, nn
-    from tessera_rt.plan.calibrate import (measure_collectives, measure_compute, measure_lockstep_share,
-                                           measure_share)
+    from tessera_rt.plan.calibrate import measure_collectives, measure_compute, measure_lockstep_share, measure_share
     from tessera_rt.plan.measure import local_bytes, traced_activation_bytes
     from tessera_rt.profiler import Profile
+
+    import train
 
     c = parse_config(a.config)
     w = dist.init()

@@ -4,9 +4,20 @@ from pathlib import Path
 import pytest
 
 import cores
+
 # the multi-rank launcher and the environments of the processes tests start
-from multirank import (EXPECTED_RANK_SKIP, GPU_EMU, LAUNCH_TIMEOUT_S, MPIEXEC, ROOT, MpiLaunch,  # noqa: F401
-                       MpiSuite, group_timeouts, mpi_env, standin_env)
+from multirank import (  # noqa: F401  (re-exported: the tests import them from conftest)
+    EXPECTED_RANK_SKIP,
+    GPU_EMU,
+    LAUNCH_TIMEOUT_S,
+    MPIEXEC,
+    ROOT,
+    MpiLaunch,
+    MpiSuite,
+    group_timeouts,
+    mpi_env,
+    standin_env,
+)
 
 # One folder per capability.  Its test_*.py files run in this process; its mpi_*.py files are
 # multi-rank suites (every rank runs the same tests), collected as their mpiexec launches
@@ -41,7 +52,7 @@ if not UNDER_MPIEXEC:
     os.environ["TESSERA_DEVICE"] = "cpu"
 else:
     # a rank of a multi-rank suite: ranks kept in step, a failing rank aborts the job
-    from rank_hooks import _in_step, pytest_runtest_makereport, world  # noqa: F401
+    from rank_hooks import _in_step, pytest_runtest_makereport, world  # noqa: F401  (a hook and fixtures: pytest looks here)
 
 
 def pytest_configure(config):

@@ -18,12 +18,19 @@ import os
 import sys
 import threading
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .cpu_streams import (  # noqa: F401  (re-exported: the backend's stream names)
-    WORKER_ERROR_HOOKS, CpuEvent, CpuStream, CpuWorkerStream, check_timing, cpu_workers, set_cpu_workers,
+from .cpu_streams import (
+    WORKER_ERROR_HOOKS,
+    CpuEvent,
+    CpuStream,
+    CpuWorkerStream,
+    check_timing,
+    cpu_workers,
+    set_cpu_workers,
 )
 
 __all__ = [
@@ -90,7 +97,7 @@ class CudaEvent:
         self._ready()
         return self._event.done
 
-    def elapsed_ms(self, end: "CudaEvent") -> float:
+    def elapsed_ms(self, end: CudaEvent) -> float:
         import cupy
         check_timing(self, end)
         end.synchronize()

@@ -16,10 +16,11 @@ without MPI_THREAD_MULTIPLE (see ``dist.init``), every stream stays on the calle
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["CpuEvent", "CpuStream", "CpuWorkerStream", "cpu_workers", "set_cpu_workers", "WORKER_ERROR_HOOKS",
            "check_timing"]
@@ -52,11 +53,13 @@ class CpuEvent:
     def query(self) -> bool:
         return all(work.test() for work in self._pending)
 
-    def elapsed_ms(self, end: "CpuEvent") -> float:
+    def elapsed_ms(self, end: CpuEvent) -> float:
         check_timing(self, end)
         end.synchronize()
         self.synchronize()
-        return (end.time - self.time) * 1e3
+        t0, t1 = self.time, end.time
+        assert t0 is not None and t1 is not None          # (_check_timing)
+        return (t1 - t0) * 1e3
 
 
 class CpuStream:
@@ -140,7 +143,7 @@ class _Task:
 
     __slots__ = ("stream", "seq", "fn", "t0", "t1")
 
-    def __init__(self, stream: "CpuWorkerStream", seq: int, fn: Callable):
+    def __init__(self, stream: CpuWorkerStream, seq: int, fn: Callable):
         self.stream, self.seq, self.fn = stream, seq, fn
         self.t0 = self.t1 = None
 
@@ -230,6 +233,7 @@ class CpuWorkerStream(CpuStream):
             self._raise()
 
     def _raise(self) -> None:
+        assert self._error is not None                    # (a failed stream's)
         exc = self._error[1]
         exc._tessera_seen = True          # picked up: the job-ending timer (dist.init) stands down
         raise exc
@@ -256,11 +260,12 @@ class CpuWorkerStream(CpuStream):
                 task.t0 = time.perf_counter()
                 try:
                     fn()
-                except BaseException as exc:   # noqa: BLE001 - handed to the caller's next wait
+                except BaseException as exc:   # handed to the caller's next wait
                     skipped = self._issued - task.seq
-                    exc.add_note(f"(raised on the {self.name!r} stream's worker thread; re-raised at the next "
-                                 f"wait on that stream, which stays failed: {skipped} later task(s) skipped "
-                                 "so far, and later ones too, until runtime.reset())")
+                    if sys.version_info >= (3, 11):          # (3.10 has no notes: the exception alone)
+                        exc.add_note(f"(raised on the {self.name!r} stream's worker thread; re-raised at the next "
+                                     f"wait on that stream, which stays failed: {skipped} later task(s) skipped "
+                                     "so far, and later ones too, until runtime.reset())")
                     self._error = (task.seq, exc)
                     for hook in tuple(WORKER_ERROR_HOOKS):
                         hook(self, exc)

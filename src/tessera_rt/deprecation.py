@@ -8,7 +8,8 @@ re-exports the new one.  Every warning is a ``DeprecationWarning`` naming the ne
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["warn", "aliases", "moved"]
 

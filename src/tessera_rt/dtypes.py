@@ -6,6 +6,8 @@ so a bf16 array is a real NumPy array on the CPU path.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
@@ -38,7 +40,7 @@ _SHORT_NAMES = {
 }
 
 
-def resolve_dtype(dtype: object) -> np.dtype:
+def resolve_dtype(dtype: Any) -> np.dtype:
     """Return the NumPy dtype for any accepted spelling; raise TypeError naming the choices.
 
     Parameters

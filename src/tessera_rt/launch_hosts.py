@@ -129,18 +129,20 @@ def place(hosts: list[tuple[str, int | None]], nranks: int | None, where: str) -
         share, extra = divmod(n, len(hosts))
         counts = [share + (i < extra) for i in range(len(hosts))]
     else:
-        n = sum(counts) if nranks is None else nranks
-        if n > sum(counts):
+        slots = [c for c in counts if c is not None]           # (every host has one here)
+        n = sum(slots) if nranks is None else nranks
+        if n > sum(slots):
             named = ",".join(f"{h}:{c}" for h, c in hosts)
-            raise HostError(f"-n {n} ranks but {where} names {sum(counts)} slots ({named}); lower -n to "
-                            f"{sum(counts)}, raise the slot counts or add hosts")
+            raise HostError(f"-n {n} ranks but {where} names {sum(slots)} slots ({named}); lower -n to "
+                            f"{sum(slots)}, raise the slot counts or add hosts")
         left = n
-        for i, c in enumerate(counts):
-            counts[i], left = min(c, left), left - min(c, left)
+        for i, c in enumerate(slots):
+            slots[i], left = min(c, left), left - min(c, left)
+        counts = list(slots)
     return [(h, c) for h, c in zip(names, counts) if c]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_local(host: str) -> bool:
     """Whether ``host`` names this machine (mpiexec starts its ranks without ssh).
 

@@ -37,7 +37,10 @@ class Record:
     __slots__ = ("rank", "pid", "said", "ended", "status")
 
     def __init__(self, rank: int, pid: int):
-        self.rank, self.pid, self.said, self.ended, self.status = rank, pid, None, None, None
+        self.rank, self.pid = rank, pid
+        self.said: str | None = None
+        self.ended: float | None = None
+        self.status: int | None = None
 
     def how(self) -> str:
         """How it ended, for people: "died (SIGKILL)", "exited with code 3", "exited with status 0"
@@ -78,6 +81,7 @@ class RankRecords:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(os.path.join(folder, SOCKET_NAME))
         self._server.listen(1024)
+        self._wake_r: int | None
         self._wake_r, self._wake_w = os.pipe()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._server, selectors.EVENT_READ)
@@ -126,8 +130,8 @@ class RankRecords:
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
         for key in list(self._sel.get_map().values()):
-            if key.data is not None:                    # a rank's connection: read it to its end
-                key.fileobj.settimeout(0.5)
+            if key.data is not None and isinstance(key.fileobj, socket.socket):   # a rank's connection:
+                key.fileobj.settimeout(0.5)                                          # read it to its end
                 while self._read(key):
                     pass
         self._sel.close()
@@ -144,7 +148,7 @@ class RankRecords:
         """The local rank that ended first without finishing ("done"), or with a non-zero
         status (``sys.exit(3)``), or None."""
         gone = [rec for rec in self.ranks.values() if rec.ended is not None and (rec.said != "done" or rec.status)]
-        return min(gone, key=lambda rec: rec.ended, default=None)
+        return min(gone, key=lambda rec: rec.ended or 0.0, default=None)          # (ended: set, in gone)
 
     def aborted(self) -> Record | None:
         """The first rank that ended the job on purpose (said "abort"), or None."""

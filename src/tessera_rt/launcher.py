@@ -58,11 +58,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .dist.checkpoint.lock import LOCK_NAME, DirLock
-from .launch_hosts import (HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here,  # noqa: F401
-                           read_hostfile)
+from .launch_hosts import HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here, read_hostfile
 from .launch_ranks import RUN_DIR_VAR, TAG_VAR, RankRecords
 
 __all__ = ["main", "build_command", "find_mpiexec", "rank_env", "HostError", "parse_hosts", "read_hostfile", "place",
@@ -93,7 +93,7 @@ def is_open_mpi(mpiexec: str) -> bool:
     return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
 
 
-def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str] = (),
+def build_command(nranks: int, target: list[str], mpiexec: str, extra: Sequence[str] = (),
                   hosts: list[tuple[str, int]] | None = None, rsh: str | None = None) -> list[str]:
     """The mpiexec command line of a job.
 
@@ -105,7 +105,7 @@ def build_command(nranks: int, target: list[str], mpiexec: str, extra: list[str]
         ``script.py args...`` or ``-m module args...``.
     mpiexec : str
         The MPI launcher (``find_mpiexec``).
-    extra : list of str
+    extra : sequence of str
         More mpiexec arguments (``--mpi-arg``).
     hosts : list of (str, int) or None
         ``place``'s layout (None: this machine only).
@@ -380,11 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,
                         help="number of ranks (default 1; with --hosts/--hostfile one per slot, or per host)")
     parser.add_argument("-m", dest="module", help="run a module instead of a script")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--hosts", "-H", metavar="A,B",
+    host_flags = parser.add_mutually_exclusive_group()
+    host_flags.add_argument("--hosts", "-H", metavar="A,B",
                        help="run across these hosts, ranks laid out host by host: node1,node2 spreads -n evenly; "
                        "node1:4,node2:4 gives each its slot count (ranks 0-3 on node1, 4-7 on node2)")
-    where.add_argument("--hostfile", metavar="FILE",
+    host_flags.add_argument("--hostfile", metavar="FILE",
                        help=f"as --hosts, the hosts read from FILE ({HOST_LINE}; # starts a comment)")
     parser.add_argument("--launcher-exec", metavar="PROG", default=None,
                         help="with --hosts/--hostfile: what starts a process on another host, called as ssh is: "
@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"tessera-run: attempt {attempt + 2} of {attempts} after {why}; restarting the job"
                              f"{f' on {n} rank' + 's' * (n > 1) if fewer else ''} ({RESTART_VAR}={attempt + 1})\n")
             sys.stderr.flush()
+    raise AssertionError("not reached: the last attempt returns")
 
 if __name__ == "__main__":
     sys.exit(main())

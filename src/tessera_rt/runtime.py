@@ -16,7 +16,7 @@ collectives on it run while the caller computes.
 from __future__ import annotations
 
 import atexit
-from typing import Iterable
+from collections.abc import Iterable
 
 from .backend import get_backend
 

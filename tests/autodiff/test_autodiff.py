@@ -40,7 +40,7 @@ def check(fn, *args, argnums=None, rtol=1e-5, atol=1e-7, eps=1e-6):
         return op.sum(op.mul(fn(*a), weights))
     argnums = tuple(range(len(args))) if argnums is None else argnums
     grads = ts.grad(loss, argnums=argnums)(*args)
-    plain = lambda *a: np.sum(np.asarray(fn(*a), np.float64) * weights)   # noqa: E731
+    plain = lambda *a: np.sum(np.asarray(fn(*a), np.float64) * weights)
     for k, i in enumerate(argnums):
         num = numeric_grad(plain, [a.copy() if hasattr(a, "copy") else a for a in args], i, eps)
         assert grads[k].shape == args[i].shape and grads[k].dtype == args[i].dtype

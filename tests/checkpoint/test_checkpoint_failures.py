@@ -135,6 +135,7 @@ def _leave_garbage(ckpt: str) -> int:
 
 def _state(version):
     import numpy as np
+
     from tessera_rt import dist
     mesh = dist.Mesh(axes=["dp"], shape={"dp": 1})
     return {"w": dist.distribute(np.full((4, 3), version, np.float32), mesh=mesh), "step": version}
@@ -207,6 +208,7 @@ def test_a_save_after_a_full_disk_works_once_space_allows(tmp_path, monkeypatch)
     """The failed save's partial file once kept the disk full, so every later save failed
     too; a save now first removes what failed saves left, never the committed checkpoint."""
     import pytest
+
     from tessera_rt import dist
     from tessera_rt.dist import checkpoint
     ckpt = str(tmp_path / "ckpt")
@@ -255,6 +257,7 @@ def test_pipeline_and_expert_checkpoints_load_onto_one_rank(tmp_path):
     """Saved by a 4-rank job at pp=4 and at pp2 x ep2 (each stage its own blocks), loaded in
     this process (world size 1) into the un-split model: every stage's saved values."""
     import numpy as np
+
     from tessera_rt import dist, nn
     p, _ = _run(tmp_path, "pp_save.py", PP_SAVE, 4, {"OUT": str(tmp_path)})
     assert p.returncode == 0 and "saved" in p.stdout, p.stdout + p.stderr

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import tessera_rt as ts
-from tessera_rt import dist
-from tessera_rt import runtime as rt
+from tessera_rt import dist, runtime as rt
 
 BACKEND = ts.get_backend()
 xp = BACKEND.xp
@@ -239,7 +238,7 @@ def test_errors_name_rank_axis_and_shapes(line, world):
 def _cases(n):
     """(name, shape (or rank -> shape), dtype, call(x, mesh), reference(every rank's data, my rank))."""
     sizes = [(i + 1) % 3 for i in range(n)]                      # uneven, zeros included
-    splits = lambda r: [(r + d) % 3 + 1 for d in range(n)]      # noqa: E731  (rank r sends to rank d)
+    splits = lambda r: [(r + d) % 3 + 1 for d in range(n)]      # rank r sends to rank d
     return [
         ("all_reduce", (3, 5), np.float32, lambda x, m: dist.all_reduce(x, "x", mesh=m),
          lambda d, me: sum(d)),
@@ -363,8 +362,8 @@ def test_all_to_all_tag(line, world):
 _NO_C_PATH = ("the C path is off (TESSERA_HOT=0)" if os.environ.get("TESSERA_HOT", "1").strip().lower()
               in ("0", "off", "false", "no") else "dist.comm._hot is not built (tests/collectives/test_hot.py fails for that)")
 
-from tessera_rt.dist.comm import collectives as C  # noqa: E402
-from tessera_rt.dist.comm.plans import clear_plans, plans_made  # noqa: E402
+from tessera_rt.dist.comm import collectives as C
+from tessera_rt.dist.comm.plans import clear_plans, plans_made
 
 ON_CPU = not BACKEND.is_gpu
 

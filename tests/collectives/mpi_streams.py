@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import tessera_rt as ts
-from tessera_rt import dist
-from tessera_rt import runtime as rt
+from tessera_rt import dist, runtime as rt
 from tessera_rt.backend import CpuWorkerStream
 
 BACKEND = ts.get_backend()

@@ -159,8 +159,8 @@ def test_the_collectives_read_their_check_from_the_seam(line):
 
 def test_a_wait_is_named_to_the_watchdog_through_the_seam():
     # a layer above dist names what the main thread waits for with hooks.note (no frame locals)
-    from tessera_rt.dist.comm import hooks
     from tessera_rt.dist.checks import watchdog
+    from tessera_rt.dist.comm import hooks
     assert watchdog.note_of_main() == ""
     with hooks.note("pipeline stage 1 waits for micro-batch 0"):
         with hooks.note("the inner wait"):

@@ -117,6 +117,6 @@ def test_collectives_refuse_non_numeric_dtypes_before_any_communication(bad, sai
         dist.all_reduce(np.ones(2), "x", mesh=m)
     with pytest.raises(TypeError, match=r"dist\.all_reduce: the array has dtype"):
         dist.all_reduce(bad)                                        # the world, no mesh
-    import ml_dtypes                                                # low-precision floats are numbers
+    import ml_dtypes  # low-precision floats are numbers
     for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.bool_, np.complex64):
         assert dist.all_gather(np.ones(4, dt), "x", mesh=m).dtype == dt

@@ -141,13 +141,13 @@ def test_default_mode_catches_each_kind_of_disagreement_before_data_moves(world)
 def test_the_sampled_check_on_the_c_path_catches_a_later_disagreement(world):
     # a call site verified once takes the C path (dist/comm/_hot.c) with the remembered-site check;
     # its sampled verification (every call here) must still meet a rank that now disagrees
-    from tessera_rt.dist.comm import collectives as C
     from tessera_rt.dist.checks import consistency
+    from tessera_rt.dist.comm import collectives as C
     w = world
     if w.size < 2:
         pytest.skip("needs 2 ranks")
     mesh = dist.Mesh(axes=["x"], shape=(w.size,))
-    site = lambda x: dist.all_reduce(x, "x", mesh=mesh)      # noqa: E731  (one call site)
+    site = lambda x: dist.all_reduce(x, "x", mesh=mesh)
     old, consistency.STATE.mask = consistency.STATE.mask, 0     # TESSERA_CHECK_EVERY=1
     try:
         for _ in range(3):

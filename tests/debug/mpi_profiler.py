@@ -1,7 +1,6 @@
 """The profiler (issue 7, item 6): per-op table, NVTX names, merged Chrome trace, overlap ratio."""
 import json
 import os
-
 import time
 
 import numpy as np

@@ -5,7 +5,6 @@ was printed (one report per job, naming the odd rank and the lines) and that no 
 process is left behind.  Disagreements of each kind in the default mode are also checked at
 1-4 ranks inside tests/debug/mpi_debug.py (one launch per size).
 """
-import os
 import re
 import signal
 import subprocess
@@ -201,7 +200,7 @@ def test_a_late_disagreement_ends_the_job_in_seconds_naming_the_rank(tmp_path, n
     assert (f"rank 1 differs from the others: {differs}" if nranks > 2 else differs) in err, err
     assert f"{others} all_reduce(world) float32[8] at late_job.py:15" in err, err
     field = {"size": "shape", "dtype": "dtype", "op": "arguments (op)", "shape": "shape"}[kind]
-    assert f"call #6 on it" in err and f"disagree on {field}." in err, err
+    assert "call #6 on it" in err and f"disagree on {field}." in err, err
     assert "unreachable" not in p.stdout
     assert not _left(str(s))
 

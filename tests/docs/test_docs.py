@@ -197,6 +197,7 @@ def test_help_on_a_collective_shows_its_parameters():
     # their docstring, not a signature, so the Parameters section is what help() lists
     import inspect
     import pydoc
+
     from tessera_rt import dist
     for fn in (dist.all_reduce, dist.all_gather, dist.reduce_scatter, dist.all_to_all, dist.broadcast):
         text = pydoc.render_doc(fn, renderer=pydoc.plaintext)

@@ -8,8 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from mpi4py import MPI
 
 from tessera_rt import dist
@@ -571,7 +570,7 @@ def test_repeat_redistributions_take_the_c_path_with_the_check_kept(world):
             np.testing.assert_array_equal(o, want)
     if SIZE < 2:
         return
-    site = lambda X: X.redistribute(R)                                  # noqa: E731  (one call site)
+    site = lambda X: X.redistribute(R)                                  # one call site
     for _ in range(3):
         site(Xa), site(Xb)
     old, consistency.STATE.mask = consistency.STATE.mask, 0

@@ -6,8 +6,7 @@ data movement itself is checked under mpiexec in tests/dtensor/mpi_dtensor_layou
 import itertools
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tessera_rt import dist
 from tessera_rt.dist.tensor.layout import Layout, LayoutError

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
 
-import cuda_emu as emu  # noqa: E402
+import cuda_emu as emu
 
 
 def _compiler_missing() -> str | None:

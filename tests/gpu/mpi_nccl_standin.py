@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 mpi = pytest.importorskip("mpi4py.MPI")
-import cupy  # noqa: E402
-from cupy.cuda import nccl  # noqa: E402
+import cupy
+from cupy.cuda import nccl
 
 WORLD = mpi.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

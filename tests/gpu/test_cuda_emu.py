@@ -16,14 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
 
-import cuda_emu as emu  # noqa: E402
-from emu_helpers import Device, build, needs_compiler, rnd  # noqa: E402
-import tessera_rt.kernels as K  # noqa: E402
-from tessera_rt.kernels.compile import registered_sources  # noqa: E402
-from tessera_rt.kernels.cuda_common import MMA_HEADER  # noqa: E402
-from tessera_rt.kernels.numerics import tolerance  # noqa: E402
-from tessera_rt.kernels.rows_cuda import render_fp8, render_rows  # noqa: E402
+import tessera_rt.kernels as K
+from tessera_rt.kernels.compile import registered_sources
+from tessera_rt.kernels.cuda_common import MMA_HEADER
+from tessera_rt.kernels.numerics import tolerance
+from tessera_rt.kernels.rows_cuda import render_fp8, render_rows
 
+import cuda_emu as emu
+from emu_helpers import Device, build, needs_compiler, rnd
 
 pytestmark = needs_compiler
 

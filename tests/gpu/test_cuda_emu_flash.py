@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from emu_helpers import Device, build, needs_compiler, rnd
-from flash_launch import backward, check, forward, reference
 from tessera_rt.kernels.flash_cuda import render_flash
 
 import cuda_emu as emu
+from emu_helpers import Device, build, needs_compiler, rnd
+from flash_launch import backward, check, forward, reference
 
 pytestmark = needs_compiler
 BF16 = np.dtype(ml_dtypes.bfloat16)

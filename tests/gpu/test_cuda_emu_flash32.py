@@ -12,11 +12,11 @@ the pipeline must fail, as numbers the comparison rejects or as a harness error.
 import numpy as np
 import pytest
 
-from emu_helpers import Device, build, needs_compiler, rnd
-from flash_launch import FLASH32, backward, forward, reference
 from tessera_rt.kernels.flash_f32_cuda import render_flash32
 
 import cuda_emu as emu
+from emu_helpers import Device, build, needs_compiler, rnd
+from flash_launch import FLASH32, backward, forward, reference
 
 pytestmark = needs_compiler
 F32_TOL = 2e-6          # tests/kernels/test_gpu.py::test_f32_attention_is_f32's bar

@@ -13,12 +13,18 @@ import numpy as np
 import pytest
 
 import tessera_rt.kernels as K
-from emu_helpers import NVRTC_OPTIONS, Device, needs_compiler, rnd
 from tessera_rt.kernels.gemm_cuda import gemm_vec
-from tessera_rt.kernels.gemm_tile_cuda import (DUAL_CONFIGS, GEMM_CONFIGS, gemm_grid, gemm_smem_bytes, gemm_threads,
-                                               render_gemm)
+from tessera_rt.kernels.gemm_tile_cuda import (
+    DUAL_CONFIGS,
+    GEMM_CONFIGS,
+    gemm_grid,
+    gemm_smem_bytes,
+    gemm_threads,
+    render_gemm,
+)
 
 import cuda_emu as emu
+from emu_helpers import NVRTC_OPTIONS, Device, needs_compiler, rnd
 
 pytestmark = needs_compiler
 BF16 = np.dtype(ml_dtypes.bfloat16)

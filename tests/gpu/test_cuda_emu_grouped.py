@@ -13,13 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from emu_helpers import NVRTC_OPTIONS, Device, needs_compiler, rnd
-from test_cuda_emu_gemm import BARRIER, WAIT, _edit, _Ptr, exact_gemm
 from tessera_rt.kernels.grouped_gemm_cuda import grouped_tile, grouped_vec
-from tessera_rt.kernels.grouped_gemm_src import (grouped_smem_bytes, grouped_threads, grouped_tiles_m,
-                                                 render_grouped_mma)
+from tessera_rt.kernels.grouped_gemm_src import grouped_smem_bytes, grouped_threads, grouped_tiles_m, render_grouped_mma
 
 import cuda_emu as emu
+from emu_helpers import NVRTC_OPTIONS, Device, needs_compiler, rnd
+from test_cuda_emu_gemm import BARRIER, WAIT, _edit, _Ptr, exact_gemm
 
 pytestmark = needs_compiler
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -13,10 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from emu_helpers import Device, build, needs_compiler, rnd
 from tessera_rt.kernels.cuda_common import MMA_HEADER
 
 import cuda_emu as emu
+from emu_helpers import Device, build, needs_compiler, rnd
 
 pytestmark = needs_compiler
 

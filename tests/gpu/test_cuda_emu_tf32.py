@@ -12,8 +12,9 @@ truncating summation model (the A100's, after Fasi et al. 2021) sums as its NumP
 import numpy as np
 import pytest
 
-from emu_helpers import Device, build, needs_compiler
 from tessera_rt.kernels.cuda_common import MMA_HEADER
+
+from emu_helpers import Device, build, needs_compiler
 
 pytestmark = needs_compiler
 

@@ -18,9 +18,9 @@ if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__tessera_standin
     pytest.skip("the real CuPy is loaded in this process; the stand-in's own tests run where CuPy is "
                 "not installed", allow_module_level=True)
 
-import cupy  # noqa: E402
-from cupy import _capture  # noqa: E402
-from cupy.cuda import runtime  # noqa: E402
+import cupy
+from cupy import _capture
+from cupy.cuda import runtime
 
 pytestmark = pytest.mark.timeout(120)
 

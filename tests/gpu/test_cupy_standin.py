@@ -1,10 +1,7 @@
 """The CuPy stand-in (tests/gpu_emu/cupy): strictness, the pool, the stream-order tracker,
 RawModule launches, and NCCL over MPI at 2 and 3 ranks (tests/gpu/mpi_nccl_standin.py, launched by tests/multirank.py)."""
 import gc
-import os
-import shlex
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +18,8 @@ if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__tessera_standin
     pytest.skip(f"the real CuPy ({sys.modules['cupy'].__file__}) is loaded in this process; the "
                 "stand-in's own tests run where CuPy is not installed", allow_module_level=True)
 
-import cupy  # noqa: E402  (the stand-in: tests/gpu_emu is first on sys.path)
-from cupy import _raw  # noqa: E402
+import cupy  # the stand-in: tests/gpu_emu is first on sys.path
+from cupy import _raw
 
 assert getattr(cupy, "__tessera_standin__", False), f"imported the real CuPy from {cupy.__file__}"
 

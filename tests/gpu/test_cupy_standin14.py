@@ -15,9 +15,9 @@ if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__tessera_standin
     pytest.skip("the real CuPy is loaded in this process; the stand-in's own tests run where CuPy is "
                 "not installed", allow_module_level=True)
 
-import cupy  # noqa: E402
-from cupy import _raw  # noqa: E402
-from cupy._core import _routines_linalg as linalg  # noqa: E402
+import cupy
+from cupy import _raw
+from cupy._core import _routines_linalg as linalg
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)

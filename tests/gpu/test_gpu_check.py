@@ -97,7 +97,7 @@ def test_forward_peer_runs_without_autograd(monkeypatch):
     real = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(q, k, v, **kw):
-        seen.append((torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+        seen.append(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         return real(q, k, v, **kw)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     monkeypatch.setenv("TESSERA_DEVICE", "cpu")

@@ -22,4 +22,4 @@ def test_providers_on_the_standin_with_mocked_libraries():
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and " passed" in tail, tail
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert all(EXPECTED_SKIP.match(line) for line in skips), f"unexpected skips:\n" + "\n".join(skips)
+    assert all(EXPECTED_SKIP.match(line) for line in skips), "unexpected skips:\n" + "\n".join(skips)

@@ -103,8 +103,9 @@ def gathered(p, table, n, bs):
     return np.concatenate([p[b] for b in table[:-(-n // bs)]], axis=1)[:, :n]       # (Hkv, n, D)
 
 
-@pytest.fixture(scope="module")
-def ckpts():
-    """The bundle (``cached_bundle``) for a test module: ``from llama_tiny import ckpts``."""
+@pytest.fixture(scope="module", name="ckpts")
+def fixture_ckpts():
+    """The bundle (``cached_bundle``) for a test module: ``from llama_tiny import fixture_ckpts``
+    (named apart from the ``ckpts`` its tests ask for, which would shadow the import)."""
     pytest.importorskip("torch", reason="the transformers oracle needs torch (scripts/test.sh installs the CPU wheel)")
     return cached_bundle()

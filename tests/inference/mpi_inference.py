@@ -14,7 +14,7 @@ from mpi4py import MPI
 from tessera_rt import dist, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_tiny as L  # noqa: E402
+import llama_tiny as L
 
 COMM = MPI.COMM_WORLD
 SIZE, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -37,7 +37,7 @@ def ckpts():
     data = None
     if RANK == 0:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
             data = {n: (str(p), r) for n, (p, r) in L.cached_bundle().items()}
         except ImportError:
             pass

@@ -17,7 +17,7 @@ from tessera_rt.inference.sampling import DeviceSampler, sample
 from tessera_rt.kernels import flash_attention, paged_decode_attention
 
 import llama_tiny as L
-from llama_tiny import ckpts  # noqa: F401  (the fixture)
+from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest looks in this module)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -300,6 +300,7 @@ def test_decode_on_the_cuda_standin_matches_the_cpu(ckpts):
     import subprocess
     import sys
     from pathlib import Path
+
     from conftest import mpi_env, standin_env
     here = Path(__file__).resolve().parent
     env = mpi_env(1, "cuda", standin_env())
@@ -376,6 +377,7 @@ def test_decode_steps_allocate_no_device_memory_after_the_first(ckpts, ranks):
     import subprocess
     import sys
     from pathlib import Path
+
     from conftest import MPIEXEC, mpi_env, standin_env
     here = Path(__file__).resolve().parent
     env = mpi_env(ranks, "cuda", standin_env(ranks))

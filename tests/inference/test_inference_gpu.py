@@ -19,7 +19,7 @@ from tessera_rt.inference.prefill import Chunk, run_prefill
 from tessera_rt.inference.sampling import DeviceSampler
 
 import llama_tiny as L
-from llama_tiny import ckpts  # noqa: F401  (the fixture)
+from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest looks in this module)
 
 
 def _cupy():
@@ -211,7 +211,7 @@ def test_decoder_kernels_match_their_references(dtype):
     from tessera_rt.kernels import decoder_ops as R
     dt, be = resolve_dtype(dtype), get_backend()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
-    f = lambda a: np.asarray(cp.asnumpy(a) if hasattr(a, "get") else a, np.float32)   # noqa: E731
+    f = lambda a: np.asarray(cp.asnumpy(a) if hasattr(a, "get") else a, np.float32)
     rng = np.random.default_rng(5)
     t, nq, nkv, d, bs = 7, 4, 2, 32, 4
     qkv = rng.standard_normal((t, (nq + 2 * nkv) * d)).astype(dt)
@@ -261,7 +261,7 @@ def test_varlen_and_paged_prefill_kernels(hd, h, hkv):
     t = sum(lq)
     cu = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     qkv = rng.standard_normal((t + 3, (h + 2 * hkv) * hd)).astype(np.float32)
-    views = lambda a: (a[:, :h * hd].reshape(-1, h, hd), a[:, h * hd:(h + hkv) * hd].reshape(-1, hkv, hd),  # noqa: E731
+    views = lambda a: (a[:, :h * hd].reshape(-1, h, hd), a[:, h * hd:(h + hkv) * hd].reshape(-1, hkv, hd),
                        a[:, (h + hkv) * hd:].reshape(-1, hkv, hd))
     q, k, v = views(qkv)
     dq, dk, dv = views(cp.asarray(qkv))

@@ -9,7 +9,7 @@ from tessera_rt import nn
 from tessera_rt.kernels import flash_attention
 
 import llama_tiny as L
-from llama_tiny import ckpts  # noqa: F401  (the fixture)
+from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest looks in this module)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,6 +22,7 @@ def test_gpu_inference_on_the_standin():
     import subprocess
     import sys
     from pathlib import Path
+
     from conftest import mpi_env, standin_env
     here = Path(__file__).resolve().parent
     env = mpi_env(1, "cuda", standin_env())
@@ -62,6 +63,7 @@ def test_tensor_parallel_decode_is_captured_with_its_nccl_collectives(ckpts):
     import subprocess
     import sys
     from pathlib import Path
+
     from conftest import MPIEXEC, mpi_env, standin_env
     here = Path(__file__).resolve().parent
     env = mpi_env(2, "cuda", standin_env(2))
@@ -95,6 +97,7 @@ def test_chunked_prefill_does_not_starve_decoding_sequences(ckpts, monkeypatch):
     """A long prompt admitted while another sequence decodes is prefilled 4 tokens a step, and
     the decoding sequence gets its token in every one of those steps."""
     import sys
+
     from tessera_rt.inference import decode
     G = sys.modules["tessera_rt.inference.generate"]       # (the package's `generate` is the function)
     path, ref = ckpts["A"]
@@ -140,7 +143,7 @@ def test_decoder_op_references(ckpts):
     D.rope_kv(work, pos, inv, nq, nkv, q_out=q_out, k_pages=kp, v_pages=vp, slots=slots)
     ang = pos[:, None].astype(np.float32) * inv
     cos, sin = np.cos(np.concatenate([ang, ang], 1))[:, None], np.sin(np.concatenate([ang, ang], 1))[:, None]
-    rot = lambda x: np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)                 # noqa: E731
+    rot = lambda x: np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
     q, k = qkv[:, :nq * d].reshape(t, nq, d), qkv[:, nq * d:(nq + nkv) * d].reshape(t, nkv, d)
     np.testing.assert_allclose(q_out, q * cos + rot(q) * sin, rtol=1e-6, atol=1e-6)
     k_want = k * cos + rot(k) * sin

@@ -14,8 +14,13 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
                 allow_module_level=True)
 
 from tessera_rt.kernels import tile
-from tessera_rt.kernels.tile_kernels import (make_tiled_matmul, saxpy_reference, saxpy_tile,
-                                             staged_axpy_tile, tiled_matmul_tile)
+from tessera_rt.kernels.tile_kernels import (
+    make_tiled_matmul,
+    saxpy_reference,
+    saxpy_tile,
+    staged_axpy_tile,
+    tiled_matmul_tile,
+)
 
 
 def test_running_in_simulator():
@@ -106,6 +111,7 @@ def test_every_launch_path_runs_on_cupys_current_stream(monkeypatch, path):
     # stream: each launch must be ordered on CuPy's current stream, or on the stream passed.
     import sys
     import types
+
     from tessera_rt.kernels import tile_kernels as tk
     current = types.SimpleNamespace(ptr=0xC0FFEE)
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: current))

@@ -6,8 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from tessera_rt import backend as B
-from tessera_rt import runtime as rt
+from tessera_rt import backend as B, runtime as rt
 from tessera_rt.dtypes import dtype_name, resolve_dtype
 
 

@@ -7,7 +7,7 @@ import pytest
 import tessera_rt.kernels as K
 from tessera_rt.backend import get_backend
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels.numerics import NumericPolicy, numeric, accum_dtype, result_dtype
+from tessera_rt.kernels.numerics import NumericPolicy, accum_dtype, numeric, result_dtype
 
 BF16 = resolve_dtype("bf16")
 

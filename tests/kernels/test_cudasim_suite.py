@@ -6,10 +6,9 @@ tests that compile real PTX.  ``timeout`` bounds the launch in case a barrier de
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 

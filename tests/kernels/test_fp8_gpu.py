@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import fp8 as F
-from tessera_rt.kernels import fp8_cuda as FC
+from tessera_rt.kernels import fp8 as F, fp8_cuda as FC
+
 from test_gpu import cp
 from test_grouped_gemm_gpu import dev
 

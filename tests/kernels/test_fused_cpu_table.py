@@ -9,9 +9,7 @@ import pytest
 from tessera_rt import optim
 from tessera_rt.backend import KERNELS, get_backend
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import embedding as E
-from tessera_rt.kernels import fused_ref as R
-from tessera_rt.kernels import multi_tensor as MT
+from tessera_rt.kernels import embedding as E, fused_ref as R, multi_tensor as MT
 from tessera_rt.kernels.numerics import tolerance
 
 BF16 = resolve_dtype("bf16")

@@ -193,7 +193,7 @@ def test_float32_matmul_precision_reaches_gemms_and_attention():
     want_mm = a.astype(np.float64) @ bm
     want_att = K.flash_attention(*(t.astype(np.float64) for t in (q, k, v)), causal=True)
     seen = []
-    listen = lambda op, p: seen.append((op, p))  # noqa: E731
+    listen = lambda op, p: seen.append((op, p))
     precision.add_listener(listen)
     try:
         err = {}
@@ -295,6 +295,7 @@ def test_fp8_dequantize_bits_matches_cpu(fmt):
                     "Numba's simulator (tests/kernels/sim_tile_kernels.py)")
 def test_tile_saxpy_on_gpu(monkeypatch):
     from numba.cuda.cudadrv import driver
+
     from tessera_rt.kernels.tile_kernels import saxpy_tile, staged_axpy_tile, tiled_matmul_tile
     x, y = cp.arange(10_000, dtype=cp.float32), cp.ones(10_000, cp.float32)
     cp.testing.assert_allclose(saxpy_tile(x, y, 2.0), 2 * x + 1)
@@ -447,6 +448,7 @@ def test_ordering_events_skip_timing_and_timed_ones_time():
 
 def test_nccl_refuses_tags_it_cannot_honour():
     from mpi4py import MPI
+
     from tessera_rt import runtime as rt
     from tessera_rt.dist.comm.nccl import NcclCommunicator
     comm = NcclCommunicator(MPI.COMM_SELF)

@@ -13,15 +13,18 @@ import pytest
 
 from tessera_rt.backend import KERNELS
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import embedding as E
-from tessera_rt.kernels import embedding_cuda as EC
-from tessera_rt.kernels import fused_cuda as F
-from tessera_rt.kernels import fused_ref as R
-from tessera_rt.kernels import multi_tensor as MT
-from tessera_rt.kernels import optim_cuda as O
-from tessera_rt.kernels import xent_cuda as X
+from tessera_rt.kernels import (
+    embedding as E,
+    embedding_cuda as EC,
+    fused_cuda as F,
+    fused_ref as R,
+    multi_tensor as MT,
+    optim_cuda as O,
+    xent_cuda as X,
+)
 from tessera_rt.kernels.numerics import tolerance
-from test_gpu import cp      # CuPy on a GPU machine, the stand-in under it, None without either
+
+from test_gpu import cp  # CuPy on a GPU machine, the stand-in under it, None without either
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import grouped_gemm as G
-from tessera_rt.kernels import grouped_gemm_cuda as GC
+from tessera_rt.kernels import grouped_gemm as G, grouped_gemm_cuda as GC
+
 from test_gpu import cp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]

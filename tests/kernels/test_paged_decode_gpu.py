@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import paged_attention as R
-from tessera_rt.kernels import paged_attention_cuda as PC
+from tessera_rt.kernels import paged_attention as R, paged_attention_cuda as PC
+
 from test_gpu import cp
-from test_grouped_gemm_gpu import MANT, dev, host    # device copies and ulps of f16/bf16/f32
+from test_grouped_gemm_gpu import MANT, dev, host  # device copies and ulps of f16/bf16/f32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs a CUDA GPU with CuPy")]
 

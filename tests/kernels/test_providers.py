@@ -16,8 +16,14 @@ import pytest
 import tessera_rt.kernels as K
 from tessera_rt.backend import get_backend
 from tessera_rt.dtypes import resolve_dtype
-from tessera_rt.kernels import cudnn_attention, cublaslt_gemm, providers
-from vendor_mocks import compute_type_switch, fake_vendor, notes, standin_cupy  # noqa: F401
+from tessera_rt.kernels import cublaslt_gemm, cudnn_attention, providers
+
+from vendor_mocks import (
+    fixture_compute_type_switch,  # noqa: F401  (a fixture: pytest looks for it in this module)
+    fixture_fake_vendor,  # noqa: F401  (a fixture)
+    fixture_notes,  # noqa: F401  (a fixture)
+    standin_cupy,
+)
 
 cp = standin_cupy()
 pytestmark = [pytest.mark.gpu,

@@ -48,7 +48,7 @@ class Fake(providers.Provider):
 def registry(monkeypatch):
     monkeypatch.setattr(providers, "REGISTRY", {})
     seen = []
-    fn = lambda *a: seen.append(a)  # noqa: E731
+    fn = lambda *a: seen.append(a)
     precision.add_listener(fn)
     yield seen
     precision.remove_listener(fn)
@@ -126,7 +126,7 @@ def test_tessera_debug_kernels_prints_each_call():
 
 def test_two_argument_listeners_keep_working():
     got = []
-    two = lambda op, prec: got.append((op, prec))  # noqa: E731
+    two = lambda op, prec: got.append((op, prec))
     precision.add_listener(two)
     try:
         precision.note("matmul", "tf32", "cublas")

@@ -15,7 +15,13 @@ import tessera_rt.kernels as K
 from tessera_rt.backend import get_backend
 from tessera_rt.dtypes import resolve_dtype
 from tessera_rt.kernels import providers
-from vendor_mocks import FAKE, _drop, gpu_cupy, notes  # noqa: F401
+
+from vendor_mocks import (
+    FAKE,
+    _drop,
+    fixture_notes,  # noqa: F401  (a fixture: pytest looks for it in this module)
+    gpu_cupy,
+)
 
 cp = gpu_cupy()
 EMULATED = bool(getattr(cp, "__tessera_standin__", False))

@@ -1,6 +1,7 @@
 """Fixtures that put the fake vendor libraries (tests/gpu_emu/fake_vendor: ``cudnn``, ``nvmath``)
 in place of the real ones, on the CuPy stand-in, and a minimal ``cupy._core`` compute-type
-switch where the stand-in lacks it (f32 GEMMs ask for it)."""
+switch where the stand-in lacks it (f32 GEMMs ask for it).  A test module imports
+``fixture_<name>`` and its tests ask for ``<name>`` (the same name would be shadowed by them)."""
 import sys
 import types
 from pathlib import Path
@@ -38,8 +39,8 @@ def standin_cupy():
     return cupy if getattr(cupy, "__tessera_standin__", False) else None
 
 
-@pytest.fixture
-def fake_vendor(monkeypatch):
+@pytest.fixture(name="fake_vendor")
+def fixture_fake_vendor(monkeypatch):
     """The fake ``cudnn`` and ``nvmath`` importable, their logs empty, every provider's
     availability and graph/plan caches forgotten (before and after)."""
     from tessera_rt.kernels import providers
@@ -58,12 +59,12 @@ def fake_vendor(monkeypatch):
     providers.reset()
 
 
-@pytest.fixture
-def compute_type_switch(monkeypatch):
+@pytest.fixture(name="compute_type_switch")
+def fixture_compute_type_switch(monkeypatch):
     """``cupy._core.set_compute_type`` and ``_routines_linalg.get_compute_type`` for f32 GEMMs
     (CuPy has them; the stand-in of this branch may not)."""
     try:
-        from cupy._core import _routines_linalg  # noqa: F401
+        from cupy._core import _routines_linalg  # noqa: F401  (is it there? then nothing to put in)
         yield
         return
     except ImportError:
@@ -93,8 +94,8 @@ class Notes:
         return [n for n in self.items if n[0] == op]
 
 
-@pytest.fixture
-def notes():
+@pytest.fixture(name="notes")
+def fixture_notes():
     from tessera_rt.kernels import precision
     rec = Notes()
     precision.add_listener(rec)

@@ -30,7 +30,7 @@ def test_bench_vs_torch_quick_checks_the_same_losses_then_times_both_sides():
     rows = [line for line in p.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [r.split(" | ")[0] for r in rows] == ["| 1 rank vs torch eager", "| dp=2 vs DDP (gloo)"], p.stdout
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401  (can torch be imported? find_spec would miss a broken install)
     except ImportError:
         assert "torch is not installed: timing tessera only" in p.stdout
         return

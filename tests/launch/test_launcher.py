@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mpi_env
 from tessera_rt import launch_hosts, launcher
+
+from conftest import mpi_env
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
 # a job that runs until it is stopped (says "ready" once its ranks are connected)

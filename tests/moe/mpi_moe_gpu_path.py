@@ -6,8 +6,7 @@ import pytest
 from mpi4py import MPI
 
 import tessera_rt as ts
-from tessera_rt import dist, op
-from tessera_rt import runtime as rt
+from tessera_rt import dist, op, runtime as rt
 from tessera_rt.backend import get_backend
 from tessera_rt.moe import dense_reference
 

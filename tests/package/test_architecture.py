@@ -1,7 +1,9 @@
 """The import graph of tessera_rt points one way: down the layers (issue 29).
 
 Every ``import`` / ``from ... import`` in a module counts, also those inside functions (a lazy
-import is still a dependency). ``from pkg import name`` is an arrow to the submodule when
+import is still a dependency) and those under ``if TYPE_CHECKING:`` (a type is a dependency
+too: no hint may point up the layers).  A type-only import runs at no import time, so it makes
+no import circle: the circle check leaves them out. ``from pkg import name`` is an arrow to the submodule when
 ``name`` is one, otherwise to the package (importing a package runs its ``__init__``).
 
 Layers, lowest first; an arrow may point to the same or a lower layer only:
@@ -96,8 +98,18 @@ def missing_modules(src: Path = SRC) -> list:
     return out
 
 
-def import_graph(src: Path = SRC) -> dict:
-    """{module: set of modules it imports}, full dotted names, self-imports dropped."""
+def _type_only(tree: ast.Module) -> set:
+    """The ids of the import nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def import_graph(src: Path = SRC, type_only: bool = True) -> dict:
+    """{module: set of modules it imports}, full dotted names, self-imports dropped;
+    ``type_only=False`` leaves out the imports under ``if TYPE_CHECKING:``."""
     mods = modules(src)
     edges = {}
     for name, path in mods.items():
@@ -107,7 +119,10 @@ def import_graph(src: Path = SRC) -> dict:
         tree = ast.parse(path.read_text(), filename=str(path))
         base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         targets = set()
+        skip = set() if type_only else _type_only(tree)
         for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.split(".")[0] == PKG)
             elif isinstance(node, ast.ImportFrom):
@@ -217,7 +232,7 @@ def test_no_new_upward_arrow():
 
 
 def test_no_new_circle():
-    edges = import_graph()
+    edges = import_graph(type_only=False)
     kept = {a: {b for b in bs if (short(a), short(b)) not in ALLOWED} for a, bs in edges.items()}
     now = [frozenset(c) for c in circles(kept)]
     allowed = [frozenset(c) for c in ALLOWED_CIRCLES]
@@ -333,6 +348,17 @@ def test_scanner_sees_lazy_and_relative_imports(tmp_path):
     assert e[f"{PKG}.dist.b"] == {f"{PKG}.dist.a", f"{PKG}.dist"}
     assert upward_arrows(e) == {("dist.a", "op")}
     assert circles(e) == [["dist.a", "dist.b"]]
+    # a type-only import: an arrow for the layers (no hint points up), no circle
+    (pkg / "dist" / "t.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from . import u\n    from ..op import y\n")
+    (pkg / "dist" / "u.py").write_text("from . import t\n")
+    e = import_graph(tmp_path)
+    assert e[f"{PKG}.dist.t"] == {f"{PKG}.dist.u", f"{PKG}.op"}
+    assert ("dist.t", "op") in upward_arrows(e) and ["dist.t", "dist.u"] in circles(e)
+    e = import_graph(tmp_path, type_only=False)
+    assert e[f"{PKG}.dist.t"] == set() and ["dist.t", "dist.u"] not in circles(e)
+    (pkg / "dist" / "t.py").unlink()
+    (pkg / "dist" / "u.py").unlink()
     (pkg / "dist" / "d.py").write_text("from . import b as B\nB._x = 1\nB._seen.append(2)\nB.public = 3\n")
     assert private_writes(tmp_path) == [("dist.d", 2, "B._x"), ("dist.d", 3, "B._seen.append")]
 

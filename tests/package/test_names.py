@@ -69,8 +69,8 @@ def test_a_planner_candidates_layout_is_its_config():
 
 
 def test_the_old_part_registry_warns_and_registers():
-    from tessera_rt.nn import parts
     from tessera_rt.moe.model import MoEMLP
+    from tessera_rt.nn import parts
     with pytest.warns(DeprecationWarning, match=r"register_part\('MoEMLP', \.\.\.\) is deprecated: use nn\.parts\.register_moe_mlp"):
         parts.register_part("MoEMLP", MoEMLP)
     assert parts.PARTS.moe_mlp is MoEMLP

@@ -24,7 +24,7 @@ def test_the_wheel_holds_the_license_the_type_marker_and_every_subpackage(tmp_pa
     assert p.returncode == 0, p.stderr[-3000:]
     (wheel,) = tmp_path.glob("tessera_rt-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "tessera_rt/py.typed" in names
+    assert "tessera_rt/py.typed" in names and "tessera_rt/dist/comm/_hot.pyi" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), \
         sorted(n for n in names if "dist-info" in n)
     packages = {str(d.relative_to(ROOT / "src")) for d in (ROOT / "src" / "tessera_rt").rglob("__init__.py")}

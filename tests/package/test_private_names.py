@@ -21,7 +21,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from test_architecture import PKG, SRC, modules
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ import pytest
 from conftest import LAUNCH_TIMEOUT_S, ROOT, mpi_env, standin_env
 
 sys.path.insert(0, str(ROOT / "tests" / "debug"))
-from test_fault_injection import _left, _run  # noqa: E402
+from test_fault_injection import _left, _run
 
 TESSERA_RUN = str(Path(sys.executable).parent / "tessera-run")
 pytestmark = pytest.mark.timeout(90)

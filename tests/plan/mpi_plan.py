@@ -2,7 +2,6 @@
 parameter bytes (exact) and the activation bytes a traced forward keeps (within 10%),
 for train.py's model on dp x tp meshes (tp=3 included, where the 4 heads do not split); and
 the tp all-reduces and MoE exchanges the time model counts, against the profiler's."""
-import dataclasses
 
 import numpy as np
 import pytest
@@ -81,7 +80,7 @@ def test_collective_counts_are_the_runtimes(model, axis):
 
     def calls(where, op, on, shape=lambda s: True):
         return sum(n for (o, a, s), n in got[f"collectives_{where}"].items() if o == op and a == on and shape(s))
-    wide = lambda s: s.split("[")[1].split(",")[2:] == [f"{spec.d_model}]"]      # noqa: E731  (batch, seq, d)
+    wide = lambda s: s.split("[")[1].split(",")[2:] == [f"{spec.d_model}]"]      # batch, seq, d
     if axis == "tp":
         assert calls("per_layer", "all_reduce", "tp") == calls("per_layer", "all_reduce", "tp", wide) \
             == spec.tp_ar_per_layer
@@ -89,7 +88,7 @@ def test_collective_counts_are_the_runtimes(model, axis):
         assert calls("outside", "all_reduce", "tp", lambda s: not wide(s)) == LOSS_TP_ALL_REDUCES
     else:
         assert calls("per_layer", "all_to_all", "ep") == MOE_ALL_TO_ALLS and not calls("outside", "all_to_all", "ep")
-        stats = lambda s: s == f"float64[{spec.n_experts + 4}]"          # noqa: E731
+        stats = lambda s: s == f"float64[{spec.n_experts + 4}]"
         assert calls("per_layer", "all_reduce", "dp,ep", stats) == 1
         assert calls("outside", "all_reduce", "dp,ep", stats) == 0
 
@@ -101,6 +100,7 @@ def test_runtime_refuses_what_layout_problems_refuses():
     (pipeline.schedules.layout_problems), on every rank alike."""
     import sys
     from pathlib import Path
+
     from tessera_rt.pipeline.schedules import layout_problems
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import train

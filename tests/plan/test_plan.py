@@ -341,7 +341,7 @@ def test_optimizer_passes_per_tensor_are_the_runtimes(monkeypatch):
         leaves, _, struct = tree_flatten(params)
         assert len(leaves) == timing.param_tensors(spec, spec.n_layers, spec.n_moe_layers), name
     n = len(leaves)
-    grads = lambda: tree_unflatten(struct, [op.mul(p, 0.5) for p in leaves])     # noqa: E731
+    grads = lambda: tree_unflatten(struct, [op.mul(p, 0.5) for p in leaves])
     opt = optim.AdamW(params, lr=1e-3)
     # a first step and clip compile the fused kernels unpatched: Numba reads NumPy's ufuncs when
     # it first compiles or loads one, and np.multiply must be the ufunc then (run alone, this

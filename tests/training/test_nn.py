@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tessera_rt as ts
-from tessera_rt import nn, op, optim
+from tessera_rt import nn, optim
 
 
 def rand(*shape, seed=0):

@@ -21,8 +21,8 @@ Modules: ``tape`` (traced values, the recording hook, no_grad/detach, the regist
 ``engine`` (the reverse sweep, grad/value_and_grad/vjp/remat), ``finish`` (gradients
 into their parameters' layouts, reduce_grads), ``buckets``, ``pytree``, ``dist_vjps``.
 """
-from . import dist_vjps  # noqa: F401  (registers the data-movement VJP rules)
 from ..deprecation import aliases as _aliases
+from . import dist_vjps  # noqa: F401  (registers the data-movement VJP rules)
 from .buckets import grad_bucket_bytes, set_grad_bucket_mb
 from .engine import grad, remat, value_and_grad, vjp
 from .finish import GRAD_ROLE, reduce_grads

@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 from ..backend import get_backend
 from ..dist.comm import collectives as C, p2p
+from ..dist.comm.hooks import vjp_rule
 from ..dist.comm.work import resolve_group
 from ..dist.tensor.dispatch import compute_region
 from ..dist.tensor.dtensor import DTensor, distribute, from_local, meta_of
 from ..dist.tensor.layout import Layout
-from ..dist.comm.hooks import vjp_rule
 
 __all__: list[str] = []          # rules only: they register on import (autodiff imports this module)
 

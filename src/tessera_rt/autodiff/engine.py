@@ -15,7 +15,8 @@ rest of the backward pass; the sweep waits for them all at the end.  Pytrees: ``
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ..dist.tensor.dtensor import DTensor, full, zeros
 from .buckets import grad_bucket_bytes
 from .finish import GRAD_ROLE, Finisher, reduce_grads
 from .pytree import tree_flatten, tree_unflatten
-from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, float_kind, detach, no_grad, ops, vjp_rule
+from .tape import EFFECT_OPS, STATE, VJPS, Tape, Var, detach, float_kind, no_grad, ops, vjp_rule
 
 __all__ = ["grad", "value_and_grad", "vjp", "remat", "backward", "GRAD_ROLE", "tree_flatten", "tree_unflatten",
            "reduce_grads", "trace", "add_cotangents"]
@@ -103,7 +104,7 @@ def backward(tape: Tape, out: Var, seed: Any, later: set | None = None) -> list 
     # contribution adds into one in place (a rule's cotangent may alias its input or
     # another's, so a first one is never written to)
     owned: set = set()
-    held = [] if later is not None else None
+    held: list = []                                # (with later only)
     saved, STATE.tape = STATE.tape, None
     try:
         out.grad = seed
@@ -120,7 +121,7 @@ def backward(tape: Tape, out: Var, seed: Any, later: set | None = None) -> list 
             needs = [False] * len(v.args)
             for pos, _ in parents:
                 needs[pos] = True
-            if held is not None and v.op == "matmul" and parents[-1][0] == 1 and id(parents[-1][1]) in later:
+            if later is not None and v.op == "matmul" and parents[-1][0] == 1 and id(parents[-1][1]) in later:
                 held.append((v, g, parents[-1][1]))
                 needs[1], parents = False, parents[:-1]
                 if not parents:
@@ -136,11 +137,11 @@ def backward(tape: Tape, out: Var, seed: Any, later: set | None = None) -> list 
                         p.grad = add(pg, ct)
                         owned.add(id(p.grad))
             _release(parents)
-            if held is None or not held or held[-1][0] is not v:
-                v.args = v.kw = None               # drop the residuals as soon as they are used
+            if not held or held[-1][0] is not v:
+                v.args, v.kw = (), None            # drop the residuals as soon as they are used
     finally:
         STATE.tape = saved
-    return held
+    return held if later is not None else None
 
 
 def backward_weights(held: list) -> None:
@@ -207,10 +208,10 @@ def trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True,
             raise ValueError(f"ts.grad({fn_name}): argnums={argnums} but the function got {len(args)} arguments")
     tape = Tape()
     finisher = Finisher(bucket_mb)
-    args = list(args)
+    traced = list(args)
     leaf_groups = []
     for n in nums:
-        leaves, paths, struct = tree_flatten(args[n], f"arg{n}")
+        leaves, paths, struct = tree_flatten(traced[n], f"arg{n}")
         vs = []
         for x, p in zip(leaves, paths):
             _check_param(x, p, fn_name)
@@ -218,12 +219,12 @@ def trace(fn: Callable, args: tuple, argnums, fn_name: str, reduce: bool = True,
             v.name = p
             v.finish = finisher if reduce else None
             vs.append(v)
-        args[n] = tree_unflatten(struct, vs)
+        traced[n] = tree_unflatten(struct, vs)
         leaf_groups.append((vs, struct))
     finisher.plan([v.value for vs, _ in leaf_groups for v in vs])
     STATE.tape = tape
     try:
-        out = fn(*args)
+        out = fn(*traced)
     finally:
         STATE.tape = None
     return tape, finisher, out, leaf_groups, isinstance(argnums, int)

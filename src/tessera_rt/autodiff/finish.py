@@ -10,7 +10,6 @@ reduction overlaps the rest of the backward pass; ``Finisher.wait`` collects the
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,7 @@ class Finisher:
     def __init__(self, bucket_mb: float | None = None):
         self.pending: list = []
         self.bucket_mb = bucket_mb
-        self.buckets = None
+        self.buckets: GradBuckets | None = None
 
     def plan(self, params: list) -> None:
         """Size the buckets for ``params``: the default cap depends on their DTensors' global

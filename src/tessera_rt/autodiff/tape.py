@@ -22,14 +22,14 @@ register into the same table; this module never imports op.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..dist.tensor import dtensor_collectives as _dtc_routes
+from ..dist.comm.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, TRACE as STATE, VJPS, differentiable, vjp_rule
 from ..dist.comm.work import Work
-from ..dist.comm.hooks import EFFECT_OPS, FORWARDS, SOURCE_OPS, VJPS, differentiable, vjp_rule
-from ..dist.comm.hooks import TRACE as STATE
+from ..dist.tensor import dtensor_collectives as _dtc_routes
 from .var import Tape, Var, current_tape, is_traced, ops, register_ops
 
 __all__ = [
@@ -68,13 +68,13 @@ def _positional(args: tuple, kw: dict, argnames: tuple) -> tuple[tuple, dict]:
     closure cell there, a cost on every traced op.)"""
     if not any(n in kw for n in argnames):
         return args, kw
-    kw, args = dict(kw), list(args)
+    kw, pos = dict(kw), list(args)
     for i, n in enumerate(argnames):
         if n in kw:
-            while len(args) <= i:
-                args.append(None)
-            args[i] = kw.pop(n)
-    return tuple(args), kw
+            while len(pos) <= i:
+                pos.append(None)
+            pos[i] = kw.pop(n)
+    return tuple(pos), kw
 
 
 def _call(name: str, fn: Callable, args: tuple, kw: dict, tape: Tape, argnames: tuple):
@@ -171,7 +171,7 @@ class no_grad:
     (for evaluation, metrics, and the forward of ``ts.remat``).  Also a decorator:
     ``@no_grad()``.  Takes no parameters."""
 
-    def __enter__(self) -> "no_grad":
+    def __enter__(self) -> no_grad:
         self._tape = STATE.tape
         self._rec = self._tape.recording if self._tape is not None else None
         if self._tape is not None:

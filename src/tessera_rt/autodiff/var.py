@@ -6,10 +6,12 @@ and ``engine``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..dist.comm.hooks import TRACE as STATE
-from ..dist.comm.hooks import differentiable
+from ..dist.comm.hooks import TRACE as STATE, differentiable
+
+if TYPE_CHECKING:
+    from .finish import Finisher
 
 __all__ = ["Var", "Tape", "register_ops", "ops", "current_tape", "is_traced"]
 
@@ -62,7 +64,7 @@ class Var:
         self.uses = 0
         self.leaf = op is None
         self.name = None                 # a leaf's path in the argument pytree (for errors)
-        self.finish = None               # a leaf's hook when its gradient is complete
+        self.finish: Finisher | None = None  # a leaf's hook when its gradient is complete
 
     # metadata --------------------------------------------------------------------
     shape = property(lambda self: tuple(self.value.shape))
@@ -106,11 +108,11 @@ class Var:
     def __le__(self, o): return _ops.less_equal(self, o)
     def __gt__(self, o): return _ops.greater(self, o)
     def __ge__(self, o): return _ops.greater_equal(self, o)
-    def __eq__(self, o): return _ops.equal(self, o)           # type: ignore[override]
-    def __ne__(self, o): return _ops.not_equal(self, o)       # type: ignore[override]
+    def __eq__(self, o): return _ops.equal(self, o)
+    def __ne__(self, o): return _ops.not_equal(self, o)
     def __getitem__(self, index): return _ops.getitem(self, index)
 
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The sum over ``axis`` (``op.sum``), traced.
 
         Parameters
@@ -127,7 +129,7 @@ class Var:
         """
         return _ops.sum(self, axis, keepdims)
 
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The mean over ``axis`` (``op.mean``), traced.
 
         Parameters
@@ -144,7 +146,7 @@ class Var:
         """
         return _ops.mean(self, axis, keepdims)
 
-    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The maximum over ``axis`` (``op.max``), traced.
 
         Parameters
@@ -161,7 +163,7 @@ class Var:
         """
         return _ops.max(self, axis, keepdims)
 
-    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Var":
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Var:
         """The minimum over ``axis`` (``op.min``), traced.
 
         Parameters
@@ -178,7 +180,7 @@ class Var:
         """
         return _ops.min(self, axis, keepdims)
 
-    def astype(self, dtype: Any) -> "Var":
+    def astype(self, dtype: Any) -> Var:
         """This value converted to ``dtype`` (``op.astype``), traced.
 
         Parameters
@@ -193,7 +195,7 @@ class Var:
         """
         return _ops.astype(self, dtype)
 
-    def transpose(self, *axes) -> "Var":
+    def transpose(self, *axes) -> Var:
         """The transpose (``op.transpose``), traced.
 
         Parameters
@@ -210,9 +212,9 @@ class Var:
                                else (axes or None))
 
     @property
-    def T(self): return _ops.transpose(self, None)              # noqa: N802
+    def T(self): return _ops.transpose(self, None)
 
-    def reshape(self, *shape) -> "Var":
+    def reshape(self, *shape) -> Var:
         """This value with a new shape (``op.reshape``), traced.
 
         Parameters
@@ -227,7 +229,7 @@ class Var:
         """
         return _ops.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
-    def redistribute(self, layout: Any) -> "Var":
+    def redistribute(self, layout: Any) -> Var:
         """The traced DTensor in another layout (``DTensor.redistribute``; its VJP moves the
         gradient back).
 
@@ -243,7 +245,7 @@ class Var:
         """
         return _redistribute(self, layout)
 
-    def full_tensor(self) -> "Var":
+    def full_tensor(self) -> Var:
         """The traced DTensor gathered to a full array on every rank (``DTensor.full_tensor``).
 
         Returns
@@ -253,7 +255,7 @@ class Var:
         """
         return _full_tensor(self)
 
-    def to_local(self) -> "Var":
+    def to_local(self) -> Var:
         """This rank's local piece of the traced DTensor (``DTensor.to_local``).
 
         Returns

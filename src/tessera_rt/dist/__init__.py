@@ -10,29 +10,44 @@
 The collectives here take arrays or DTensors: an array is communicated as it is; a DTensor
 (routed to ``dtensor_collectives``) becomes a layout change run by the redistribution planner.
 """
+from ..deprecation import aliases as _aliases
+from ..upper import UpperNames
+from .checkpoint import CheckpointError, async_save, load, save
+from .checks import debug
+from .checks.debug import CollectiveMismatchError, flight_records
+from .checks.determinism import deterministic, is_deterministic, set_deterministic
 from .comm.collectives import (
-    CollectiveRecord, all_gather, all_reduce, all_to_all, broadcast, bus_factor, reduce_scatter, trace_collectives,
-)
-from .comm.p2p import barrier
-from .comm.work import Work, world_group
-from .tensor.dtensor_collectives import recv, send   # (importing it also routes DTensors into the collectives)
-from .tensor.dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
-from .tensor import dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
-from .tensor.layout import (
-    Layout, LayoutError, Partial, PartialSpec, Placement, Replicate, ReplicateSpec, Shard, ShardSpec, as_layout,
+    CollectiveRecord,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    bus_factor,
+    reduce_scatter,
+    trace_collectives,
 )
 from .comm.mesh import AxisGroup, Mesh, current_mesh, mesh, set_mesh
+from .comm.p2p import barrier
 from .comm.process_group import World, abort, get_rank, get_world_size, init, is_initialized, world
+from .comm.work import Work, world_group
+from .tensor import cost, dispatch as _dispatch, interop as _interop  # noqa: F401  (they plug into DTensor on import)
+from .tensor.dtensor import DTensor, distribute, from_local, full, ones, rand, randn, tensor, zeros
+from .tensor.dtensor_collectives import recv, send  # (importing it also routes DTensors into the collectives)
+from .tensor.layout import (
+    Layout,
+    LayoutError,
+    Partial,
+    PartialSpec,
+    Placement,
+    Replicate,
+    ReplicateSpec,
+    Shard,
+    ShardSpec,
+    as_layout,
+)
 from .tensor.redistribute import RedistributionPlan, Step, plan_redistribute
 from .tensor.rules import RuleError, register_rule
 from .tensor.shard import local_shape, local_slices, split_offsets, split_sizes
-from .tensor import cost
-from .checks import debug
-from .checkpoint import CheckpointError, async_save, load, save
-from .checks.debug import CollectiveMismatchError, flight_records
-from .checks.determinism import deterministic, is_deterministic, set_deterministic
-from ..deprecation import aliases as _aliases
-from ..upper import UpperNames
 
 __all__ = [
     "init", "world", "World", "is_initialized", "get_rank", "get_world_size", "abort",

@@ -5,13 +5,13 @@ tensor-parallel through a paged, tp-sharded KV cache with vocab-parallel samplin
     cache = nn.KVCache(model, max_tokens=4096, block_size=16)
     out = model.generate(cache, prompts=[[1, 2, 3]], max_new_tokens=32)
 """
-from .hf import CheckpointReader, LlamaConfig, rope_inv_freq
-from .llama import Llama, TPShard
-from .kv_cache import KVCache
-from .sampling import sample
-from .generate import generate
 from ..deprecation import aliases as _aliases
 from ..nn import UPPER as _NN_UPPER
+from .generate import generate
+from .hf import CheckpointReader, LlamaConfig, rope_inv_freq
+from .kv_cache import KVCache
+from .llama import Llama, TPShard
+from .sampling import sample
 
 _NN_UPPER.provide("Llama", Llama)            # nn.Llama and nn.KVCache (nn sits below this package)
 _NN_UPPER.provide("KVCache", KVCache)

@@ -27,13 +27,14 @@ parallelism over a host-staged communicator, and ``TESSERA_CUDA_GRAPHS=0``.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import runtime as rt
-from .layers import DecodeAttention, Workspace, host_int32, kernel
 from .kv_storage import upload
+from .layers import DecodeAttention, Workspace, host_int32, kernel
 
 __all__ = ["DecodeBatch", "DecodeRunner", "BUCKETS", "HISTORY", "graphs_enabled"]
 
@@ -60,6 +61,13 @@ class DecodeBatch:
     width : int
         Block-table width (pages a sequence may hold).
     """
+
+    # views of the state array (set in __init__, by name)
+    tok: Any
+    pos: Any
+    keys: Any
+    hist_n: Any
+    tables: Any
 
     def __init__(self, model, cache, b: int, width: int):
         xp = model.xp

@@ -11,15 +11,20 @@ prompts and settings), so a bad prompt is one clear ValueError rather than a han
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import runtime as rt
 from ..backend import get_backend
 from .decode import HISTORY, runner_for
+from .kv_cache import KVCache
 from .prefill import plan_chunks, run_prefill
 from .sampling import DeviceSampler, check_sampling, sample
+
+if TYPE_CHECKING:                   # llama.py imports this module (Llama.generate)
+    from .llama import Llama
 
 __all__ = ["generate", "check_prompts"]
 
@@ -60,7 +65,7 @@ class _Decoding:
         self.dirty = True
 
 
-def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | None = None, max_batch: int | None = None,
              max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[list[int]]:
@@ -112,7 +117,7 @@ def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, 
     outs: list[list[int]] = [[] for _ in ps]
     if max_new_tokens == 0:
         return outs
-    skw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    skw: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     rt.stream("compute")          # CuPy's current stream: every upload and kernel of the loop goes there
     dp, dp_index = _dp_of(model)
     waiting = list(range(dp_index, len(ps), dp))     # prompt i decodes on dp replica i % dp
@@ -187,7 +192,7 @@ def generate(model: object, cache: object, prompts: Sequence[Sequence[int]], *, 
         dec.pages = pages
         dec.runner.sids = sids
         dec.runner.run()
-        if sampler is None:                  # top-k / top-p: on the host, from the step's logits
+        if host_sample is not None:          # top-k / top-p: on the host, from the step's logits
             toks = host_sample(b.logits[:len(rows)], [(i, len(outs[i])) for i in rows])
             for i, t in zip(rows, toks):
                 outs[i].append(int(t))

@@ -64,7 +64,7 @@ class LlamaConfig:
     eos_token_id: Any = None
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "config.json") -> "LlamaConfig":
+    def from_dict(cls, d: dict, where: str = "config.json") -> LlamaConfig:
         """Check that ``d`` describes a Llama-shaped model; the error names the field to fix."""
         mt = d.get("model_type", "llama")
         if mt not in ("llama",):
@@ -95,7 +95,7 @@ class LlamaConfig:
                    d.get("bos_token_id"), d.get("eos_token_id"))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "LlamaConfig":
+    def from_dir(cls, path: str | Path) -> LlamaConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise ValueError(f"nn.Llama.from_pretrained: {path} has no config.json; pass a Hugging Face "

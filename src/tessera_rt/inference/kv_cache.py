@@ -27,8 +27,9 @@ page whose positions are all older than that is dropped (freed, its table entry 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class DecodeStep:
     (the host tier's path: a layer's table points into the whole pool, staging included).
     Tables, lengths and starts are written into ``buf``'s persistent arrays (no allocation)."""
 
-    def __init__(self, cache: "KVCache", sids: Sequence[int], buf: StepTables):
+    def __init__(self, cache: KVCache, sids: Sequence[int], buf: StepTables):
         self.cache, c = cache, cache
         seqs = [c._seqs[s] for s in sids]
         width = max(1, max(len(s.blocks) for s in seqs))

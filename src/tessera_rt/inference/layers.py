@@ -45,7 +45,7 @@ class Workspace:
         hd, hl, kvl = cfg.head_dim, model.n_heads, model.n_kv
         f = model.params["layers"][0]["gate_up"].shape[1] // 2 if model.params["layers"] else 0
         self.rows = rows
-        e = (lambda *s: xp.empty(s, dt))         # noqa: E731
+        e = (lambda *s: xp.empty(s, dt))
         self._all = dict(x=e(rows, cfg.hidden_size), h=e(rows, cfg.hidden_size), part=e(rows, cfg.hidden_size),
                          qkv=e(rows, (hl + 2 * kvl) * hd), q=e(rows, hl, hd), attn=e(rows, hl, hd),
                          gu=e(rows, 2 * f), act=e(rows, f))
@@ -57,7 +57,7 @@ class Workspace:
         return SimpleNamespace(**{k: v[:t] for k, v in self._all.items()})
 
     @classmethod
-    def of(cls, cache, model, key: str, rows: int) -> "Workspace":
+    def of(cls, cache, model, key: str, rows: int) -> Workspace:
         """The cache's workspace for ``key`` with room for ``rows`` (made or grown on demand)."""
         ws = cache.workspaces.get(key) if cache is not None else None
         if ws is None or ws.rows < rows:

@@ -16,15 +16,17 @@ nothing and can be captured in a CUDA graph (``inference.decode``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from .. import runtime as rt
 from ..backend import get_backend
 from ..dist.comm import collectives as C
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.shard import split_offsets, split_sizes
 from ..dtypes import resolve_dtype
 from .hf import CheckpointReader, LlamaConfig, rope_inv_freq
@@ -61,7 +63,7 @@ class TPShard:
     vocab_sizes: tuple
 
     @classmethod
-    def of(cls, cfg: LlamaConfig, tp: int, index: int, where: str = "nn.Llama") -> "TPShard":
+    def of(cls, cfg: LlamaConfig, tp: int, index: int, where: str = "nn.Llama") -> TPShard:
         h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         if h % tp:
             ok = [t for t in range(1, h + 1) if h % t == 0 and (kv % t == 0 or t % kv == 0)]
@@ -119,7 +121,7 @@ class Llama:
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh=None, tp_axis: str = "tp", dtype="float32",
-                        allow_unused: bool = False) -> "Llama":
+                        allow_unused: bool = False) -> Llama:
         """Read a Hugging Face Llama checkpoint (config.json + safetensors), each rank only its
         slices.  The config must describe the weights: every tensor's shape is checked against
         it first, and tensors it does not use are refused unless ``allow_unused``."""
@@ -129,7 +131,7 @@ class Llama:
 
     @classmethod
     def from_reader(cls, cfg: LlamaConfig, reader: CheckpointReader, *, mesh=None, tp_axis: str = "tp",
-                    dtype="float32", allow_unused: bool = False, where: str = "nn.Llama.from_pretrained") -> "Llama":
+                    dtype="float32", allow_unused: bool = False, where: str = "nn.Llama.from_pretrained") -> Llama:
         """``from_pretrained`` from a config and a reader of Hugging Face-named tensors (a
         ``CheckpointReader``, or a ``StateDictReader`` over arrays in memory)."""
         tp, index = _tp_of(mesh, tp_axis)

@@ -3,7 +3,13 @@ export are ``tessera_rt.models.llama``, serving a run is ``tessera_rt.inference.
 path is kept for one release."""
 from ..deprecation import moved
 from ..models.llama import (  # noqa: F401  (the old names)
-    LlamaBlock, LlamaLM, RopeAttention, char_tokenizer_json, export_hf, hf_state_dict, rotate_half_matrix,
+    LlamaBlock,
+    LlamaLM,
+    RopeAttention,
+    char_tokenizer_json,
+    export_hf,
+    hf_state_dict,
+    rotate_half_matrix,
 )
 from .runs import load_run, run_checkpoint  # noqa: F401
 

@@ -13,8 +13,9 @@ host reads back those first tokens (one sync a step).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,17 @@ class PrefillBatch:
     chunks : sequence of Chunk
         The step's chunks, in order.
     """
+
+    # views of the step's one upload (set in __init__, by name); context and tables: None when
+    # no chunk continues its prompt
+    ids: Any
+    pos: Any
+    slots: Any
+    cu: Any
+    last: Any
+    keys: Any
+    context: Any
+    tables: Any
 
     def __init__(self, model, cache, chunks: Sequence[Chunk]):
         lens = np.array([len(c.tokens) for c in chunks], np.int64)

@@ -20,13 +20,14 @@ below is the host path, which top-k and top-p take:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..backend import get_backend
-from ..dist.comm import collectives as C
 from ..dist.ccl.buffers import take
+from ..dist.comm import collectives as C
 from ..kernels.decoder_ops import gumbel_hash
 from .kv_storage import upload
 

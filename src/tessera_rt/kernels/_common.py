@@ -6,11 +6,13 @@ themselves, so the CPU path and a CuPy fallback are the same code.  CuPy is look
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from ..backend import array_module, is_cupy  # noqa: F401  (the kernels' names for them)
+from ..backend import array_module, is_cupy
 from ..dtypes import dtype_name
 from .numerics import FLOAT_DTYPES, NumericPolicy
 
@@ -38,7 +40,7 @@ def _dtype_set(allowed) -> frozenset:
     return s
 
 
-def check_float(op: str, name: str, a: Any, allowed: Iterable[np.dtype] = FLOAT_DTYPES,
+def check_float(op: str, name: str, a: Any, allowed: Iterable[DTypeLike] = FLOAT_DTYPES,
                 min_ndim: int = 1) -> None:
     """TypeError unless ``a`` is an array of an allowed float dtype with at least ``min_ndim`` dims."""
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
@@ -63,7 +65,7 @@ def check_stream(op: str, stream: Any) -> None:
                         f"got {type(stream).__name__}")
 
 
-def widen(a: Any, dtype: np.dtype):
+def widen(a: Any, dtype: DTypeLike):
     """``a`` as ``dtype`` without a copy when it already is."""
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -82,7 +84,7 @@ def finish(op: str, result: Any, out: Any | None, dtype: np.dtype):
     return out
 
 
-def check_out(op: str, out: Any | None, shape: tuple, dtype: np.dtype, xp=None) -> None:
+def check_out(op: str, out: Any | None, shape: tuple, dtype: DTypeLike, xp=None) -> None:
     """Check ``out`` before a launch (GPU kernels write into it directly, so it must be contiguous)."""
     if out is None:
         return

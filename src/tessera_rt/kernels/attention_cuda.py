@@ -21,8 +21,7 @@ import numpy as np
 from ..backend import register_kernel
 from ..dtypes import resolve_dtype
 from ._common import check_out, check_policy, check_stream
-from .attention import check_attention, flash_attention as fa_reference, \
-    flash_attention_backward as fa_bwd_reference
+from .attention import check_attention, flash_attention as fa_reference, flash_attention_backward as fa_bwd_reference
 from .cuda_common import MAX_GRID_YZ, aligned, get_function, is_aligned, launch_stream
 from .flash_cuda import FLASH_TILES, flash_rows, flash_smem_bytes, flash_threads, render_flash
 from .flash_f32_cuda import flash32_rows, flash32_smem_bytes, flash32_supports, flash32_threads, render_flash32
@@ -151,7 +150,7 @@ def flash_attention_cuda(q: Any, k: Any, v: Any, *, causal: bool = False, scale:
         qh, kh = _operand(cupy, elem, q), _operand(cupy, elem, k)
         vh = _same_layout(cupy, kh, v)
         direct = out is not None and out.dtype == elem and out.strides == qh.strides and is_aligned(out, 16)
-        o = out if direct else _laid_like(cupy, qh, elem)          # O in q's layout: (B, S, H, D) stays so
+        o: Any = out if direct else _laid_like(cupy, qh, elem)     # O in q's layout: (B, S, H, D) stays so
         lse = cupy.empty((b, h, sq), np.float32)
         strides = tuple(np.int64(x) for x in _strides(qh) + _strides(kh))
         for bs in _batch_slices(b, h):

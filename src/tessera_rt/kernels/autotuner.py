@@ -22,8 +22,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..dtypes import dtype_name
 from ._common import is_cupy
@@ -161,7 +162,7 @@ class Autotuner:
         if not times:
             raise ValueError(f"autotune {self.name}: no candidate config ran for this input:\n  "
                              + "\n  ".join(errors))
-        winner = min(times, key=times.get)
+        winner = min(times, key=times.__getitem__)
         cfg = {k: _from_json(v) for k, v in json.loads(winner).items()}
         self._best[key] = cfg
         self.timings[key] = times

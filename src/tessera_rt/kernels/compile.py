@@ -17,10 +17,11 @@ import subprocess
 import tempfile
 import threading
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["CompileError", "ResourceUsage", "nvrtc_compile", "ptxas_resources", "cuda_include_dir",
            "ptxas_path", "numba_ptx", "register_source", "registered_sources", "inspect_ir",
@@ -60,7 +61,7 @@ def _nvidia_dir(sub: str) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_include_dir() -> str | None:
     """Directory with cuda_fp16.h/mma.h: the nvidia-cuda-runtime wheel, else $CUDA_HOME/include."""
     p = _nvidia_dir("cuda_runtime/include")
@@ -70,7 +71,7 @@ def cuda_include_dir() -> str | None:
     return str(Path(home) / "include") if (Path(home) / "include" / "cuda_fp16.h").exists() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ptxas_path() -> str | None:
     p = _nvidia_dir("cuda_nvcc/bin/ptxas")
     return str(p) if p is not None else shutil.which("ptxas")
@@ -140,7 +141,8 @@ def ptxas_resources(ptx: str, arch: str = "sm_80") -> dict[str, ResourceUsage]:
     if proc.returncode != 0:
         raise CompileError(f"ptxas -arch={arch} failed:\n{proc.stderr}")
     out: dict[str, ResourceUsage] = {}
-    entry = frame = None
+    entry: str | None = None
+    frame: tuple[int, ...] = (0, 0, 0)
     for line in proc.stderr.splitlines():
         if m := _ENTRY.search(line):
             entry, frame = m.group(1), (0, 0, 0)

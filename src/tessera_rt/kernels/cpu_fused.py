@@ -22,8 +22,8 @@ from numba import njit
 
 from ..backend import register_kernel
 from . import mlp, norms
-from .cpu_math import exp_inplace, fast_exp
 from ._common import check_float, check_policy, check_stream, finish, is_cupy, widen
+from .cpu_math import exp_inplace, fast_exp
 from .numerics import NumericPolicy, accum_dtype, result_dtype
 
 __all__ = ["swiglu", "swiglu_forward", "swiglu_gate", "swiglu_backward", "rmsnorm", "rmsnorm_backward", "layernorm",

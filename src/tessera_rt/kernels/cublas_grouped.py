@@ -51,14 +51,15 @@ class CublasPerGroup(Provider):
         return None
 
     def run(self, x: Any, *args: Any, stream: Any = None, **kwargs: Any) -> Any:
-        from .gemm_cuda import _cublas
         import cupy
+
+        from .gemm_cuda import _cublas
         with launch_stream(stream):
             op = self.op
             if op == "grouped_matmul":
                 w, offsets = args[0], args[1]
-                trans, x2, w2, out = (kwargs.get("trans_w", False), kwargs.get("x2"), kwargs.get("w2"),
-                                      kwargs.get("out"))
+                trans, x2, out = kwargs.get("trans_w", False), kwargs.get("x2"), kwargs.get("out")
+                w2: Any = kwargs.get("w2")                  # with x2: the sum form, x @ w + x2 @ w2
                 off = host_offsets(op, offsets, x.shape[0])
                 n = w.shape[1] if trans else w.shape[2]
                 y = out if out is not None else cupy.empty((x.shape[0], n), x.dtype)

@@ -18,7 +18,8 @@ CuPy is imported inside the launch helpers only.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["scratch", "MAX_GRID_YZ", "MMA_HEADER", "SMEM_TILE", "HALF_IO", "ELEM_IO", "BLOCK_REDUCE", "IO_CODES", "io_name", "io_code",
            "io_defines", "get_function", "launch_stream", "device_key", "aligned", "is_aligned", "all_aligned",
@@ -471,6 +472,7 @@ def get_function(name: str, entry: str, config: dict, render: Callable[..., str]
 def launch_stream(stream: Any):
     """A CuPy stream context for ``stream`` (a runtime CudaStream, a CuPy stream, or None)."""
     import contextlib
+
     import cupy
     if stream is None:
         return contextlib.nullcontext()

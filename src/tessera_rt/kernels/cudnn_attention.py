@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -196,6 +197,13 @@ class CudnnProvider(Provider):
                           "kernels (set_float32_matmul_precision('medium') allows bf16)")
         return None, f"{dtype_name(dt)}: cuDNN's fused attention takes f16/bf16"
 
+    def run_type(self, dt: np.dtype, policy: Any) -> np.dtype:
+        """``elem``'s type for a call this provider runs (``unavailable`` found it takes ``dt``)."""
+        elem, why = self.elem(dt, policy)
+        if elem is None:
+            raise TypeError(f"{self.op}: {why}")
+        return elem
+
     def head_dim(self, d: int, kind: str = "prefill") -> str | None:
         """None when cuDNN takes head dim ``d`` for ``kind`` ("prefill", "decode", "backward"),
         else why not: multiples of 8, up to 256 on sm_90+, on sm_80/89 up to 256 for the
@@ -250,7 +258,7 @@ class CudnnAttention(CudnnProvider):
         b, h, hkv, sq, sk, d = check_attention(self.op, q, k, v)
         check_stream(self.op, stream)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        dt, _ = self.elem(np.dtype(q.dtype), policy)
+        dt = self.run_type(np.dtype(q.dtype), policy)
         key = ("sdpa_fwd", b, h, hkv, sq, sk, d, dt.str, bool(causal), scale, bool(return_lse))
 
         def build(cudnn, handle):
@@ -319,7 +327,7 @@ class CudnnAttentionBackward(CudnnProvider):
         b, h, hkv, sq, sk, d = check_attention(self.op, q, k, v)
         check_stream(self.op, stream)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        dt, _ = self.elem(np.dtype(q.dtype), policy)
+        dt = self.run_type(np.dtype(q.dtype), policy)
         key = ("sdpa_bwd", b, h, hkv, sq, sk, d, dt.str, bool(causal), scale, DETERMINISTIC_BACKWARD)
         qs, ks = bhsd_strides(b, h, sq, d), bhsd_strides(b, hkv, sk, d)
 

@@ -21,9 +21,18 @@ from typing import Any
 import numpy as np
 
 from ._common import check_stream, is_cupy
-from .cudnn_attention import (CudnnProvider, _checked, _io_type, cached_graph, causal_mask, dense, execute,
-                              give_back, short)
 from .cuda_common import launch_stream
+from .cudnn_attention import (
+    CudnnProvider,
+    _checked,
+    _io_type,
+    cached_graph,
+    causal_mask,
+    dense,
+    execute,
+    give_back,
+    short,
+)
 from .paged_attention import check_paged
 from .precision import note
 from .providers import register_provider
@@ -92,7 +101,7 @@ class CudnnVarlenAttention(CudnnProvider):
         b, h, hkv, tq, tk, d = check_varlen(self.op, q, k, v, cu_seqlens_q, cu_seqlens_k)
         check_stream(self.op, stream)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        dt, _ = self.elem(np.dtype(q.dtype), None)
+        dt = self.run_type(np.dtype(q.dtype), None)
         if max_seqlen_q is None or max_seqlen_k is None:
             # host lengths: given as NumPy (checked), else read back (one device sync)
             lq, lk = host_lengths(self.op, cu_seqlens_q, cu_seqlens_k, tq, tk)
@@ -171,7 +180,7 @@ class CudnnPagedDecode(CudnnProvider):
         b, h, hkv, d, bs, mb = check_paged(self.op, q, k_pages, v_pages, block_tables, seq_lens, seq_starts)
         check_stream(self.op, stream)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        dt, _ = self.elem(np.dtype(q.dtype), policy)
+        dt = self.run_type(np.dtype(q.dtype), policy)
         nblocks = k_pages.shape[0]
         key = ("sdpa_paged_decode", b, h, hkv, d, bs, mb, nblocks, dt.str, scale)
 

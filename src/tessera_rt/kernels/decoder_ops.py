@@ -47,7 +47,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def gumbel_hash(seed: int, seq: Any, step: Any, ids: Any) -> np.ndarray:
     """Gumbel(0, 1) noise, float64, for token ``ids`` of sequence ``seq`` at ``step`` (broadcast):
     a hash of the four, so every rank and backend draws the same noise for a global id."""
-    u64 = lambda a: np.asarray(a).astype(np.int64).astype(np.uint64)    # noqa: E731
+    u64 = lambda a: np.asarray(a).astype(np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         h = _mix(u64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019))
         h = _mix(h ^ u64(seq))

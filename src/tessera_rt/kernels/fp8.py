@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name, resolve_dtype
@@ -80,7 +81,7 @@ def _stochastic_cast(y, dt: np.dtype, seed: int):
     return np.where(pick & (y != d32), other_bits, down.view(np.uint8)).view(dt)
 
 
-def quantize_fp8(x: Any, dtype: str = "fp8_e4m3", *, scale: str | Any = "per_tensor", axis: int = -1,
+def quantize_fp8(x: Any, dtype: DTypeLike = "fp8_e4m3", *, scale: str | Any = "per_tensor", axis: int = -1,
                  stochastic_round: bool = False, seed: int = 0, out: Any | None = None,
                  stream: Any | None = None, policy: NumericPolicy | None = None) -> tuple[Any, Any]:
     """Quantize ``x`` to FP8.  Values beyond the format saturate to its max (no inf/NaN from an outlier).
@@ -89,7 +90,7 @@ def quantize_fp8(x: Any, dtype: str = "fp8_e4m3", *, scale: str | Any = "per_ten
     ----------
     x : array
         The input (float).
-    dtype : str
+    dtype : str or numpy.dtype
         "fp8_e4m3" or "fp8_e5m2".
     scale : str or array
         "per_tensor", "per_channel" (one per index of ``axis``) or a given f32 scale array.
@@ -114,7 +115,7 @@ def quantize_fp8(x: Any, dtype: str = "fp8_e4m3", *, scale: str | Any = "per_ten
     op = "quantize_fp8"
     check_stream(op, stream)
     if policy is not None:
-        dtype = policy.dtype if policy.quantizes else dtype
+        dtype = policy.dtype if policy.dtype is not None and policy.quantizes else dtype
         scale = policy.scale or scale
         stochastic_round = policy.stochastic_round
     dt = _fp8(op, dtype)
@@ -208,6 +209,8 @@ def fake_quantize_fp8(x: Any, policy: NumericPolicy, axis: int = -1, seed: int =
     array
         f32 values on the FP8 grid.
     """
+    if policy.dtype is None:
+        raise TypeError("fake_quantize_fp8: the policy has no dtype; make it with op.numeric(dtype='fp8_e4m3')")
     q, s = quantize_fp8(x, policy.dtype, scale=policy.scale or "per_tensor", axis=axis,
                         stochastic_round=policy.stochastic_round, seed=seed)
     return q.astype(np.float32) * s

@@ -323,6 +323,7 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
     scale or one scale per row of a 2-D ``x`` (``axis=0``), else two (partial maxima, then the
     scale and the quantization); f32, f16 or bf16 ``x`` read as it is."""
     import cupy
+
     from .fp8 import _fp8
     op = "quantize_fp8"
     if policy is not None:
@@ -341,9 +342,9 @@ def quantize_fp8_cuda(x: Any, dtype="fp8_e4m3", *, scale: Any = "per_tensor", ax
         xc = cupy.ascontiguousarray(x)
         shape = tuple(x.shape)
         s_given = cupy.ascontiguousarray(cupy.asarray(scale, np.float32).ravel()) if given else None
-        geo = "per_tensor" if given and s_given.size == 1 else ("per_channel" if given else scale)
+        geo = "per_tensor" if s_given is not None and s_given.size == 1 else ("per_channel" if given else scale)
         mode, r, w, c = fp8_geometry(shape, geo, axis)
-        if given and mode != "tensor" and s_given.size != c:
+        if s_given is not None and mode != "tensor" and s_given.size != c:
             raise ValueError(f"{op}: {s_given.size} given scales for {c} channels along axis {axis} of {shape}")
         q = out if out is not None else cupy.empty(shape, np.uint8)
         if given:

@@ -135,8 +135,7 @@ def cublas_f32_compute(kind: str):
     CuPy keeps one compute type per dtype for the process (``cupy._core.set_compute_type``,
     which ``CUPY_TF32=1`` also sets); the float32 matmul precision is tessera_rt's, so it is
     set here around each call and put back, whatever CuPy held before."""
-    from cupy._core import _routines_linalg as linalg
-    from cupy._core import set_compute_type
+    from cupy._core import _routines_linalg as linalg, set_compute_type
     want = linalg.COMPUTE_TYPE_TF32 if kind == "tf32" else linalg.COMPUTE_TYPE_DEFAULT
     before = linalg.get_compute_type(_F32)
     if before == want:

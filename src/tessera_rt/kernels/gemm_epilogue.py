@@ -195,6 +195,7 @@ def matmul_fp8_cuda(a: Any, b: Any, a_scale: Any | None = None, b_scale: Any | N
     """The project's own GPU path: dequantize both operands to f32 (``ts_dequantize_fp8``),
     one f32 GEMM (at the float32 matmul precision), cast to ``out_dtype``."""
     import cupy
+
     from .cuda_common import launch_stream
     op = "matmul_fp8"
     m, k, n, fa, fb, od, sa, sb = check_fp8_matmul(op, a, b, a_scale, b_scale, a_format, b_format, out_dtype)

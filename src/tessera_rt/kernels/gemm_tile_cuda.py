@@ -204,9 +204,9 @@ def gemm_smem_bytes(BM: int, BN: int, BK: int, dual: bool = False, **_) -> int:
 
 register_source(KernelSource(
     "tile_gemm", render_gemm, ("ts_gemm",),
-    configs=[dict(BM=bm, BN=bn, BK=bk) for (bm, bn, bk) in GEMM_CONFIGS]
-    + [dict(BM=128, BN=256, BK=32, dtype="bf16"), dict(BM=128, BN=128, BK=32, out_f32=True),
-       dict(BM=64, BN=64, BK=32, vec=1), dict(BM=64, BN=64, BK=32, vec=4, dtype="bf16")]
-    + [dict(BM=bm, BN=bn, BK=bk, dual=True) for (bm, bn, bk) in DUAL_CONFIGS]
-    + [dict(BM=bm, BN=bn, BK=bk, dual=True, dual_out=True) for (bm, bn, bk) in DUAL_CONFIGS],
+    configs=[*(dict(BM=bm, BN=bn, BK=bk) for (bm, bn, bk) in GEMM_CONFIGS),
+             dict(BM=128, BN=256, BK=32, dtype="bf16"), dict(BM=128, BN=128, BK=32, out_f32=True),
+             dict(BM=64, BN=64, BK=32, vec=1), dict(BM=64, BN=64, BK=32, vec=4, dtype="bf16"),
+             *(dict(BM=bm, BN=bn, BK=bk, dual=True) for (bm, bn, bk) in DUAL_CONFIGS),
+             *(dict(BM=bm, BN=bn, BK=bk, dual=True, dual_out=True) for (bm, bn, bk) in DUAL_CONFIGS)],
     smem_dynamic=gemm_smem_bytes))

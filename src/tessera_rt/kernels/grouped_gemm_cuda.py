@@ -18,12 +18,18 @@ import numpy as np
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name, resolve_dtype
+from . import grouped_gemm as ref
 from ._common import check_float, check_stream
 from .compile import KernelSource, register_source
 from .cuda_common import MAX_GRID_YZ, get_function, launch_stream
-from . import grouped_gemm as ref
-from .grouped_gemm_src import (SIMT_TILE, grouped_smem_bytes, grouped_threads, grouped_tiles_m, render_grouped_mma,
-                               render_grouped_simt)
+from .grouped_gemm_src import (
+    SIMT_TILE,
+    grouped_smem_bytes,
+    grouped_threads,
+    grouped_tiles_m,
+    render_grouped_mma,
+    render_grouped_simt,
+)
 from .norms import NORM_DTYPES
 from .precision import note
 from .providers import dispatching
@@ -59,7 +65,7 @@ def grouped_configs() -> list[dict]:
     """Every tensor-core config ``grouped_tile`` can pick (f16; bf16 and f32 output compile the
     same code with other conversions, one of each added): what tests/kernels/test_compile.py
     compiles for sm_80 and sm_90."""
-    forms = [dict(mode=m, trans_w=t) for m in ("plain", "sum2") for t in (False, True)]
+    forms: list[dict[str, Any]] = [dict(mode=m, trans_w=t) for m in ("plain", "sum2") for t in (False, True)]
     forms += [dict(mode="dual"), dict(mode="swiglu"), dict(wgrad=True), dict(mode="dual", wgrad=True)]
     out = []
     for form in forms:
@@ -117,7 +123,7 @@ def grouped_launch(a, b, offsets, *, mode: str = "plain", trans_w: bool = False,
         if wgrad:
             rows, m, n = a.shape[0], a.shape[1], b.shape[1]
             k = rows
-            shape = (g, m, n)
+            shape: tuple[int, ...] = (g, m, n)
         else:
             rows, k = a.shape
             n = b.shape[1] if trans_w else b.shape[2]
@@ -138,8 +144,8 @@ def grouped_launch(a, b, offsets, *, mode: str = "plain", trans_w: bool = False,
             widths = (m, n) if wgrad else (k,) if trans_w else (k, n)
             vec = grouped_vec(widths, a, b, a2, b2)
             tile = grouped_tile(rows, g, dual=mode in ("dual", "swiglu"), wgrad=wgrad, vec=vec)
-            cfg = dict(BM=tile[0], BN=tile[1], BK=tile[2], mode=mode, wgrad=wgrad, trans_w=trans_w and not wgrad,
-                       dtype=precision, vec=vec, out_f32=out_dt == _F32)
+            cfg: dict[str, Any] = dict(BM=tile[0], BN=tile[1], BK=tile[2], mode=mode, wgrad=wgrad,
+                                       trans_w=trans_w and not wgrad, dtype=precision, vec=vec, out_f32=out_dt == _F32)
             smem = grouped_smem_bytes(**cfg)
             fn = get_function("grouped_gemm", "ts_grouped_mma", cfg, render_grouped_mma, dynamic_smem=smem)
             bm, bn, threads = tile[0], tile[1], grouped_threads(**cfg)

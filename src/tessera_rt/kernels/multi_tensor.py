@@ -73,7 +73,9 @@ def adamw_multi(ws, gs, ms, vs, *, lr: float, b1: float, b2: float, eps: float, 
         m = b1 * widen(m, F64) + (1 - b1) * g
         v = b2 * widen(v, F64) + (1 - b2) * g * g
         w = widen(w, F64) * (1 - lr * weight_decay) - lr * (m / c1) / (np.sqrt(v / c2) + eps)
-        out_w.append(w), out_m.append(m), out_v.append(v)
+        out_w.append(w)
+        out_m.append(m)
+        out_v.append(v)
     return out_w, out_m, out_v
 
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..backend import register_kernel
 from ._common import array_module, check_float, check_policy, check_stream, finish, widen
-from .numerics import FP8_DTYPES, FLOAT_DTYPES, NumericPolicy, accum_dtype, result_dtype
+from .numerics import FLOAT_DTYPES, FP8_DTYPES, NumericPolicy, accum_dtype, result_dtype
 
 __all__ = ["softmax", "layernorm", "rmsnorm", "layernorm_safe", "rmsnorm_safe", "NORM_DTYPES"]
 

@@ -27,9 +27,10 @@ __all__ = [
     "accum_dtype", "result_dtype", "is_fp8", "tolerance",
 ]
 
-FP8_DTYPES = frozenset((resolve_dtype("fp8_e4m3"), resolve_dtype("fp8_e5m2")))
-FLOAT_DTYPES = frozenset((np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16),
-                          resolve_dtype("bf16"))) | FP8_DTYPES
+FP8_DTYPES: frozenset[np.dtype] = frozenset((resolve_dtype("fp8_e4m3"), resolve_dtype("fp8_e5m2")))
+FLOAT_DTYPES: frozenset[np.dtype] = FP8_DTYPES | {np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16),
+                                                   resolve_dtype("bf16")}
+_ACCUM: dict[str, np.dtype]
 _ACCUM = {"f32": np.dtype(np.float32), "fp32": np.dtype(np.float32), "float32": np.dtype(np.float32),
           "f64": np.dtype(np.float64), "fp64": np.dtype(np.float64), "float64": np.dtype(np.float64)}
 _SCALES = (None, "per_tensor", "per_channel")
@@ -81,7 +82,7 @@ class NumericPolicy:
             parts.append("deterministic=True")
         return f"numeric({', '.join(parts)})"
 
-    def __enter__(self) -> "NumericPolicy":
+    def __enter__(self) -> NumericPolicy:
         """``with op.numeric(deterministic=True):`` (the seeds' spelling) turns fixed-order
         reductions on for the block (``tessera_rt.dist.deterministic``); the other fields
         apply per op, where a policy is passed.  A mode switch, not communication."""

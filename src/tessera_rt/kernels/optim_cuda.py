@@ -297,7 +297,8 @@ def clip_scale_multi_cuda(gs, total_sq: Any, max_norm: float, *, stream: Any = N
     op = "clip_scale_multi"
     if not max_norm > 0:
         raise ValueError(f"{op}: max_norm must be > 0, got {max_norm}")
-    if not is_cupy(total_sq) or total_sq.shape != () or io_code(total_sq.dtype) is None:
+    code = io_code(total_sq.dtype) if is_cupy(total_sq) else None
+    if code is None or total_sq.shape != ():
         raise ValueError(f"{op}: total_sq must be a 0-d float device array (sum_squares_multi's)")
     groups, plans = _array_groups(op, gs)
     check_stream(op, stream)
@@ -308,7 +309,7 @@ def clip_scale_multi_cuda(gs, total_sq: Any, max_norm: float, *, stream: Any = N
             launches = [(("float32", []), None, (None, 1))]
         for i, ((dtype, items), table, (_, blocks)) in enumerate(launches):
             _fn("ts_clip", dtype)((blocks,), (NT,), (table, np.int32(len(items)), total_sq,
-                                                    np.int32(io_code(total_sq.dtype)), np.float64(max_norm),
+                                                    np.int32(code), np.float64(max_norm),
                                                     scale if i == 0 else None))
     return scale
 

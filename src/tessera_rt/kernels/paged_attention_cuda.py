@@ -26,10 +26,21 @@ from typing import Any
 import numpy as np
 
 from ..backend import register_kernel
+from ..dtypes import dtype_name
 from ._common import check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
-from .cuda_common import (ELEM_IO, IO_CODES, MAX_GRID_YZ, VEC16_TO_F32, aligned, get_function, io_name,
-                          launch_stream, scratch, sm_count)
+from .cuda_common import (
+    ELEM_IO,
+    IO_CODES,
+    MAX_GRID_YZ,
+    VEC16_TO_F32,
+    aligned,
+    get_function,
+    io_name,
+    launch_stream,
+    scratch,
+    sm_count,
+)
 from .paged_attention import check_paged, paged_decode_attention as paged_reference
 from .precision import note
 from .providers import dispatching
@@ -327,7 +338,7 @@ def paged_decode_attention_cuda(q: Any, k_pages: Any, v_pages: Any, block_tables
         raise ValueError(f"{op}: {mb * bs} positions make {s} partitions, over the grid's limit {MAX_GRID_YZ}")
     cfg = dict(head_dim=d, io=io_name(q.dtype), group=gb)
     fn = get_function("paged_decode", "ts_paged_split", cfg, render_paged)
-    note(op, io_name(q.dtype))
+    note(op, io_name(q.dtype) or dtype_name(q.dtype))
     with launch_stream(stream):
         # 16-byte loads of q and the page rows: dense, 16-byte aligned operands
         qc, kc, vc = (aligned(cupy.ascontiguousarray(t), 16) for t in (q, k_pages, v_pages))

@@ -28,7 +28,8 @@ import contextlib
 import inspect
 import os
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["set_float32_matmul_precision", "get_float32_matmul_precision", "float32_matmul_precision",
            "PRECISIONS", "note", "add_listener", "remove_listener", "f32_compute", "own_kernel_of"]
@@ -101,7 +102,7 @@ def f32_compute() -> str:
 # --------------------------------------------------------------------------- the record
 
 # who hears note() (add_listener / remove_listener): the profiler, TESSERA_DEBUG=kernels
-_LISTENERS: list[Callable[[str, str, "str | None", "str | None"], None]] = []
+_LISTENERS: list[Callable[[str, str, str | None, str | None], None]] = []
 # while a provider dispatcher runs the project's own kernel (``providers.dispatch``): op -> why
 # the vendor providers declined; a note for that op without a provider is the own kernel's
 _FALLBACK = threading.local()
@@ -149,7 +150,7 @@ def own_kernel_of(op: str, why: str | None) -> Iterator[list]:
     stack = getattr(_FALLBACK, "stack", None)
     if stack is None:
         stack = _FALLBACK.stack = []
-    entry = [op, why, False]
+    entry: list[Any] = [op, why, False]
     stack.append(entry)
     noted = [False]
     try:

@@ -75,7 +75,7 @@ def paged_prefill_attention(q: Any, k_pages: Any, v_pages: Any, block_tables: An
     op = "paged_prefill_attention"
     b, t, h, hkv, d, bs, _ = check_paged_prefill(op, q, k_pages, v_pages, block_tables, cu_seqlens_q, context_lens)
     xp = array_module(q)
-    host = (lambda a: a.get() if hasattr(a, "get") else np.asarray(a))     # noqa: E731
+    host = (lambda a: a.get() if hasattr(a, "get") else np.asarray(a))
     cu, ctx, tables = host(cu_seqlens_q).astype(np.int64), host(context_lens).astype(np.int64), host(block_tables)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = xp.zeros(q.shape, np.float32 if q.dtype != np.float64 else np.float64)

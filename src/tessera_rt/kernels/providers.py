@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .precision import add_listener, note, own_kernel_of
 
@@ -177,7 +178,7 @@ class use_providers:
         self._before = _ENABLED[0]
         _ENABLED[0] = bool(enabled)
 
-    def __enter__(self) -> "use_providers":
+    def __enter__(self) -> use_providers:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -245,7 +246,7 @@ def dispatching(op: str, own: Callable) -> Callable:
     entry.__name__ = getattr(own, "__name__", op)
     entry.__qualname__ = entry.__name__
     entry.__doc__ = own.__doc__
-    entry.__wrapped__ = own
+    entry.__wrapped__ = own  # type: ignore[attr-defined]  # as functools.wraps sets it
     return entry
 
 

@@ -14,12 +14,13 @@ import numpy as np
 
 from ..backend import register_kernel
 from ..dtypes import resolve_dtype
+from . import mlp, norms
 from ._common import check_float, check_out, check_policy, check_stream, null_ptr
 from .compile import KernelSource, register_source
 from .cuda_common import HALF_IO, IO_CODES, get_function, io_name, launch_stream
-from . import mlp, norms
+
 # the FP8 kernels moved to fp8_cuda; their names stay importable from here
-from .fp8_cuda import dequantize_fp8_bits_cuda, quantize_fp8_cuda, render_fp8  # noqa: F401
+from .fp8_cuda import dequantize_fp8_bits_cuda, quantize_fp8_cuda, render_fp8
 
 __all__ = ["render_rows", "render_fp8", "softmax_cuda", "layernorm_cuda", "rmsnorm_cuda",
            "bias_act_cuda", "quantize_fp8_cuda", "dequantize_fp8_bits_cuda", "ROW_MAX"]

@@ -21,7 +21,8 @@ over the simulator's per-kernel state, so tile kernels run on a CPU-only machine
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numba
 from numba import cuda

@@ -11,13 +11,13 @@ import contextlib
 from typing import Any
 
 import numba
-from numba import cuda
 import numpy as np
+from numba import cuda
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name
-from ._common import array_module, check_float, check_stream, is_cupy
 from . import tile
+from ._common import array_module, check_float, check_stream, is_cupy
 
 __all__ = ["saxpy", "saxpy_tile", "staged_axpy_tile", "tiled_matmul_tile", "saxpy_reference",
            "make_tiled_matmul", "AXPY_TILE"]

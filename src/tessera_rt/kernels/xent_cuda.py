@@ -170,7 +170,8 @@ def cross_entropy_backward_cuda(g: Any, logits: Any, targets: Any, lse: Any, *, 
         raise ValueError(f"{op}: lse must be the forward's {tuple(logits.shape[:-1])} (f32 for f32/f16/bf16 logits), "
                          f"got {dtype_name(lse.dtype)} {tuple(lse.shape)}")
     device_g = is_cupy(g)
-    if device_g and (g.ndim != 0 or io_code(g.dtype) is None):
+    g_code = io_code(g.dtype) if device_g else 0
+    if g_code is None or (device_g and g.ndim != 0):
         raise ValueError(f"{op}: g must be a Python float or a 0-d float device array, got {dtype_name(g.dtype)} "
                          f"{tuple(g.shape)}")
     if not on_gpu(logits):
@@ -186,7 +187,7 @@ def cross_entropy_backward_cuda(g: Any, logits: Any, targets: Any, lse: Any, *, 
             _fn("ts_xent_bwd", logits.dtype)(
                 (rows,), (NT,), (logits, targets, lse, g if device_g else None, dx, np.int32(V), np.int32(rows),
                                  np.float64(0.0 if device_g else float(g)),
-                                 np.int32(io_code(g.dtype) if device_g else 0), np.int32(ids64), np.int32(vec)))
+                                 np.int32(g_code), np.int32(ids64), np.int32(vec)))
     return dx
 
 

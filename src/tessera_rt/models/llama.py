@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from .. import op
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.dtensor import DTensor, distribute
 from ..dist.tensor.layout import ShardSpec
 from ..nn import Embedding, Linear, Module, RMSNorm, SwiGLUMLP, TransformerBlock, cross_entropy

@@ -9,11 +9,16 @@ dispatch buffers, ``reference`` a dense NumPy oracle, and ``tiers`` expert resid
 prefetch.  ``op.moe``, ``op.set_router``,
 ``op.set_router_regularizer`` and ``rt.register_prefetch`` are the public names.
 """
+from collections.abc import Callable
+from typing import Any
+
 from .. import op as _op
+from . import (
+    model as _model,  # noqa: F401  (registers nn.Transformer's MoE block)
+    tiers as _tiers,  # noqa: F401  (registers rt.register_prefetch)
+)
 from .dispatch import TokenDispatcher, moe_ffn
 from .layer import GATES, MoE, MoEAux
-from . import model as _model   # noqa: F401  (registers nn.Transformer's MoE block)
-from . import tiers as _tiers   # noqa: F401  (registers rt.register_prefetch)
 from .reference import dense_reference
 from .staging import DispatchBuffers
 from .transport import AllToAll, Transport

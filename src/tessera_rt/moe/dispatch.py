@@ -62,6 +62,11 @@ class Dispatch:
     offsets: Any = None     # (experts + 1,) each expert's first row in the experts' rows (host or device)
     active: Any = None      # expert tiers: the local experts that received rows (None: all)
 
+    def split(self) -> list:
+        """``route.split``, rows sent to each position (``preprocess`` has read it)."""
+        assert self.route.split is not None
+        return self.route.split
+
     def host_counts(self) -> np.ndarray:
         """``counts`` on the host (with one position and dropless routing, a wait for the device)."""
         if self.counts is None:
@@ -196,7 +201,7 @@ class TokenDispatcher:
         array
             The received rows.
         """
-        got = self.send(plan.send, plan.route.split, plan.recv_rows, "recv", self.layer.quantize_fp8)
+        got = self.send(plan.send, plan.split(), plan.recv_rows, "recv", self.layer.quantize_fp8)
         clock.lap("exchange")
         return got
 
@@ -233,7 +238,8 @@ class TokenDispatcher:
                     plan.offsets = np.concatenate([[0], np.cumsum(cnt.sum(axis=0))]).astype(np.int64)
                 xr = got.copy() if fresh else got
             else:
-                cnt = plan.counts if plan.active is None else plan.counts[:, plan.active]
+                counts = plan.host_counts()                     # (exchanged: on the host already)
+                cnt = counts if plan.active is None else counts[:, plan.active]
                 rows_at, plan.offsets = _expert_rows(cnt)
                 plan.rows_at = xp.asarray(rows_at)
                 shape = (int(rows_at.size), got.shape[1])
@@ -268,7 +274,7 @@ class TokenDispatcher:
                 back_send = lay.buffers.get("back_send", (int(plan.rows_at.size), d), plan.send.dtype)
                 xp.take(ye, plan.rows_at, axis=0, out=back_send)
             clock.lap("pack")
-        back = self.send(back_send, plan.recv_rows, r.split, "back", lay.quantize_fp8)
+        back = self.send(back_send, plan.recv_rows, plan.split(), "back", lay.quantize_fp8)
         clock.lap("exchange")
         with A2AStream():
             o = back[r.slot]                                   # (T*k, d): a fresh gather
@@ -319,7 +325,7 @@ class TokenDispatcher:
         full = lay.buffers.get("gsend", (r.send_rows + capped, d), gdt, zero=capped)
         full[r.dest] = (gy[tok] * wk[:, None]).astype(gdt)
         clock.lap("bwd_combine")
-        grecv = self.send(full[:r.send_rows], r.split, plan.recv_rows, "grecv", False)
+        grecv = self.send(full[:r.send_rows], plan.split(), plan.recv_rows, "grecv", False)
         clock.lap("bwd_exchange")
         if plan.rows_at is None:
             return gp, grecv
@@ -354,7 +360,7 @@ class TokenDispatcher:
             dsend = lay.buffers.get("dsend", dxe.shape, gdt)
             dsend[...] = xp.take(dxe, plan.rows_at, axis=0)
         clock.lap("bwd_experts")
-        dback = self.send(dsend, plan.recv_rows, r.split, "dback", False)
+        dback = self.send(dsend, plan.recv_rows, plan.split(), "dback", False)
         clock.lap("bwd_exchange")
         dx = (dback[r.slot].astype(dtype, copy=False) * r.kept[:, None]).reshape(plan.tokens, lay.top_k, d).sum(axis=1)
         clock.lap("bwd_combine")
@@ -391,7 +397,7 @@ class TokenDispatcher:
         return from_wire(got, d, rows.dtype)
 
 
-def _local(v, lo: int, hi: int):
+def _local(v, lo: int | None, hi: int | None):
     """A DTensor's local piece, or an array's experts [lo, hi) (plain arrays are global)."""
     if type(v) is DTensor:
         return v._local
@@ -402,7 +408,7 @@ def _forward(x, probs, w1, w3, w2, layer, save: bool):
     dsp = layer.dispatcher
     layer.buffers.flip()
     lo, hi = layer.ranges[layer.ep_index] if type(w1) is not DTensor else (None, None)
-    ws = tuple(_local(w, lo, hi) for w in (w1, w3, w2))
+    ws = (_local(w1, lo, hi), _local(w3, lo, hi), _local(w2, lo, hi))
     clock = Clock(layer)
     plan = dsp.preprocess(x, _local(x, None, None), _local(probs, None, None), clock)
     got = dsp.dispatch(plan, clock)

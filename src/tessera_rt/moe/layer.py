@@ -14,8 +14,8 @@ statistics on first read with one small all_reduce over the token axes.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -23,11 +23,13 @@ from .. import op
 from ..autodiff.tape import Var, detach
 from ..backend import get_backend
 from ..dist.comm import collectives as C
+from ..dist.comm.mesh import Mesh
+from ..dist.comm.process_group import world
 from ..dist.tensor.dtensor import DTensor, distribute, from_local
 from ..dist.tensor.layout import ShardSpec
-from ..dist.comm.process_group import world
 from ..dist.tensor.shard import dim_extent
 from ..dtypes import resolve_dtype
+from ..kernels.numerics import NumericPolicy
 from .dispatch import TokenDispatcher, moe_ffn
 from .routing import expert_ranges, gate_noise, remote_mask
 from .staging import Clock, DispatchBuffers
@@ -309,7 +311,7 @@ class MoE:
         t_local = lv.to_local().shape[0] if type(lv) is DTensor else lv.shape[0]
         if self.gate == "topk_softmax_noisy":
             # deterministic mode: noise is a function of (seed, step, global token) alone
-            seed = self.seed if is_deterministic() else int(np.random.SeedSequence().entropy & 0xFFFFFFFF)
+            seed = self.seed if is_deterministic() else int(np.random.SeedSequence().generate_state(1)[0])
             rows = self._row_slice(x)
             noise = gate_noise(seed, self.step, (detach(x).shape[0], self.num_experts), rows, self.noise_std)
             logits = logits + self._rowwise(noise, logits)
@@ -323,7 +325,7 @@ class MoE:
             logits = logits - penalty * self.regularizer["weight"] * self.regularizer["scale"]
         return logits, penalty
 
-    def __call__(self, params: dict, x) -> tuple[Any, "MoEAux"]:
+    def __call__(self, params: dict, x) -> tuple[Any, MoEAux]:
         self._check(params, x)
         if type(detach(x)) is DTensor:            # plain x: this rank's tokens, global weights
             params = {k: self._placed(k, v) for k, v in params.items()}

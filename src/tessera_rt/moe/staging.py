@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import runtime as rt
 from ..backend import get_backend
@@ -36,7 +38,7 @@ class DispatchBuffers:
         """
         self._cur ^= 1
 
-    def get(self, name: str, shape: tuple, dtype: object, zero: bool = False) -> object:
+    def get(self, name: str, shape: tuple, dtype: DTypeLike, zero: bool = False) -> Any:
         """A buffer of the current set for ``name`` (grown when too small; counted in
         ``allocations``).
 

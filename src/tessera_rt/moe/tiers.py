@@ -39,7 +39,7 @@ _NAMES = ("w1", "w3", "w2")
 class LayerTiers:
     """One layer's view of the shared tiers (``layer.prefetch``): its host copies and hotness."""
 
-    def __init__(self, tiers: "ExpertTiers", index: int, layer):
+    def __init__(self, tiers: ExpertTiers, index: int, layer):
         self.tiers, self.index = tiers, index
         lo, hi = layer.ranges[layer.ep_index]
         self.lo, self.nle = lo, hi - lo

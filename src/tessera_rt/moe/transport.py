@@ -16,11 +16,13 @@ one uint8 row, so the scales need no message of their own); any transport carrie
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import numpy as np
 
 from ..backend import get_backend
 from ..dist.comm import collectives as C
+from ..dist.comm.mesh import Mesh
 
 __all__ = ["Transport", "AllToAll", "to_wire", "from_wire"]
 
@@ -33,22 +35,22 @@ class Transport(abc.ABC):
     ----------
     axis : str
         The mesh axis.
-    mesh : Mesh
-        The mesh.
+    mesh : Mesh or None
+        The mesh (None: no mesh, one position).
     size : int
         Positions on the axis.
     index : int
         This rank's position.
     """
 
-    def __init__(self, axis: str, mesh: object, size: int, index: int):
+    def __init__(self, axis: str, mesh: Mesh | None, size: int, index: int):
         self.axis, self.mesh, self.size, self.index = axis, mesh, int(size), int(index)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.axis}={self.size})"
 
     @abc.abstractmethod
-    def exchange(self, buf: object, split: list, recv: list, out: object) -> object:
+    def exchange(self, buf: Any, split: list, recv: list, out: Any) -> Any:
         """Send ``buf``'s first ``split[0]`` rows to position 0, the next ``split[1]`` to position
         1, ...; receive ``recv[j]`` rows from each position j into ``out`` (sender-major) and
         return ``out``.  Every position calls it with matching sizes (split here == recv there).
@@ -70,7 +72,7 @@ class Transport(abc.ABC):
             ``out``.
         """
 
-    def counts(self, mine: object, ranges: list, out: object) -> tuple[np.ndarray, np.ndarray]:
+    def counts(self, mine: Any, ranges: list, out: Any) -> tuple[np.ndarray, np.ndarray]:
         """Per-expert row counts: ``mine`` (E,) this rank sends to each expert; returns the host
         (positions, local experts) counts every position sends this rank's experts, and
         ``mine`` on the host (one wait for both: the payload exchanges need both sizes).
@@ -105,15 +107,15 @@ class AllToAll(Transport):
     ----------
     axis : str
         The mesh axis.
-    mesh : Mesh
-        The mesh.
+    mesh : Mesh or None
+        The mesh (None: no mesh, one position).
     size : int
         Positions on the axis.
     index : int
         This rank's position.
     """
 
-    def exchange(self, buf: object, split: list, recv: list, out: object) -> object:
+    def exchange(self, buf: Any, split: list, recv: list, out: Any) -> Any:
         """``dist.all_to_all`` with these sizes on the ``a2a`` stream (a copy with one position).
 
         Parameters

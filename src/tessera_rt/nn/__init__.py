@@ -21,12 +21,12 @@ runs on plain arrays (the single-process reference).
 """
 from __future__ import annotations
 
+from ..upper import UpperNames
 from .blocks import Attention, SwiGLUMLP, TransformerBlock
 from .layers import Embedding, Linear, RMSNorm, cross_entropy, one_hot, vocab_iota
 from .module import Module
-from .transformer import Transformer
 from .parts import register_moe_mlp, register_part, register_stage_plan  # noqa: F401  (how moe and pipeline plug in)
-from ..upper import UpperNames
+from .transformer import Transformer
 
 __all__ = [
     "Module", "Linear", "Embedding", "RMSNorm", "Attention", "SwiGLUMLP", "TransformerBlock", "Transformer",

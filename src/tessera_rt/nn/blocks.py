@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .. import op
+from ..dist.comm.mesh import Mesh
 from .layers import Linear, RMSNorm
 from .module import Module
 from .parts import PARTS

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from .. import op
-from ..backend import get_backend
 from ..autodiff import detach, no_grad
+from ..backend import get_backend
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.dtensor import DTensor, distribute
 from ..dist.tensor.layout import ShardSpec
 from .module import Module, _rng_normal

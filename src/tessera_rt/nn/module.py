@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_backend
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.dtensor import distribute
 from ..dist.tensor.layout import ShardSpec
 from ..dtypes import resolve_dtype

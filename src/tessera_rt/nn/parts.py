@@ -14,8 +14,9 @@ A Transformer that needs a part nobody registered raises, naming the package to 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 __all__ = ["MoEMLPFactory", "StagePlanFactory", "TransformerParts", "PARTS", "register_moe_mlp",
            "register_stage_plan", "register_part"]

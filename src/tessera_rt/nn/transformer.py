@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 from .. import op
-from ..backend import get_backend
 from ..autodiff import remat as remat_block
+from ..backend import get_backend
+from ..dist.comm.mesh import Mesh
 from ..dist.tensor.dtensor import distribute
 from ..dist.tensor.layout import ShardSpec
 from .blocks import TransformerBlock

@@ -12,11 +12,14 @@ The op layer sits above autodiff: ``ops`` holds the entry points (each wrapped w
 the entry points as the operators of traced values (``x + y`` inside ``ts.grad``).
 """
 from ..autodiff import register_ops
-from . import ops
-from .ops import *  # noqa: F401,F403  (the namespace: op.matmul, op.add, ...)
-from .ops import __all__, register_moe  # noqa: F401
-from . import nn_ops
-from .nn_ops import embedding, embedding_backward, softmax_cross_entropy  # noqa: F401
+from . import nn_ops, ops
+from .nn_ops import (
+    embedding as embedding,
+    embedding_backward as embedding_backward,
+    softmax_cross_entropy as softmax_cross_entropy,
+)
+from .ops import *  # noqa: F403  (the namespace: op.matmul, op.add, ...)
+from .ops import __all__, register_moe as register_moe  # (register_moe: for the moe package)
 
 __all__ = __all__ + [n for n in nn_ops.__all__ if n not in __all__]
 from . import vjps, vjps_nn  # noqa: F401  (register the VJP rules of the ops above)

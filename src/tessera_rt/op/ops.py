@@ -189,7 +189,7 @@ add = _binary("add", "add")
 sub = _binary("sub", "subtract")
 mul = _binary("mul", "multiply")
 div = _binary("div", "true_divide")
-pow = _binary("pow", "power")                 # noqa: A001
+pow = _binary("pow", "power")
 maximum = _binary("maximum", "maximum")
 minimum = _binary("minimum", "minimum")
 less = _binary("lt", "less")
@@ -212,7 +212,7 @@ def _unary(name: str):
 
 
 neg = _unary("neg")
-abs = _unary("abs")                           # noqa: A001
+abs = _unary("abs")
 exp = _unary("exp")
 log = _unary("log")
 sqrt = _unary("sqrt")
@@ -265,10 +265,10 @@ def _reduction(name: str):
     return differentiable(name)(fn)
 
 
-sum = _reduction("sum")                       # noqa: A001
+sum = _reduction("sum")
 mean = _reduction("mean")
-max = _reduction("max")                       # noqa: A001
-min = _reduction("min")                       # noqa: A001
+max = _reduction("max")
+min = _reduction("min")
 
 
 @differentiable("transpose")

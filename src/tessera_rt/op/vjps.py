@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from . import ops as op
+from ..autodiff.tape import float_kind, vjp_rule
 from ..backend import get_backend
 from ..dist.tensor.dtensor import DTensor
-from ..autodiff.tape import float_kind, vjp_rule
+from . import ops as op
 
 __all__ = ["sum_to", "broadcast_like"]
 
@@ -286,5 +286,5 @@ def _fake_quant(g, out, args, kw, needs):
 
 @vjp_rule("saxpy")
 def _saxpy(g, out, args, kw, needs):
-    x, y, alpha = args[0], args[1], args[2] if len(args) > 2 else kw["alpha"]
+    alpha = args[2] if len(args) > 2 else kw["alpha"]
     return (op.mul(g, float(alpha)) if needs[0] else None, g if needs[1] else None, None)[:len(args)]

@@ -7,18 +7,17 @@ import math
 
 import numpy as np
 
-from . import ops as op
+from ..autodiff.tape import vjp_rule
 from ..backend import get_backend
-from ..dtypes import resolve_dtype
 from ..dist.tensor import dispatch
 from ..dist.tensor.dtensor import DTensor, meta_of
+from ..dtypes import resolve_dtype
 from ..kernels import cpu_fused
 from ..kernels.mlp import check_pair
 from ..kernels.numerics import result_dtype
-from ..autodiff.tape import vjp_rule
+from . import ops as op
 from .nn_ops import embedding_backward
 from .vjps import _as, _host, _plain, _shape, _wide, fused, sum_to
-
 
 # --------------------------------------------------------------------------- matmul, shapes
 

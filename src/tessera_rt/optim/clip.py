@@ -10,8 +10,8 @@ import numpy as np
 
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
-from ..dist.tensor.dtensor import DTensor
 from ..backend import get_backend
+from ..dist.tensor.dtensor import DTensor
 from .finite import _agree_on_device, check_finite
 from .optimizers import _local
 
@@ -40,7 +40,8 @@ def _total_squares(grads: Any):
             groups.setdefault((g.mesh, _mesh_weight(g)), []).append(g.to_local())
         else:
             groups.setdefault((None, 1.0), []).append(g)
-    total, meshes = None, {}
+    total = None
+    meshes: dict = {}
     for (mesh, weight), arrays in groups.items():
         part = get_backend().kernel("sum_squares_multi", like=arrays[0])(arrays)
         part = part * weight if weight != 1.0 else part

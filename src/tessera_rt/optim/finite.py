@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
-from ..dist.tensor.dtensor import DTensor
 from ..backend import array_module
+from ..dist.tensor.dtensor import DTensor
 from .optimizers import _F32, _local
 
 

@@ -8,10 +8,9 @@ import numpy as np
 
 from .. import op
 from ..autodiff.engine import tree_flatten, tree_unflatten
+from ..backend import array_module, get_backend
 from ..dist.tensor.dtensor import DTensor
 from ..dtypes import dtype_name
-from ..backend import get_backend
-from ..backend import array_module
 
 _F32 = np.dtype(np.float32)
 

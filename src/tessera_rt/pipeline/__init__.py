@@ -6,11 +6,11 @@
 * ``runner``: ``Pipeline.value_and_grad`` (send/recv boundaries on the ``pp`` stream role).
 * ``stats``: measured busy/idle time, bubble and peak live activations per stage.
 """
+from ..dist import UPPER as _DIST_UPPER
 from .runner import ROLE, Pipeline
 from .schedules import SCHEDULES, gpipe, interleaved, one_f_one_b, schedule_for, simulate, theory_bubble
 from .stages import StagePlan, split_layers, stage_meshes
 from .stats import PipelineStats
-from ..dist import UPPER as _DIST_UPPER
 
 _DIST_UPPER.provide("Pipeline", Pipeline)        # dist.Pipeline (dist sits below this package)
 

@@ -33,18 +33,21 @@ from __future__ import annotations
 
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 
 from .. import runtime as rt
 from ..autodiff import reduce_grads, vjp
 from ..dist.comm import collectives as C, p2p
+from ..dist.comm.hooks import note
+from ..dist.comm.mesh import Mesh
+from ..dist.comm.process_group import world
 from ..dist.tensor import dtensor_collectives as DC
 from ..dist.tensor.dtensor import DTensor, full, zeros
-from ..dist.comm.hooks import note
 from ..dist.tensor.layout import as_layout
-from ..dist.comm.process_group import world
 from ..dist.tensor.shard import split_sizes
+from ..nn.transformer import Transformer
 from .schedules import check_link_order, layout_problems, schedule_for
 from .stats import PipelineStats, record_spans
 
@@ -115,7 +118,7 @@ class Pipeline:
         "gpipe", "1f1b" or "interleaved".
     """
 
-    def __init__(self, model: object, mesh: Mesh | None = None, axis: str = "pp", microbatches: int = 1,
+    def __init__(self, model: Transformer, mesh: Mesh | None = None, axis: str = "pp", microbatches: int = 1,
                  schedule: str = "1f1b"):
         plan = getattr(model, "stage_plan", None)
         mesh = mesh if mesh is not None else getattr(plan, "mesh", None)
@@ -242,7 +245,7 @@ class Pipeline:
         self._sends.append(work)
 
     # ------------------------------------------------------------------ the step
-    def value_and_grad(self, params: dict, x: object, y: object) -> tuple[float, dict]:
+    def value_and_grad(self, params: dict, x: Any, y: Any) -> tuple[float, dict]:
         """(loss, grads): the mean loss over the whole batch (on every rank) and this
         rank's gradients, in its parameters' layouts (the same tree as ``params``).
 
@@ -270,8 +273,11 @@ class Pipeline:
         last_b = {c: max(i for i, a in enumerate(acts) if a[0] == "B" and a[1] == c) for c in range(plan.virtual)}
         need = [(i, a) for i, a in enumerate(acts) if not (a[0] == "F" and plan.chunks[a[1]] == 0)
                 and not (a[0] == "B" and plan.chunks[a[1]] == last_vs)]
-        self._recvs, self._sends, self._handed = {}, [], {}
-        live, acc, reductions, losses, spans = {}, [None] * plan.virtual, [None] * plan.virtual, {}, []
+        self._recvs: dict = {}
+        self._sends: list = []
+        self._handed: dict = {}
+        live, acc, losses, spans = {}, [None] * plan.virtual, {}, []
+        reductions: list[Any] = [None] * plan.virtual
         auxes = {}                                       # (chunk, mb) -> a non-last stage's own loss term
         peak, posted, busy = 0, 0, 0.0
         from ..backend import get_backend
@@ -327,8 +333,7 @@ class Pipeline:
         self._sends = []
         grads = model.join_params([r.wait() for r in reductions])
         loss = self._loss(list(losses.items()) + [(mb, v) for (_, mb), v in auxes.items()], rows, x.shape[0])
-        self._finish_stats(loss, busy, t_end - t_start, peak, spans, t_start)
-        return self._stats.loss, grads
+        return self._finish_stats(loss, busy, t_end - t_start, peak, spans, t_start).loss, grads
 
     @staticmethod
     def _weight(w: float, like):
@@ -346,7 +351,8 @@ class Pipeline:
             total += float(_to_host(v)) * rows[mb] / batch
         return total
 
-    def _finish_stats(self, loss: float, busy: float, wall: float, peak: int, spans: list, t_start: float) -> None:
+    def _finish_stats(self, loss: float, busy: float, wall: float, peak: int, spans: list,
+                      t_start: float) -> PipelineStats:
         mine = np.array([loss, busy, wall, peak], dtype=np.float64)
         every = _to_host(C.all_gather(_on_device(mine), axis=self.axis, mesh=self.mesh)).reshape(self.plan.pp, 4)
         self.timeline = [(k, c, mb, t0 - t_start, t1 - t_start) for k, c, mb, t0, t1 in spans]
@@ -354,6 +360,7 @@ class Pipeline:
                                     virtual=self.plan.virtual, loss=float(every[:, 0].sum()), busy=every[:, 1].tolist(),
                                     wall=every[:, 2].tolist(), peak_live=[int(p) for p in every[:, 3]])
         record_spans(self.stage, spans)
+        return self._stats
 
     def grad_norm(self, grads: dict) -> float:
         """The global L2 norm of the whole model's gradients (every stage's), on every rank:

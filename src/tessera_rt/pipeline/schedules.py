@@ -18,6 +18,8 @@ matches messages between two ranks in issue order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["SCHEDULES", "check_link_order", "layout_problems", "gpipe", "one_f_one_b", "interleaved", "schedule_for", "simulate",
            "theory_bubble"]
 

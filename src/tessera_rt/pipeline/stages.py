@@ -11,7 +11,7 @@ rank-stage ``s`` holds chunks ``c = 0..v-1``, chunk ``c`` being virtual stage ``
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,13 +10,13 @@ The planner sits above the runtime: it reads collectives and kernels only to cal
 lends its time model to the runtime's redistribution choices through ``dist.cost``
 (``use_calibrated``).
 """
-from .memory import ParallelConfig, activation_bytes, memory_per_gpu, param_counts
-from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
+from ..deprecation import aliases as _aliases
 from .cluster import CLUSTERS, Cluster, get_cluster, local_cluster_path
+from .memory import ParallelConfig, activation_bytes, memory_per_gpu, param_counts
+from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
+from .search import RECIPES, Candidate, evaluate, factorizations, recipes, search
 from .specs import MODELS, ModelSpec, get_model
 from .timing import BUS_FACTOR, collective_time, step_time
-from .runtime_cost import ClusterCostModel, use_builtin, use_calibrated
-from ..deprecation import aliases as _aliases
 
 __all__ = [
     "ModelSpec", "Cluster", "MODELS", "CLUSTERS", "get_model", "get_cluster", "local_cluster_path",

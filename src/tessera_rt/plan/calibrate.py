@@ -150,7 +150,7 @@ def measure_compute(reps: int = 10, mesh=None) -> dict:
         mats.append((a, b, rng.standard_normal((m, n)).astype(f32)))
     flops = sum(2 * m * k * n for m, k, n in shapes)
     q, k_, v = (rng.standard_normal((8, 4, 64, 16)).astype(f32) for _ in range(3))
-    att = lambda q, k, v: op.flash_attention(q, k, v, causal=True)          # noqa: E731
+    att = lambda q, k, v: op.flash_attention(q, k, v, causal=True)
     both = value_and_grad(lambda q, k, v: op.sum(att(q, k, v)), argnums=(0, 1, 2))
     att_flops = 4 * 8 * 4 * 64 * 64 * 16 * 0.5
     x, y = rng.standard_normal((512, 64)).astype(f32), rng.standard_normal((512, 64)).astype(f32)
@@ -224,8 +224,8 @@ def elementwise_bw(rates: dict, block_s: float) -> float:
     model's elementwise bytes; op.add's bandwidth (``rates["hbm_bw"]``) if nothing is left."""
     import dataclasses
 
-    from .memory import ParallelConfig
     from .cluster import Cluster
+    from .memory import ParallelConfig
     from .specs import MODELS
     from .timing import _mlp_ops, _roofline, compute_ops
     ref = dataclasses.replace(MODELS["char"], n_layers=1)
@@ -274,16 +274,16 @@ def measure_collectives(mesh, axes, reps: int = 20, sizes=SIZES) -> dict:
             mine.append(_after_gap(lambda: dist.all_reduce(x, axis=axis, mesh=mesh), gap, reps))
             world.Barrier()
             peer.append(_after_gap(lambda: raw.Allreduce(x, buf), gap, reps))
-        mine, peer = np.array(mine), np.array(peer)
-        world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        world.Allreduce(MPI.IN_PLACE, peer, op=MPI.MAX)
+        mine_s, peer_s = np.array(mine), np.array(peer)
+        world.Allreduce(MPI.IN_PLACE, mine_s, op=MPI.MAX)
+        world.Allreduce(MPI.IN_PLACE, peer_s, op=MPI.MAX)
         key = str(n)
-        fits = [fit_alpha_beta(sizes, mine)]
+        fits = [fit_alpha_beta(sizes, mine_s)]
         if key in out["all_reduce"]:                      # two axes of the same size: average
             fits.append(tuple(out["all_reduce"][key]))
         out["all_reduce"][key] = [float(np.mean([f[0] for f in fits])), float(np.mean([f[1] for f in fits]))]
-        out["peer"][key] = list(fit_alpha_beta(sizes, peer))
-        out["points"][f"{axis}:{n}"] = {"sizes": list(sizes), "tessera_s": mine.tolist(), "peer_s": peer.tolist()}
+        out["peer"][key] = list(fit_alpha_beta(sizes, peer_s))
+        out["points"][f"{axis}:{n}"] = {"sizes": list(sizes), "tessera_s": mine_s.tolist(), "peer_s": peer_s.tolist()}
     return out
 
 

@@ -12,10 +12,10 @@ import argparse
 import json
 import sys
 
-from .search import GB, evaluate, recipes, search
-from .timing import duration
 from .cluster import CLUSTERS, get_cluster
+from .search import GB, evaluate, recipes, search
 from .specs import MODELS, get_model
+from .timing import duration
 
 __all__ = ["main", "parse_mesh"]
 

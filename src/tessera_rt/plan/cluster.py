@@ -152,7 +152,7 @@ class Cluster:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "cluster") -> "Cluster":
+    def from_dict(cls, d: dict, where: str = "cluster") -> Cluster:
         missing = [k for k in cls.REQUIRED if k not in d]
         if missing:
             raise ValueError(f"{where}: the cluster description is missing {missing}; a cluster needs "

@@ -6,7 +6,7 @@ profiler's counts, which ``ModelSpec``'s op and all-reduce counts price)."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..deprecation import aliases
 from .cluster import Cluster
 from .specs import ModelSpec
-from ..deprecation import aliases
 
 __all__ = ["ParallelConfig", "memory_per_gpu", "param_counts", "activation_bytes", "REMATS", "SCHEDULES"]
 
@@ -173,7 +173,7 @@ def activation_bytes(m: ModelSpec, lay: ParallelConfig, seq: int, micro_batch: i
     moe_layers = _ceil_div(m.n_moe_layers, lay.pp) if m.n_experts else 0
     full = [_layer_act_elems(m, lay.tp, i < moe_layers) for i in range(layers)]
     if lay.remat == "every":
-        kept = [m.d_model] * layers
+        kept: list[float] = [m.d_model] * layers
     elif lay.remat == "every_other":
         kept = [m.d_model if i % 2 == 0 else full[i] for i in range(layers)]
     else:
@@ -181,7 +181,7 @@ def activation_bytes(m: ModelSpec, lay: ParallelConfig, seq: int, micro_batch: i
     rep, voc, one = (tuple(m.act_outside) + (0.0,) * 3)[:3]
     outside = rep * m.d_model + voc * _ceil_div(m.vocab, lay.tp) + one
     per_mb = tokens * b * (sum(kept) + outside)
-    in_flight = 1
+    in_flight: int | None = 1
     if lay.pp > 1:
         in_flight = lay.pp if lay.schedule != "gpipe" else None        # GPipe: all micro-batches
     transient = tokens * b * max(full) if lay.remat != "none" else 0.0

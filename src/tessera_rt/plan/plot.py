@@ -2,6 +2,8 @@
 the feasible Pareto frontier drawn through, the seed's recipes labelled."""
 from __future__ import annotations
 
+from typing import Any
+
 from .timing import duration
 
 __all__ = ["plot_candidates", "pareto_frontier"]
@@ -27,8 +29,9 @@ def plot_candidates(cands: list, path: str, *, title: str = "", hbm: float | Non
     except ImportError as e:
         raise RuntimeError("tessera-plan --plot needs matplotlib (pip install matplotlib)") from e
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for feas, style in ((False, dict(c="0.7", marker="x", label="infeasible")),
-                        (True, dict(c="tab:blue", marker="o", label="feasible"))):
+    styles: list[tuple[bool, dict[str, Any]]] = [(False, dict(c="0.7", marker="x", label="infeasible")),
+                                                 (True, dict(c="tab:blue", marker="o", label="feasible"))]
+    for feas, style in styles:
         pts = [c for c in cands if c.feasible == feas and not c.label]
         ax.scatter([c.memory["total"] / 1e9 for c in pts], [c.step_time["total"] * 1e3 for c in pts], s=18, **style)
     front = pareto_frontier(cands)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..pipeline.schedules import layout_problems
-from .memory import REMATS, ParallelConfig, memory_per_gpu
 from .cluster import Cluster, get_cluster
+from .memory import REMATS, ParallelConfig, memory_per_gpu
 from .specs import ModelSpec, get_model
 from .timing import duration, step_time
 
@@ -176,7 +176,7 @@ def tessera_run() -> str:
     return f"{shlex.quote(sys.executable)} -m tessera_run"
 
 
-def launch_command(k: "Candidate", model: str, batch: int) -> str:
+def launch_command(k: Candidate, model: str, batch: int) -> str:
     """The launch line of a candidate, as it runs from the repository root: scripts/train.py
     with its flags for the models it builds (TRAIN_PY_MODELS), else the mesh flags for the
     user's own script; ``tessera_run()`` says how tessera-run is started."""
@@ -219,7 +219,7 @@ def _check(m: ModelSpec, c: Cluster, lay: ParallelConfig, mem: dict, workload: s
 
 
 def _why(m: ModelSpec, c: Cluster, lay: ParallelConfig, mem: dict, t: dict) -> list[str]:
-    g = lambda x: f"{x / GB:.3g}"                                       # noqa: E731
+    g = lambda x: f"{x / GB:.3g}"
     ms = duration
     why = [f"memory {g(mem['total'])} GB/GPU: params {g(mem['params'])}, grads {g(mem['grads'])}, optimizer "
            f"{g(mem['optimizer'])}" + (f" (+{g(mem['host_tier'])} in host tier)" if mem["host_tier"] else "")
@@ -295,6 +295,7 @@ def evaluate(model: object, cluster: object, *, tp: int = 1, ep: int = 1, pp: in
         key = (bool(bad), t["total"] if not bad else mem["total"])
         if best is None or key < best[0]:
             best = (key, lay, mem, t, bad)
+    assert best is not None                            # (_settings yields at least one)
     _, lay, mem, t, bad = best
     k = Candidate(tp, ep, pp, dp, not bad, mem["params_per_gpu"], mem, t, lay, _why(m, c, lay, mem, t), bad, label)
     k.launch = launch_command(k, m.name, batch)

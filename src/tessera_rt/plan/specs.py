@@ -274,7 +274,7 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "model") -> "ModelSpec":
+    def from_dict(cls, d: dict, where: str = "model") -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

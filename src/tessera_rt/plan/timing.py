@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from ..autodiff.buckets import grad_bucket_bytes
-from .memory import ParallelConfig, _ceil_div, _layer_act_elems, param_counts
 from .cluster import Cluster
+from .memory import ParallelConfig, _ceil_div, _layer_act_elems, param_counts
 from .specs import ModelSpec
 
 __all__ = ["BUS_FACTOR", "collective_time", "compute_ops", "step_time", "ALGORITHMS", "duration", "param_tensors"]
@@ -152,7 +152,7 @@ def collective_time(cluster: Cluster, op: str, size: float, n: int, *, span: int
             raise ValueError(f"collective_time: {algorithm!r} is not available for {op} on a {cluster.topology} "
                              f"cluster; choose from {sorted(options)}")
         return options[algorithm], algorithm
-    best = min(options, key=options.get)
+    best = min(options, key=options.__getitem__)
     return options[best], best
 
 
@@ -328,7 +328,7 @@ def step_time(m: ModelSpec, cluster: Cluster, lay: ParallelConfig, *, workload: 
     dp_comm, dp_algo, gather = 0.0, "none", 0.0
     if gathered:          # the batch gathered at each reshape (all_gather sizes: the output), blocking
         g_d, g_f, g_v = m.uneven_gathers
-        ag = lambda width: collective_time(cluster, "all_gather", tokens * width * b, lay.data_ranks)[0]  # noqa: E731
+        ag = lambda width: collective_time(cluster, "all_gather", tokens * width * b, lay.data_ranks)[0]
         gather = n_micro * (layers * (g_d * ag(m.d_model) + g_f * ag(_ceil_div(m.ffn_hidden, lay.tp)))
                             + g_v * ag(v_local))
     elif train and lay.data_ranks > 1:

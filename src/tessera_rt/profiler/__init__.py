@@ -43,14 +43,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..kernels import precision
+from ..dist.comm.hooks import SEAM, bytes_copied, count_copy
+from ..dist.comm.process_group import world
 from ..dist.tensor.dispatch import compute_region
 from ..dist.tensor.dtensor import DTensor
-from ..dist.comm.hooks import SEAM, bytes_copied, count_copy  # noqa: F401  (re-exported: the profile's figure)
-from ..dist.comm.process_group import world
 from ..dist.tensor.shard import local_shape
+from ..kernels import precision
 from .nvtx import coll_name, enable_nvtx, nvtx_domain, nvtx_listening, op_name
 from .report import ProfileReport, overlap_ratio
 
@@ -174,7 +175,7 @@ class Profile(ProfileReport):
         return ev
 
     # lifecycle ---------------------------------------------------------------
-    def __enter__(self) -> "Profile":
+    def __enter__(self) -> Profile:
         w = world()
         if w.size > 1:
             w.mpi.Barrier()
@@ -202,7 +203,7 @@ class Profile(ProfileReport):
         w = world()
         mine = (self.events, self.overlap_ratio)
         every = w.mpi.gather(mine, root=0) if w.size > 1 else [mine]
-        if w.rank == 0:
+        if every is not None:                   # (rank 0's)
             self.all_events = [e for e, _ in every]
             self.rank_overlaps = [o for _, o in every]
             if self.trace_path and exc[0] is None:
@@ -307,7 +308,7 @@ class Profile(ProfileReport):
             info = self._ops[dec] = _op_info(dec, args, out)     # its local shapes fix bytes and flops
         self._events.append((info, start, t))
 
-    def region(self, name: str) -> "_Region":
+    def region(self, name: str) -> _Region:
         """Mark plain-array work as compute: ``with prof.region("mlp"): ...``.
 
         Parameters

@@ -63,12 +63,19 @@ class ProfileReport:
     ``all_events`` (every rank's, on rank 0 after exit), ``rank_overlaps``, ``overlap_ratio``,
     ``name`` and ``bytes_copied``.  Takes no parameters."""
 
-    events: list
     all_events: list | None
     rank_overlaps: list | None
-    overlap_ratio: float | None
     name: str
     bytes_copied: int
+
+    # read-only: a profile works them out from what it recorded
+    @property
+    def events(self) -> list:
+        raise NotImplementedError
+
+    @property
+    def overlap_ratio(self) -> float | None:
+        raise NotImplementedError
 
     def rows(self, events: list | None = None) -> list[dict]:
         """One row per (kind, op, layout/axis, shape): calls, total/mean seconds, bytes, rates.

@@ -42,8 +42,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["EmuError", "CompileError", "LaunchError", "RaceError", "MisalignedAccess", "OutOfBounds",
            "BarrierDivergence", "Deadlock", "Unsupported", "AsyncCopyError", "compile_module", "compiler", "Module", "Function",
@@ -133,7 +133,7 @@ _SYMBOL = re.compile(r"^([0-9a-f]+) (.{7}) (\S+)\s+([0-9a-f]+)\s+(.+)$")
 _WRITABLE_SECTION = re.compile(r"^(\.bss|\.data|\.tbss|\.tdata|\*COM\*)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler() -> tuple[str, str]:
     """(path, version line) of a g++ with C++20; raises :class:`CompileError` if there is none."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
@@ -163,7 +163,7 @@ def _digest(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emulator_sources() -> bytes:
     """Headers and runtime contents: part of every cache key."""
     files = sorted(INCLUDE.glob("*.h")) + [RUNTIME]
@@ -256,11 +256,11 @@ def _shared_symbols(obj: Path, name: str) -> list[tuple[int, int, str]]:
 
 
 _BLOCK_SEEDS = itertools.count(int(os.environ.get("TESSERA_EMU_BLOCK_SEED", "0")))
-_MODULES: dict[str, "Module"] = {}
+_MODULES: dict[str, Module] = {}
 _MODULES_LOCK = threading.Lock()
 
 
-def compile_module(code: str, options: Sequence[str] = (), name: str = "kernel") -> "Module":
+def compile_module(code: str, options: Sequence[str] = (), name: str = "kernel") -> Module:
     """Build (or fetch from the cache) the host module of a CUDA C source."""
     cxx, version = compiler()
     source, entries = _prepare(code)
@@ -317,7 +317,7 @@ class Module:
             raise ValueError(f"tf32 accumulation {model!r}: use one of {models}")
         return models[self._lib.ts_emu_set_tf32_accumulation(models.index(model))]
 
-    def get_function(self, name: str) -> "Function":
+    def get_function(self, name: str) -> Function:
         if name not in self.entries:
             raise EmuError(f"cuda_emu: module {self.name} has no extern \"C\" __global__ function {name!r}; "
                            f"entries: {sorted(self.entries)}")

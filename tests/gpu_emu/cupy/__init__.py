@@ -10,16 +10,34 @@ it has them (``_dtypes14``, ``_bf16``, ``_reductions16``, ``_core._routines_lina
 ``cupy.testing.count_device_work()`` counts what a GPU would pay: launches, syncs, copies,
 casts (``_counters``).
 """
-import numpy as _np  # noqa: I001
+# ruff: noqa: F401  (this module is CuPy's namespace: what it imports, it exports)
+import numpy as _np
 
 from . import _core, _ndarray, cuda, fft, random, testing
-from ._bridge import KERNEL_DTYPE_CHARS as _KERNEL_DTYPE_CHARS  # noqa: F401
-from ._creation import (arange, array, asanyarray, asarray, ascontiguousarray, asfortranarray,
-                        asnumpy, empty, empty_like, eye, from_dlpack, full, full_like,
-                        get_array_module, identity, linspace, ones, ones_like, zeros, zeros_like)
+from ._creation import (
+    arange,
+    array,
+    asanyarray,
+    asarray,
+    ascontiguousarray,
+    asfortranarray,
+    asnumpy,
+    empty,
+    empty_like,
+    eye,
+    from_dlpack,
+    full,
+    full_like,
+    get_array_module,
+    identity,
+    linspace,
+    ones,
+    ones_like,
+    zeros,
+    zeros_like,
+)
 from ._errors import StandinLimitation, StreamOrderError
-from ._functions import build_namespace as _build_namespace
-from ._functions import ufunc
+from ._functions import build_namespace as _build_namespace, ufunc
 from ._ndarray import ndarray
 from ._raw import RawKernel, RawModule
 from .cuda import get_default_memory_pool
@@ -38,7 +56,7 @@ for _name in ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
               "signedinteger", "unsignedinteger", "inexact", "floating", "complexfloating",
               "newaxis", "pi", "e", "inf", "nan", "euler_gamma"):
     globals()[_name] = getattr(_np, _name)
-bool = _np.bool_  # noqa: A001  (cupy.bool is numpy.bool_)
+bool = _np.bool_  # cupy.bool is numpy.bool_
 del _name
 
 

@@ -24,8 +24,19 @@ from __future__ import annotations
 import numpy as np
 
 from . import _bridge, _counters
-from ._dtypes14 import (BF16, BF16_UFUNCS, F32, NOTE, guess_loop, in_types, is_16bit_float,
-                        is_bf16, loops_from, ufunc_loops, wrong_type)
+from ._dtypes14 import (
+    BF16,
+    BF16_UFUNCS,
+    F32,
+    NOTE,
+    guess_loop,
+    in_types,
+    is_16bit_float,
+    is_bf16,
+    loops_from,
+    ufunc_loops,
+    wrong_type,
+)
 from ._errors import StandinLimitation
 from ._reductions16 import REDUCTIONS
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _capture, _tracker
-from ._dtypes14 import KERNEL_DTYPE_CHARS, check_kernel_dtypes  # noqa: F401  (re-exported)
+from ._dtypes14 import check_kernel_dtypes
 from .cuda import memory as _memory
 from .cuda.stream import current_stream_state, get_current_stream
 

@@ -15,7 +15,7 @@ from collections import Counter
 __all__ = ["DeviceWork", "count_device_work", "note_op", "note_sync", "note_cast"]
 
 _LOCK = threading.Lock()
-_ACTIVE: list["DeviceWork"] = []
+_ACTIVE: list[DeviceWork] = []
 
 
 class DeviceWork:
@@ -57,7 +57,7 @@ class DeviceWork:
     def ops(self) -> int:
         return self.launches + self.h2d + self.d2h
 
-    def __enter__(self) -> "DeviceWork":
+    def __enter__(self) -> DeviceWork:
         with _LOCK:
             _ACTIVE.append(self)
         return self

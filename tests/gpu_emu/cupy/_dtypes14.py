@@ -92,7 +92,7 @@ def wrong_type(name: str, in_types) -> TypeError:
                      f"cupy.{name} takes these dtypes")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ufunc_loops(np_ufunc: np.ufunc, bf16: bool) -> tuple:
     """CuPy's loops for ``np_ufunc``: NumPy's own for the kernel dtypes (the same order CuPy
     lists them), each float16 loop followed by its bfloat16 twin when ``bf16``.  Each loop is
@@ -104,7 +104,7 @@ def ufunc_loops(np_ufunc: np.ufunc, bf16: bool) -> tuple:
             continue
         loops.append((tuple(np.dtype(c) for c in ins), tuple(np.dtype(c) for c in outs), False))
         if bf16 and BF16 is not None and "e" in ins:
-            twin = lambda chars: tuple(BF16 if c == "e" else np.dtype(c) for c in chars)  # noqa: E731
+            twin = lambda chars: tuple(BF16 if c == "e" else np.dtype(c) for c in chars)
             loops.append((twin(ins), twin(outs), True))
     return tuple(loops)
 

@@ -27,7 +27,7 @@ _NO_UFUNC = object()
 class _Flags:
     __slots__ = ("c_contiguous", "f_contiguous", "owndata")
 
-    def __init__(self, a: "ndarray"):
+    def __init__(self, a: ndarray):
         self.c_contiguous = a._a.flags.c_contiguous
         self.f_contiguous = a._a.flags.f_contiguous
         self.owndata = a.base is None
@@ -65,7 +65,7 @@ class ndarray:
                              strides=strides, order=order)
 
     @classmethod
-    def _view_of(cls, view: np.ndarray, owner: "ndarray") -> "ndarray":
+    def _view_of(cls, view: np.ndarray, owner: ndarray) -> ndarray:
         """A stand-in array for ``view``, a NumPy view into ``owner``'s allocation."""
         self = object.__new__(cls)
         self._a = view

@@ -94,7 +94,7 @@ def _pointer_params_written(code: str, entry: str) -> list[bool] | None:
 class Kernel:
     """A kernel of a RawModule: ``kernel(grid, block, args, shared_mem=0, stream=None)``."""
 
-    def __init__(self, module: "RawModule", name: str):
+    def __init__(self, module: RawModule, name: str):
         self.module = module
         self.name = name
         self._max_dynamic_smem = DEFAULT_DYNAMIC_SMEM

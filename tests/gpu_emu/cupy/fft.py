@@ -23,10 +23,9 @@ def _wrap(name: str):
     return function
 
 
-for _name in __all__:
-    if _name in ("fftfreq", "rfftfreq"):
-        continue
-    globals()[_name] = _wrap(_name)
+fft, ifft, fft2, ifft2, fftn, ifftn = (_wrap(n) for n in ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn"))
+rfft, irfft, rfft2, irfft2, rfftn, irfftn = (_wrap(n) for n in ("rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn"))
+hfft, ihfft, fftshift, ifftshift = (_wrap(n) for n in ("hfft", "ihfft", "fftshift", "ifftshift"))
 
 
 def fftfreq(n, d=1.0):

@@ -7,7 +7,6 @@ import numpy as np
 
 from . import _bridge
 
-
 __all__ = ["seed", "rand", "randn", "random", "random_sample", "uniform", "normal",
            "standard_normal", "randint", "default_rng"]
 

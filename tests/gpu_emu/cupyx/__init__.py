@@ -3,7 +3,6 @@ the pinned host arrays of cupyx/_pinned_array.py.  Anything else is refused by n
 from __future__ import annotations
 
 import numpy as _np
-
 from cupy.cuda import alloc_pinned_memory as _alloc_pinned_memory
 
 __all__ = ["empty_pinned", "zeros_pinned"]

@@ -10,14 +10,14 @@ Line/ring algorithms run over the axis communicator's send/recv on the ``tp_coll
 stream, beside the library collective (``algo="library"``); ``algo="auto"`` reads a
 per-size table.  This package knows collectives and buffers, never models.
 """
-from ._common import ALGOS, TAGS, DEFAULT_TABLE, algo_table, reset_algo_override, set_algo_table
+from ._common import ALGOS, DEFAULT_TABLE, TAGS, algo_table, reset_algo_override, set_algo_table
 from .buffers import allocations, clear_persistent_buffers, persistent_buffers
 from .fused import all_gather_concat, double_matmul_line_reduce_scatter, llama_rs_create_heads
-from .ring_attention import ring_attention, sequence_positions, shard_sequence
 from .hierarchical import hierarchical_all_reduce, host_mesh
-from .tune import tune
 from .line import line_all_gather, line_all_reduce, line_reduce_scatter
+from .ring_attention import ring_attention, sequence_positions, shard_sequence
 from .schedules import schedule
+from .tune import tune
 
 __all__ = [
     "line_reduce_scatter", "line_all_gather", "line_all_reduce", "schedule",

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..comm import collectives as C
-from ..comm.plans import clear_plans, plan
 from ..comm.mesh import AxisGroup, Mesh, current_mesh
+from ..comm.plans import clear_plans, plan
 from ..comm.process_group import world
 
 __all__ = [

@@ -19,11 +19,12 @@ names both and where the key was first made.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..checks import consistency
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
+from ..checks import consistency
 from ..comm.plans import clear_plans
 from ..comm.process_group import world
 
@@ -37,7 +38,7 @@ class _Entry:
 
     def __init__(self, key: str, sig: tuple, site: str, sets: list[dict]):
         self.key, self.sig, self.site, self.sets, self.idx = key, sig, site, sets, 0
-        self.last = None                 # the set handed out last
+        self.last: dict | None = None    # the set handed out last
         self.cpu = not world().backend.is_gpu     # synchronous calls: a dropped set may be taken again
         self.nbytes = sum(a.nbytes for s in sets for a in s.values())
 

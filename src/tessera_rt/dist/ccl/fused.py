@@ -3,10 +3,12 @@ makes QKV heads, and an all-gather that concatenates heads.  Each equals its unf
 composition (tests/collectives/mpi_ccl.py checks it)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ...kernels.mlp import dual_reads_x_once
 from ..comm import collectives as C
+from ..comm.mesh import Mesh
 from . import buffers
 from ._common import check_array, resolve, where
 from .line import line_all_gather, line_reduce_scatter
@@ -157,7 +159,7 @@ _ORDER: dict = {}      # (n, heads, kv heads, head_dim) -> column order, on the 
 def _head_order(n: int, h: int, hkv: int, d: int) -> list[int]:
     """Columns of [Q | K | V] reordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank i's heads)."""
     hl, kl = h // n, hkv // n
-    cols = []
+    cols: list = []
     for i in range(n):
         for base, per in ((0, hl), (h, kl), (h + hkv, kl)):
             first = (base + i * per) * d

@@ -95,7 +95,7 @@ def hierarchical_all_reduce(x: Any, *, mesh: Mesh | None = None, intra: str | No
     if (intra is None) != (inter is None):
         raise ValueError(f"rank {world().rank}: ccl.hierarchical_all_reduce: pass both intra= and inter= "
                          f"(axes of {mesh!r}) or neither (a 1-D mesh split by host)")
-    if intra is None:
+    if intra is None or inter is None:           # (neither: both or neither, checked above)
         mesh, intra, inter = host_mesh(mesh, local_size), "intra", "inter"
     local = mesh.group(intra)
     x = check_array("hierarchical_all_reduce", local, x)

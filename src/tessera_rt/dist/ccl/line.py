@@ -10,16 +10,17 @@ allocated after the first call.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ...dtypes import dtype_name
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
 from ..comm.interface import REDUCE_OPS
+from ..comm.mesh import Mesh, current_mesh
+from ..comm.plans import keep, lookup, planned
 from ..tensor.shard import split_sizes
 from . import buffers
-from ..comm.mesh import current_mesh
-from ..comm.plans import keep, lookup, planned
 from ._common import check_array, choose_algo, resolve, where
 from .schedules import OnRole, compile_steps, max_piece, offsets, pack_into, run_steps, schedule, unpack_into
 
@@ -62,6 +63,25 @@ class _Plan:
 
     __slots__ = ("mesh", "axis", "g", "dim", "sizes", "given", "algo", "shape", "sig", "shapes", "counts", "offs",
                  "progs", "nbytes", "flat", "check", "coll", "coll_async", "entry")
+    mesh: Mesh
+    axis: Any
+    g: Any
+    dim: Any
+    sizes: Any
+    given: Any
+    algo: Any
+    shape: Any
+    sig: Any
+    shapes: Any
+    counts: Any
+    offs: Any
+    progs: Any
+    nbytes: Any
+    flat: Any
+    check: Any
+    coll: Any
+    coll_async: Any
+    entry: Any
 
     def __init__(self, **kw):
         for k in self.__slots__:

@@ -16,15 +16,14 @@ local q/k/v, two K/V blocks, and (backward) two dk/dv blocks: O(S/n).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ... import runtime as rt
 from ...backend import get_backend
-from ..comm import collectives as C
 from ..comm.hooks import SEAM, differentiable, vjp_rule
+from ..comm.mesh import Mesh
 from ..tensor.shard import split_offsets, split_sizes
 from ._common import check_array, resolve, where
 
@@ -165,7 +164,7 @@ class _Ring:
 
 def _forward(q, k, v, axis, mesh, causal, scale, layout, seq_len):
     ring = _Ring("ring_attention", q, k, v, axis, mesh, causal, layout, seq_len)
-    g, xp, n, me = ring.g, ring.xp, ring.g.size, ring.g.index
+    xp, n, me = ring.xp, ring.g.size, ring.g.index
     kern = get_backend().kernel("flash_attention", like=ring.q)
     b, h, sq, d = ring.q.shape
     acc_dt = np.promote_types(ring.q.dtype, np.float32)       # f64 stays f64; bf16/f16 accumulate in f32

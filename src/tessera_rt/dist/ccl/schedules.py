@@ -20,9 +20,9 @@ all-gather receives straight into place.  The ops that plan and call these are i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import accumulate
-from typing import Callable, Sequence
 
 from ... import runtime as rt
 from ..comm import collectives as C
@@ -55,7 +55,7 @@ def schedule(kind: str, n: int, algo: str) -> tuple[tuple[Transfer, ...], ...]:
     """
     steps = []
     for t in range(n - 1):
-        step = []
+        step: list[tuple[int, int, int, int | None]] = []
         for r in range(n):
             if algo == "ring":
                 if kind == "reduce_scatter":
@@ -119,7 +119,9 @@ def compile_steps(steps, me: int, offs: Sequence[int], counts: Sequence[int], re
     of ``work[a:b]``; reduction (lo, hi, slot): ``work[lo:hi] op= slots[slot][:hi - lo]``."""
     prog = []
     for step in steps:
-        recvs, sends, reduces = [], [], []
+        recvs: list = []
+        sends: list = []
+        reduces: list = []
         for src, dst, c, p in step:
             if dst != me:
                 continue
@@ -161,6 +163,7 @@ def run_steps(g, prog, work, slots, op: str | None, stream, between: Callable | 
             if req is not None:
                 req.wait_done()
         for lo, hi, k in reduces:
+            assert ufunc is not None                      # (a gather reduces nothing)
             ufunc(work[lo:hi], slots[k][:hi - lo], out=work[lo:hi])
     if between is not None:
         _beside(comm, between)

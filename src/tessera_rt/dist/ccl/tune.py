@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-from ..comm.mpi import MPI
 
 from ..comm import collectives as C
+from ..comm.mesh import Mesh
+from ..comm.mpi import MPI
 from ._common import resolve, set_algo_table
 from .buffers import clear_persistent_buffers
 from .line import line_all_gather, line_all_reduce, line_reduce_scatter

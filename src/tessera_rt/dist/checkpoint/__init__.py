@@ -27,8 +27,8 @@ The package, by responsibility:
 """
 from .files import SaveInfo, cleanup, history, read_index, rollback
 from .format import CheckpointError
-from .lock import DirInUse, DirLock
 from .loading import load
+from .lock import DirInUse, DirLock
 from .saving import SaveHandle, async_save, save, wait_pending
 
 __all__ = ["save", "async_save", "load", "cleanup", "history", "rollback", "DirLock", "DirInUse", "SaveInfo",

@@ -369,7 +369,8 @@ class _Reader:
     """Reads and verifies the files this rank needs, each once."""
 
     def __init__(self, path: str, index: dict):
-        self.path, self.index, self.cache = path, index, {}
+        self.path, self.index = path, index
+        self.cache: dict = {}
 
     def tensors(self, fname: str, key: str) -> dict:
         got = self.cache.get(fname)

@@ -12,6 +12,7 @@ rank's entries merge into one index, and the error every rank raises together.
 from __future__ import annotations
 
 import hashlib
+
 import numpy as np
 
 _FORMAT, _VERSION = "tessera_rt.checkpoint", 1

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import difflib
 import os
+from typing import Any
 
 import numpy as np
 
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
+from ..comm.process_group import world
 from ..tensor.dtensor import DTensor, from_local
 from ..tensor.layout import Layout
-from ..comm.process_group import world
 from ..tensor.shard import local_offsets, local_shape
 from .files import _in_use, _leftovers, _lock, _Reader, _remove, _where, read_index
+from .format import CheckpointError, _all_or_raise, _describe, _from_disk, _like_shape, _unflatten, flatten
 from .saving import wait_pending
-from .format import CheckpointError, _all_or_raise, _describe, flatten, _from_disk, _like_shape, _unflatten
+
 
 def _assemble(reader: _Reader, key: str, t: dict, offs, shape) -> np.ndarray:
     """The region [offs, offs+shape) of saved tensor ``key`` from the pieces that overlap it."""
@@ -86,7 +88,7 @@ def _check_requests(w, path: str, mine: dict) -> str | None:
     return None
 
 
-def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
+def load(path: str, like: object = None, *, cleanup: bool = False) -> Any:
     """Read a checkpoint written by :func:`save`; collective over every rank of the job.
 
     Parameters
@@ -159,6 +161,7 @@ def load(path: str, like: object = None, *, cleanup: bool = False) -> object:
             pass                        # another process writes there: its files are not leftovers
     xp = get_backend().xp
     final = {}
+    assert result is not None                       # (else _all_or_raise raised)
     for key, v in result.items():
         if isinstance(v, tuple) and v and v[0] == "dt":
             _, local, lay, mesh, shape = v

@@ -79,7 +79,7 @@ class DirLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> "DirLock":
+    def acquire(self) -> DirLock:
         """Take the lock without waiting.
 
         Returns
@@ -122,7 +122,7 @@ class DirLock:
             pass
         os.close(fd)
 
-    def __enter__(self) -> "DirLock":
+    def __enter__(self) -> DirLock:
         return self if self.held else self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from typing import Any, NoReturn
 
 from ... import runtime as rt
-from ..comm.process_group import world
+from ..comm.process_group import World, world
 from .files import SaveInfo
 from .format import CheckpointError, _fname
 from .writer import _agree, _commit, _prepare, _Save, _share, _write, _write_index
@@ -53,12 +54,13 @@ class SaveHandle:
         The process group.
     s : _Save
         The save's prepared state.
-    task : object
-        The io worker's task: this rank's file, then rank 0's index.
+    task : task
+        The io worker's task (``test()``, ``wait_done()``): this rank's file, then rank 0's index.
     """
 
-    def __init__(self, w: World, s: _Save, task: object) -> None:
-        self._w, self._s, self._task = w, s, task      # task: this rank's file, then rank 0's index
+    def __init__(self, w: World, s: _Save, task: Any) -> None:
+        self._w, self._task = w, task                  # task: this rank's file, then rank 0's index
+        self._s: _Save | None = s                       # None once committed, failed or abandoned
         self._agreed = False                            # every rank wrote its file
         self._info: SaveInfo | None = None
         self._error: CheckpointError | None = None
@@ -115,6 +117,7 @@ class SaveHandle:
             self._finish()
         if self._error is not None:
             raise self._error
+        assert self._info is not None                   # (committed)
         return self._info
 
     def abandon(self) -> None:
@@ -130,9 +133,10 @@ class SaveHandle:
 
     def _local_wait(self) -> None:
         s = self._s
+        assert s is not None                            # (the save is open)
         try:
             self._task.wait_done()
-        except BaseException as e:  # noqa: BLE001 - a task before ours failed the shared worker stream
+        except BaseException as e:  # a task before ours failed the shared worker stream
             if s.err is None and (s.info if self._agreed else s.report) is None:
                 what = "index.json" if self._agreed else f"{s.data_dir}/{_fname(self._w.rank)}"
                 s.err = (f"rank {self._w.rank}: dist.save({s.path!r}): the io worker failed before writing {what}: "
@@ -141,16 +145,18 @@ class SaveHandle:
     def _agree(self) -> None:
         self._local_wait()
         s = self._s
+        assert s is not None                            # (the save is open)
         try:
             index = _agree(self._w, s)
         except CheckpointError as e:
             self._fail(e)
         self._agreed = True
-        if self._w.rank == 0:
+        if index is not None:                           # (rank 0's)
             self._task = rt.host_worker("io").submit(lambda: _write_index(s, index))
 
     def _finish(self) -> None:
         self._local_wait()
+        assert self._s is not None                      # (the save is open)
         try:
             self._info = _share(self._w, self._s)
         except CheckpointError as e:
@@ -159,7 +165,8 @@ class SaveHandle:
         if _PENDING[0] is self:
             _PENDING[0] = None
 
-    def _fail(self, e: CheckpointError):
+    def _fail(self, e: CheckpointError) -> NoReturn:
+        assert self._s is not None                      # (the save is open)
         self._s.release()
         self._s = None
         if _PENDING[0] is self:
@@ -247,4 +254,6 @@ def async_save(state: dict, path: str) -> SaveHandle:
     SaveHandle
         Poll or wait on it to commit.
     """
-    return save(state, path, async_=True)
+    handle = save(state, path, async_=True)
+    assert isinstance(handle, SaveHandle)
+    return handle

@@ -20,10 +20,31 @@ from ..tensor.dtensor import DTensor
 from ..tensor.layout import Layout
 from ..tensor.shard import local_offsets, local_shape
 from . import files
-from .files import (INDEX, SaveInfo, _committed, _encode_file, _fsync_dir, _in_use, _keep_previous, _leftovers,
-                    _left_note, _lock, _remove, _retired)
+from .files import (
+    INDEX,
+    SaveInfo,
+    _committed,
+    _encode_file,
+    _fsync_dir,
+    _in_use,
+    _keep_previous,
+    _left_note,
+    _leftovers,
+    _lock,
+    _remove,
+    _retired,
+)
 from .format import (
-    _FORMAT, _VERSION, CheckpointError, _all_or_raise, flatten, _fname, _host, _merge, _sha, _to_disk,
+    _FORMAT,
+    _VERSION,
+    CheckpointError,
+    _all_or_raise,
+    _fname,
+    _host,
+    _merge,
+    _sha,
+    _to_disk,
+    flatten,
 )
 
 
@@ -106,7 +127,8 @@ def _prepare(w, state: dict, path: str, copy: bool, keep: int = 1) -> _Save:
     # the commit: no other writer's files are ever taken for leftovers), removes what failed
     # or killed saves left (a full disk stays full otherwise), makes this save's directory
     metas = w.mpi.gather((entries, values), root=0)
-    plan, s = None, None
+    plan: tuple | None = None
+    s: _Save | None = None
     if w.rank == 0:
         sid = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         lock = None
@@ -171,7 +193,7 @@ def _write(s: _Save, rank: int) -> None:
         files.write_atomic(os.path.join(s.path, s.data_dir, fname), blob)
         s.report = (_sha(blob), len(blob), {k: s.hashes.get(k) or _sha(np.ascontiguousarray(a).tobytes())
                                             for k, a in mine.items()})
-    except Exception as e:  # noqa: BLE001 - any failure of this rank's write is the save's error
+    except Exception as e:  # any failure of this rank's write is the save's error
         why = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         s.err = f"rank {rank}: dist.save({s.path!r}): writing {s.data_dir}/{fname} failed: {why}"
 
@@ -240,7 +262,7 @@ def _commit(w, s: _Save) -> SaveInfo:
     """Phase 3 of a synchronous save: all three parts in a row."""
     try:
         index = _agree(w, s)
-        if w.rank == 0:
+        if index is not None:                          # (rank 0's)
             _write_index(s, index)
         return _share(w, s)
     finally:

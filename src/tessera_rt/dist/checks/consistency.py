@@ -40,9 +40,15 @@ from collections import deque
 import numpy as np
 
 from ...dtypes import dtype_name
-from ..comm.hooks import SEAM, Agreement, caller as _getframe, is_internal as _is_internal, known_internal
-from ..comm.hooks import user_frame as _user_frame
 from ..comm.calls import ALONE, GroupState, Sig, group_state, sig
+from ..comm.hooks import (
+    SEAM,
+    Agreement,
+    caller as _getframe,
+    is_internal as _is_internal,
+    known_internal,
+    user_frame as _user_frame,
+)
 
 __all__ = ["CollectiveMismatchError", "CheckState", "STATE", "ranks_str", "configure", "check", "check_sig", "check_plan", "check_run", "sig", "Sig", "group_state",
            "user_frame", "site_of", "site_at", "recent_calls", "describe", "mismatch_message", "p2p_send_header",
@@ -217,7 +223,7 @@ def check(op: str, g, dtype, shape, extra, plan_meta=None) -> None:
     check_sig(g.__dict__.get("_consistency") or group_state(g), sig(op, dtype, shape, extra), 3, plan_meta)
 
 
-def check_sig(st: "GroupState", s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=STATE):
+def check_sig(st: GroupState, s: Sig, depth: int = 2, plan_meta=None, _internal=known_internal, _c=STATE):
     """The check for a planned call (the hot path: keep it lean).  ``depth``: frames from here
     up to the collective's caller (2: called by the collective itself).  A call site is its
     code object and instruction offset (``f_lasti``: cheaper than ``f_lineno``, which

@@ -37,11 +37,11 @@ from collections import deque
 
 import numpy as np
 
-from . import consistency
-from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
 from ..comm.calls import Call
 from ..comm.hooks import SEAM
 from ..comm.process_group import on_init
+from . import consistency
+from .consistency import CollectiveMismatchError, mismatch_message, site_of, user_frame
 
 __all__ = [
     "Call", "CollectiveMismatchError", "configure", "flight_records", "format_call", "desync_enabled",
@@ -287,7 +287,7 @@ def _mismatch_message(everyone, call: Call, me: int, seq_ok: bool) -> str:
     parts = []
     for gid in dict.fromkeys(d[8] for d in everyone):
         members = [(pos, d) for pos, d in enumerate(everyone) if d[8] == gid]
-        shapes = {}
+        shapes: dict = {}
         for pos, d in members:
             shapes.setdefault(d[9], []).append(pos)
         if len(shapes) > 1:
@@ -309,8 +309,8 @@ def call_seq(everyone) -> str:
 
 # --------------------------------------------------------------------------- the watchdog (own module)
 
-from .watchdog import WATCHDOG_EXIT_CODE, attach_recorder, register_nccl, status  # noqa: E402,F401
-from .watchdog_thread import Watchdog  # noqa: E402
+from .watchdog import WATCHDOG_EXIT_CODE, attach_recorder, register_nccl, status
+from .watchdog_thread import Watchdog
 
 attach_recorder(_cfg, format_call)
 on_init(configure)              # dist.init sets the modes (process_group does not import debug)

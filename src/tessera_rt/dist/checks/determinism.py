@@ -109,7 +109,7 @@ class deterministic:
     def __init__(self, policy: object = None, *, compensated: bool = False) -> None:
         self._want = (_flag(policy), bool(compensated))
 
-    def __enter__(self) -> "deterministic":
+    def __enter__(self) -> deterministic:
         self._prev = (_STATE.on, _STATE.compensated)
         _apply(*self._want)
         return self

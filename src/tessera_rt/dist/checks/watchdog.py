@@ -41,13 +41,13 @@ import time
 import traceback
 
 from ...dtypes import dtype_name
-from . import consistency
-from ..comm.nccl import NCCL_COMMS
-from ..comm.c_path import pending as _c_pending   # the collectives' C path: its call in progress
+from ..comm.c_path import pending as _c_pending  # the collectives' C path: its call in progress
 from ..comm.calls import group_key
 from ..comm.hooks import PKG_DIR, SEAM, is_internal
 from ..comm.mesh import AxisGroup
 from ..comm.mpi import MPI
+from ..comm.nccl import NCCL_COMMS
+from . import consistency
 
 __all__ = ["WATCHDOG_EXIT_CODE", "register_nccl", "status", "attach_recorder", "wait_state", "wait_members",
            "divergence", "disagreement", "UNANSWERED_PROBES", "note_of_main"]

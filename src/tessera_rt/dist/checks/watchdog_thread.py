@@ -11,15 +11,27 @@ import sys
 import threading
 import time
 
-from ..comm.mpi import MPI
-
-from . import consistency
 from ..comm.calls import group_seqs
-from ..comm.process_group import abort
+from ..comm.mpi import MPI
 from ..comm.nccl import NCCL_COMMS
-from .watchdog import (PROBE_AFTER_S, PROBE_EVERY_S, PROBE_MIN_WAIT_S, UNANSWERED_PROBES, WATCHDOG_EXIT_CODE,
-                       disagreement, divergence, hot_pending, in_collective, main_frame, recorder_config, status,
-                       wait_members, wait_state)
+from ..comm.process_group import abort
+from . import consistency
+from .watchdog import (
+    PROBE_AFTER_S,
+    PROBE_EVERY_S,
+    PROBE_MIN_WAIT_S,
+    UNANSWERED_PROBES,
+    WATCHDOG_EXIT_CODE,
+    disagreement,
+    divergence,
+    hot_pending,
+    in_collective,
+    main_frame,
+    recorder_config,
+    status,
+    wait_members,
+    wait_state,
+)
 
 __all__ = ["Watchdog"]
 
@@ -30,7 +42,7 @@ def _mismatch_report(rank: int, gkey, members: dict, waited: float) -> str:
     """The agreement check's error for ranks found blocked in different calls of a group."""
     ranks, axis = gkey
     n = min(w[1] for w in members.values())
-    phases = {}
+    phases: dict = {}
     for r, w in sorted(members.items()):
         phases.setdefault(w[2], []).append(r)
     how = "; ".join(f"{consistency.ranks_str(rs)} {_PHASES[p]}" for p, rs in phases.items())
@@ -123,6 +135,7 @@ class Watchdog:
     def _serve(cls, rank: int) -> bool:
         """Answer status requests; True if a lower rank is collecting a report (it prints)."""
         comm = cls._comm
+        assert comm is not None                  # start() made it
         st = MPI.Status()
         lower = False
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REQ, status=st):
@@ -152,7 +165,7 @@ class Watchdog:
         since, f = cls._since, main_frame()
         busy = since is not None and in_collective(f) and cls._wait_ident(f) == cls._ident
         w = wait_state(f) if busy else None
-        return {"wait": w, "waited": 0.0 if w is None else time.monotonic() - since, "seqs": group_seqs(),
+        return {"wait": w, "waited": 0.0 if w is None or since is None else time.monotonic() - since, "seqs": group_seqs(),
                 "busy": busy}
 
     @classmethod
@@ -208,6 +221,7 @@ class Watchdog:
         reports = {rank: mine}
         finished = cls._finished
         if threaded and size > 1:
+            assert comm is not None              # start() made it
             for r in range(size):
                 if r != rank:
                     comm.isend(("status", rank), dest=r, tag=_REQ)
@@ -247,6 +261,7 @@ class Watchdog:
         rank has answered none of the last ``UNANSWERED_PROBES``."""
         mine = wait_state(frame) if consistency.STATE.on else None
         comm = cls._comm
+        assert comm is not None                  # start() made it
         cls._round += 1
         for r in range(size):
             if r != rank and r not in cls._finished:

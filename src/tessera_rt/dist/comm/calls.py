@@ -83,7 +83,7 @@ class GroupStates:
     collectives on purpose (apart, the sampled check would verify on one rank alone: a hang)."""
 
     def __init__(self) -> None:
-        self._states: "weakref.WeakSet[GroupState]" = weakref.WeakSet()
+        self._states: weakref.WeakSet[GroupState] = weakref.WeakSet()
 
     def add(self, st: GroupState) -> None:
         self._states.add(st)

@@ -23,21 +23,42 @@ from the environment for the whole run): there the tag is recorded and changes n
 """
 from __future__ import annotations
 
-from typing import Sequence
-
-from .mpi import MPI, MPI_ERROR
+from collections.abc import Sequence
+from typing import Any
 
 from ...backend import CpuWorkerStream
 from . import c_path
 from .cpu_async import after_role_worker
-from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
-from .plans import (CallPlan, backend, check_array, check_dtype, check_sizes, norm_dim, _tagged, _tup, where,  # noqa: F401
-                    all_gather_plan, all_reduce_plan, all_to_all_plan, broadcast_plan, plan_for, reduce_scatter_plan)
-from .plans import bad_out as _bad_out, untaggable as _untaggable
 from .hooks import SEAM as _SEAM
+from .mesh import Mesh
+from .mpi import MPI, MPI_ERROR
+from .packing import then_unpack as _then_unpack, with_dim  # noqa: F401  (with_dim: dist.ccl's shape arithmetic)
+
+# with_dim, check_array, check_sizes, norm_dim, where: re-exported, dist.ccl checks and shapes as these do
+from .plans import (  # noqa: F401
+    CallPlan,
+    Plan,
+    _tagged,
+    _tup,
+    all_gather_plan,
+    all_reduce_plan,
+    all_to_all_plan,
+    backend,
+    bad_out as _bad_out,
+    broadcast_plan,
+    check_array,
+    check_dtype,
+    check_sizes,
+    norm_dim,
+    plan_for,
+    reduce_scatter_plan,
+    untaggable as _untaggable,
+    where,
+)
 from .trace import TAGS, CollectiveRecord, bus_factor, trace_collectives
+
 # the issue path (work.py); issue is also a compiled redistribution plan's step (dist.tensor)
-from .work import WATCHERS, ROLE_STREAMS, WORLD_GROUP, resolve_group, issue_watched, issue, issue_call  # noqa: F401
+from .work import ROLE_STREAMS, WATCHERS, WORLD_GROUP, issue, issue_call, issue_watched, resolve_group
 
 __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "trace_collectives", "CollectiveRecord",
@@ -101,9 +122,9 @@ def prologue(name: str, x, axis, mesh, build, args: tuple, out=_NO_OUT):
     return p, x, out
 
 
-def all_reduce(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, mesh: Mesh | None = None,
-               out: object = None, async_op: bool = False, role: str = "tp_collective",
-               tag: str | None = None) -> object:
+def all_reduce(x: Any, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, mesh: Mesh | None = None,
+               out: Any = None, async_op: bool = False, role: str = "tp_collective",
+               tag: str | None = None) -> Any:
     """Reduce ``x`` elementwise over the group; every rank gets the result.
 
     Parameters
@@ -157,9 +178,9 @@ def run_all_reduce(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     return issue(role, async_op, p.comm.all_reduce, (x, out, p.rop), out)
 
 
-def reduce_scatter(x: object, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, dim: int = 0,
-                   sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: object = None,
-                   async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+def reduce_scatter(x: Any, axis: str | tuple[str, ...] | None = None, op: str = "sum", *, dim: int = 0,
+                   sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: Any = None,
+                   async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> Any:
     """Reduce over the group and leave each rank its part of ``dim``.
 
     Parameters
@@ -226,9 +247,9 @@ def run_reduce_scatter(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag
     return issue(role, async_op, p.comm.reduce_scatter, (send, out, p.counts, p.rop), out)
 
 
-def all_gather(x: object, axis: str | tuple[str, ...] | None = None, *, dim: int | None = None,
-               sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: object = None,
-               async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+def all_gather(x: Any, axis: str | tuple[str, ...] | None = None, *, dim: int | None = None,
+               sizes: Sequence[int] | None = None, mesh: Mesh | None = None, out: Any = None,
+               async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> Any:
     """Concatenate every rank's ``x`` along ``dim`` in group order.
 
     Parameters
@@ -286,10 +307,10 @@ def run_all_gather(p: CallPlan, x, out, role: str, async_op: bool, mesh, tag):
     return issue_call(info, role, async_op, p.comm.all_gather, (x, out, p.counts), out, tag=tag)
 
 
-def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_dim: int = 0,
+def all_to_all(x: Any, axis: str | tuple[str, ...] | None = None, *, split_dim: int = 0,
                concat_dim: int | None = None, split_sizes: Sequence[int] | None = None,
                recv_sizes: Sequence[int] | None = None, mesh: Mesh | None = None, async_op: bool = False,
-               role: str = "a2a", out: object = None, tag: str | None = None) -> object:
+               role: str = "a2a", out: Any = None, tag: str | None = None) -> Any:
     """Split ``x`` along ``split_dim`` into one part per rank, send part i to rank i, and
     concatenate what arrives along ``concat_dim``.
 
@@ -360,8 +381,8 @@ def all_to_all(x: object, axis: str | tuple[str, ...] | None = None, *, split_di
     return issue_call(info, role, async_op, p.comm.all_to_all, (send, out, *p.counts), out, tag=tag)
 
 
-def broadcast(x: object, axis: str | tuple[str, ...] | None = None, *, root: int = 0, mesh: Mesh | None = None,
-              async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> object:
+def broadcast(x: Any, axis: str | tuple[str, ...] | None = None, *, root: int = 0, mesh: Mesh | None = None,
+              async_op: bool = False, role: str = "tp_collective", tag: str | None = None) -> Any:
     """Copy the group's ``root`` rank's ``x`` into ``x`` on every rank (in place).
 
     Parameters

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from .mpi import MPI, MPI_ERROR
 
-from .interface import REDUCE_OPS, Communicator, displacements  # noqa: F401  (REDUCE_OPS: the kinds' reductions)
+from .interface import REDUCE_OPS, Communicator, displacements
+from .mpi import MPI, MPI_ERROR
 from .nccl import NcclCommunicator
 
 __all__ = [
@@ -95,7 +95,7 @@ class MpiCommunicator(Communicator):
         self._empty = empty   # the backend's pooled allocator, for float32 staging buffers
         self._roles: dict[str, MpiCommunicator] = {}
 
-    def for_role(self, role: str) -> "MpiCommunicator":
+    def for_role(self, role: str) -> MpiCommunicator:
         """This group's communicator for collectives run on ``role``'s worker thread: a
         duplicate per role (made on the role's first one; collective over the group), so
         messages of roles running at the same time cannot match each other's.  The caller's
@@ -281,7 +281,7 @@ def make_communicator(mpi_comm: MPI.Comm, backend, prefer: str = "") -> Communic
         return MpiCommunicator(mpi_comm, empty=backend.empty)
     shared = _gpu_shared(mpi_comm, backend.device_id)
     try:
-        from cupy.cuda import nccl  # noqa: F401
+        from cupy.cuda import nccl
         have_nccl = nccl.available if hasattr(nccl, "available") else True
     except ImportError:
         have_nccl = False

@@ -45,7 +45,8 @@ import functools
 import os
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
+from types import FrameType
 
 __all__ = ["count_copy", "bytes_copied", "SEAM", "Seam", "Agreement", "note", "user_frame", "caller", "is_internal", "known_internal", "TRACE", "differentiable", "vjp_rule",
            "VJPS", "FORWARDS", "EFFECT_OPS", "SOURCE_OPS"]
@@ -153,7 +154,7 @@ def is_internal(code) -> bool:
 def user_frame(depth: int, lasti: bool = False):
     """(code, line) of the first caller outside tessera_rt, ``depth`` frames up from the caller
     of this function (``lasti``: the instruction offset in place of the line)."""
-    f = sys._getframe(depth + 1)
+    f: FrameType | None = sys._getframe(depth + 1)
     internal = _INTERNAL
     while f is not None:
         code = f.f_code

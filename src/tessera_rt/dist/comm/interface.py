@@ -33,8 +33,34 @@ class Communicator:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
-    def tagged(self, op: str, tag: str) -> "Communicator":
+    def tagged(self, op: str, tag: str) -> Communicator:
         """The communicator that runs ``op`` with the ``tag`` ("tree"/"ring") hint.  MPI has no
         per-call algorithm choice (MPICH reads MPIR_CVAR_<OP>_INTRA_ALGORITHM for the run), so
         by default the hint is only recorded and this communicator serves it."""
         return self
+
+    # What every kind serves, on flat contiguous buffers: ``blocking=False`` returns a request
+    # with ``test()``/``wait_done()`` (CPU) or None (GPU: the stream orders the work).
+    def all_reduce(self, send, recv, op="sum", blocking=True, stream=None):
+        raise NotImplementedError
+
+    def reduce_scatter(self, send, recv, counts=None, op="sum", blocking=True, stream=None):
+        raise NotImplementedError
+
+    def all_gather(self, send, recv, counts=None, blocking=True, stream=None):
+        raise NotImplementedError
+
+    def all_to_all(self, send, recv, send_counts=None, recv_counts=None, blocking=True, stream=None):
+        raise NotImplementedError
+
+    def broadcast(self, buf, root, blocking=True, stream=None):
+        raise NotImplementedError
+
+    def send(self, buf, peer, tag=0, blocking=True, stream=None):
+        raise NotImplementedError
+
+    def recv(self, buf, peer, tag=0, blocking=True, stream=None):
+        raise NotImplementedError
+
+    def barrier(self, blocking=True, stream=None):
+        raise NotImplementedError

@@ -12,16 +12,15 @@ A group's communicator is made on the first collective over it, by its members o
 from __future__ import annotations
 
 import math
-
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
-from .mpi import MPI
 
 from .communicators import make_communicator
 from .interface import Communicator
+from .mpi import MPI
 from .process_group import world
 
 __all__ = ["Mesh", "mesh", "AxisGroup", "current_mesh", "set_mesh"]
@@ -133,8 +132,8 @@ class Mesh:
             raise ValueError(f"Mesh {dict(zip(axes, sizes))} has {n} positions but devices names "
                              f"{len(ranks)}; the product of the shape must equal the number of devices")
         if len(set(ranks)) != len(ranks):
-            dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise ValueError(f"Mesh devices repeat ranks {dup}; each rank may appear once")
+            twice = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise ValueError(f"Mesh devices repeat ranks {twice}; each rank may appear once")
         bad = [r for r in ranks if not 0 <= r < w.size]
         if bad:
             raise ValueError(f"Mesh devices name ranks {bad[:8]} but the job has ranks 0..{w.size - 1}; "
@@ -149,7 +148,9 @@ class Mesh:
         self._coords = tuple(int(c) for c in pos[0]) if len(pos) else None
         # The mesh's own MPI communicator, over its members (ordered by mesh position).
         key = self.devices.index(w.rank) if self._coords is not None else 0
-        self._mpi = w.mpi.Split(0 if self._coords is not None else MPI.UNDEFINED, key)
+        color = 0 if self._coords is not None else MPI.UNDEFINED
+        # (an Intracomm's Split is one: mpi4py's stub says Comm, the base of both kinds)
+        self._mpi: MPI.Intracomm = w.mpi.Split(color, key)  # type: ignore[assignment]  # the stub: Comm
         self._groups: dict = {}
 
     def _check_same_on_all_ranks(self, w) -> None:
@@ -251,8 +252,7 @@ class Mesh:
         int
             The coordinate.
         """
-        self._require_member("coordinate")
-        return self._coords[self.axis_index(axis)]
+        return self._require_member("coordinate")[self.axis_index(axis)]
 
     def group_ranks(self, axis: str | tuple[str, ...]) -> tuple[int, ...]:
         """World ranks of this rank's group along ``axis`` (a name or a tuple of names).
@@ -267,12 +267,12 @@ class Mesh:
         tuple of int
             Group order.
         """
-        self._require_member("group_ranks")
+        coords = self._require_member("group_ranks")
         axes = self._axes_of(axis)
         idx = [self.axis_index(a) for a in axes]
         if len(set(idx)) != len(idx):
             raise ValueError(f"axis {axis!r} names a mesh axis twice")
-        index: list = list(self._coords)
+        index: list = list(coords)
         for i in idx:
             index[i] = slice(None)
         sub = self._grid[tuple(index)]
@@ -325,13 +325,15 @@ class Mesh:
         self._groups[axis] = g
         return g
 
-    def _require_member(self, what: str) -> None:
+    def _require_member(self, what: str) -> tuple[int, ...]:
+        """This rank's coordinates; a ValueError on a rank outside the mesh."""
         if self._coords is None:
             raise ValueError(f"rank {world().rank} is not in {self!r} (devices {list(self.devices)[:8]}); "
                              f"{what} needs a member rank")
+        return self._coords
 
     # default mesh ------------------------------------------------------------
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> Mesh:
         _CURRENT.append(self)
         return self
 

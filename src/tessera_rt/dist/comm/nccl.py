@@ -6,15 +6,15 @@ import os
 import weakref
 
 import numpy as np
-from .mpi import MPI
 
 from ...dtypes import dtype_name
 from .interface import Communicator, displacements
+from .mpi import MPI
 
 __all__ = ["NcclCommunicator", "NCCL_COMMS"]
 
 # Every NCCL communicator made (weakly): the watchdog aborts them (ncclCommAbort) before MPI_Abort
-NCCL_COMMS: "weakref.WeakSet" = weakref.WeakSet()
+NCCL_COMMS: weakref.WeakSet = weakref.WeakSet()
 
 
 # NCCL's ncclDataType_t / ncclRedOp_t values (stable across NCCL 2.x releases)
@@ -37,7 +37,7 @@ class _GroupedP2P:
 
     __slots__ = ("_comm", "launched")
 
-    def __init__(self, comm: "NcclCommunicator"):
+    def __init__(self, comm: NcclCommunicator):
         self._comm = comm
         self.launched = False
 
@@ -54,7 +54,7 @@ class _TaggedNccl:
 
     kind = "nccl"
 
-    def __init__(self, base: "NcclCommunicator", algo: str):
+    def __init__(self, base: NcclCommunicator, algo: str):
         self._comm = None
         self._base, self.algo_env = base, algo
         self.mpi, self.rank, self.size = base.mpi, base.rank, base.size
@@ -92,7 +92,7 @@ class NcclCommunicator(Communicator):
 
     _ALGO_NAMES = {"tree": "Tree", "ring": "Ring"}
 
-    def tagged(self, op: str, tag: str) -> "Communicator":
+    def tagged(self, op: str, tag: str) -> Communicator:
         """NCCL reads NCCL_ALGO once, when a communicator is created, and takes no per-call
         choice; so a tagged all-reduce runs on a second communicator of this group created
         with NCCL_ALGO=Tree or Ring, on its first call (collectively, like the group's first;
@@ -107,7 +107,7 @@ class NcclCommunicator(Communicator):
             comm = cache[tag] = _TaggedNccl(self, self._ALGO_NAMES[tag])
         return comm
 
-    def _made_with(self, algo: str) -> "NcclCommunicator":
+    def _made_with(self, algo: str) -> NcclCommunicator:
         """A communicator of this group made with NCCL_ALGO=algo (collective over the group)."""
         old = os.environ.get("NCCL_ALGO")
         os.environ["NCCL_ALGO"] = algo

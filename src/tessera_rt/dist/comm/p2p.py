@@ -7,10 +7,10 @@ its array in place.  A DTensor's ``send``/``recv`` are in ``dist.tensor.dtensor_
 from __future__ import annotations
 
 from .hooks import SEAM as _SEAM
-from .plans import backend, check_array
-from .plans import check_peer as _peer
+from .mesh import Mesh
+from .plans import backend, check_array, check_peer as _peer
 from .process_group import world
-from .work import WATCHERS, Work, resolve_group, issue_watched, issue
+from .work import WATCHERS, Work, issue, issue_watched, resolve_group
 
 __all__ = ["send", "recv", "barrier"]
 

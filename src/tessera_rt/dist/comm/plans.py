@@ -12,16 +12,17 @@ on the call.  ``dist.ccl`` keeps its ring/line programs in the same table (``pla
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ... import runtime as rt
 from ...deprecation import aliases
 from ...dtypes import dtype_name
-from .communicators import _MPI_NATIVE, MPI_OPS, _MPI_REDUCIBLE, MpiCommunicator
-from .interface import REDUCE_OPS
 from .calls import ALONE, group_state, sig
+from .communicators import _MPI_NATIVE, _MPI_REDUCIBLE, MPI_OPS, MpiCommunicator
+from .interface import REDUCE_OPS
 from .mesh import AxisGroup
 from .packing import _even, _pack, with_dim
 from .process_group import world
@@ -254,7 +255,7 @@ def reduce_scatter_plan(g, x, op, dim, sizes, tag, role, async_op) -> CallPlan:
     elif even:
         pack = _even_pack(x.shape, dim, g.size, mine)
     else:
-        pack = lambda x: _pack(x, dim, sizes, False)      # noqa: E731
+        pack = lambda x: _pack(x, dim, sizes, False)
     direct = counts is None and mpi_direct(comm, async_op, x.dtype, True, op)
     return CallPlan(name, g, comm, x, shape, extra, x.shape, role, async_op, dim=dim, counts=counts, pack=pack,
                 fn=comm.mpi.Reduce_scatter_block if direct else None, mop=MPI_OPS[op], rop=op)

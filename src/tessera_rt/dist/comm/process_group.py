@@ -14,14 +14,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from .mpi import MPI
-
-from ... import backend as backend_mod
-from ... import runtime
+from ... import backend as backend_mod, runtime
 from ...backend import Backend, get_backend
 from .communicators import make_communicator
-from .interface import Communicator
 from .hooks import PKG_DIR
+from .interface import Communicator
+from .mpi import MPI
 
 __all__ = ["World", "init", "world", "is_initialized", "get_rank", "get_world_size", "abort", "on_abort",
            "install_excepthook"]
@@ -63,7 +61,7 @@ class World:
     local_size: int
     host: str
     backend: Backend
-    mpi: MPI.Comm
+    mpi: MPI.Intracomm
     seats: tuple[Seat, ...]
     comm_preference: str = ""
     _comm: Communicator | None = field(default=None, repr=False)
@@ -281,7 +279,7 @@ def install_excepthook(rank: int) -> None:
             return previous(etype, value, tb)
         report_failure(etype, value, tb, rank, size)
 
-    hook._tessera = True
+    hook._tessera = True  # type: ignore[attr-defined]  # a mark: this hook is ours (read with getattr)
     sys.excepthook = hook
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["exit_once", "job_rank", "UsageError", "USAGE_EXIT_CODE"]
 
@@ -46,7 +46,8 @@ def exit_once(main: Callable[[], int]) -> int:
     """``main()``'s status; a ``SystemExit`` carrying a message is printed by rank 0 alone."""
     rank0 = job_rank() == 0
     if not rank0:           # every rank parses the same flags: rank 0 says what is wrong with them
-        argparse.ArgumentParser._print_message = lambda self, message, file=None: None
+        quiet = lambda self, message, file=None: None
+        argparse.ArgumentParser._print_message = quiet  # type: ignore[method-assign]  # on purpose: rank 0 speaks
     try:
         return main()
     except SystemExit as e:

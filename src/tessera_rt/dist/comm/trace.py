@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .calls import Call
 from .hooks import SEAM
 
 __all__ = ["bus_factor", "CollectiveRecord", "TAGS", "trace_collectives"]
@@ -88,14 +89,14 @@ class trace_collectives:
     def __init__(self):
         self.records: list[CollectiveRecord] = []
 
-    def __enter__(self) -> "trace_collectives":
+    def __enter__(self) -> trace_collectives:
         _HOOKS.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         _HOOKS.remove(self)
 
-    def before(self, call: object) -> None:
+    def before(self, call: Call) -> None:
         """Record ``call`` (the collectives' hook; barriers are not recorded).
 
         Parameters

@@ -8,9 +8,11 @@ goes straight to MPI on the caller's thread; an async one runs on its role's wor
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ... import runtime as rt
 from ...backend import CpuWorkerStream
-from ...runtime import ROLE_STREAMS     # the role -> stream cache (the runtime clears it in place)
+from ...runtime import ROLE_STREAMS  # the role -> stream cache (the runtime clears it in place)
 from .calls import Call as _Call
 from .cpu_async import P2P, start_on_worker
 from .hooks import SEAM as _SEAM
@@ -46,12 +48,12 @@ class Work:
 
     __slots__ = ("_event", "_result", "_then", "_done", "_call", "_keep")
 
-    def __init__(self, event: object, result: object, then: object = None, keep: object = None) -> None:
+    def __init__(self, event: Any, result: Any, then: Any = None, keep: Any = None) -> None:
         self._event = event
         self._result = result
         self._then = then
         self._done = False
-        self._call = None          # set while hooks watch this collective
+        self._call: _Call | None = None  # set while hooks watch this collective
         # Every buffer the pending collective reads or writes (the caller's array, the
         # contiguous copy, the pack temporaries).  CuPy's pool hands a freed block to the
         # next allocation on the stream it came from with no event, so dropping these
@@ -59,7 +61,7 @@ class Work:
         # is still reading on its own stream.
         self._keep = keep
 
-    def wait(self) -> object:
+    def wait(self) -> Any:
         """Order the compute stream after the collective and return its result (once done, again
         without waiting).
 
@@ -97,7 +99,7 @@ class Work:
         return self._done or self._event.query()
 
     @classmethod
-    def completed(cls, result) -> "Work":
+    def completed(cls, result) -> Work:
         """A handle for work that already ran (the same API for every ``async_op=True`` path)."""
         w = cls(None, result)
         w._done = True

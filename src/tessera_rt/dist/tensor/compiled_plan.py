@@ -28,16 +28,16 @@ from __future__ import annotations
 import functools
 import math
 from collections import namedtuple
-from typing import Callable
+from collections.abc import Callable
 
 from ...backend import mapped_empty
 from ...dtypes import dtype_name
+from ..comm import work
 from ..comm.communicators import MPI_OPS
 from ..comm.cpu_async import after_role_worker
 from ..comm.hooks import SEAM
-from ..comm.plans import mpi_direct
-from ..comm import work
 from ..comm.packing import with_dim
+from ..comm.plans import mpi_direct
 from ..comm.process_group import world
 from .shard import local_shape
 

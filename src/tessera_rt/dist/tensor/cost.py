@@ -18,7 +18,8 @@ the most any rank sends), so every rank makes the same choice.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from ..comm.trace import bus_factor
 

@@ -14,15 +14,15 @@ from typing import Any
 import numpy as np
 
 from ...backend import get_backend
+from ..checks import determinism
 from ..comm.hooks import SEAM as _SEAM
+from ..comm.process_group import world
+from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions', norms' and attention's rules)
+from .cost import on_change
 from .dtensor_type import DTensor, TensorMeta, meta_of
 from .entries import use_dispatcher
-from ..comm.process_group import world
-from ..checks import determinism
-from .cost import on_change
 from .redistribute import plan_redistribute
 from .rules import RULES, ConstKind, RuleError, ScalarKind
-from . import reduction_rules  # noqa: F401  (registers matmul's, the reductions', norms' and attention's rules)
 
 __all__ = [
     "dispatch", "binary", "unary", "reduce", "matmul", "transpose", "reshape", "softmax", "layernorm",

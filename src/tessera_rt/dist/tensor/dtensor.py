@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..comm.hooks import differentiable
 from ...backend import get_backend
 from ...dtypes import resolve_dtype
-from .dtensor_type import DTensor, TensorMeta, meta_of  # noqa: F401  (TensorMeta: re-exported)
-from .entries import INTEROP
-from .layout import Layout, as_layout
+from ..comm.hooks import differentiable
 from ..comm.mesh import Mesh, current_mesh
 from ..comm.process_group import world
-from .rng import counter_values
+from .dtensor_type import DTensor, TensorMeta, meta_of
+from .entries import INTEROP
+from .layout import Layout, as_layout
 from .pieces import check_pieces as _check_pieces
+from .rng import counter_values
 from .shard import local_offsets, local_shape
 
 __all__ = [

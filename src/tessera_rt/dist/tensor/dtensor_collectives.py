@@ -21,12 +21,15 @@ Every function is differentiable (``ts.grad``); the VJP rules live in
 """
 from __future__ import annotations
 
-from ..comm.hooks import differentiable
+from typing import Any
+
 from ..comm import collectives as C, p2p
+from ..comm.hooks import differentiable
+from ..comm.mesh import Mesh
+from ..comm.process_group import world
 from ..comm.work import Work
 from .dtensor import DTensor, meta_of
 from .layout import REDUCE_OPS, Layout
-from ..comm.process_group import world
 from .redistribute import plan_redistribute
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv"]
@@ -164,8 +167,8 @@ def broadcast(x, axis=None, *, root: int = 0, mesh=None, async_op: bool = False,
 
 
 @differentiable("send")  # autodiff hook: traced inputs record the collective
-def send(x: object, dst: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
-         async_op: bool = False, role: str = "tp_collective") -> object:
+def send(x: Any, dst: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
+         async_op: bool = False, role: str = "tp_collective") -> Any:
     """Send an array, or a DTensor's local piece, to position ``dst`` of the group.
 
     Parameters
@@ -197,8 +200,8 @@ def send(x: object, dst: int, *, axis: str | tuple[str, ...] | None = None, mesh
 
 
 @differentiable("recv")  # autodiff hook: traced inputs record the collective
-def recv(x: object, src: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
-         async_op: bool = False, role: str = "tp_collective") -> object:
+def recv(x: Any, src: int, *, axis: str | tuple[str, ...] | None = None, mesh: Mesh | None = None, tag: int = 0,
+         async_op: bool = False, role: str = "tp_collective") -> Any:
     """Receive into an array (in place), or into a new DTensor shaped like ``x``.
 
     Parameters
@@ -249,7 +252,8 @@ def _dim(op: str, x: DTensor, dim: int) -> int:
 # DTensors and traced values to the hooked functions above.  send and recv stay behind the
 # hook for plain arrays too: under ts.grad they are recorded even untraced, so that each
 # backward send meets its recv.
-_HANDLERS = {f.__wrapped_op__: f for f in (all_reduce, reduce_scatter, all_gather, all_to_all, broadcast)}
+_HANDLERS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
+             "all_to_all": all_to_all, "broadcast": broadcast}
 C.route(DTensor, _HANDLERS)
 
 

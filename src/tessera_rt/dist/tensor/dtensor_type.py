@@ -30,14 +30,14 @@ import inspect
 
 import numpy as np
 
-from ..comm.hooks import TRACE as _TRACE
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
-from .layout import REPLICATE, Layout, as_layout
+from ..comm.hooks import TRACE as _TRACE
 from ..comm.mesh import Mesh
 from ..comm.process_group import world
 from .cost import on_change
 from .entries import DISPATCH, INTEROP
+from .layout import REPLICATE, Layout, as_layout
 from .redistribute import RedistributionPlan, _fast_run, plan_redistribute
 
 
@@ -69,7 +69,7 @@ class TensorMeta:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
-    def last_target(self, layout, x: "DTensor") -> tuple:
+    def last_target(self, layout, x: DTensor) -> tuple:
         """(plan, result meta) of ``x.redistribute(layout)``, from ``redist`` or made now;
         remembered as ``last``.  Bad specs raise here, on every call (nothing is cached)."""
         try:
@@ -124,7 +124,7 @@ class DTensor:
                         "dist.rand or dist.randn")
 
     @staticmethod
-    def _wrap(local, meta: TensorMeta) -> "DTensor":
+    def _wrap(local, meta: TensorMeta) -> DTensor:
         t = _new(DTensor)
         t._local = local
         t._meta = meta
@@ -224,7 +224,7 @@ class DTensor:
         """
         return self.redistribute(REPLICATE(self._meta.ndim))._local
 
-    def redistribute(self, layout: object, *, out: "DTensor | None" = None) -> "DTensor":
+    def redistribute(self, layout: object, *, out: DTensor | None = None) -> DTensor:
         """This tensor in another layout (a spec or a Layout), moved one mesh axis per step.
 
         ``out=Y`` writes the result into Y's local piece and returns Y: a DTensor of the
@@ -331,7 +331,7 @@ class DTensor:
     def __eq__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return NotImplemented if type(o) is _TRACE.var else DISPATCH.binary("ne", self, o)  # type: ignore[override]
 
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> DTensor:
         """``op.sum(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
         Parameters
@@ -347,7 +347,7 @@ class DTensor:
             The sum.
         """
         return DISPATCH.reduce("sum", self, axis, keepdims)
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> DTensor:
         """``op.mean(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
         Parameters
@@ -363,7 +363,7 @@ class DTensor:
             The mean.
         """
         return DISPATCH.reduce("mean", self, axis, keepdims)
-    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> DTensor:
         """``op.max(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
         Parameters
@@ -379,7 +379,7 @@ class DTensor:
             The maximum.
         """
         return DISPATCH.reduce("max", self, axis, keepdims)
-    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "DTensor":
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> DTensor:
         """``op.min(self, axis, keepdims)``: over a sharded dim, a pending reduction.
 
         Parameters
@@ -396,7 +396,7 @@ class DTensor:
         """
         return DISPATCH.reduce("min", self, axis, keepdims)
 
-    def transpose(self, *axes: int | tuple[int, ...]) -> "DTensor":
+    def transpose(self, *axes: int | tuple[int, ...]) -> DTensor:
         """``op.transpose``: dims permuted (reversed without ``axes``), the layout with them.
 
         Parameters
@@ -412,9 +412,9 @@ class DTensor:
         return DISPATCH.transpose(self, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None))
 
     @property
-    def T(self): return DISPATCH.transpose(self, None)           # noqa: N802
+    def T(self): return DISPATCH.transpose(self, None)
 
-    def reshape(self, *shape: int | tuple[int, ...]) -> "DTensor":
+    def reshape(self, *shape: int | tuple[int, ...]) -> DTensor:
         """``op.reshape`` (see there for which shardings survive).
 
         Parameters
@@ -429,7 +429,7 @@ class DTensor:
         """
         return DISPATCH.reshape(self, shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
 
-    def astype(self, dtype: object) -> "DTensor":
+    def astype(self, dtype: object) -> DTensor:
         """This tensor converted to ``dtype``, same layout.
 
         Parameters

@@ -9,7 +9,8 @@ registration raises, naming what to import.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["DispatchEntries", "InteropParts", "DISPATCH", "INTEROP", "use_dispatcher", "use_interop"]
 

@@ -9,12 +9,12 @@ import numpy as np
 
 from ...backend import get_backend
 from ...dtypes import dtype_name, resolve_dtype
+from ..comm.mesh import current_mesh
+from ..comm.process_group import world
 from . import dispatch as _d
 from .dtensor_type import DTensor, meta_of
 from .entries import use_interop
 from .layout import Layout
-from ..comm.mesh import current_mesh
-from ..comm.process_group import world
 
 __all__: list[str] = []
 
@@ -81,7 +81,7 @@ _FUNCTIONS = {"sum": _reduction("sum"), "mean": _reduction("mean"), "max": _redu
               "size": lambda n, b: b["a"].size if b.get("axis") is None else b["a"].shape[b["axis"]]}
 # the NumPy functions themselves: a same-named function from elsewhere gets no rule
 _ORIGINAL = {k: getattr(np, k) for k in _FUNCTIONS if hasattr(np, k)}
-_MESHES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _unpickle(version: int, layout: Layout, shape: tuple, dtype: str, mesh_sig: tuple, rank: int, local):

@@ -21,9 +21,10 @@ hashable, so rules and plans are cached on them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = [
     "REDUCE_OPS", "Layout", "ShardSpec", "ReplicateSpec", "PartialSpec", "Placement",
@@ -66,7 +67,7 @@ class Placement:
 REPLICATE_P = Placement("R")
 
 
-def Replicate() -> Placement:           # noqa: N802 (PyTorch spelling)
+def Replicate() -> Placement:           # PyTorch spelling
     """The replicated placement, ``R``.
 
     Returns
@@ -77,7 +78,7 @@ def Replicate() -> Placement:           # noqa: N802 (PyTorch spelling)
     return REPLICATE_P
 
 
-def Shard(dim: int) -> Placement:       # noqa: N802
+def Shard(dim: int) -> Placement:
     """The placement sharding ``dim``, ``S(dim)``.
 
     Parameters
@@ -93,7 +94,7 @@ def Shard(dim: int) -> Placement:       # noqa: N802
     return Placement("S", dim=dim)
 
 
-def Partial(op: str = "sum") -> Placement:   # noqa: N802
+def Partial(op: str = "sum") -> Placement:
     """The pending reduction placement, ``P(op)``.
 
     Parameters
@@ -210,7 +211,7 @@ class Layout:
         return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
 
     # functional edits (used by rules and the planner) ---------------------------
-    def with_dims(self, dims: Iterable) -> "Layout":
+    def with_dims(self, dims: Iterable) -> Layout:
         """This layout with other dim shardings (the pending reductions kept).
 
         Parameters
@@ -225,7 +226,7 @@ class Layout:
         """
         return Layout(tuple(tuple(a) for a in dims), self.partial)
 
-    def with_partial(self, partial: Any) -> "Layout":
+    def with_partial(self, partial: Any) -> Layout:
         """This layout with other pending reductions (the dims kept).
 
         Parameters
@@ -240,7 +241,7 @@ class Layout:
         """
         return Layout(self.dims, tuple(sorted(dict(partial).items())))
 
-    def validate(self, shape: tuple[int, ...], mesh: Any, *, what: str = "layout") -> "Layout":
+    def validate(self, shape: tuple[int, ...], mesh: Any, *, what: str = "layout") -> Layout:
         """Raise LayoutError unless this layout fits ``shape`` on ``mesh``.
 
         Parameters
@@ -264,7 +265,7 @@ class Layout:
 REPLICATE_CACHE: dict[int, Layout] = {}
 
 
-def REPLICATE(ndim: int) -> Layout:      # noqa: N802 (a constant per ndim)
+def REPLICATE(ndim: int) -> Layout:      # a constant per ndim
     lay = REPLICATE_CACHE.get(ndim)
     if lay is None:
         lay = REPLICATE_CACHE[ndim] = Layout(((),) * ndim)
@@ -424,7 +425,7 @@ class PartialSpec:
 
 
 def _dim(p, ndim: int, spec, shape) -> int:
-    d = _DIM_NAMES.get(p, p) if isinstance(p, str) else p
+    d = _DIM_NAMES[p] if isinstance(p, str) else p      # (a name is one of them: checked on construction)
     if not -ndim <= d < ndim:
         raise LayoutError(f"{spec!r}: partition entry {p!r} is dim {d}, out of range for a "
                           f"{ndim}-dim tensor of shape {shape}")

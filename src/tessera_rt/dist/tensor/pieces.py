@@ -47,7 +47,7 @@ def check_pieces(lshape, dtype, layout, mesh: Mesh, shape):
                 shape.append(shapes[0][d])
                 continue
             idx = [mesh.axis_index(a) for a in axes]
-            seen = {}
+            seen: dict = {}
             for p, s in zip(positions, shapes):
                 seen.setdefault(tuple(p[i] for i in idx), s[d])
             shape.append(sum(seen.values()))

@@ -25,10 +25,11 @@ metadata and this rank's mesh position.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from itertools import product
-from typing import Callable
 
 from ..comm import collectives as C
+from ..comm.mesh import Mesh
 from .layout import Layout
 from .shard import dim_extent, local_shape_at, split_sizes
 
@@ -351,7 +352,9 @@ def direct_step(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, itemsize: in
         sent = sum(numel(b) for b in counts(dict(zip(mesh.axes, pos)))[0])
         by_pos.append(int(round(sent * itemsize * f)))
         most = max(most, sent * itemsize)
-    me = dict(mesh.coords)
+    coords = mesh.coords
+    assert coords is not None                       # (a plan is made on a member rank)
+    me = dict(coords)
     send_boxes, recv_boxes = counts(me)
     src_base, dst_base = _box(shape, src, mesh, me), _box(shape, dst, mesh, me)
     send = [(_rel(b, src_base), numel(b), tuple(n for _, n in b)) for b in send_boxes if b is not None]

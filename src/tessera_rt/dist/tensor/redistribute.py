@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ...deprecation import aliases
 from ..comm import collectives as C
 from ..comm.hooks import SEAM
-from ...deprecation import aliases
+from ..comm.mesh import Mesh
 from .cost import get_cost_model, on_change, plan_time, step_time
 from .layout import Layout
 from .plan_steps import Step, direct_step, one_axis_steps
@@ -223,8 +224,9 @@ def plan_redistribute(shape: tuple, src: Layout, dst: Layout, mesh: Mesh, dtype:
     RedistributionPlan
         The plan (cached per shape, layouts, mesh and dtype).
     """
-    from ...dtypes import dtype_name
     import numpy as np
+
+    from ...dtypes import dtype_name
     dt = np.dtype(dtype)
     return _plan_cached(tuple(shape), src, dst, mesh, dt.itemsize, dtype_name(dt), direct)
 

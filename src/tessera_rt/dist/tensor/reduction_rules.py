@@ -18,8 +18,8 @@ from ...backend import get_backend
 from ..checks import determinism as _det
 from ..comm.hooks import count_copy
 from .layout import Layout
-from .shard import local_offsets, local_shape
 from .rules import LINEAR, ConstKind, ScalarKind, Strategy, array_module, fail, register_rule
+from .shard import local_offsets, local_shape
 from .solve import solve
 
 __all__ = ["matmul_rule", "reduce_rule", "norm_rule", "attention_rule", "norm_axes", "embedding_rule",
@@ -174,7 +174,7 @@ def reduce_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
                 shape = tuple(1 if d in ax else n for d, n in enumerate(x.shape) if keepdims or d not in ax)
                 return xp.full(shape, ident, dtype=x.dtype)
         else:
-            fn = lambda x: red(x, axis=ax, keepdims=keepdims)                   # noqa: E731
+            fn = lambda x: red(x, axis=ax, keepdims=keepdims)
     return Strategy((target,), out, out_shape, fn)
 
 
@@ -228,13 +228,12 @@ def norm_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
     target = _free_dim_target(meta, d)
     inputs = (target,) + tuple(None if isinstance(k, (ConstKind, ScalarKind)) else Layout(((),)) for k in extra)
     kw: dict = {} if policy is None else {"policy": policy}
-    if op == "softmax":
-        def local(x):
-            return _kernel("softmax")(x, axis=d, **kw)
-    else:
-        def local(x, *wb):
-            return _kernel(op)(x, *wb, eps=eps, **kw)
-    return Strategy(inputs, target, meta.shape, local)
+    def softmax_local(x):
+        return _kernel("softmax")(x, axis=d, **kw)
+
+    def norm_local(x, *wb):
+        return _kernel(op)(x, *wb, eps=eps, **kw)
+    return Strategy(inputs, target, meta.shape, softmax_local if op == "softmax" else norm_local)
 
 
 # --------------------------------------------------------------------------- attention

@@ -20,14 +20,15 @@ is linear in it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ...backend import get_backend
-from .layout import Layout
 from ..comm.process_group import world
+from .layout import Layout
 from .shard import dim_extents_all, local_shape
 from .solve import solve
 
@@ -198,7 +199,7 @@ def unary_rule(op: str, kinds: tuple, params: tuple) -> Strategy:
         (dt,) = params
         keep = meta.dtype.kind in "fc" and np.dtype(dt).kind in "fc"
         partial_rule = (lambda ops: ops[0]) if keep else (lambda ops: None)
-        fn = lambda x: x.astype(dt)                                      # noqa: E731
+        fn = lambda x: x.astype(dt)
     else:
         partial_rule = (lambda ops: _NEG[ops[0]]) if op == "neg" else (lambda ops: None)
         fn = unary_table(xp)[op]
@@ -228,14 +229,14 @@ def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]
     while i < len(src) or j < len(dst):
         gi, gj, pi, pj = [], [], 1, 1
         if i < len(src):
-            gi.append(i); pi *= src[i]; i += 1          # noqa: E702
+            gi.append(i); pi *= src[i]; i += 1
         if j < len(dst):
-            gj.append(j); pj *= dst[j]; j += 1          # noqa: E702
+            gj.append(j); pj *= dst[j]; j += 1
         while pi != pj:
             if pi < pj and i < len(src):
-                gi.append(i); pi *= src[i]; i += 1      # noqa: E702
+                gi.append(i); pi *= src[i]; i += 1
             elif j < len(dst):
-                gj.append(j); pj *= dst[j]; j += 1      # noqa: E702
+                gj.append(j); pj *= dst[j]; j += 1
             else:
                 break
         groups.append((gi, gj))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 from itertools import product
 
+from ..comm.mesh import Mesh
 from .layout import Layout
 
 __all__ = [

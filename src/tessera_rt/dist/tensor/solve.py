@@ -8,8 +8,9 @@ by the registered cost model (``dist.cost``); ties keep the old rule, the larges
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice, product
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -37,13 +38,13 @@ def solve(operands, contracted: frozenset, partial_rule: Callable, out_labels: t
     kept_partial: dict[str, tuple] = {}
     proposals: dict[str, list] = {}
     for a in mesh.axes:
-        uses = []
+        uses: list[tuple | None] = []
         for meta, labels in operands:
             d = meta.layout.dim_of(a)
             uses.append(("L", labels[d]) if d is not None and labels[d] is not None else
                         ("B",) if d is not None else
                         ("P", meta.layout.partial_op(a)) if meta.layout.partial_op(a) else None)
-        labs = [uses[i][1] for i in order if uses[i] and uses[i][0] == "L"]
+        labs = [u[1] for u in (uses[i] for i in order) if u and u[0] == "L"]
         if labs:
             label_of[a] = labs[0]
             distinct = list(dict.fromkeys(labs))

@@ -13,7 +13,7 @@ class Graph:
                                   "stream capture")
 
     @classmethod
-    def _from_capture(cls, capture) -> "Graph":
+    def _from_capture(cls, capture) -> Graph:
         self = object.__new__(cls)
         self._capture = capture
         return self

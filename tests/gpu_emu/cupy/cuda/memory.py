@@ -95,7 +95,7 @@ class PooledMemory:
     __slots__ = ("ptr", "size", "requested", "segment", "chunk", "alloc_id", "device_id", "_pool",
                  "__weakref__")
 
-    def __init__(self, pool: "MemoryPool", chunk: _Chunk, device_id: int, requested: int):
+    def __init__(self, pool: MemoryPool, chunk: _Chunk, device_id: int, requested: int):
         self._pool = pool
         self.chunk = chunk
         self.segment = chunk.segment
@@ -134,10 +134,10 @@ class MemoryPointer:
     def __int__(self) -> int:
         return self.ptr
 
-    def __add__(self, offset: int) -> "MemoryPointer":
+    def __add__(self, offset: int) -> MemoryPointer:
         return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
 
-    def __sub__(self, offset: int) -> "MemoryPointer":
+    def __sub__(self, offset: int) -> MemoryPointer:
         return self + (-int(offset))
 
     def __repr__(self) -> str:
@@ -161,8 +161,8 @@ class MemoryPool:
     def malloc(self, size: int) -> MemoryPointer:
         if size == 0:
             return MemoryPointer(_ZERO, 0)
-        from .stream import current_stream_state
         from .device import current_device_id
+        from .stream import current_stream_state
         rounded = round_size(size)
         state = current_stream_state()
         with self._lock:

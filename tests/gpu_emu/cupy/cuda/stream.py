@@ -60,13 +60,13 @@ class BaseStream:
         _tracker.host_observed(state.snapshot())
         return True
 
-    def record(self, event: "Event | None" = None) -> "Event":
+    def record(self, event: Event | None = None) -> Event:
         if event is None:
             event = Event()
         event.record(self)
         return event
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         from .. import _capture
         if _capture.wait_event(self._state, event):
             return
@@ -92,7 +92,7 @@ class BaseStream:
         from .. import _capture
         return _capture.capture_of(self._state) is not None
 
-    def use(self) -> "BaseStream":
+    def use(self) -> BaseStream:
         _local.current = self
         return self
 
@@ -121,7 +121,7 @@ class BaseStream:
 class Stream(BaseStream):
     """``Stream(null=False, non_blocking=False, ptds=False, priority=None)``."""
 
-    null: "Stream"
+    null: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False,
                  priority=None):

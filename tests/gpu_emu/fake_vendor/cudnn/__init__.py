@@ -97,23 +97,23 @@ class tensor:
         self.virtual = virtual
         self.ragged = None
 
-    def set_output(self, flag: bool) -> "tensor":
+    def set_output(self, flag: bool) -> tensor:
         self.virtual = not flag
         return self
 
-    def set_dim(self, dim) -> "tensor":
+    def set_dim(self, dim) -> tensor:
         self.dim = [int(d) for d in dim]
         return self
 
-    def set_stride(self, stride) -> "tensor":
+    def set_stride(self, stride) -> tensor:
         self.stride = [int(s) for s in stride]
         return self
 
-    def set_data_type(self, t) -> "tensor":
+    def set_data_type(self, t) -> tensor:
         self.data_type = t
         return self
 
-    def set_ragged_offset(self, off: "tensor") -> "tensor":
+    def set_ragged_offset(self, off: tensor) -> tensor:
         self.ragged = off
         return self
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 import _fake_device as _device
-
 from . import _np_type, data_type, diagonal_alignment
 
 

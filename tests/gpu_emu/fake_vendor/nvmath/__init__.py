@@ -30,4 +30,4 @@ class ComputeType(enum.IntEnum):          # nvmath._utils' enum: not cuBLAS's (M
     COMPUTE_TF32 = 1 << 12
 
 
-from . import bindings, linalg  # noqa: E402,F401
+from . import bindings, linalg  # noqa: F401  (nvmath's subpackages, imported after the enums they use)

@@ -1,1 +1,1 @@
-from . import cublasLt  # noqa: F401
+from . import cublasLt  # noqa: F401  (nvmath.bindings.cublasLt)

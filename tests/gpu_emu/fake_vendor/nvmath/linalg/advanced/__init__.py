@@ -14,8 +14,9 @@ import enum
 
 import numpy as np
 
-import _fake_device as _device
 import nvmath
+
+import _fake_device as _device
 
 __all__ = ["Matmul", "MatmulEpilog", "MatmulComputeType", "matmul"]
 
