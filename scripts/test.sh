@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
-# Creates .venv, installs tessera_rt[dev], and runs the whole suite on every core: single-process
-# tests, the CUDA sources compiled by NVRTC/ptxas, the Numba simulator, and every multi-rank test
-# under mpiexec at 1, 2, 3 and 4 ranks.  Extra arguments go to pytest.
+# Creates .venv, installs tessera_rt[dev] (the first time: about 3 minutes, pip's steps shown as
+# they go) and runs the test suite on every core, in a shuffled order:
+#   bash scripts/test.sh          everything: the single-process tests, the CUDA sources compiled
+#                                 by NVRTC/ptxas and run in the emulation harness, the Numba
+#                                 simulator, every multi-rank test under mpiexec at 1-4 ranks
+#                                 (about EXPECT_ALL minutes on 2 cores)
+#   bash scripts/test.sh --fast   the single-process tests that are not marked slow: no test
+#                                 that starts ranks (about EXPECT_FAST minutes on 2 cores)
+# Extra arguments go to pytest: -k NAME, -n 1 (one process), -p no:randomly (the files' order),
+# --randomly-seed=N (the order of a run, whose seed it prints).  TESSERA_TEST_WORKERS sets the
+# number of workers (default: the cores).  It ends with the skips counted by reason, the
+# slowest tests and the time it took.
 set -euo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then   # before any venv is made
-  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; echo "Extra arguments go to pytest (bash scripts/test.sh -k NAME)."; exit 0
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
 fi
+TIER=all
+if [ "${1:-}" = "--fast" ]; then TIER=fast; shift; fi
+START=$SECONDS
 source "$(dirname "$0")/_venv.sh"
 ensure_venv dev
 # torch is optional: the CPU wheel lets a few tests compare against torch (they skip without it)
 if [ "${TESSERA_SKIP_TORCH:-0}" != 1 ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0 2>/dev/null \
+  echo "== installing torch 2.13.0 (CPU) for the tests that compare against it"
+  pip_progress "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off torch==2.13.0 \
     || echo "note: torch==2.13.0 is not installable here; the optional torch comparisons will skip"
 fi
 cd "$ROOT"
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)      # (nproc counts OMP_NUM_THREADS)
+# one thread a process: a test's ranks, and the workers beside it, share the cores
 export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# on every core (pytest-xdist; each mpiexec launch's tests go to one worker, tests/conftest.py),
-# in a shuffled order (pytest-randomly prints its seed: -p randomly_seed=N repeats it);
-# TESSERA_TEST_WORKERS=1 runs one test at a time.  The outer timeout is the last backstop;
-# each test and each mpiexec launch has its own.  --durations: where the time goes.
-# (the cores this process may use: `nproc` would read the OMP_NUM_THREADS set above)
-WORKERS="${TESSERA_TEST_WORKERS:-$("$VENV/bin/python" -c 'import os; print(len(os.sched_getaffinity(0)))')}"
-echo "== pytest on $WORKERS workers: about 15-25 minutes on 2 cores (the install above: ~3 minutes, once)"
-exec timeout -k 10 3000 "$VENV/bin/python" -m pytest -q -n "$WORKERS" -p no:cacheprovider --durations=25 "$@"
+WORKERS="${TESSERA_TEST_WORKERS:-$CORES}"
+if [ "$TIER" = fast ]; then
+  # tests that start ranks are marked mpi (tests/cores.py fails one that is not)
+  SELECT=(-m "not mpi and not slow and not gpu")
+  EXPECT_MIN=EXPECT_FAST LIMIT_S=900
+else
+  SELECT=()
+  EXPECT_MIN=EXPECT_ALL LIMIT_S=2400
+fi
+# the outer timeout is a backstop for a hang that slipped past the per-test and per-launch
+# timeouts, at a few times the expected time
+echo "== pytest, $TIER tier, on $WORKERS workers: about $EXPECT_MIN minutes on 2 cores (less on more);" \
+     "stopped after $((LIMIT_S / 60)) minutes"
+set +e
+timeout -k 10 "$LIMIT_S" "$VENV/bin/python" -m pytest -q -n "$WORKERS" --durations=15 "${SELECT[@]}" "$@"
+rc=$?
+set -e
+[ "$rc" = 124 ] && echo "== stopped by the outer timeout ($LIMIT_S s): a test hung past its own timeout"
+took=$((SECONDS - START))
+echo "== test.sh ($TIER tier) took $((took / 60)) min $((took % 60)) s, install included; exit $rc"
+exit "$rc"

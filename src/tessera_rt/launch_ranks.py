@@ -128,7 +128,18 @@ class RankRecords:
         if self._wake_r is None:
             return
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        # a rank that connected just before the job ended may still wait in the listen backlog
+        # (the thread, slow under load, had not accepted it): its record and last words are there
+        self._server.setblocking(False)
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:                             # (BlockingIOError: the backlog is empty)
+                break
+            conn.setblocking(True)
+            self._sel.register(conn, selectors.EVENT_READ, data=[b"", None])
         for key in list(self._sel.get_map().values()):
             if key.data is not None and isinstance(key.fileobj, socket.socket):   # a rank's connection:
                 key.fileobj.settimeout(0.5)                                          # read it to its end

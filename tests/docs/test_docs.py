@@ -7,6 +7,7 @@ docs/cli.md from the commands' own ``--help``.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -220,11 +221,19 @@ def api_directives() -> set[str]:
     return {m for page in (DOCS / "api").glob("*.md") for m in re.findall(r"^::: ([\w.]+)", page.read_text(), re.M)}
 
 
+@functools.cache
+def _griffe_package():
+    """tessera_rt as griffe loads it (the whole package, subpackages included: loaded once)."""
+    import griffe
+    return griffe.load("tessera_rt", search_paths=[str(ROOT / "src")], allow_inspection=False)
+
+
 def rendered_members(pkg: str) -> set[str]:
     """The members mkdocstrings renders on a ``::: pkg`` page: griffe's public members of the
     package that are not modules (a submodule of the same name hides an attribute)."""
-    import griffe
-    obj = griffe.load(pkg, search_paths=[str(ROOT / "src")], allow_inspection=False)
+    obj = _griffe_package()
+    for part in pkg.split(".")[1:]:
+        obj = obj.members[part]
     out = set()
     for name, member in obj.members.items():
         try:

@@ -2,6 +2,7 @@ import glob
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera_rt import launch_hosts, launcher
+from tessera_rt import launch_hosts, launch_ranks, launcher
 
 from conftest import mpi_env
 
@@ -398,3 +399,29 @@ def test_lines_of_different_ranks_are_never_interleaved(tmp_path):
     lines = p.stdout.splitlines()
     broken = [line for line in lines if len(line.split()) != 5 or not line.endswith("end")]
     assert len(lines) == 600 and not broken, broken[:5]
+
+
+def test_a_rank_still_in_the_listen_backlog_when_the_job_ends_is_recorded(tmp_path, monkeypatch):
+    """Under load the recording thread may not have accepted a rank's connection by the time
+    mpiexec returns: the rank's record and last words wait in the socket's backlog, and the
+    verdict must still see them (a thread that never got a turn is the extreme case)."""
+    class NeverRuns:
+        def __init__(self, **kwargs):
+            pass
+
+        def start(self):
+            pass
+
+        def is_alive(self):
+            return False
+
+    monkeypatch.setattr(launch_ranks, "threading", type("threading", (), {"Thread": NeverRuns}))
+    records = launch_ranks.RankRecords(str(tmp_path))
+    for rank, said in ((0, "done"), (1, "abort 3")):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(tmp_path / launch_ranks.SOCKET_NAME))
+            sock.sendall(f"rank {rank} {1000 + rank}\n{said}\n".encode())
+    records.close()
+    assert sorted(records.ranks) == [0, 1]
+    assert records.ranks[0].said == "done" and records.ranks[1].said == "abort 3"
+    assert records.unfinished([0, 1]) == [1]
