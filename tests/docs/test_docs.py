@@ -85,6 +85,7 @@ def test_every_page_is_in_the_site_navigation():
     assert not missing, f"pages not in mkdocs.yml's nav: {sorted(missing)}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_site_builds_with_warnings_as_errors(tmp_path):
     missing = [m for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
@@ -277,6 +278,7 @@ def missing_from_reference() -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_public_name_is_in_the_api_reference():
     import tessera_rt as ts

@@ -230,6 +230,7 @@ def _ranks(cmd: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", _cases())
 def test_readme_command_runs_on_a_fresh_clone(clone, steps):
     """Each command (of a journey: each in turn) exits 0 and prints what the docs show."""

@@ -81,6 +81,7 @@ def test_f32_forward_and_backward_are_f32_accurate_and_deterministic(case):
         np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["d64", "d128"])
 def test_f32_stays_f32_accurate_under_truncating_accumulation(case):
     """With the A100 model of the MMA's summation (aligned without guard bits, truncated toward

@@ -26,6 +26,7 @@ bench_collectives, bench_kernels, gpu_check = (_script(n) for n in ("bench_colle
 SECTIONS = ["tests", "kernels", "train", "train_torch", "decode", "multirank"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpu_check_runs_on_the_standin(tmp_path):
     # --emulate: the stand-in even on a GPU machine (where the suite must not spend the GPU check)
@@ -56,6 +57,7 @@ def test_gpu_check_runs_on_the_standin(tmp_path):
     assert grads and all(r["note"].startswith("ok") for r in grads), res["parts"][3]["rows"]
 
 
+@pytest.mark.slow
 def test_parts_over_their_limit_or_the_budget_are_reported(tmp_path, monkeypatch):
     def slow(run, limit, log):
         if run.sh(["sleep", "30"], run.env(), limit, log)[2]:

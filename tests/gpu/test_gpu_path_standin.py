@@ -38,6 +38,7 @@ def test_training_on_the_standin_matches_the_cpu(dtype, rtol):
     assert gpu == pytest.approx(cpu, rel=rtol)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kernels_run_through_their_launchers_on_the_standin():
     # tests/kernels/test_gpu.py and test_gpu_fused.py as written for a GPU: every launcher, its
@@ -52,6 +53,7 @@ def test_kernels_run_through_their_launchers_on_the_standin():
     assert proc.returncode == 0 and " passed" in tail and "skipped" not in tail, tail
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_grouped_gemm_paged_decode_and_fp8_kernels_on_the_standin():
     # the MoE grouped GEMMs, split-K paged decode and FP8 quantize as written for a GPU, in a
@@ -86,6 +88,7 @@ GPU_MACHINE_TESTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_single_process_tests_pass_on_a_gpu_machine():
     env = {k: v for k, v in mpi_env(1).items() if k != "TESSERA_DEVICE"}

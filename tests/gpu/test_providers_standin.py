@@ -14,6 +14,7 @@ from conftest import ROOT, mpi_env, standin_env
 EXPECTED_SKIP = re.compile(r"SKIPPED \[1\] .*test_providers\.py:\d+: the stand-in models CuPy 13")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_providers_on_the_standin_with_mocked_libraries():
     files = [str(ROOT / "tests" / "kernels" / f) for f in ("test_providers.py", "test_providers_gpu.py")]

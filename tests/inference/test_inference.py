@@ -396,6 +396,7 @@ def test_decode_steps_allocate_no_device_memory_after_the_first(ckpts, ranks):
         assert (moved > 0) == (budget == "16")
 
 
+@pytest.mark.slow
 def test_llama_training_model_exports_a_checkpoint_both_loaders_read(tmp_path):
     """train.py --arch llama's model (RoPE, GQA, RMSNorm, SwiGLU) after a few AdamW steps, exported
     as a Hugging Face checkpoint: nn.Llama and transformers give the training model's logits; the

@@ -14,6 +14,7 @@ from llama_tiny import fixture_ckpts  # noqa: F401  (the ckpts fixture: pytest l
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_inference_on_the_standin():
     """tests/inference/test_inference_gpu.py as written for a GPU: packed prefill, captured decode

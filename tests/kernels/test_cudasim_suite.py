@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 240
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_cudasim_suite():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TESSERA_DEVICE="cpu", NUMBA_NUM_THREADS="1")

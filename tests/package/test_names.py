@@ -95,6 +95,11 @@ import tessera_rt as ts
 assert not any(m.startswith("tessera_rt.") for m in sys.modules), sorted(sys.modules)
 ts.grad
 from tessera_rt import dist, nn
+# a CPU program never launches a Numba CUDA tile kernel: numba.cuda loads with the first one
+assert "numba.cuda" not in sys.modules, "numba.cuda loaded by the import"
+from tessera_rt.kernels import tile
+tile.cuda_target()
+assert "numba.cuda" in sys.modules
 print(dist.Pipeline.__module__, nn.Llama.__module__, nn.KVCache.__module__)
 from tessera_rt.nn.parts import PARTS
 print(PARTS.moe_mlp.__module__, PARTS.stage_plan.__module__)

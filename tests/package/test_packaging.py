@@ -46,6 +46,7 @@ def test_import_and_plan_work_without_mpi_and_init_says_what_to_install():
     assert plan.returncode == 0 and "tessera-run -n" in plan.stdout, plan.stdout[-2000:] + plan.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_every_script_answers_help():
     # the shell scripts answer before they make or touch a venv; scripts/_*.py and _venv.sh are

@@ -179,7 +179,8 @@ def _target_cc(cc: tuple[int, int]):
 
 def numba_ptx(fn: Callable | Any, signature: str, arch: str = "sm_80") -> str:
     """PTX of a Python tile kernel (or a ``cuda.jit`` dispatcher) for ``arch``, no GPU needed."""
-    from numba import cuda
+    from .tile import cuda_target
+    cuda = cuda_target()               # (the tile API's overloads registered)
     py = getattr(fn, "py_func", fn)
     cc = (int(arch.split("_")[1][:-1]), int(arch.split("_")[1][-1]))
     with _NUMBA_LOCK, _target_cc(cc):

@@ -17,6 +17,10 @@ buffer (``tshared.alloc``; shape and dtype must be constants), ``barrier()`` is
 ``compile_ptx``) each call is inlined into the kernel; under Numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, chosen when this module is imported) they are plain Python
 over the simulator's per-kernel state, so tile kernels run on a CPU-only machine.
+
+``numba.cuda`` is loaded when the first tile kernel is compiled or launched (``cuda_target``),
+not when this module is: it costs every process that imports tessera_rt a quarter of a second,
+and a CPU-only program never launches a tile kernel.
 """
 from __future__ import annotations
 
@@ -25,12 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
-from numba import cuda
 
-__all__ = ["SIMULATOR", "numba_stream", "SimulatorStream", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
+__all__ = ["SIMULATOR", "cuda_target", "numba_stream", "SimulatorStream", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
            "barrier", "tbarrier", "load", "store", "kernel", "TileKernel"]
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+# numba.cuda once cuda_target() has loaded it (the overloads below read it as a global)
+cuda: Any
 
 
 def linear_id():
@@ -97,8 +102,28 @@ def _sim():
     return ctx
 
 
-if not SIMULATOR:
-    # On the CUDA target each API function is an inlined overload of the CUDA intrinsic.
+def cuda_target():
+    """``numba.cuda``, loaded (and, on the CUDA target, the tile API's inlined overloads
+    registered) the first time a tile kernel is compiled or launched."""
+    global cuda
+    if "cuda" in globals():
+        return cuda
+    from numba import cuda as numba_cuda
+    cuda = numba_cuda
+    if not SIMULATOR:
+        _register_overloads()
+    return cuda
+
+
+def __getattr__(name: str):
+    if name == "cuda":                   # tile.cuda: numba.cuda, loaded on first use
+        return cuda_target()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _register_overloads() -> None:
+    # On the CUDA target each API function is an inlined overload of the CUDA intrinsic (the
+    # implementations read ``cuda`` from this module's globals when they compile).
     from numba.cuda import types as nt
     from numba.cuda.core.errors import TypingError
     from numba.cuda.extending import overload
@@ -126,7 +151,9 @@ if not SIMULATOR:
     def _num_groups():
         return lambda: cuda.gridDim.x
 
-    barrier = tbarrier = cuda.syncthreads        # an intrinsic: usable under any name
+    @_inline(barrier)
+    def _barrier():
+        return lambda: cuda.syncthreads()
 
     @_inline(shared_alloc)
     def _shared_alloc(shape, dtype):
@@ -161,9 +188,16 @@ class TileKernel:
     def __init__(self, fn: Callable, group_size: int = 128, **jit_options: Any):
         self.py_func = fn
         self.group_size = group_size
-        self._jit = cuda.jit(**jit_options)(fn)
+        self._jit_options = jit_options
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
+
+    def __getattr__(self, name: str):
+        # the Numba dispatcher, made on first use (numba.cuda loads then: cuda_target)
+        if name != "_jit":
+            raise AttributeError(name)
+        self._jit = cuda_target().jit(**self._jit_options)(self.py_func)
+        return self._jit
 
     def __getitem__(self, config):
         """``kernel[grid, block]`` (or ``[grid, block, stream]``): always on an explicit stream."""
@@ -192,7 +226,7 @@ class TileKernel:
             if signature is None:
                 raise ValueError("inspect_ir('ptx') needs a signature, e.g. 'void(float32[:], float32[:], float32)'")
             from .compile import numba_ptx
-            return numba_ptx(self.py_func, signature, arch)
+            return numba_ptx(self.py_func, signature, arch)       # (numba_ptx loads cuda_target)
         raise ValueError(f"inspect_ir: level={level!r}; use 'tile'/'source' or 'target'/'ptx'")
 
 
@@ -216,7 +250,7 @@ def _device_view(a: Any) -> Any:
     desc = getattr(a, "__cuda_array_interface__", None)
     if desc is None or getattr(a, "__cuda_memory__", False):      # a scalar, or Numba's own
         return a
-    return cuda.from_cuda_array_interface(desc, owner=a, sync=False)
+    return cuda_target().from_cuda_array_interface(desc, owner=a, sync=False)
 
 
 class SimulatorStream:
@@ -248,7 +282,7 @@ def numba_stream(stream: Any = None):
         ptr = cupy.cuda.get_current_stream().ptr
     if ptr is None:
         return stream                  # already a Numba stream
-    return SimulatorStream(ptr) if SIMULATOR else cuda.external_stream(ptr)
+    return SimulatorStream(ptr) if SIMULATOR else cuda_target().external_stream(ptr)
 
 
 def kernel(fn: Callable | None = None, *, group_size: int = 128, **jit_options: Any):

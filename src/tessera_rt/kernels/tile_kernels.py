@@ -12,7 +12,6 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import cuda
 
 from ..backend import register_kernel
 from ..dtypes import dtype_name
@@ -22,6 +21,7 @@ from ._common import array_module, check_float, check_stream, is_cupy
 __all__ = ["saxpy", "saxpy_tile", "staged_axpy_tile", "tiled_matmul_tile", "saxpy_reference",
            "make_tiled_matmul", "AXPY_TILE"]
 
+cuda: Any             # numba.cuda, once make_tiled_matmul has loaded it (tile.cuda_target)
 AXPY_TILE = 32          # elements staged per buffer by staged_axpy (one per lane)
 
 
@@ -67,6 +67,8 @@ def make_tiled_matmul(ts: int = 16) -> tile.TileKernel:
     """A ts×ts shared-memory tiled matmul (one lane per C element), compiled once per tile size."""
     if ts in _MATMULS:
         return _MATMULS[ts]
+    global cuda              # the kernel reads cuda.threadIdx (2-D): numba.cuda, loaded now
+    cuda = tile.cuda_target()
 
     def tiled_matmul(a, b, c):
         sa = tile.shared_alloc((ts, ts), numba.float32)
