@@ -3,11 +3,11 @@
 A test that starts jobs of several ranks (an mpi_*.py launch, ``tessera-run -n 4``) is marked
 ``mpi``: ``@pytest.mark.mpi`` (up to 4 ranks) or ``@pytest.mark.mpi(ranks=2)``.  Under
 pytest-xdist each such test holds as many slots as its job has ranks, from a pool of
-max(4, cores) slots that the run's workers share (file locks in a folder of the run's temp
-root), so on 2 cores two 4-rank jobs never run side by side with 8 ranks busy-polling MPI (a
-rank waiting for a peer that has no core spins until the scheduler moves it).  Two 2-rank jobs
-may, and a single-process test always may: that is no more than one 4-rank job asks of the
-machine alone.
+max(4, cores) + 2 slots that the run's workers share (file locks in a folder of the run's
+temp root), so on 2 cores two 4-rank jobs never run side by side with 8 ranks busy-polling MPI
+(a rank waiting for a peer that has no core spins until the scheduler moves it).  A 2-rank job
+may run beside a 4-rank one (ranks spend much of a test waiting), and a single-process test
+always may.
 
 The slots are taken before the test's timeout starts (tests/conftest.py,
 pytest_runtest_protocol), so a test's wait for them is not counted against its timeout, and
@@ -31,8 +31,8 @@ _ranks: int | None = None  # the ranks the running test may start (None: no test
 def slots() -> int:
     # Two more than the largest job (or the cores): a job's ranks spend much of their time
     # waiting (start-up, the timeouts the fault tests wait out), so a 2-rank job beside a
-    # 4-rank one finishes the suite sooner on 2 cores than a worker left idle (14.4 min
-    # against 16.2, BENCHMARKS.md); TESSERA_TEST_RANK_SLOTS sets another size.
+    # 4-rank one finishes the suite sooner on 2 cores than a worker left idle (the suite's
+    # times: BENCHMARKS.md); TESSERA_TEST_RANK_SLOTS sets another size.
     return int(os.environ.get("TESSERA_TEST_RANK_SLOTS", max(MAX_RANKS, len(os.sched_getaffinity(0))) + 2))
 
 
