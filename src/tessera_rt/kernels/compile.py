@@ -4,7 +4,7 @@ CI has no GPU, so every CUDA C source is checked here the way the driver would s
 NVRTC (through ``cuda.bindings.nvrtc``) compiles it to PTX for ``compute_80``/``compute_90``,
 then ``ptxas -v`` assembles that PTX for ``sm_80``/``sm_90`` and reports what the kernel
 costs: registers per thread, spills and static shared memory.  Numba kernels go through
-``numba.cuda.compile_ptx``.  ``inspect_ir`` shows a registered source the way seed 002's
+``numba.cuda.compile_ptx`` (``tile.numba_ptx``, also named here).  ``inspect_ir`` shows a registered source the way seed 002's
 ``kernel.inspect_ir("tile" | "target")`` does.
 """
 from __future__ import annotations
@@ -16,12 +16,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import types
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from .tile import numba_ptx  # (also named here: the entry points that compile without a GPU)
 
 __all__ = ["CompileError", "ResourceUsage", "nvrtc_compile", "ptxas_resources", "cuda_include_dir",
            "ptxas_path", "numba_ptx", "register_source", "registered_sources", "inspect_ir",
@@ -156,36 +155,6 @@ def ptxas_resources(ptx: str, arch: str = "sm_80") -> dict[str, ResourceUsage]:
 
 
 # --------------------------------------------------------------------------- Numba
-
-
-_NUMBA_LOCK = threading.Lock()
-
-
-@contextmanager
-def _target_cc(cc: tuple[int, int]):
-    """Let Numba compile device functions for ``cc`` with no driver present.
-
-    ``numba.cuda.compile_ptx`` takes ``cc`` but compiles called device functions for the
-    current device, which needs a driver; point that lookup at the requested target.
-    """
-    import numba.cuda.dispatcher as disp
-    orig = disp.get_current_device
-    disp.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
-    try:
-        yield
-    finally:
-        disp.get_current_device = orig
-
-
-def numba_ptx(fn: Callable | Any, signature: str, arch: str = "sm_80") -> str:
-    """PTX of a Python tile kernel (or a ``cuda.jit`` dispatcher) for ``arch``, no GPU needed."""
-    from .tile import cuda_target
-    cuda = cuda_target()               # (the tile API's overloads registered)
-    py = getattr(fn, "py_func", fn)
-    cc = (int(arch.split("_")[1][:-1]), int(arch.split("_")[1][-1]))
-    with _NUMBA_LOCK, _target_cc(cc):
-        ptx, _ = cuda.compile_ptx(py, signature, cc=cc)
-    return ptx
 
 
 # --------------------------------------------------------------------------- registry

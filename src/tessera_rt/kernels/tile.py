@@ -25,12 +25,15 @@ and a CPU-only program never launches a tile kernel.
 from __future__ import annotations
 
 import sys
+import threading
+import types
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import numba
 
-__all__ = ["SIMULATOR", "cuda_target", "numba_stream", "SimulatorStream", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
+__all__ = ["SIMULATOR", "cuda_target", "numba_ptx", "numba_stream", "SimulatorStream", "linear_id", "group_id", "lane_id", "group_size", "num_groups", "shared_alloc",
            "barrier", "tbarrier", "load", "store", "kernel", "TileKernel"]
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
@@ -225,8 +228,7 @@ class TileKernel:
         if level in ("target", "ptx"):
             if signature is None:
                 raise ValueError("inspect_ir('ptx') needs a signature, e.g. 'void(float32[:], float32[:], float32)'")
-            from .compile import numba_ptx
-            return numba_ptx(self.py_func, signature, arch)       # (numba_ptx loads cuda_target)
+            return numba_ptx(self.py_func, signature, arch)
         raise ValueError(f"inspect_ir: level={level!r}; use 'tile'/'source' or 'target'/'ptx'")
 
 
@@ -290,3 +292,32 @@ def kernel(fn: Callable | None = None, *, group_size: int = 128, **jit_options: 
     if fn is None:
         return lambda f: TileKernel(f, group_size, **jit_options)
     return TileKernel(fn, group_size, **jit_options)
+
+
+_NUMBA_LOCK = threading.Lock()
+
+
+@contextmanager
+def _target_cc(cc: tuple[int, int]):
+    """Let Numba compile device functions for ``cc`` with no driver present.
+
+    ``numba.cuda.compile_ptx`` takes ``cc`` but compiles called device functions for the
+    current device, which needs a driver; point that lookup at the requested target.
+    """
+    import numba.cuda.dispatcher as disp
+    orig = disp.get_current_device
+    disp.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        disp.get_current_device = orig
+
+
+def numba_ptx(fn: Callable | Any, signature: str, arch: str = "sm_80") -> str:
+    """PTX of a Python tile kernel (or a ``cuda.jit`` dispatcher) for ``arch``, no GPU needed."""
+    cuda = cuda_target()               # (the tile API's overloads registered)
+    py = getattr(fn, "py_func", fn)
+    cc = (int(arch.split("_")[1][:-1]), int(arch.split("_")[1][-1]))
+    with _NUMBA_LOCK, _target_cc(cc):
+        ptx, _ = cuda.compile_ptx(py, signature, cc=cc)
+    return ptx

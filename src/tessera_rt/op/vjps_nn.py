@@ -231,7 +231,7 @@ _SQRT_2_PI = math.sqrt(2.0 / math.pi)
 
 
 def _act_grad(y, act: str):
-    """d act(y) / dy for the bias_act activations (y in f32)."""
+    """d act(y) / dy for the bias_act activations (y in f32, or f64 for f64 inputs)."""
     xp = get_backend().xp
     if act == "identity":
         return None
@@ -255,9 +255,12 @@ def _bias_act_grad(g, x, bias, act):
     if type(x) is DTensor or type(g) is DTensor:
         raise NotImplementedError("bias_act/gelu on DTensors has no rule; use op.silu / op.relu or the "
                                   "array kernel on local pieces")
-    y = x.astype(np.float32) + (bias.astype(np.float32) if bias is not None else 0)
+    # f32 for 16-bit and f32 inputs, as the forward computes; f64 stays f64 (an f32 derivative
+    # put a 1e-7 error into f64 gradients)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    y = x.astype(acc) + (bias.astype(acc) if bias is not None else 0)
     d = _act_grad(y, act)
-    gx = g.astype(np.float32) if d is None else g.astype(np.float32) * d
+    gx = g.astype(acc) if d is None else g.astype(acc) * d
     return gx
 
 
