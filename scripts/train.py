@@ -175,8 +175,8 @@ _RUN_LOCK: list = []         # rank 0's lock on the run directory, held until tr
 def _lock_run_dir(path: Path) -> str | None:
     """Rank 0: take the run directory (made if missing) for this job's life; the error naming
     the job that holds it."""
+    from tessera_rt.dirlock import describe
     from tessera_rt.dist.checkpoint import DirInUse, DirLock
-    from tessera_rt.dist.checkpoint.lock import describe
     try:
         _RUN_LOCK.append(DirLock(str(path)).acquire())
     except DirInUse as e:
@@ -213,7 +213,7 @@ def run_dir(args: argparse.Namespace, world, writes: bool) -> Path | None:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             path = next(p for p in (ROOT / "out" / f"{stamp}{f'-{i}' if i else ''}" for i in range(1000))
                         if not p.exists())
-        from tessera_rt.dist.checkpoint.lock import LOCK_NAME
+        from tessera_rt.dirlock import LOCK_NAME
         if err is None and path.is_dir():                   # a job working there is named first
             err = _lock_run_dir(path)
         if err is None and args.resume and not (path / "checkpoint" / "index.json").is_file():

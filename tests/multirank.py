@@ -155,10 +155,12 @@ def launch(files: list[str], how: Launch) -> dict:
     """Run ``files`` (paths under tests/) in one mpiexec launch; rel -> Outcome for each."""
     limit = LAUNCH_TIMEOUT_S + PER_EXTRA_FILE_S * (len(files) - 1)
     with tempfile.TemporaryDirectory(prefix="tessera-mpi-") as tmp:
-        # the hypothesis and anyio pytest plugins cost ~1.2 s of CPU per rank at start-up and
-        # no multi-rank test needs them (@given runs without the plugin)
+        # the hypothesis, anyio and randomly pytest plugins cost ~1 s of CPU per rank at start-up
+        # and no multi-rank test needs them (@given runs without the plugin; every rank runs the
+        # files' order) nor xdist
         pytest_cmd = shlex.join([sys.executable, "-m", "pytest", "-x", "-rs", "--tb=short", "-p", "no:cacheprovider",
-                                 "-p", "no:hypothesispytest", "-p", "no:anyio", "--rootdir", str(ROOT),
+                                 "-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:randomly", "-p", "no:xdist",
+                                 "--rootdir", str(ROOT),
                                  "-o", "junit_family=xunit1", *[str(ROOT / "tests" / f) for f in files]])
         # only rank 0 prints progress and writes its report (MPICH sets PMI_RANK, Open MPI
         # OMPI_COMM_WORLD_RANK)

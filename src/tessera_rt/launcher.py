@@ -61,7 +61,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .dist.checkpoint.lock import LOCK_NAME, DirLock
+from .dirlock import LOCK_NAME, DirLock
 from .launch_hosts import HOST_LINE, HostError, check_hosts, is_local, parse_hosts, place, ranks_here, read_hostfile
 from .launch_ranks import RUN_DIR_VAR, TAG_VAR, RankRecords
 

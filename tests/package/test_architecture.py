@@ -7,7 +7,7 @@ no import circle: the circle check leaves them out. ``from pkg import name`` is 
 ``name`` is one, otherwise to the package (importing a package runs its ``__init__``).
 
 Layers, lowest first; an arrow may point to the same or a lower layer only:
-  0 backend, cpu_streams, dtypes, formatting, runtime, deprecation, upper (the base)
+  0 backend, cpu_streams, dtypes, formatting, runtime, deprecation, upper, dirlock (the base)
   1 kernels
   2 dist, in floors of its own (each subpackage's __init__ says what it owns):
     2a dist.comm        MPI, process group, communicators, meshes, the seam, collectives
@@ -40,7 +40,7 @@ PKG = "tessera_rt"
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LAYERS = [
-    ["backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper"],
+    ["backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper", "dirlock"],
     ["kernels"],
     ["dist.comm"],
     ["dist.checks"],
@@ -307,7 +307,7 @@ stub = types.ModuleType("tessera_rt")
 stub.__path__ = list(importlib.util.find_spec("tessera_rt").submodule_search_locations)
 sys.modules["tessera_rt"] = stub          # tessera_rt/__init__.py (every layer) is not run
 from tessera_rt import dist, kernels
-low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper")
+low = ("dist", "kernels", "backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper", "dirlock")
 above = sorted(m for m in sys.modules if m.startswith("tessera_rt.") and m.split(".")[1] not in low)
 assert not above, above
 mesh = dist.Mesh(axes=["tp"], shape={"tp": 1})

@@ -85,7 +85,18 @@ layers = sorted({m.split(".")[1] for m in sys.modules if m.startswith("tessera_r
 print(" ".join(layers))
 """)
     assert set(out.split()) <= {"backend", "cpu_streams", "dtypes", "formatting", "runtime", "deprecation", "upper",
-                                "kernels", "dist"}, out
+                                "dirlock", "kernels", "dist"}, out
+
+
+def test_tessera_run_starts_without_the_distributed_core():
+    # the launcher spawns mpiexec and watches its ranks: NumPy, MPI and the layers are the ranks' cost
+    out = _run("""
+import sys
+import tessera_rt.launcher
+print(" ".join(sorted(m for m in ("numpy", "mpi4py", "numba", "tessera_rt.dist", "tessera_rt.kernels")
+                      if m in sys.modules)))
+""")
+    assert out.strip() == "", f"import tessera_rt.launcher loaded {out.strip()}"
 
 
 def test_a_name_read_on_the_package_imports_every_layer():

@@ -25,10 +25,10 @@ The package, by responsibility:
   worker, the commit on the caller);
 * ``loading``: ``load`` with resharding and its checks.
 """
+from ...dirlock import DirInUse, DirLock
 from .files import SaveInfo, cleanup, history, read_index, rollback
 from .format import CheckpointError
 from .loading import load
-from .lock import DirInUse, DirLock
 from .saving import SaveHandle, async_save, save, wait_pending
 
 __all__ = ["save", "async_save", "load", "cleanup", "history", "rollback", "DirLock", "DirInUse", "SaveInfo",

@@ -26,9 +26,9 @@ import shutil
 
 import numpy as np
 
+from ...dirlock import DirInUse, DirLock, describe
 from ...formatting import human_bytes
 from .format import _FORMAT, CheckpointError, _sha
-from .lock import DirInUse, DirLock, describe
 
 INDEX = "index.json"
 _KEPT = re.compile(r"^index-(\d+)\.json$")          # an older checkpoint kept beside the newest

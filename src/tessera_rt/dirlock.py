@@ -8,6 +8,10 @@ read to name a live holder.  The holder deletes the file as it releases it; a pr
 opened the file just before that checks, once it holds the lock, that the path still names
 the file it locked, else takes the new one.  Over NFS, Linux takes flock as a POSIX lock on
 the server, which releases it when the holder's client goes away.
+
+It sits at the bottom of the package, on the standard library alone, so that tessera-run,
+which locks its job's folder, starts without loading the distributed core (half a second of
+CPU a launch).
 """
 from __future__ import annotations
 
