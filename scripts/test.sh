@@ -5,8 +5,9 @@
 #                                 by NVRTC/ptxas and run in the emulation harness, the Numba
 #                                 simulator, every multi-rank test under mpiexec at 1-4 ranks
 #                                 (about EXPECT_ALL minutes on 2 cores)
-#   bash scripts/test.sh --fast   the single-process tests that are not marked slow: no test
-#                                 that starts ranks (about EXPECT_FAST minutes on 2 cores)
+#   bash scripts/test.sh --fast   ruff and mypy (scripts/lint.sh), then the single-process tests
+#                                 not marked slow: no test that starts ranks (about EXPECT_FAST
+#                                 minutes on 2 cores)
 # Extra arguments go to pytest: -k NAME, -n 1 (one process), -p no:randomly (the files' order),
 # --randomly-seed=N (the order of a run, whose seed it prints).  TESSERA_TEST_WORKERS sets the
 # number of workers (default: the cores).  It ends with the skips counted by reason, the
@@ -43,6 +44,9 @@ fi
 # timeouts, at a few times the expected time
 echo "== pytest, $TIER tier, on $WORKERS workers: about $EXPECT_MIN minutes on 2 cores (less on more);" \
      "stopped after $((LIMIT_S / 60)) minutes"
+if [ "$TIER" = fast ]; then
+  bash "$ROOT/scripts/lint.sh"      # ruff and mypy: the fast tier is what a commit should pass
+fi
 set +e
 timeout -k 10 "$LIMIT_S" "$VENV/bin/python" -m pytest -q -n "$WORKERS" --durations=15 "${SELECT[@]}" "$@"
 rc=$?
