@@ -31,8 +31,8 @@ SOCKET_NAME = "ranks.sock"
 
 
 class Record:
-    """One local rank as the launcher saw it: its pid, what it said last ("done", "abort N"
-    or None), when its connection closed (monotonic seconds, None while alive) and its exit
+    """One local rank as the launcher saw it: its pid, what it said last ("done", "exit N",
+    "abort N" or None), when its connection closed (monotonic seconds, None while alive) and its exit
     status then (``os.waitstatus_to_exitcode``'s form: -signal or the code; None unknown)."""
     __slots__ = ("rank", "pid", "said", "ended", "status")
 
@@ -41,6 +41,10 @@ class Record:
         self.said: str | None = None
         self.ended: float | None = None
         self.status: int | None = None
+
+    def exited(self) -> bool:
+        """Whether the program ended normally: it returned, or called ``sys.exit``."""
+        return self.said == "done" or (self.said or "").startswith("exit ")
 
     def how(self) -> str:
         """How it ended, for people: "died (SIGKILL)", "exited with code 3", "exited with status 0"
@@ -110,6 +114,8 @@ class RankRecords:
         if not chunk:                                   # the process ended (or closed it at exit)
             if rec is not None:
                 rec.ended, rec.status = time.monotonic(), _exit_status(rec.pid)
+                if rec.status is None and (rec.said or "").startswith("exit "):
+                    rec.status = int(rec.said.split()[1])      # (its parent reaped it before /proc was read)
             self._sel.unregister(conn)
             conn.close()
             return False
@@ -118,8 +124,8 @@ class RankRecords:
             words = line.decode(errors="replace").split()
             if words[:1] == ["rank"] and len(words) == 3:
                 rec = key.data[1] = self.ranks[int(words[1])] = Record(int(words[1]), int(words[2]))
-            elif rec is not None and words and not (rec.said or "").startswith("abort"):
-                rec.said = " ".join(words)              # (an abort stays: MPI's exit may still run atexit)
+            elif rec is not None and words and not (rec.said or "").startswith(("abort", "exit")):
+                rec.said = " ".join(words)              # (an abort or exit stays: atexit's "done" follows)
         return True
 
     def close(self) -> None:
@@ -276,6 +282,13 @@ def rank_main(argv: list[str]) -> None:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        # said before the exit: MPICH's proxy may reap the process before the launcher reads
+        # its status from /proc, and "done" (at exit) would not tell sys.exit(3) from a return
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code:
+            _say(f"exit {code}")
+        raise
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank and the launcher, which says it once: no traceback per rank
         sys.stdout.flush()

@@ -291,7 +291,7 @@ def _verdict(rc: int, records: RankRecords, nranks: int, seen: dict, here: list[
         if first.status is None and code is not None:           # MPICH's banner names this rank's process
             first.status = -code if 0 < code < 32 else code
         how = first.how()
-        if first.said != "done":                    # (sys.exit(3) is a normal end: its status says it all)
+        if not first.exited():                      # (sys.exit(3) is a normal end: its status says it all)
             sys.stderr.write(f"tessera-run: rank {first.rank} (pid {first.pid}) {how} before the end of the "
                              "program; MPI then ended the other ranks\n")
             seen["died"] = first.status is None or first.status < 0
@@ -345,11 +345,12 @@ def _remove_stale_folders() -> None:
         try:
             if os.stat(folder).st_uid != os.getuid():
                 continue
-            written = os.path.getsize(lock) > 0           # (empty: a launcher between taking and writing it)
-            fresh = time.time() - os.path.getmtime(lock) < 60
-        except FileNotFoundError:                          # no lock: an older tessera-run's, after a day
-            written, fresh = False, time.time() - os.path.getmtime(folder) < 86400
-        except OSError:
+            try:
+                written = os.path.getsize(lock) > 0       # (empty: a launcher between taking and writing it)
+                fresh = time.time() - os.path.getmtime(lock) < 60
+            except FileNotFoundError:                      # no lock: an older tessera-run's, after a day
+                written, fresh = False, time.time() - os.path.getmtime(folder) < 86400
+        except OSError:                                    # (gone: another launcher just removed it)
             continue
         if (written or not fresh) and DirLock.holder(folder) is None:
             shutil.rmtree(folder, ignore_errors=True)
