@@ -4,10 +4,10 @@
 #   bash scripts/test.sh          everything: the single-process tests, the CUDA sources compiled
 #                                 by NVRTC/ptxas and run in the emulation harness, the Numba
 #                                 simulator, every multi-rank test under mpiexec at 1-4 ranks
-#                                 (about EXPECT_ALL minutes on 2 cores)
+#                                 (about 10 minutes on 2 cores)
 #   bash scripts/test.sh --fast   ruff and mypy (scripts/lint.sh), then the single-process tests
-#                                 not marked slow: no test that starts ranks (about EXPECT_FAST
-#                                 minutes on 2 cores)
+#                                 not marked slow: no test that starts ranks (about a minute on
+#                                 2 cores)
 # Extra arguments go to pytest: -k NAME, -n 1 (one process), -p no:randomly (the files' order),
 # --randomly-seed=N (the order of a run, whose seed it prints).  TESSERA_TEST_WORKERS sets the
 # number of workers (default: the cores).  It ends with the skips counted by reason, the
@@ -38,18 +38,18 @@ WORKERS="${TESSERA_TEST_WORKERS:-$CORES}"
 if [ "$TIER" = fast ]; then
   # tests that start ranks are marked mpi (tests/cores.py fails one that is not)
   SELECT=(-m "not mpi and not slow and not gpu")
-  EXPECT_MIN=EXPECT_FAST LIMIT_S=900
+  EXPECT_MIN=1 LIMIT_S=900
 else
   SELECT=()
-  EXPECT_MIN=EXPECT_ALL LIMIT_S=2400
+  EXPECT_MIN=10 LIMIT_S=2400
 fi
 # the outer timeout is a backstop for a hang that slipped past the per-test and per-launch
 # timeouts, at a few times the expected time
-echo "== pytest, $TIER tier, on $WORKERS workers: about $EXPECT_MIN minutes on 2 cores (less on more);" \
-     "stopped after $((LIMIT_S / 60)) minutes"
 if [ "$TIER" = fast ]; then
   bash "$ROOT/scripts/lint.sh"      # ruff and mypy: the fast tier is what a commit should pass
 fi
+echo "== pytest, $TIER tier, on $WORKERS workers: about $EXPECT_MIN minute(s) on 2 cores (less on more);" \
+     "stopped after $((LIMIT_S / 60)) minutes"
 set +e
 timeout -k 10 "$LIMIT_S" "$VENV/bin/python" -m pytest -q -n "$WORKERS" --durations=15 "${SELECT[@]}" "$@"
 rc=$?
