@@ -31,7 +31,7 @@ cd "$ROOT"
 CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)      # (nproc counts OMP_NUM_THREADS)
 # one thread a process: a test's ranks, and the workers beside it, share the cores
 export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# the suite starts some 900 Python processes: without the modules' bytecode cached in
+# the suite starts hundreds of Python processes: without the modules' bytecode cached in
 # __pycache__ each one compiles tessera_rt from source again (a third of its start-up)
 unset PYTHONDONTWRITEBYTECODE
 WORKERS="${TESSERA_TEST_WORKERS:-$CORES}"
