@@ -15,9 +15,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ...backend import Backend
     from ..comm.mesh import Mesh
-    from .dtensor_type import DTensor
 
 __all__ = ["DispatchEntries", "InteropParts", "DISPATCH", "INTEROP", "use_dispatcher", "use_interop"]
+
+
+# a DTensor: dtensor_type imports this module, so the hints here cannot name the class (even
+# under TYPE_CHECKING, which would close an import circle)
+_DTensor = Any
 
 
 def _unset(owner: str, part: str):
@@ -30,12 +34,12 @@ class DispatchEntries:
     """The dispatcher's entry points DTensor's operators call (``DISPATCH``; ``use_dispatcher``
     fills them).  Until then each raises, naming what to import."""
     __slots__ = ("binary", "unary", "reduce", "matmul", "reshape", "transpose")
-    binary: Callable[[str, Any, Any], DTensor]              # (op, a, b)
-    unary: Callable[..., DTensor]                           # (op, x, param=None)
-    reduce: Callable[..., DTensor]                          # (op, x, axis=None, keepdims=False)
-    matmul: Callable[..., DTensor]                          # (a, b, tile_shape=None, policy=None)
-    reshape: Callable[[Any, Any], DTensor]                  # (x, shape)
-    transpose: Callable[[Any, Any], DTensor]                # (x, perm or None)
+    binary: Callable[[str, Any, Any], _DTensor]              # (op, a, b)
+    unary: Callable[..., _DTensor]                           # (op, x, param=None)
+    reduce: Callable[..., _DTensor]                          # (op, x, axis=None, keepdims=False)
+    matmul: Callable[..., _DTensor]                          # (a, b, tile_shape=None, policy=None)
+    reshape: Callable[[Any, Any], _DTensor]                  # (x, shape)
+    transpose: Callable[[Any, Any], _DTensor]                # (x, perm or None)
 
     def __init__(self) -> None:
         for n in self.__slots__:
@@ -49,14 +53,14 @@ class InteropParts:
     global-array check."""
     __slots__ = ("refusal", "ufuncs", "ufunc_hint", "functions", "original", "func_hint", "meshes", "unpickle",
                  "as_global")
-    refusal: Callable[[DTensor, str, str], str]             # (x, what, call) -> the TypeError's message
+    refusal: Callable[[_DTensor, str, str], str]             # (x, what, call) -> the TypeError's message
     ufuncs: dict[str, tuple[str, str]]                      # ufunc name -> (kind, DTensor op)
     ufunc_hint: str
     functions: dict[str, Callable[[str, dict], Any]]        # NumPy function name -> impl(name, bound args)
     original: dict[str, Callable[..., Any]]                 # name -> the NumPy function itself
     func_hint: str
     meshes: MutableMapping[tuple, Mesh]                     # (axes, sizes, devices) -> a live Mesh
-    unpickle: Callable[..., DTensor]
+    unpickle: Callable[..., _DTensor]
     as_global: Callable[[Any, Backend], Any]                # (value, backend) -> the global array
 
     def __init__(self) -> None:
@@ -70,17 +74,17 @@ DISPATCH = DispatchEntries()
 INTEROP = InteropParts()
 
 
-def use_dispatcher(*, binary: Callable[[str, Any, Any], DTensor], unary: Callable[..., DTensor],
-                   reduce: Callable[..., DTensor], matmul: Callable[..., DTensor],
-                   reshape: Callable[[Any, Any], DTensor], transpose: Callable[[Any, Any], DTensor]) -> None:
+def use_dispatcher(*, binary: Callable[[str, Any, Any], _DTensor], unary: Callable[..., _DTensor],
+                   reduce: Callable[..., _DTensor], matmul: Callable[..., _DTensor],
+                   reshape: Callable[[Any, Any], _DTensor], transpose: Callable[[Any, Any], _DTensor]) -> None:
     """``dist.tensor.dispatch``'s op entry points, which DTensor's operators call (every one)."""
     d = DISPATCH
     d.binary, d.unary, d.reduce, d.matmul, d.reshape, d.transpose = binary, unary, reduce, matmul, reshape, transpose
 
 
-def use_interop(*, refusal: Callable[[DTensor, str, str], str], ufuncs: dict[str, tuple[str, str]], ufunc_hint: str,
+def use_interop(*, refusal: Callable[[_DTensor, str, str], str], ufuncs: dict[str, tuple[str, str]], ufunc_hint: str,
                 functions: dict[str, Callable[[str, dict], Any]], original: dict[str, Callable[..., Any]],
-                func_hint: str, meshes: MutableMapping[tuple, Mesh], unpickle: Callable[..., DTensor],
+                func_hint: str, meshes: MutableMapping[tuple, Mesh], unpickle: Callable[..., _DTensor],
                 as_global: Callable[[Any, Backend], Any]) -> None:
     """``dist.tensor.interop``'s helpers (every one), which DTensor's NumPy/pickle protocols call."""
     io = INTEROP
